@@ -1,0 +1,211 @@
+"""Kernel time of every NF4 dequantize we know, same weights, one run; a table last.
+
+    PYTHONPATH=path/to/unsloth_kernels python benchmarks/bench_dequant.py [--quick] [--json FILE]
+
+Methods: bitsandbytes' dequantize_4bit; Unsloth's original path (bitsandbytes' C kernels through
+ctypes); Unsloth's current fused Triton kernel (when importable); ours eager; ours under
+torch.compile; and our launch-config variants (bytes per program, warps, eviction hints).
+Weights: double-quantized NF4, blocksize 64, quantized by bitsandbytes. Times: median of
+triton.testing.do_bench. Floor: bytes that must move (packed + absmax + nested absmax + output)
+over the device-to-device copy bandwidth measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import datetime
+import json
+import platform
+import time
+
+import torch
+import triton
+from triton.testing import do_bench
+
+SHAPES = [(1024, 1024), (4096, 1024), (4096, 4096), (8192, 2048), (14336, 4096), (28672, 8192)]
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+# (bytes per program, num_warps, evict hints) for the variant columns.
+VARIANTS = {
+    "b1k.w4.ev": (1024, 4, True),
+    "b2k.w4.ev": (2048, 4, True),
+    "b2k.w4.noev": (2048, 4, False),
+    "b4k.w4.ev": (4096, 4, True),
+    "b4k.w8.ev": (4096, 8, True),
+    "b8k.w8.ev": (8192, 8, True),
+}
+HARNESS = [(2, 3333, 2048, 8192, torch.float16), (5, 777, 1024, 4096, torch.bfloat16), (3, 2048, 4096, 14336, torch.bfloat16)]
+
+
+def _ptr(tensor):
+    return ctypes.c_void_p(tensor.data_ptr())
+
+
+def make_methods():
+    import bitsandbytes.functional as F
+    from bitsandbytes.cextension import lib
+
+    import nf4convert
+
+    methods = {"bnb": lambda packed, state: F.dequantize_4bit(packed, state)}
+
+    def bnb_ctypes(packed, state):
+        # Unsloth's fast_dequantize before its fused kernel: bnb's C kernels, absmax in a scratch buffer.
+        out = torch.empty(state.shape, dtype=state.dtype, device=packed.device)
+        n_absmax = state.absmax.numel()
+        absmax = torch.empty(n_absmax, dtype=torch.float32, device=packed.device)
+        stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+        lib.cdequantize_blockwise_fp32(_ptr(state.state2.code), _ptr(state.absmax), _ptr(state.state2.absmax),
+                                       _ptr(absmax), ctypes.c_int(state.state2.blocksize), ctypes.c_int(n_absmax), stream)  # fmt: skip
+        absmax += state.offset
+        name = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}[state.dtype]
+        getattr(lib, f"cdequantize_blockwise_{name}_nf4")(None, _ptr(packed), _ptr(absmax), _ptr(out),
+                                                          ctypes.c_int(state.blocksize), ctypes.c_int(out.numel()), stream)  # fmt: skip
+        return out
+
+    methods["bnb_ctypes"] = bnb_ctypes
+    try:
+        from unsloth.kernels.nf4 import dequantize_nf4
+
+        def unsloth(packed, state):
+            return dequantize_nf4(packed, state.absmax, state.state2.code, state.state2.absmax, state.offset,
+                                  state.code, state.blocksize, state.state2.blocksize, state.shape, state.dtype)  # fmt: skip
+
+        methods["unsloth_fused"] = unsloth
+    except Exception as error:  # noqa: BLE001  (a peer that is not there is reported, not fatal)
+        print(f"Unsloth's fused kernel not importable ({type(error).__name__}: {error}); column skipped")
+    methods["ours"] = lambda packed, state: nf4convert.dequantize_4bit(packed, state)
+    compiled = torch.compile(lambda packed, state: nf4convert.dequantize_4bit(packed, state), fullgraph=True, dynamic=False)
+    methods["ours_compiled"] = compiled
+    return methods
+
+
+def with_variant(config, fn):
+    from nf4convert.kernels import nf4
+
+    def run(packed, state):
+        nf4.CONFIG_OVERRIDE = config
+        try:
+            return fn(packed, state)
+        finally:
+            nf4.CONFIG_OVERRIDE = None
+
+    return run
+
+
+def copy_bandwidth():
+    source = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    target = torch.empty_like(source)
+    ms = do_bench(lambda: target.copy_(source), warmup=50, rep=300, return_mode="median")
+    return 2 * source.numel() / (ms * 1e-3)
+
+
+def quantized(shape, dtype):
+    import bitsandbytes.functional as F
+
+    weight = torch.randn(shape, dtype=dtype, device="cuda") * 0.02
+    return F.quantize_4bit(weight, blocksize=64, quant_type="nf4", compress_statistics=True)
+
+
+def moved_bytes(packed, state):
+    out_bytes = state.shape.numel() * torch.empty((), dtype=state.dtype).element_size()
+    return packed.numel() * packed.element_size() + state.absmax.numel() + 4 * state.state2.absmax.numel() + out_bytes
+
+
+def exact(out, reference):
+    integer = {2: torch.int16, 4: torch.int32}[reference.element_size()]
+    return torch.equal(out.reshape(-1).view(integer), reference.reshape(-1).view(integer))
+
+
+def main():
+    import bitsandbytes
+    import bitsandbytes.functional as F
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer shapes and no harness")
+    parser.add_argument("--json", help="write every figure here")
+    parser.add_argument("--harness-iterations", type=int, default=1000)
+    options = parser.parse_args()
+
+    env = {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "bitsandbytes": bitsandbytes.__version__,
+        "python": platform.python_version(),
+        "date": datetime.date.today().isoformat(),
+    }
+    print(" ".join(f"{k}={v}" for k, v in env.items()), flush=True)
+    bandwidth = copy_bandwidth()
+    print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s (read + write)", flush=True)
+
+    methods = make_methods()
+    for name, config in VARIANTS.items():
+        methods[f"ours[{name}]"] = with_variant(config, methods["ours"])
+    shapes = SHAPES[::2] if options.quick else SHAPES
+    rows = []
+    for shape in shapes:
+        for dtype_name, dtype in DTYPES.items():
+            packed, state = quantized(shape, dtype)
+            reference = F.dequantize_4bit(packed, state)
+            floor_us = moved_bytes(packed, state) / bandwidth * 1e6
+            row = {"shape": f"{shape[0]}x{shape[1]}", "dtype": dtype_name, "floor_us": floor_us}
+            for name, fn in methods.items():
+                is_exact = exact(fn(packed, state), reference)
+                us = do_bench(lambda: fn(packed, state), warmup=25, rep=100, return_mode="median") * 1e3
+                row[name] = {"us": us, "exact": is_exact}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            del packed, state, reference
+
+    harness = {}
+    if not options.quick:
+        weights = []
+        for _, _, hidden, intermediate, dtype in HARNESS:
+            for shape in ((intermediate, hidden), (intermediate, hidden), (hidden, intermediate)):
+                weights.append(quantized(shape, dtype))
+        for name, fn in methods.items():
+            if name.startswith("ours["):
+                continue
+            for packed, state in weights:
+                fn(packed, state)
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(options.harness_iterations):
+                for packed, state in weights:
+                    fn(packed, state)
+                    torch.cuda.synchronize()
+            harness[name] = time.perf_counter() - start
+        print(json.dumps({"harness_seconds": harness}), flush=True)
+
+    if options.json:
+        with open(options.json, "w") as file:
+            json.dump({"env": env, "bandwidth": bandwidth, "rows": rows, "harness": harness}, file, indent=1)
+    print_table(env, bandwidth, rows, harness)
+
+
+def print_table(env, bandwidth, rows, harness):
+    names = [n for n in rows[0] if isinstance(rows[0][n], dict)]
+    peers = [n for n in ("bnb", "bnb_ctypes", "unsloth_fused") if n in names]
+    print(f"\n{env['gpu']}, torch {env['torch']}, Triton {env['triton']}, bitsandbytes {env['bitsandbytes']}, "
+          f"{env['date']}; copy bandwidth {bandwidth / 1e9:.0f} GB/s; median us (do_bench); * = not bit-exact")  # fmt: skip
+    header = ["shape", "dtype", "floor"] + names + [f"ours/{p}" for p in peers] + ["ours %floor"]
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for row in rows:
+        cells = [row["shape"], row["dtype"], f"{row['floor_us']:.1f}"]
+        for name in names:
+            cells.append(f"{row[name]['us']:.1f}" + ("" if row[name]["exact"] else "*"))
+        ours = row["ours"]["us"]
+        cells += [f"{row[p]['us'] / ours:.2f}x" for p in peers]
+        cells.append(f"{100 * row['floor_us'] / ours:.0f}%")
+        print("| " + " | ".join(cells) + " |")
+    if harness:
+        print("\nseed harness, 1000 x 9 weights, synchronize after each (seconds):")
+        for name, seconds in harness.items():
+            ratio = harness["bnb_ctypes"] / seconds if "bnb_ctypes" in harness else float("nan")
+            print(f"  {name:16s} {seconds:7.3f}  ({ratio:.2f}x over bnb_ctypes)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,311 @@
+"""The fused NF4/FP4 dequantize kernel: nested absmax decode and 4-bit decode in one launch.
+
+It reproduces bitsandbytes' CUDA arithmetic bit for bit (``kDequantizeBlockwise``, which takes three
+launches and an fp32 absmax buffer for a double-quantized weight):
+
+    A[k]   = fl32( ftz( code2[absmax_u8[k]] * absmax2[k >> log2(nested_blocksize)] ) + offset )   nested
+    A[k]   = absmax_fp32[k]                                                                        flat
+    out[e] = round_T( ftz( code[nibble(e)] * A[e // blocksize] ) )
+    nibble(2i) = packed[i] >> 4,  nibble(2i + 1) = packed[i] & 15            (high nibble first)
+
+``code`` is the canonical NF4/FP4 table (FP4 nibble 8 is -0.0), ``round_T`` is round-to-nearest-even
+to fp16/bf16 (identity for fp32), ``fl32`` one fp32 rounding, and ``ftz`` flushes a subnormal product
+to a zero of the same sign: bitsandbytes' kernels multiply with flush-to-zero (measured on an H100:
+scales near 1e-38 give signed zeros there), while its ``absmax += offset`` is a torch add, which keeps
+subnormals. There is no FMA anywhere: the nested multiply and add are two roundings. Triton contracts
+``a * b + c`` into one FMA by default, and torch.compile re-emits the kernel without honouring
+``enable_fp_fusion=False``, so on CUDA both multiplies and the add are inline PTX (``mul.rn.ftz.f32``,
+``add.rn.f32``), which ptxas never contracts. The Triton interpreter runs no inline asm (and has no
+FMA) and truncates fp32 to bf16, so there the kernel flushes with a compare and rounds to bf16 with
+integer operations, storing the bits; sm_75 (no ``cvt.rn.bf16.f32``) rounds to bf16 the same way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import List, Optional
+
+import torch
+import triton
+import triton.language as tl
+
+# triton.jit reads this once, when the kernel below is defined; so do we.
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+FLT_MIN = 1.1754943508222875e-38  # smallest normal fp32
+
+
+@triton.jit
+def _mul_ftz(a, b, PTX: tl.constexpr):
+    if PTX:
+        return tl.inline_asm_elementwise(
+            "mul.rn.ftz.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.float32, is_pure=True, pack=1
+        )
+    else:
+        product = a * b
+        return tl.where(tl.abs(product) < FLT_MIN, product * 0.0, product)
+
+
+@triton.jit
+def _nested_scale(code2, absmax2, offset, PTX: tl.constexpr):
+    if PTX:
+        # Two roundings, never an FMA, whatever the compiler's fp-fusion setting.
+        return tl.inline_asm_elementwise(
+            "{ .reg .f32 prod; mul.rn.ftz.f32 prod, $1, $2; add.rn.f32 $0, prod, $3; }",
+            "=r,r,r,r",
+            [code2, absmax2, tl.broadcast_to(offset, code2.shape)],
+            dtype=tl.float32,
+            is_pure=True,
+            pack=1,
+        )
+    else:
+        # Interpreter only: numpy rounds each operation on its own.
+        return _mul_ftz(code2, absmax2, PTX) + offset
+
+
+@triton.jit
+def _bf16_bits(values):
+    # fp32 -> bf16 round-to-nearest-even with integer operations, as int16 bits.
+    bits = values.to(tl.uint32, bitcast=True)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    quiet_nan = (bits >> 16) | 0x40
+    bf16 = tl.where(values != values, quiet_nan, rounded)
+    return bf16.to(tl.uint16).to(tl.int16, bitcast=True)
+
+
+@triton.jit
+def dequantize_4bit_kernel(
+    packed_ptr,  # packed 4-bit weight, any storage dtype: read as bytes
+    absmax_ptr,  # uint8 (nested) or fp32 (flat), one per quant block
+    code2_ptr,  # fp32 [256] nested map; unused when flat
+    absmax2_ptr,  # fp32 nested absmax, one per NESTED_BLOCKSIZE quant blocks; unused when flat
+    offset_ptr,  # fp32 [1] nested offset; unused when flat
+    code_ptr,  # fp32 [16] canonical NF4/FP4 table
+    out_ptr,  # fp16 / bf16 / fp32 output, or int16 when BF16_BITS
+    n_elements,
+    HALF_BLOCK: tl.constexpr,  # packed bytes per quant block (blocksize // 2)
+    BLOCKS_PER_PROGRAM: tl.constexpr,  # quant blocks per program: a tile of whole blocks
+    NESTED: tl.constexpr,
+    NESTED_SHIFT: tl.constexpr,  # log2(nested blocksize)
+    PTX: tl.constexpr,  # inline PTX for the nested multiply-add (CUDA); False in the interpreter
+    BF16_BITS: tl.constexpr,  # round to bf16 with integer ops and store int16 bits
+    EVICT: tl.constexpr,  # eviction policy for the streamed bytes and output ("" for none)
+):
+    packed_ptr = packed_ptr.to(tl.pointer_type(tl.uint8))
+    n_bytes = (n_elements + 1) // 2
+    n_blocks = (n_bytes + HALF_BLOCK - 1) // HALF_BLOCK
+    block = tl.program_id(0) * BLOCKS_PER_PROGRAM + tl.arange(0, BLOCKS_PER_PROGRAM)
+    block_ok = block < n_blocks
+
+    # One scale per quant block (a row of the tile), decoded once and broadcast along the row.
+    if NESTED:
+        absmax_q = tl.load(absmax_ptr + block, mask=block_ok, other=0)
+        code2 = tl.load(code2_ptr + absmax_q.to(tl.int32), mask=block_ok, other=0.0, eviction_policy="evict_last")
+        absmax2 = tl.load(absmax2_ptr + (block >> NESTED_SHIFT), mask=block_ok, other=0.0, eviction_policy="evict_last")
+        scale = _nested_scale(code2, absmax2, tl.load(offset_ptr), PTX)
+    else:
+        scale = tl.load(absmax_ptr + block, mask=block_ok, other=0.0).to(tl.float32)
+    scale = scale[:, None]
+
+    byte = block[:, None] * HALF_BLOCK + tl.arange(0, HALF_BLOCK)[None, :]
+    packed = tl.load(packed_ptr + byte, mask=byte < n_bytes, other=0, eviction_policy=EVICT)
+    # The 64-byte table stays in L1; a gather from it is one load per element.
+    high = _mul_ftz(tl.load(code_ptr + (packed >> 4).to(tl.int32), eviction_policy="evict_last"), scale, PTX)
+    low = _mul_ftz(tl.load(code_ptr + (packed & 15).to(tl.int32), eviction_policy="evict_last"), scale, PTX)
+    values = tl.interleave(high, low)  # element 2i is the high nibble of byte i
+
+    element = block[:, None] * (2 * HALF_BLOCK) + tl.arange(0, 2 * HALF_BLOCK)[None, :]
+    if BF16_BITS:
+        values = _bf16_bits(values)
+    else:
+        values = values.to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + element, values, mask=element < n_elements, eviction_policy=EVICT)
+
+
+# Launch knobs by compute capability (prefix match; () is the default). Speed only: every config is
+# bit-exact. Rows: (largest packed size in bytes, bytes per program, num_warps, evict hints).
+CONFIGS = {
+    (): (
+        (1 << 16, 512, 2, False),
+        (1 << 21, 1024, 4, True),
+        (None, 2048, 4, True),
+    ),
+    # T4: only L1 eviction hints exist there; keep the plain loads.
+    (7, 5): ((None, 1024, 4, False),),
+}
+# Set by the benchmark to (bytes per program, num_warps, evict) to measure a variant.
+CONFIG_OVERRIDE: Optional[tuple] = None
+
+_capabilities: dict = {}
+
+
+def _capability(device: torch.device) -> tuple:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    cap = _capabilities.get(index)
+    if cap is None:
+        cap = _capabilities[index] = torch.cuda.get_device_capability(index)
+    return cap
+
+
+def choose_config(n_bytes: int, half_block: int, capability: tuple) -> tuple:
+    """(blocks per program, num_warps, evict policy) for a weight of ``n_bytes`` packed bytes."""
+    if CONFIG_OVERRIDE is not None:
+        target, num_warps, evict = CONFIG_OVERRIDE
+    else:
+        table = CONFIGS.get(tuple(capability)) or CONFIGS.get(tuple(capability[:1])) or CONFIGS[()]
+        for limit, target, num_warps, evict in table:
+            if limit is None or n_bytes <= limit:
+                break
+    blocks = max(1, target // half_block)
+    return blocks, num_warps, "evict_first" if evict else ""
+
+
+def launch_config(n_elements, blocksize, nested_blocksize, nested, out_dtype, capability):
+    """(grid, constexprs, num_warps) for one weight; ``capability`` None means the interpreter."""
+    half_block = blocksize // 2
+    n_bytes = (n_elements + 1) // 2
+    if capability is None:
+        blocks, num_warps, evict = max(1, 4096 // half_block), 4, ""  # few, large programs
+    else:
+        blocks, num_warps, evict = choose_config(n_bytes, half_block, capability)
+    constexprs = dict(
+        HALF_BLOCK=half_block,
+        BLOCKS_PER_PROGRAM=blocks,
+        NESTED=nested,
+        NESTED_SHIFT=nested_blocksize.bit_length() - 1 if nested else 0,
+        PTX=capability is not None,
+        BF16_BITS=out_dtype == torch.bfloat16 and (capability is None or tuple(capability) < (8, 0)),
+        EVICT=evict,
+    )
+    return (-(-n_bytes // (half_block * blocks)),), constexprs, num_warps
+
+
+def _plan(packed, absmax, code2, absmax2, offset, code, out, blocksize, nested_blocksize):
+    """Everything a launch needs: (grid, args, constexprs, num_warps)."""
+    nested = code2 is not None
+    capability = None if INTERPRET or out.device.type != "cuda" else _capability(out.device)
+    grid, constexprs, num_warps = launch_config(
+        out.numel(), blocksize, nested_blocksize, nested, out.dtype, capability
+    )
+    args = (
+        packed,
+        absmax,
+        code2 if nested else absmax,
+        absmax2 if nested else absmax,
+        offset if nested else absmax,
+        code,
+        out.view(torch.int16) if constexprs["BF16_BITS"] else out,
+        out.numel(),
+    )
+    return grid, args, constexprs, num_warps
+
+
+# --- eager launches ------------------------------------------------------------------------------
+# JITFunction.__call__ binds and re-specializes every argument in Python on every call, which costs
+# more than the kernel on small weights. After the first launch of a specialization we keep Triton's
+# CompiledKernel and call its launcher directly. The key holds everything Triton specializes on.
+
+_compiled: dict = {}
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+_fast_launch = _raw_stream is not None and not INTERPRET and os.environ.get("NF4CONVERT_FAST_LAUNCH", "1") != "0"
+
+
+def _hooks_active() -> bool:
+    knobs = getattr(triton, "knobs", None)
+    if knobs is None:
+        return True  # older Triton keeps hooks elsewhere: take its own path
+    runtime = knobs.runtime
+    return any(
+        hook is not None and getattr(hook, "calls", True) != []
+        for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook)
+    )
+
+
+def _specialization(args, constexprs, num_warps, device_index):
+    tensors = tuple((a.dtype, a.data_ptr() % 16 == 0) for a in args[:7])
+    n_elements = args[7]
+    return (device_index, tensors, n_elements == 1, n_elements % 16 == 0, n_elements >= 2**31,
+            tuple(constexprs.values()), num_warps)  # fmt: skip
+
+
+def launch(packed, absmax, code2, absmax2, offset, code, out, blocksize, nested_blocksize):
+    """Dequantize into ``out`` (contiguous, on the inputs' device); inputs are trusted here.
+
+    Returns a function ``replay(out)`` that repeats this launch into another output of the same
+    dtype and size (fresh from torch's caching allocator, so 16-byte aligned) with no per-call
+    Python beyond Triton's C launcher, or None where that is not available.
+    """
+    global _fast_launch
+    grid, args, constexprs, num_warps = _plan(
+        packed, absmax, code2, absmax2, offset, code, out, blocksize, nested_blocksize
+    )
+    if INTERPRET or out.device.type != "cuda":
+        dequantize_4bit_kernel[grid](*args, **constexprs, num_warps=num_warps)
+        return None
+    device_index = out.device.index
+    guard = contextlib.nullcontext() if device_index == torch.cuda.current_device() else torch.cuda.device(device_index)
+    with guard:
+        if not _fast_launch or _hooks_active():
+            dequantize_4bit_kernel[grid](*args, **constexprs, num_warps=num_warps, enable_fp_fusion=False)
+            return None
+        key = _specialization(args, constexprs, num_warps, device_index)
+        compiled = _compiled.get(key)
+        if compiled is None:
+            compiled = dequantize_4bit_kernel[grid](*args, **constexprs, num_warps=num_warps, enable_fp_fusion=False)
+            if not (hasattr(compiled, "packed_metadata") and hasattr(compiled, "run")):
+                _fast_launch = False  # a Triton without these: its own launch path from now on
+                return None
+            _compiled[key] = compiled
+        else:
+            try:
+                compiled.run(grid[0], 1, 1, _raw_stream(device_index), compiled.function,
+                             compiled.packed_metadata, None, None, None, *args, *constexprs.values())  # fmt: skip
+            except Exception:  # a Triton whose launcher takes other arguments: its own path from now on
+                _fast_launch = False
+                _compiled.clear()
+                dequantize_4bit_kernel[grid](*args, **constexprs, num_warps=num_warps, enable_fp_fusion=False)
+                return None
+    return _replayer(compiled, grid[0], device_index, args, tuple(constexprs.values()))
+
+
+def _replayer(compiled, n_programs, device_index, args, constexpr_values):
+    # Pointers as integers: the caller checks that the tensors behind them are still the ones given.
+    before = tuple(a.data_ptr() for a in args[:6])
+    after = (args[7], *constexpr_values)
+    run, function, metadata, stream = compiled.run, compiled.function, compiled.packed_metadata, _raw_stream
+
+    def replay(out):
+        if device_index != torch.cuda.current_device() or _hooks_active():
+            return False
+        run(n_programs, 1, 1, stream(device_index), function, metadata, None, None, None, *before, out.data_ptr(), *after)
+        return True
+
+    return replay
+
+
+# --- torch.compile ---------------------------------------------------------------------------------
+# A triton_op lets Inductor see the kernel and schedule it inside the graph; offset and the tables
+# travel as tensors, so one compiled graph serves every layer of a model.
+
+
+@torch.library.triton_op("nf4convert::dequantize_4bit", mutates_args=())
+def dequantize_4bit_op(
+    packed: torch.Tensor,
+    absmax: torch.Tensor,
+    code2: Optional[torch.Tensor],
+    absmax2: Optional[torch.Tensor],
+    offset: Optional[torch.Tensor],
+    code: torch.Tensor,
+    blocksize: int,
+    nested_blocksize: int,
+    shape: List[int],
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    out = torch.empty(shape, dtype=dtype, device=packed.device)
+    grid, args, constexprs, num_warps = _plan(
+        packed, absmax, code2, absmax2, offset, code, out, blocksize, nested_blocksize
+    )
+    torch.library.wrap_triton(dequantize_4bit_kernel)[grid](*args, **constexprs, num_warps=num_warps)
+    return out

@@ -1,0 +1,138 @@
+"""GPU tests: the kernel against bitsandbytes' CUDA kernels, bit for bit (skipped without CUDA).
+
+Run on a GPU machine with bitsandbytes installed: ``pytest tests/test_gpu.py``.
+"""
+
+import random
+
+import pytest
+import torch
+
+import nf4convert
+from helpers import STORAGE_DTYPES, bits, quantize
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+F = pytest.importorskip("bitsandbytes.functional") if torch.cuda.is_available() else None
+
+_rng = random.Random()
+BLOCKSIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _assert_same(got, expected):
+    assert got.shape == expected.shape and got.dtype == expected.dtype
+    mismatches = (bits(got) != bits(expected)).sum().item()
+    assert mismatches == 0, f"{mismatches} of {got.numel()} elements differ from bitsandbytes"
+
+
+def _grid(count):
+    cases = []
+    for index in range(count):
+        rows = _rng.choice((1, 3, _rng.randint(1, 300)))
+        cols = _rng.choice((1, 7, _rng.randint(1, 5000)))
+        seed = _rng.randrange(1 << 30)
+        cases.append(pytest.param((rows, cols), BLOCKSIZES[index % 8], ("nf4", "fp4")[index % 2],
+                                  bool((index // 2) % 2), DTYPES[index % 3], seed, id=f"case{index}-seed{seed}"))  # fmt: skip
+    return cases
+
+
+@pytest.mark.parametrize("shape,blocksize,quant_type,nested,dtype,seed", _grid(96))
+def test_bit_exact_with_bnb_cuda(shape, blocksize, quant_type, nested, dtype, seed):
+    packed, state = quantize(shape, quant_type=quant_type, blocksize=blocksize, nested=nested, dtype=dtype, device="cuda", seed=seed)
+    _assert_same(nf4convert.dequantize_4bit(packed, state), F.dequantize_4bit(packed, state))
+
+
+@pytest.mark.parametrize("storage", STORAGE_DTYPES)
+def test_storage_dtypes(storage):
+    shape = (2 * _rng.randint(1, 200), 4 * _rng.randint(1, 500))
+    for quant_type in ("nf4", "fp4"):
+        packed, state = quantize(shape, quant_type=quant_type, blocksize=64, nested=True, dtype=torch.bfloat16, storage=storage, device="cuda")
+        _assert_same(nf4convert.dequantize_4bit(packed, state), F.dequantize_4bit(packed, state))
+
+
+@pytest.mark.parametrize("shape", [(28672, 8192), (14336, 4096), (4096, 14336), (8192, 2048)])
+def test_large_shapes(shape):
+    for quant_type, dtype, nested in (("nf4", torch.bfloat16, True), ("fp4", torch.float16, False)):
+        packed, state = quantize(shape, quant_type=quant_type, blocksize=64, nested=nested, dtype=dtype, device="cuda")
+        _assert_same(nf4convert.dequantize_4bit(packed, state), F.dequantize_4bit(packed, state))
+        del packed, state
+        torch.cuda.empty_cache()
+
+
+def test_tiny_scales_subnormal_products():
+    # Scales near the bottom of fp32 give subnormal products: flushing or not must match bitsandbytes.
+    for dtype in DTYPES:
+        for quant_type in ("nf4", "fp4"):
+            packed, state = quantize((64, 256), quant_type=quant_type, blocksize=64, nested=False, dtype=torch.float32, device="cuda")
+            state.absmax = state.absmax * 1e-37
+            state.dtype = dtype
+            _assert_same(nf4convert.dequantize_4bit(packed, state), F.dequantize_4bit(packed, state))
+
+
+def test_no_memory_beyond_the_output():
+    packed, state = quantize((8192, 4096), quant_type="nf4", blocksize=64, nested=True, dtype=torch.bfloat16, device="cuda")
+    nf4convert.dequantize_4bit(packed, state)  # compile and cache outside the measurement
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    out = nf4convert.dequantize_4bit(packed, state)
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() - before == out.numel() * out.element_size()
+    preallocated = torch.empty_like(out)
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    nf4convert.dequantize_4bit(packed, state, out=preallocated)
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() == before
+
+
+def test_torch_compile_fullgraph_bit_exact_without_recompiles():
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    layers = [quantize((1024, 3072), quant_type="nf4", blocksize=64, nested=True, dtype=torch.bfloat16, device="cuda") for _ in range(3)]
+
+    @torch.compile(fullgraph=True)
+    def dequantize_and_scale(packed, state):
+        return nf4convert.dequantize_4bit(packed, state) * 2
+
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for packed, state in layers:
+            got = dequantize_and_scale(packed, state)
+            # Doubling is exact, so the compiled kernel's bits must be bitsandbytes' bits, doubled.
+            _assert_same(got, F.dequantize_4bit(packed, state) * 2)
+
+
+@pytest.mark.parametrize("quant_type,nested,dtype", [("fp4", False, torch.float16), ("nf4", True, torch.float32), ("fp4", True, torch.bfloat16)])
+def test_torch_compile_other_states(quant_type, nested, dtype):
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda packed, state: nf4convert.dequantize_4bit(packed, state), fullgraph=True)
+    packed, state = quantize((333, 777), quant_type=quant_type, blocksize=128, nested=nested, dtype=dtype, device="cuda")
+    _assert_same(compiled(packed, state), F.dequantize_4bit(packed, state))
+
+
+@pytest.mark.parametrize("batch,seq,hidden,intermediate,dtype", [
+    (2, 3333, 2048, 8192, torch.float16), (5, 777, 1024, 4096, torch.bfloat16), (3, 2048, 4096, 14336, torch.bfloat16),
+])  # fmt: skip
+def test_mlp_harness(batch, seq, hidden, intermediate, dtype):
+    # The seed's harness: an MLP of three double-quantized NF4 Linear4bit layers (gate, up, down).
+    import bitsandbytes as bnb
+
+    def layer(n_in, n_out):
+        linear = bnb.nn.Linear4bit(n_in, n_out, bias=False, compute_dtype=dtype, quant_type="nf4", compress_statistics=True)
+        linear.weight = bnb.nn.Params4bit(torch.randn(n_out, n_in, dtype=dtype) * 0.02, requires_grad=False,
+                                          quant_type="nf4", compress_statistics=True)  # fmt: skip
+        return linear.to("cuda")
+
+    gate, up, down = layer(hidden, intermediate), layer(hidden, intermediate), layer(intermediate, hidden)
+    for linear in (gate, up, down):
+        assert linear.weight.quant_state.dtype == dtype and linear.weight.quant_state.nested
+        _assert_same(nf4convert.dequantize_4bit(linear.weight), F.dequantize_4bit(linear.weight.data, linear.weight.quant_state))
+    x = torch.randn(batch, seq, hidden, device="cuda", dtype=dtype)
+    ours = lambda linear: nf4convert.dequantize_4bit(linear.weight)  # noqa: E731
+    hidden_ours = torch.nn.functional.silu(x @ ours(gate).t()) * (x @ ours(up).t())
+    with torch.no_grad():
+        hidden_bnb = torch.nn.functional.silu(gate(x)) * up(x)
+        torch.testing.assert_close(hidden_ours @ ours(down).t(), down(hidden_bnb), rtol=2e-2, atol=2e-2)

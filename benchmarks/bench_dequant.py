@@ -75,9 +75,28 @@ def make_methods():
     except Exception as error:  # noqa: BLE001  (a peer that is not there is reported, not fatal)
         print(f"Unsloth's fused kernel not importable ({type(error).__name__}: {error}); column skipped")
     methods["ours"] = lambda packed, state: nf4convert.dequantize_4bit(packed, state)
-    compiled = torch.compile(lambda packed, state: nf4convert.dequantize_4bit(packed, state), fullgraph=True, dynamic=False)
-    methods["ours_compiled"] = compiled
+    methods["ours_compiled"] = None  # compiled afresh for every shape and dtype, see main()
     return methods
+
+
+def compiled_ours():
+    import nf4convert
+
+    torch._dynamo.reset()
+    return torch.compile(lambda packed, state: nf4convert.dequantize_4bit(packed, state), fullgraph=True, dynamic=False)
+
+
+def host_us(fn, packed, state, calls=2000):
+    """Host time per call (no synchronize): what the launch path costs the CPU."""
+    for _ in range(10):
+        fn(packed, state)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn(packed, state)
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
 
 
 def with_variant(config, fn):
@@ -150,10 +169,13 @@ def main():
             reference = F.dequantize_4bit(packed, state)
             floor_us = moved_bytes(packed, state) / bandwidth * 1e6
             row = {"shape": f"{shape[0]}x{shape[1]}", "dtype": dtype_name, "floor_us": floor_us}
+            methods["ours_compiled"] = compiled_ours()
             for name, fn in methods.items():
                 is_exact = exact(fn(packed, state), reference)
                 us = do_bench(lambda: fn(packed, state), warmup=25, rep=100, return_mode="median") * 1e3
                 row[name] = {"us": us, "exact": is_exact}
+                if shape == SHAPES[0] and not name.startswith("ours["):
+                    row[name]["host_us"] = host_us(fn, packed, state)
             rows.append(row)
             print(json.dumps(row), flush=True)
             del packed, state, reference
@@ -164,6 +186,8 @@ def main():
         for _, _, hidden, intermediate, dtype in HARNESS:
             for shape in ((intermediate, hidden), (intermediate, hidden), (hidden, intermediate)):
                 weights.append(quantized(shape, dtype))
+        methods["ours_compiled"] = compiled_ours()
+        torch._dynamo.config.recompile_limit = 64  # one graph per harness weight shape
         for name, fn in methods.items():
             if name.startswith("ours["):
                 continue
@@ -200,6 +224,10 @@ def print_table(env, bandwidth, rows, harness):
         cells += [f"{row[p]['us'] / ours:.2f}x" for p in peers]
         cells.append(f"{100 * row['floor_us'] / ours:.0f}%")
         print("| " + " | ".join(cells) + " |")
+    host = {n: v["host_us"] for n, v in rows[0].items() if isinstance(v, dict) and "host_us" in v}
+    if host:
+        print(f"\nhost time per call at {rows[0]['shape']} {rows[0]['dtype']} (us, no sync): "
+              + ", ".join(f"{n} {v:.1f}" for n, v in host.items()))  # fmt: skip
     if harness:
         print("\nseed harness, 1000 x 9 weights, synchronize after each (seconds):")
         for name, seconds in harness.items():

@@ -31,6 +31,7 @@ def build(capability, out_dtype, nested, fp_fusion):
         "code_ptr": "*fp32",
         "out_ptr": out_type,
         "n_elements": "i32",
+        "n_bytes": "i32",
         **{name: "constexpr" for name in constexprs},
     }
     source = ASTSource(fn=nf4.dequantize_4bit_kernel, signature=signature, constexprs=constexprs)

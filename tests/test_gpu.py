@@ -136,3 +136,26 @@ def test_mlp_harness(batch, seq, hidden, intermediate, dtype):
     with torch.no_grad():
         hidden_bnb = torch.nn.functional.silu(gate(x)) * up(x)
         torch.testing.assert_close(hidden_ours @ ours(down).t(), down(hidden_bnb), rtol=2e-2, atol=2e-2)
+
+
+def test_repeat_calls_replay_and_notice_changes():
+    from nf4convert import dequantize as module
+
+    packed, state = quantize((640, 1000), quant_type="nf4", blocksize=64, nested=True, dtype=torch.bfloat16, device="cuda")
+    first = nf4convert.dequantize_4bit(packed, state)
+    assert id(state) in module._replays  # the second call takes the replay path
+    for _ in range(3):
+        _assert_same(nf4convert.dequantize_4bit(packed, state), first)
+    # A quant state whose tensors were replaced is launched afresh, not replayed with stale pointers.
+    state.state2.absmax = state.state2.absmax * 2
+    _assert_same(nf4convert.dequantize_4bit(packed, state), F.dequantize_4bit(packed, state))
+    state.absmax = state.absmax.flip(0)
+    _assert_same(nf4convert.dequantize_4bit(packed, state), F.dequantize_4bit(packed, state))
+    # A different packed tensor with the same quant state is not the same launch either.
+    other = packed.clone()
+    _assert_same(nf4convert.dequantize_4bit(other, state), F.dequantize_4bit(other, state))
+    del state
+    import gc
+
+    gc.collect()
+    assert all(entry is not None for entry in module._replays.values())

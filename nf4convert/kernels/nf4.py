@@ -85,6 +85,7 @@ def dequantize_4bit_kernel(
     code_ptr,  # fp32 [16] canonical NF4/FP4 table
     out_ptr,  # fp16 / bf16 / fp32 output, or int16 when BF16_BITS
     n_elements,
+    n_bytes,  # (n_elements + 1) // 2, passed so Triton sees its divisibility and vectorizes the masks
     HALF_BLOCK: tl.constexpr,  # packed bytes per quant block (blocksize // 2)
     BLOCKS_PER_PROGRAM: tl.constexpr,  # quant blocks per program: a tile of whole blocks
     NESTED: tl.constexpr,
@@ -92,12 +93,13 @@ def dequantize_4bit_kernel(
     PTX: tl.constexpr,  # inline PTX for the nested multiply-add (CUDA); False in the interpreter
     BF16_BITS: tl.constexpr,  # round to bf16 with integer ops and store int16 bits
     EVICT: tl.constexpr,  # eviction policy for the streamed bytes and output ("" for none)
+    MASKED: tl.constexpr,  # False when every tile is whole: plain 16-byte loads and stores
+    PAIR_STORE: tl.constexpr,  # even element count: store each byte's two outputs as one word
+    PAIR_TYPE: tl.constexpr,  # that word: uint32 for 16-bit outputs, uint64 for fp32
 ):
     packed_ptr = packed_ptr.to(tl.pointer_type(tl.uint8))
-    n_bytes = (n_elements + 1) // 2
-    n_blocks = (n_bytes + HALF_BLOCK - 1) // HALF_BLOCK
     block = tl.program_id(0) * BLOCKS_PER_PROGRAM + tl.arange(0, BLOCKS_PER_PROGRAM)
-    block_ok = block < n_blocks
+    block_ok = block < (n_bytes + HALF_BLOCK - 1) // HALF_BLOCK
 
     # One scale per quant block (a row of the tile), decoded once and broadcast along the row.
     if NESTED:
@@ -110,18 +112,39 @@ def dequantize_4bit_kernel(
     scale = scale[:, None]
 
     byte = block[:, None] * HALF_BLOCK + tl.arange(0, HALF_BLOCK)[None, :]
-    packed = tl.load(packed_ptr + byte, mask=byte < n_bytes, other=0, eviction_policy=EVICT)
+    packed = tl.load(packed_ptr + byte, mask=(byte < n_bytes) if MASKED else None, other=0 if MASKED else None,
+                     eviction_policy=EVICT)  # fmt: skip
     # The 64-byte table stays in L1; a gather from it is one load per element.
     high = _mul_ftz(tl.load(code_ptr + (packed >> 4).to(tl.int32), eviction_policy="evict_last"), scale, PTX)
     low = _mul_ftz(tl.load(code_ptr + (packed & 15).to(tl.int32), eviction_policy="evict_last"), scale, PTX)
-    values = tl.interleave(high, low)  # element 2i is the high nibble of byte i
-
-    element = block[:, None] * (2 * HALF_BLOCK) + tl.arange(0, 2 * HALF_BLOCK)[None, :]
-    if BF16_BITS:
-        values = _bf16_bits(values)
+    if PAIR_STORE:
+        # Element 2i (the high nibble) and 2i + 1 share one 2x-wide word, low half first (little
+        # endian): one store per byte, no interleave and so no trip through shared memory.
+        tl.store(out_ptr.to(tl.pointer_type(PAIR_TYPE)) + byte, _pair(high, low, out_ptr, BF16_BITS, PAIR_TYPE),
+                 mask=(byte < n_bytes) if MASKED else None, eviction_policy=EVICT)  # fmt: skip
     else:
-        values = values.to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + element, values, mask=element < n_elements, eviction_policy=EVICT)
+        values = tl.interleave(high, low)  # element 2i is the high nibble of byte i
+        if BF16_BITS:
+            values = _bf16_bits(values)
+        else:
+            values = values.to(out_ptr.dtype.element_ty)
+        element = block[:, None] * (2 * HALF_BLOCK) + tl.arange(0, 2 * HALF_BLOCK)[None, :]
+        tl.store(out_ptr + element, values, mask=(element < n_elements) if MASKED else None, eviction_policy=EVICT)
+
+
+@triton.jit
+def _pair(high, low, out_ptr, BF16_BITS: tl.constexpr, PAIR_TYPE: tl.constexpr):
+    if BF16_BITS:
+        high_bits = _bf16_bits(high).to(tl.uint16, bitcast=True).to(tl.uint32)
+        low_bits = _bf16_bits(low).to(tl.uint16, bitcast=True).to(tl.uint32)
+        return high_bits | (low_bits << 16)
+    elif PAIR_TYPE == tl.uint64:
+        return high.to(tl.uint32, bitcast=True).to(tl.uint64) | (low.to(tl.uint32, bitcast=True).to(tl.uint64) << 32)
+    else:
+        out_type = out_ptr.dtype.element_ty
+        high_bits = high.to(out_type).to(tl.uint16, bitcast=True).to(tl.uint32)
+        low_bits = low.to(out_type).to(tl.uint16, bitcast=True).to(tl.uint32)
+        return high_bits | (low_bits << 16)
 
 
 # Launch knobs by compute capability (prefix match; () is the default). Speed only: every config is
@@ -178,6 +201,9 @@ def launch_config(n_elements, blocksize, nested_blocksize, nested, out_dtype, ca
         PTX=capability is not None,
         BF16_BITS=out_dtype == torch.bfloat16 and (capability is None or tuple(capability) < (8, 0)),
         EVICT=evict,
+        MASKED=n_elements % (2 * half_block * blocks) != 0,
+        PAIR_STORE=n_elements % 2 == 0,
+        PAIR_TYPE=tl.uint64 if out_dtype == torch.float32 else tl.uint32,
     )
     return (-(-n_bytes // (half_block * blocks)),), constexprs, num_warps
 
@@ -198,6 +224,7 @@ def _plan(packed, absmax, code2, absmax2, offset, code, out, blocksize, nested_b
         code,
         out.view(torch.int16) if constexprs["BF16_BITS"] else out,
         out.numel(),
+        (out.numel() + 1) // 2,
     )
     return grid, args, constexprs, num_warps
 
@@ -225,9 +252,8 @@ def _hooks_active() -> bool:
 
 def _specialization(args, constexprs, num_warps, device_index):
     tensors = tuple((a.dtype, a.data_ptr() % 16 == 0) for a in args[:7])
-    n_elements = args[7]
-    return (device_index, tensors, n_elements == 1, n_elements % 16 == 0, n_elements >= 2**31,
-            tuple(constexprs.values()), num_warps)  # fmt: skip
+    integers = tuple((n == 1, n % 16 == 0, n >= 2**31) for n in args[7:])
+    return device_index, tensors, integers, tuple(constexprs.values()), num_warps
 
 
 def launch(packed, absmax, code2, absmax2, offset, code, out, blocksize, nested_blocksize):
@@ -273,7 +299,7 @@ def launch(packed, absmax, code2, absmax2, offset, code, out, blocksize, nested_
 def _replayer(compiled, n_programs, device_index, args, constexpr_values):
     # Pointers as integers: the caller checks that the tensors behind them are still the ones given.
     before = tuple(a.data_ptr() for a in args[:6])
-    after = (args[7], *constexpr_values)
+    after = (*args[7:], *constexpr_values)
     run, function, metadata, stream = compiled.run, compiled.function, compiled.packed_metadata, _raw_stream
 
     def replay(out):

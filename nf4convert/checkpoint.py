@@ -1,0 +1,217 @@
+"""Safetensors at the byte level: headers, the shard index, tensor reads, and the streaming writer.
+
+The format (see safetensors' docs): an 8-byte little-endian header length N, N bytes of JSON
+(``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}``, offsets
+relative to the end of the header), then the raw little-endian tensor bytes. It is simple enough
+to write directly, which lets the writer put each tensor's bytes in place as soon as they exist:
+a whole shard is never held in memory.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+from .errors import CheckpointError
+
+# safetensors dtype names -> (torch dtype name, bytes per element)
+DTYPES = {
+    "F64": ("float64", 8), "F32": ("float32", 4), "F16": ("float16", 2), "BF16": ("bfloat16", 2),
+    "F8_E4M3": ("float8_e4m3fn", 1), "F8_E5M2": ("float8_e5m2", 1),
+    "I64": ("int64", 8), "I32": ("int32", 4), "I16": ("int16", 2), "I8": ("int8", 1),
+    "U64": ("uint64", 8), "U32": ("uint32", 4), "U16": ("uint16", 2), "U8": ("uint8", 1), "BOOL": ("bool", 1),
+}  # fmt: skip
+FLOAT_DTYPES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
+TORCH_TO_SAFETENSORS = {"float16": "F16", "bfloat16": "BF16", "float32": "F32"}
+MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    dtype: str  # safetensors name, e.g. "BF16"
+    shape: tuple
+    begin: int  # absolute file offsets
+    end: int
+    path: Path
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+
+def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict]:
+    """The tensors of one safetensors file (name -> TensorInfo) and its metadata, checked."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as file:
+            prefix = file.read(8)
+            if len(prefix) < 8:
+                raise CheckpointError(f"{path}: not a safetensors file (shorter than its 8-byte header length)")
+            (length,) = struct.unpack("<Q", prefix)
+            if length > MAX_HEADER or 8 + length > size:
+                raise CheckpointError(f"{path}: corrupt or truncated safetensors header (length {length}, file {size} bytes)")
+            raw = file.read(length)
+    except OSError as error:
+        raise CheckpointError(f"{path}: cannot read ({error.strerror or error})") from None
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise CheckpointError(f"{path}: corrupt safetensors header (not JSON)") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: corrupt safetensors header (not a JSON object)")
+    metadata = header.pop("__metadata__", None) or {}
+    data_start = 8 + length
+    tensors = {}
+    for name, entry in header.items():
+        try:
+            dtype, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
+        except (TypeError, KeyError, ValueError):
+            raise CheckpointError(f"{path}: tensor '{name}' has a malformed header entry") from None
+        if dtype not in DTYPES:
+            raise CheckpointError(f"{path}: tensor '{name}' has unknown dtype {dtype!r}")
+        if not all(isinstance(d, int) and d >= 0 for d in shape):
+            raise CheckpointError(f"{path}: tensor '{name}' has a malformed shape {list(shape)}")
+        if end - begin != math.prod(shape) * DTYPES[dtype][1] or begin < 0:
+            raise CheckpointError(f"{path}: tensor '{name}' has {end - begin} bytes, its shape {list(shape)} of {dtype} needs {math.prod(shape) * DTYPES[dtype][1]}")
+        if data_start + end > size:
+            raise CheckpointError(f"{path}: truncated: tensor '{name}' ends at byte {data_start + end}, the file has {size}")
+        tensors[name] = TensorInfo(name, dtype, shape, data_start + begin, data_start + end, path)
+    return tensors, metadata
+
+
+def read_index(folder: Path) -> dict[str, str] | None:
+    """The ``weight_map`` of model.safetensors.index.json (tensor -> file), or None when there is none."""
+    path = folder / "model.safetensors.index.json"
+    if not path.exists():
+        candidates = sorted(folder.glob("*.safetensors.index.json"))
+        if not candidates:
+            return None
+        path = candidates[0]
+    try:
+        weight_map = json.loads(path.read_text())["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError):
+        raise CheckpointError(f"{path}: corrupt index (no readable 'weight_map')") from None
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f"{path}: corrupt index ('weight_map' is not an object)")
+    return weight_map
+
+
+def read_tensors(folder: Path) -> dict[str, TensorInfo]:
+    """Every tensor of the checkpoint in ``folder``, resolved through the index when there is one."""
+    weight_map = read_index(folder)
+    if weight_map is not None:
+        files = sorted(set(weight_map.values()))
+    else:
+        files = sorted(p.name for p in folder.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{folder}: no .safetensors files (only safetensors checkpoints can be converted)")
+    tensors: dict[str, TensorInfo] = {}
+    for file in files:
+        path = folder / file
+        if not path.is_file():
+            raise CheckpointError(f"{path}: listed in the index but missing")
+        for name, info in read_header(path)[0].items():
+            if name in tensors:
+                raise CheckpointError(f"{path}: tensor '{name}' also stands in {tensors[name].path.name}")
+            tensors[name] = info
+    if weight_map is not None:
+        for name, file in weight_map.items():
+            if name not in tensors:
+                raise CheckpointError(f"{folder / file}: the index lists tensor '{name}' but the file does not hold it")
+    return tensors
+
+
+class TensorReader:
+    """Reads tensors' bytes from their files, keeping the files open; tensors come back on the CPU."""
+
+    def __init__(self):
+        self._files: dict[Path, object] = {}
+
+    def _file(self, path: Path):
+        handle = self._files.get(path)
+        if handle is None:
+            handle = self._files[path] = open(path, "rb")  # noqa: SIM115  (closed in close())
+        return handle
+
+    def read(self, info: TensorInfo, first_byte: int = 0, count: int | None = None, out=None):
+        """Bytes ``[first_byte, first_byte + count)`` of a tensor as a uint8 tensor (into ``out`` if given)."""
+        import torch
+
+        count = info.nbytes - first_byte if count is None else count
+        buffer = torch.empty(count, dtype=torch.uint8) if out is None else out[:count]
+        handle = self._file(info.path)
+        handle.seek(info.begin + first_byte)
+        if handle.readinto(memoryview(buffer.numpy())) != count:
+            raise CheckpointError(f"{info.path}: truncated while reading tensor '{info.name}'")
+        return buffer
+
+    def tensor(self, info: TensorInfo):
+        import torch
+
+        data = self.read(info)
+        return data.view(getattr(torch, DTYPES[info.dtype][0])).reshape(info.shape)
+
+    def close(self):
+        for handle in self._files.values():
+            handle.close()
+        self._files.clear()
+
+
+@dataclass(frozen=True)
+class OutputTensor:
+    name: str
+    dtype: str  # safetensors name
+    shape: tuple
+    nbytes: int
+
+
+def shard_header(tensors: Iterable[OutputTensor]) -> bytes:
+    """The 8-byte length and JSON header for these tensors in this order, padded to 8 bytes."""
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for tensor in tensors:
+        header[tensor.name] = {"dtype": tensor.dtype, "shape": list(tensor.shape), "data_offsets": [offset, offset + tensor.nbytes]}
+        offset += tensor.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # safetensors pads with spaces so the data starts 8-byte aligned
+    return struct.pack("<Q", len(raw)) + raw
+
+
+class ShardWriter:
+    """Writes one shard: the header first, then each tensor's bytes in header order, as they come."""
+
+    def __init__(self, path: Path, tensors: list[OutputTensor]):
+        self.path = path
+        self.tensors = tensors
+        self._file = open(path, "wb")  # noqa: SIM115  (closed in close())
+        self._file.write(shard_header(tensors))
+        self._next = 0
+        self._written = 0  # bytes of the current tensor written so far
+
+    def write(self, name: str, data) -> None:
+        """Append bytes (a CPU tensor, any dtype, contiguous) of tensor ``name``; call in header order."""
+        expected = self.tensors[self._next]
+        if expected.name != name:
+            raise RuntimeError(f"{self.path}: wrote '{name}' where '{expected.name}' comes next")
+        view = memoryview(data.contiguous().view(-1).view(__import__("torch").uint8).numpy())
+        self._file.write(view)
+        self._written += len(view)
+        if self._written > expected.nbytes:
+            raise RuntimeError(f"{self.path}: '{name}' got {self._written} bytes, {expected.nbytes} planned")
+        if self._written == expected.nbytes:
+            self._next += 1
+            self._written = 0
+
+    def close(self) -> None:
+        complete = self._next == len(self.tensors)
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        if not complete:
+            raise RuntimeError(f"{self.path}: closed with {len(self.tensors) - self._next} tensors unwritten")

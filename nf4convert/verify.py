@@ -51,12 +51,13 @@ def _bnb_state(group: QuantGroup, reader: TensorReader, device):
     return F.QuantState.from_dict(tensors, device=device)
 
 
-def _reference(group: QuantGroup, reader: TensorReader, device):
-    """bitsandbytes' result for a weight, and the mask of FP4 nibble-8 positions (CPU allowance)."""
+def _reference(group: QuantGroup, reader: TensorReader, device, out_dtype):
+    """bitsandbytes' result for a weight at ``out_dtype``, and the FP4 nibble-8 mask (CPU allowance)."""
     import bitsandbytes.functional as F
     import torch
 
     state = _bnb_state(group, reader, device)
+    state.dtype = out_dtype  # bitsandbytes rounds its fp32 products straight to the dtype asked for
     packed = reader.tensor(group.packed).to(device)
     shape = state.shape
     if device.type == "cpu":
@@ -112,8 +113,7 @@ def verify(output: str | Path, source: str, *, device: str = "auto", revision=No
             report.checked += 1
             if name in groups:
                 report.quantized += 1
-                expected, zero_mask = _reference(groups[name], source_reader, chosen)
-                expected = expected.to(out_type) if expected.dtype != out_type else expected
+                expected, zero_mask = _reference(groups[name], source_reader, chosen, out_type)
             else:
                 expected, zero_mask = source_reader.tensor(plan.source_tensors[name]), None
                 if expected.is_floating_point() and expected.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):

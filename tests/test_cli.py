@@ -1,0 +1,305 @@
+"""End to end: real 4-bit checkpoints converted by the CLI, checked against bitsandbytes and transformers."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from checkpoints import VARIANTS, build, model_class
+from nf4convert.cli import main
+
+pytest.importorskip("bitsandbytes")
+pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sources")
+    return {variant: build(root / variant, variant, seed=index) for index, variant in enumerate(VARIANTS)}
+
+
+def run(*args, code=0):
+    result = CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+    assert result.exit_code == code, result.output
+    return result.output
+
+
+def _safetensors_keys(folder: Path) -> dict[str, str]:
+    keys = {}
+    for path in folder.glob("*.safetensors"):
+        with open(path, "rb") as file:
+            (length,) = struct.unpack("<Q", file.read(8))
+            header = json.loads(file.read(length))
+        keys.update({k: v["dtype"] for k, v in header.items() if k != "__metadata__"})
+    return keys
+
+
+def _inputs(arch):
+    generator = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, 512, (2, 11), generator=generator)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_convert_verify_and_load(variant, checkpoints, tmp_path):
+    source = checkpoints[variant]
+    arch, quant_type, _, _, dense_dtype, _ = VARIANTS[variant]
+    out = tmp_path / "out"
+    run(source, "-o", out, "-q", "--max-shard-size", "300KB")
+
+    # The quant-state keys of some weight sit in another shard than its packed bytes.
+    weight_map = json.loads((source / "model.safetensors.index.json").read_text())["weight_map"]
+    assert any(weight_map[k] != weight_map[k.rsplit(".quant_state.", 1)[0]] for k in weight_map if ".quant_state." in k)
+
+    keys = _safetensors_keys(out)
+    assert not [k for k in keys if k.endswith((".absmax", ".quant_map", ".nested_absmax", ".nested_quant_map")) or ".quant_state." in k]
+    expected_code = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}[dense_dtype]
+    assert {dtype for dtype in keys.values()} == {expected_code}  # auto keeps the quantized-from dtype
+    config = json.loads((out / "config.json").read_text())
+    assert "quantization_config" not in json.dumps(config) and config["torch_dtype"] == str(dense_dtype).removeprefix("torch.")
+    for carried in ("tokenizer_config.json", "chat_template.jinja", "README.md", "generation_config.json"):
+        assert (out / carried).exists() == (source / carried).exists()
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(keys)
+    assert index["metadata"]["total_size"] == sum((out / f).stat().st_size for f in set(index["weight_map"].values())) - sum(
+        8 + struct.unpack("<Q", (out / f).read_bytes()[:8])[0] for f in set(index["weight_map"].values())
+    )
+
+    output = run("verify", out, source)
+    assert "OK: bit-exact with bitsandbytes" in output
+
+    # transformers loads it as an ordinary dense model, and its outputs match transformers' own
+    # dequantize() of the 4-bit model exactly (same weights, same dense operations).
+    cls = model_class(arch)
+    dense = cls.from_pretrained(out).eval()
+    assert not hasattr(dense.config, "quantization_config") and dense.dtype == dense_dtype
+    # (bitsandbytes repacks weights for its CPU matmul on the first 4-bit forward, after which
+    # dequantize() reads the repacked bytes: the reference model is loaded fresh.)
+    quantized = cls.from_pretrained(source, device_map="cpu").eval()
+    dequantized = cls.from_pretrained(source, device_map="cpu").eval()
+    dequantized.dequantize()
+
+    def forward(model):
+        result = model(**_inputs(arch))
+        return (result.logits if arch != "bert" else result.last_hidden_state).float()
+
+    with torch.no_grad():
+        got, four_bit, reference = forward(dense), forward(quantized), forward(dequantized)
+    assert torch.equal(got, reference)
+    assert (got - four_bit).abs().max() <= 0.05 * four_bit.abs().max()
+
+
+def test_dtype_choice_and_single_shard(checkpoints, tmp_path):
+    out = tmp_path / "fp32"
+    run(checkpoints["llama-nf4-dq"], "-o", out, "--dtype", "fp32", "-q")
+    assert sorted(p.name for p in out.glob("*.safetensors")) == ["model.safetensors"]
+    assert not (out / "model.safetensors.index.json").exists()
+    assert set(_safetensors_keys(out).values()) == {"F32"}
+    assert json.loads((out / "config.json").read_text())["dtype"] == "float32"
+    assert "OK" in run("verify", out, checkpoints["llama-nf4-dq"])
+
+
+def test_default_output_name_and_overwrite(checkpoints, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    source = tmp_path / "Tiny-Model-bnb-4bit"
+    shutil.copytree(checkpoints["llama-nf4-dq"], source)
+    run(source, "-q")
+    out = tmp_path / "Tiny-Model-bf16"
+    assert (out / "config.json").exists()
+    marker = out / "keep-me.txt"
+    marker.write_text("user data")
+    assert "exists and is not empty" in run(source, "-q", code=1)
+    assert marker.exists()  # refused: nothing touched
+    run(source, "-q", "--overwrite")
+    assert not marker.exists() and (out / "config.json").exists()
+    assert not list(tmp_path.glob(".*nf4convert*"))
+
+
+def test_verify_catches_tampering(checkpoints, tmp_path):
+    source = checkpoints["phi3-fused-fp4-dq"]
+    out = tmp_path / "out"
+    run(source, "-o", out, "-q", "--dtype", "bf16")
+    shard = sorted(out.glob("*.safetensors"))[0]
+    data = bytearray(shard.read_bytes())
+    (length,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + length])
+    name = next(k for k in header if k.endswith("qkv_proj.weight"))
+    position = 8 + length + header[name]["data_offsets"][0] + 10
+    data[position] ^= 0x01  # one bit of one element
+    shard.write_bytes(bytes(data))
+    output = run("verify", out, source, code=1)
+    assert f"{name}: 1 of" in output and "FAILED" in output
+    # A leftover quantization key and config are caught too.
+    (out / "config.json").write_text(json.dumps({"quantization_config": {"load_in_4bit": True}}))
+    assert "quantization_config remains" in run("verify", out, source, code=1)
+
+
+def test_interrupted_run_leaves_nothing(checkpoints, tmp_path, monkeypatch):
+    from nf4convert import convert as convert_module
+
+    calls = {"n": 0}
+    original = convert_module._write_plain
+
+    def fail_after_some(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(convert_module, "_write_plain", fail_after_some)
+    out = tmp_path / "out"
+    output = CliRunner().invoke(main, [str(checkpoints["llama-nf4-dq"]), "-o", str(out), "-q"])
+    assert output.exit_code == 130 and "interrupted" in output.output
+    assert not out.exists() and not list(tmp_path.glob(".*"))
+
+
+def test_disk_full_is_one_line(checkpoints, tmp_path, monkeypatch):
+    import shutil as shutil_module
+
+    usage = shutil_module.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil_module, "disk_usage", lambda path: usage._replace(free=1000))
+    output = run(checkpoints["llama-nf4-dq"], "-o", tmp_path / "out", "-q", code=1)
+    assert "GB free, the output needs" in output and not (tmp_path / "out").exists()
+
+    from nf4convert import checkpoint
+
+    def no_space(self, name, data):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.undo()
+    monkeypatch.setattr(checkpoint.ShardWriter, "write", no_space)
+    output = run(checkpoints["llama-nf4-dq"], "-o", tmp_path / "out", "-q", code=1)
+    assert "No space left on device" in output and not (tmp_path / "out").exists()
+    assert not list(tmp_path.glob(".*nf4convert*"))
+
+
+def _copy(source: Path, tmp_path: Path) -> Path:
+    target = tmp_path / "src"
+    shutil.copytree(source, target)
+    return target
+
+
+def _rewrite_shard(path: Path, edit):
+    """Rewrite one safetensors file after ``edit(header, data)`` changed its header or bytes."""
+    raw = path.read_bytes()
+    (length,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + length])
+    data = bytearray(raw[8 + length :])
+    edit(header, data)
+    encoded = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(encoded)) + encoded + bytes(data))
+
+
+def _shard_of(folder: Path, key: str) -> Path:
+    return folder / json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"][key]
+
+
+@pytest.mark.parametrize("case", ["missing-folder", "truncated", "corrupt-header", "missing-absmax", "bad-json",
+                                  "packed-size", "eight-bit", "dense", "no-safetensors", "bad-quant-map"])  # fmt: skip
+def test_bad_input_is_one_clear_line(case, checkpoints, tmp_path):
+    source = _copy(checkpoints["llama-nf4-dq"], tmp_path)
+    weight = "model.layers.0.self_attn.q_proj.weight"
+    expected = {
+        "missing-folder": "no such folder",
+        "truncated": "truncated",
+        "corrupt-header": "corrupt",
+        "missing-absmax": f"quant state is missing '{weight}.absmax'",
+        "bad-json": "quant state is not valid JSON",
+        "packed-size": "packed bytes do not hold shape",
+        "eight-bit": "8-bit bitsandbytes",
+        "dense": "no 4-bit bitsandbytes weights",
+        "no-safetensors": "no .safetensors files",
+        "bad-quant-map": "quant_map is not bitsandbytes' nf4 table",
+    }[case]
+    if case == "missing-folder":
+        source = tmp_path / "nope"
+    elif case == "truncated":
+        shard = _shard_of(source, weight)
+        shard.write_bytes(shard.read_bytes()[:-100])
+    elif case == "corrupt-header":
+        shard = _shard_of(source, weight)
+        raw = bytearray(shard.read_bytes())
+        raw[8:20] = b"not json at "
+        shard.write_bytes(bytes(raw))
+    elif case == "missing-absmax":
+        _rewrite_shard(_shard_of(source, weight + ".absmax"), lambda h, d: h.pop(weight + ".absmax"))
+        index = json.loads((source / "model.safetensors.index.json").read_text())
+        index["weight_map"].pop(weight + ".absmax")
+        (source / "model.safetensors.index.json").write_text(json.dumps(index))
+    elif case == "bad-json":
+        key = weight + ".quant_state.bitsandbytes__nf4"
+
+        def spoil(header, data):
+            begin = header[key]["data_offsets"][0]
+            data[begin] = ord("}")
+
+        _rewrite_shard(_shard_of(source, key), spoil)
+    elif case == "packed-size":
+        key = weight + ".quant_state.bitsandbytes__nf4"
+
+        def grow(header, data):
+            begin, end = header[key]["data_offsets"]
+            meta = json.loads(bytes(data[begin:end]))
+            meta["shape"][0] *= 2
+            encoded = json.dumps(meta).encode().ljust(end - begin)[: end - begin]
+            data[begin:end] = encoded
+
+        _rewrite_shard(_shard_of(source, key), grow)
+    elif case == "eight-bit":
+        _rewrite_shard(_shard_of(source, weight), lambda h, d: h.__setitem__(weight + ".SCB", {**h[weight], "data_offsets": h[weight]["data_offsets"]}))
+        index = json.loads((source / "model.safetensors.index.json").read_text())
+        index["weight_map"][weight + ".SCB"] = index["weight_map"][weight]
+        (source / "model.safetensors.index.json").write_text(json.dumps(index))
+    elif case == "dense":
+        shutil.rmtree(source)
+        from safetensors.torch import save_file
+
+        source.mkdir()
+        save_file({"w": torch.randn(4, 4)}, source / "model.safetensors")
+    elif case == "no-safetensors":
+        for path in source.glob("*.safetensors*"):
+            path.unlink()
+        torch.save({}, source / "pytorch_model.bin")
+    elif case == "bad-quant-map":
+        key = weight + ".quant_map"
+
+        def swap(header, data):
+            begin, end = header[key]["data_offsets"]
+            data[begin:end] = torch.linspace(-1, 1, 16).numpy().tobytes()
+
+        _rewrite_shard(_shard_of(source, key), swap)
+    output = run(source, "-o", tmp_path / "out", "-q", code=1)
+    lines = [line for line in output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("Error: ") and expected in lines[0], output
+    assert "Traceback" not in output and not (tmp_path / "out").exists()
+
+
+def test_batch_keeps_going_and_reports(checkpoints, tmp_path):
+    listing = tmp_path / "models.txt"
+    listing.write_text(f"# two models\n{checkpoints['qwen2-tied-fp4']}\n")
+    result = CliRunner().invoke(main, ["batch", str(checkpoints["llama-nf4-dq"]), str(tmp_path / "missing"),
+                                       "--from-file", str(listing), "-o", str(tmp_path / "root"), "-q"])  # fmt: skip
+    assert result.exit_code == 1
+    lines = result.output.splitlines()
+    table = lines[lines.index(next(line for line in lines if line.startswith("source"))) :]
+    assert [line.split()[1] for line in table[1:4]] == ["ok", "failed", "ok"]
+    assert "1 of 3 failed" in result.output
+    assert (tmp_path / "root" / "llama-nf4-dq-bf16" / "model.safetensors").exists()
+    assert (tmp_path / "root" / "qwen2-tied-fp16" / "model.safetensors").exists()
+
+
+def test_help_is_instant_and_imports_no_torch():
+    code = "import sys; from nf4convert.cli import main; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+    result = subprocess.run([sys.executable, "-m", "nf4convert.cli", "--help"], capture_output=True, text=True, check=True)
+    assert "verify" in result.stdout and "batch" in result.stdout
+    for command in ("convert", "verify", "batch"):
+        assert "Example" in run(command, "--help")

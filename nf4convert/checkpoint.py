@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -209,9 +208,9 @@ class ShardWriter:
             self._written = 0
 
     def close(self) -> None:
+        # No fsync: the folder only gets its final name once every shard is closed, so an
+        # interrupted run never looks finished; durability across power loss is the OS's.
         complete = self._next == len(self.tensors)
-        self._file.flush()
-        os.fsync(self._file.fileno())
         self._file.close()
         if not complete:
             raise RuntimeError(f"{self.path}: closed with {len(self.tensors) - self._next} tensors unwritten")

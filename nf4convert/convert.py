@@ -87,7 +87,7 @@ def _quant_state(group: QuantGroup, reader: TensorReader, device):
     return build_quant_state(group.meta, parts, name=group.name, device=device)
 
 
-def _write_quantized(group: QuantGroup, writer: ShardWriter, reader: TensorReader, device, out_dtype, progress):
+def _write_quantized(group: QuantGroup, emit, reader: TensorReader, device, out_dtype):
     """Dequantize one weight in chunks of whole (nested) blocks and append them to the shard."""
     import torch
 
@@ -110,12 +110,10 @@ def _write_quantized(group: QuantGroup, writer: ShardWriter, reader: TensorReade
             state2 = NestedState(nested.absmax[first_block // n2 : -(-end_block // n2)], nested.code, n2)
         piece = QuantState4bit(absmax=state.absmax[first_block:end_block], shape=torch.Size([count]), dtype=out_dtype,
                                blocksize=state.blocksize, quant_type=state.quant_type, offset=state.offset, state2=state2)  # fmt: skip
-        values = dequantize_4bit(packed, piece)
-        writer.write(group.name, values.cpu())
-        progress(values.numel() * values.element_size())
+        emit(group.name, dequantize_4bit(packed, piece).cpu())
 
 
-def _write_plain(info, writer: ShardWriter, reader: TensorReader, out_dtype_code: str, progress):
+def _write_plain(info, emit, reader: TensorReader, out_dtype_code: str):
     import torch
 
     source_type = getattr(torch, DTYPES[info.dtype][0])
@@ -124,12 +122,39 @@ def _write_plain(info, writer: ShardWriter, reader: TensorReader, out_dtype_code
     step = max(size, CHUNK_BYTES // size * size)
     for first in range(0, info.nbytes, step):
         data = reader.read(info, first, min(step, info.nbytes - first)).view(source_type)
-        if source_type != target_type:
-            data = data.to(target_type)
-        writer.write(info.name, data)
-        progress(data.numel() * data.element_size())
+        emit(info.name, data.to(target_type) if source_type != target_type else data)
     if info.nbytes == 0:
-        writer.write(info.name, torch.empty(0, dtype=torch.uint8))
+        emit(info.name, torch.empty(0, dtype=torch.uint8))
+
+
+class _Pipeline:
+    """Writes chunks on a background thread while the next ones are computed (file writes and torch
+    release the GIL); at most ``depth`` chunks wait, so memory stays bounded."""
+
+    def __init__(self, progress, depth: int = 2):
+        from collections import deque
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nf4convert-writer")
+        self._pending = deque()
+        self._progress = progress
+        self._depth = depth
+        self.writer: ShardWriter | None = None
+
+    def emit(self, name, data) -> None:
+        self._pending.append(self._pool.submit(self.writer.write, name, data))
+        self._progress(data.numel() * data.element_size())
+        while len(self._pending) > self._depth:
+            self._pending.popleft().result()
+
+    def drain(self) -> None:
+        while self._pending:
+            self._pending.popleft().result()
+
+    def close(self) -> None:
+        for future in self._pending:
+            future.cancel()
+        self._pool.shutdown(wait=True)
 
 
 def convert(
@@ -173,16 +198,21 @@ def convert(
             with tqdm(total=plan.tensor_bytes, unit="B", unit_scale=True, unit_divisor=1024, disable=not progress,
                       desc=f"{model_name(source)} -> {plan.dtype}", dynamic_ncols=True) as bar:  # fmt: skip
                 done = 0
-                for shard in plan.shards:
-                    writer = ShardWriter(temporary / shard.filename, [t.output for t in shard.tensors])
-                    for tensor in shard.tensors:
-                        if tensor.quantized:
-                            _write_quantized(tensor.source, writer, reader, chosen_device, out_dtype, bar.update)
-                        else:
-                            _write_plain(tensor.source, writer, reader, tensor.output.dtype, bar.update)
-                        done += 1
-                        bar.set_postfix_str(f"{done}/{plan.n_tensors} tensors", refresh=False)
-                    writer.close()
+                pipeline = _Pipeline(bar.update)
+                try:
+                    for shard in plan.shards:
+                        pipeline.writer = ShardWriter(temporary / shard.filename, [t.output for t in shard.tensors])
+                        for tensor in shard.tensors:
+                            if tensor.quantized:
+                                _write_quantized(tensor.source, pipeline.emit, reader, chosen_device, out_dtype)
+                            else:
+                                _write_plain(tensor.source, pipeline.emit, reader, tensor.output.dtype)
+                            done += 1
+                            bar.set_postfix_str(f"{done}/{plan.n_tensors} tensors", refresh=False)
+                        pipeline.drain()
+                        pipeline.writer.close()
+                finally:
+                    pipeline.close()
             _write_side_files(plan, temporary)
             _move_into_place(temporary, output)
         except OSError as error:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import weakref
 from typing import Any, Optional
 
@@ -92,11 +93,10 @@ def _fields(packed: torch.Tensor, quant_state: Any, out: Optional[torch.Tensor],
 
 
 def _pick_backend(backend: str, device: torch.device) -> str:
-    from .kernels import nf4  # noqa: PLC0415  (imports Triton only when a kernel is wanted)
-
+    # Triton is imported only when the kernel runs: the CPU path never pays for it.
     if backend == "auto":
         return "triton" if device.type == "cuda" else "cpu"
-    if backend == "triton" and device.type != "cuda" and not nf4.INTERPRET:
+    if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
         raise ValueError("backend='triton' needs CUDA tensors, or TRITON_INTERPRET=1 for CPU tensors")
     if backend == "cpu" and device.type != "cpu":
         raise ValueError(f"backend='cpu' needs CPU tensors, not {device.type} tensors")

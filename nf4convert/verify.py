@@ -77,10 +77,14 @@ def verify(output: str | Path, source: str, *, device: str = "auto", revision=No
         >>> report = verify("llama-1b-bf16", "unsloth/Llama-3.2-1B-Instruct-bnb-4bit")
         >>> report.ok
     """
+    import logging
+
     import torch
 
     from .convert import pick_device
 
+    # bitsandbytes warns on import about an optional CPU matmul kernel that verification never uses.
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
     output = Path(output)
     chosen = pick_device(device)
     report = VerifyReport(output, device=str(chosen))

@@ -159,3 +159,20 @@ def test_repeat_calls_replay_and_notice_changes():
 
     gc.collect()
     assert all(entry is not None for entry in module._replays.values())
+
+
+@pytest.mark.parametrize("variant", ["llama-nf4-dq", "phi3-fused-fp4-dq", "qwen2-tied-fp4"])
+def test_cli_convert_on_cuda_matches_cpu_and_bnb_cuda(variant, tmp_path):
+    from click.testing import CliRunner
+
+    from checkpoints import build
+    from nf4convert.cli import main
+
+    source = build(tmp_path / "src", variant)
+    for device in ("cuda", "cpu"):
+        result = CliRunner().invoke(main, [str(source), "-o", str(tmp_path / device), "--device", device, "-q"])
+        assert result.exit_code == 0, result.output
+    for shard in (tmp_path / "cpu").glob("*.safetensors"):
+        assert shard.read_bytes() == (tmp_path / "cuda" / shard.name).read_bytes()  # the kernel and the CPU path agree
+    result = CliRunner().invoke(main, ["verify", str(tmp_path / "cuda"), str(source), "--device", "cuda"])
+    assert result.exit_code == 0 and "on cuda" in result.output and "OK: bit-exact" in result.output, result.output

@@ -67,7 +67,7 @@ def dequantize(packed, absmax, code2, absmax2, offset, code, out, blocksize, nes
     n_bytes = packed.numel()
     for first_byte in range(0, n_bytes, chunk):
         last_byte = min(first_byte + chunk, n_bytes)
-        values = pairs[packed[first_byte:last_byte].long()].view(-1)  # [2 * bytes] fp32
+        values = torch.index_select(pairs, 0, packed[first_byte:last_byte].int()).view(-1)  # [2 * bytes] fp32
         first_element = 2 * first_byte
         count = min(values.numel(), n_elements - first_element)
         first_block = first_byte // half_block

@@ -25,14 +25,18 @@ from triton.testing import do_bench
 
 SHAPES = [(1024, 1024), (4096, 1024), (4096, 4096), (8192, 2048), (14336, 4096), (28672, 8192)]
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
-# (bytes per program, num_warps, evict hints) for the variant columns.
+# Launch variants (nf4convert.kernels.nf4.Config fields) measured beside the default choice.
 VARIANTS = {
-    "b1k.w4.ev": (1024, 4, True),
-    "b2k.w4.ev": (2048, 4, True),
-    "b2k.w4.noev": (2048, 4, False),
-    "b4k.w4.ev": (4096, 4, True),
-    "b4k.w8.ev": (4096, 8, True),
-    "b8k.w8.ev": (8192, 8, True),
+    "t1k.w4.ev": dict(tile_bytes=1024, num_warps=4, evict=True),
+    "t2k.w4.ev": dict(tile_bytes=2048, num_warps=4, evict=True),
+    "t2k.w4.noev": dict(tile_bytes=2048, num_warps=4, evict=False),
+    "t4k.w8.ev": dict(tile_bytes=4096, num_warps=8, evict=True),
+    "sel.t512.w2": dict(tile_bytes=512, num_warps=2, evict=False, lut_select=True),
+    "sel.t1k.w4.ev": dict(tile_bytes=1024, num_warps=4, evict=True, lut_select=True),
+    "sel.t2k.w4.ev": dict(tile_bytes=2048, num_warps=4, evict=True, lut_select=True),
+    "pers4.t2k.s1": dict(tile_bytes=2048, num_warps=4, evict=True, programs_per_sm=4, stages=1),
+    "pers8.t2k.s2": dict(tile_bytes=2048, num_warps=4, evict=True, programs_per_sm=8, stages=2),
+    "pers4.t4k.w8.s2": dict(tile_bytes=4096, num_warps=8, evict=True, programs_per_sm=4, stages=2),
 }
 HARNESS = [(2, 3333, 2048, 8192, torch.float16), (5, 777, 1024, 4096, torch.bfloat16), (3, 2048, 4096, 14336, torch.bfloat16)]
 
@@ -99,8 +103,10 @@ def host_us(fn, packed, state, calls=2000):
     return elapsed / calls * 1e6
 
 
-def with_variant(config, fn):
+def with_variant(fields, fn):
     from nf4convert.kernels import nf4
+
+    config = nf4.Config(**fields)
 
     def run(packed, state):
         nf4.CONFIG_OVERRIDE = config

@@ -17,6 +17,7 @@ BACKENDS = ("auto", "triton", "cpu")
 # weight again (every forward pass of a QLoRA layer) then skips argument checks and Triton's Python
 # launch path. Weak references prove the quant state and its tensors are the very ones of the launch.
 _replays: dict = {}
+_kernel_module = None  # nf4convert.kernels.nf4 once the kernel has run: its CONFIG_OVERRIDE is part of a replay
 
 
 def _replay_key(packed, quant_state):
@@ -46,7 +47,7 @@ def _remember(packed, quant_state, replay):
         weakref.finalize(quant_state, _replays.pop, state_id, None)
     except TypeError:  # an object that takes no weak references: no replays for it
         return
-    _replays[state_id] = (key[:7], refs, replay)
+    _replays[state_id] = (key[:7], refs, replay, _kernel_module.CONFIG_OVERRIDE)
 
 
 def _fields(packed: torch.Tensor, quant_state: Any, out: Optional[torch.Tensor], backend: str):
@@ -128,6 +129,7 @@ def dequantize_4bit(
         >>> packed, state = F.quantize_4bit(weight, quant_type="nf4", compress_statistics=True)
         >>> dense = nf4convert.dequantize_4bit(packed, state)   # == F.dequantize_4bit(packed, state)
     """
+    global _kernel_module
     if not torch.compiler.is_compiling() and out is None and backend != "cpu":
         entry = _replays.get(id(quant_state if quant_state is not None else getattr(packed, "quant_state", None)))
         if entry is not None:
@@ -135,8 +137,8 @@ def dequantize_4bit(
                 quant_state = packed.quant_state
             if isinstance(packed, torch.nn.Parameter):
                 packed = packed.data
-            key, refs, replay = entry
-            if _same(key, refs, packed, quant_state):
+            key, refs, replay, config = entry
+            if config is _kernel_module.CONFIG_OVERRIDE and _same(key, refs, packed, quant_state):
                 result = torch.empty(key[3], dtype=key[4], device=key[2])
                 if replay(result):
                     return result
@@ -172,6 +174,7 @@ def dequantize_4bit(
     else:
         from .kernels import nf4  # noqa: PLC0415
 
+        _kernel_module = nf4
         replay = nf4.launch(packed, absmax, code2, absmax2, offset, code, out, quant_state.blocksize, nested_blocksize)
         # Only launches that read the quant state's own tensors (no converted copies) can be replayed.
         if replay is not None and absmax is quant_state.absmax and (

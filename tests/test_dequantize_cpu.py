@@ -190,3 +190,21 @@ def test_subnormal_products_flush_like_cuda(backend, quant_type):
         state.dtype = dtype
         got = nf4convert.dequantize_4bit(packed, state, backend=backend)
         assert torch.equal(bits(got), bits(flushed.to(dtype)))
+
+
+@pytest.mark.skipif(not INTERPRETING, reason="the interpreter runs only without a GPU")
+@pytest.mark.parametrize("config", ["persistent", "select", "small-tiles"])
+def test_kernel_variants_interpreted(config, monkeypatch):
+    # Every launch variant the benchmark may pick computes the same bits.
+    from nf4convert.kernels import nf4
+
+    monkeypatch.setattr(nf4, "CONFIG_OVERRIDE", {
+        "persistent": nf4.Config(256, 4, True, programs_per_sm=3, stages=2),
+        "select": nf4.Config(512, 4, False, lut_select=True),
+        "small-tiles": nf4.Config(64, 2, False),
+    }[config])  # fmt: skip
+    for quant_type, nested, dtype in (("nf4", True, torch.bfloat16), ("fp4", False, torch.float16), ("fp4", True, torch.float32)):
+        shape = (_rng.randint(3, 40), _rng.randint(100, 700))
+        packed, state = quantize(shape, quant_type=quant_type, blocksize=64, nested=nested, dtype=dtype)
+        got = nf4convert.dequantize_4bit(packed, state, backend="triton")
+        assert torch.equal(bits(got), bits(bnb_reference_cpu(packed, state)))

@@ -176,3 +176,18 @@ def test_cli_convert_on_cuda_matches_cpu_and_bnb_cuda(variant, tmp_path):
         assert shard.read_bytes() == (tmp_path / "cuda" / shard.name).read_bytes()  # the kernel and the CPU path agree
     result = CliRunner().invoke(main, ["verify", str(tmp_path / "cuda"), str(source), "--device", "cuda"])
     assert result.exit_code == 0 and "on cuda" in result.output and "OK: bit-exact" in result.output, result.output
+
+
+@pytest.mark.parametrize("name,config", [
+    ("persistent", dict(tile_bytes=2048, num_warps=4, evict=True, programs_per_sm=4, stages=2)),
+    ("select", dict(tile_bytes=1024, num_warps=4, evict=False, lut_select=True)),
+    ("big-tiles", dict(tile_bytes=8192, num_warps=8, evict=True)),
+])  # fmt: skip
+def test_launch_variants_bit_exact(name, config, monkeypatch):
+    from nf4convert.kernels import nf4
+
+    monkeypatch.setattr(nf4, "CONFIG_OVERRIDE", nf4.Config(**config))
+    for shape, quant_type, nested, dtype in (((4096, 4096), "nf4", True, torch.bfloat16), ((777, 333), "fp4", False, torch.float16),
+                                             ((3000, 1024), "fp4", True, torch.float32)):  # fmt: skip
+        packed, state = quantize(shape, quant_type=quant_type, blocksize=64, nested=nested, dtype=dtype, device="cuda")
+        _assert_same(nf4convert.dequantize_4bit(packed, state), F.dequantize_4bit(packed, state))

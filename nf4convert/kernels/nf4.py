@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from dataclasses import dataclass
 from typing import List, Optional
 
 import torch
@@ -87,18 +88,36 @@ def dequantize_4bit_kernel(
     n_elements,
     n_bytes,  # (n_elements + 1) // 2, passed so Triton sees its divisibility and vectorizes the masks
     HALF_BLOCK: tl.constexpr,  # packed bytes per quant block (blocksize // 2)
-    BLOCKS_PER_PROGRAM: tl.constexpr,  # quant blocks per program: a tile of whole blocks
+    BLOCKS_PER_PROGRAM: tl.constexpr,  # quant blocks per tile: a tile is whole blocks
     NESTED: tl.constexpr,
     NESTED_SHIFT: tl.constexpr,  # log2(nested blocksize)
-    PTX: tl.constexpr,  # inline PTX for the nested multiply-add (CUDA); False in the interpreter
+    PTX: tl.constexpr,  # inline PTX for the exact multiplies and add (CUDA); False in the interpreter
     BF16_BITS: tl.constexpr,  # round to bf16 with integer ops and store int16 bits
     EVICT: tl.constexpr,  # eviction policy for the streamed bytes and output ("" for none)
     MASKED: tl.constexpr,  # False when every tile is whole: plain 16-byte loads and stores
     PAIR_STORE: tl.constexpr,  # even element count: store each byte's two outputs as one word
     PAIR_TYPE: tl.constexpr,  # that word: uint32 for 16-bit outputs, uint64 for fp32
+    LUT_SELECT: tl.constexpr,  # decode nibbles with selects on the table held in registers, not a gather
+    PERSISTENT: tl.constexpr,  # a fixed grid of programs, each looping over tiles
+    STAGES: tl.constexpr,  # software-pipelining depth of that loop
 ):
+    if PERSISTENT:
+        n_tiles = (n_bytes + HALF_BLOCK * BLOCKS_PER_PROGRAM - 1) // (HALF_BLOCK * BLOCKS_PER_PROGRAM)
+        for tile in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), num_stages=STAGES):
+            _tile(tile, packed_ptr, absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, code_ptr, out_ptr, n_elements, n_bytes,
+                  HALF_BLOCK, BLOCKS_PER_PROGRAM, NESTED, NESTED_SHIFT, PTX, BF16_BITS, EVICT, MASKED, PAIR_STORE, PAIR_TYPE, LUT_SELECT)  # fmt: skip
+    else:
+        _tile(tl.program_id(0), packed_ptr, absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, code_ptr, out_ptr, n_elements, n_bytes,
+              HALF_BLOCK, BLOCKS_PER_PROGRAM, NESTED, NESTED_SHIFT, PTX, BF16_BITS, EVICT, MASKED, PAIR_STORE, PAIR_TYPE, LUT_SELECT)  # fmt: skip
+
+
+@triton.jit
+def _tile(tile, packed_ptr, absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, code_ptr, out_ptr, n_elements, n_bytes,
+          HALF_BLOCK: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr, NESTED: tl.constexpr, NESTED_SHIFT: tl.constexpr,
+          PTX: tl.constexpr, BF16_BITS: tl.constexpr, EVICT: tl.constexpr, MASKED: tl.constexpr, PAIR_STORE: tl.constexpr,
+          PAIR_TYPE: tl.constexpr, LUT_SELECT: tl.constexpr):  # fmt: skip
     packed_ptr = packed_ptr.to(tl.pointer_type(tl.uint8))
-    block = tl.program_id(0) * BLOCKS_PER_PROGRAM + tl.arange(0, BLOCKS_PER_PROGRAM)
+    block = tile * BLOCKS_PER_PROGRAM + tl.arange(0, BLOCKS_PER_PROGRAM)
     block_ok = block < (n_bytes + HALF_BLOCK - 1) // HALF_BLOCK
 
     # One scale per quant block (a row of the tile), decoded once and broadcast along the row.
@@ -114,9 +133,8 @@ def dequantize_4bit_kernel(
     byte = block[:, None] * HALF_BLOCK + tl.arange(0, HALF_BLOCK)[None, :]
     packed = tl.load(packed_ptr + byte, mask=(byte < n_bytes) if MASKED else None, other=0 if MASKED else None,
                      eviction_policy=EVICT)  # fmt: skip
-    # The 64-byte table stays in L1; a gather from it is one load per element.
-    high = _mul_ftz(tl.load(code_ptr + (packed >> 4).to(tl.int32), eviction_policy="evict_last"), scale, PTX)
-    low = _mul_ftz(tl.load(code_ptr + (packed & 15).to(tl.int32), eviction_policy="evict_last"), scale, PTX)
+    high = _mul_ftz(_lut(code_ptr, (packed >> 4).to(tl.int32), LUT_SELECT), scale, PTX)
+    low = _mul_ftz(_lut(code_ptr, (packed & 15).to(tl.int32), LUT_SELECT), scale, PTX)
     if PAIR_STORE:
         # Element 2i (the high nibble) and 2i + 1 share one 2x-wide word, low half first (little
         # endian): one store per byte, no interleave and so no trip through shared memory.
@@ -130,6 +148,32 @@ def dequantize_4bit_kernel(
             values = values.to(out_ptr.dtype.element_ty)
         element = block[:, None] * (2 * HALF_BLOCK) + tl.arange(0, 2 * HALF_BLOCK)[None, :]
         tl.store(out_ptr + element, values, mask=(element < n_elements) if MASKED else None, eviction_policy=EVICT)
+
+
+@triton.jit
+def _lut(code_ptr, nibble, LUT_SELECT: tl.constexpr):
+    if LUT_SELECT:
+        # The 16 entries as scalars (uniform loads, issued before the packed bytes arrive), then a
+        # select tree on the nibble's bits: no load waits on the packed bytes.
+        bit0 = (nibble & 1) != 0
+        bit1 = (nibble & 2) != 0
+        bit2 = (nibble & 4) != 0
+        pair0 = tl.where(bit0, tl.load(code_ptr + 1), tl.load(code_ptr + 0))
+        pair1 = tl.where(bit0, tl.load(code_ptr + 3), tl.load(code_ptr + 2))
+        pair2 = tl.where(bit0, tl.load(code_ptr + 5), tl.load(code_ptr + 4))
+        pair3 = tl.where(bit0, tl.load(code_ptr + 7), tl.load(code_ptr + 6))
+        pair4 = tl.where(bit0, tl.load(code_ptr + 9), tl.load(code_ptr + 8))
+        pair5 = tl.where(bit0, tl.load(code_ptr + 11), tl.load(code_ptr + 10))
+        pair6 = tl.where(bit0, tl.load(code_ptr + 13), tl.load(code_ptr + 12))
+        pair7 = tl.where(bit0, tl.load(code_ptr + 15), tl.load(code_ptr + 14))
+        quad0 = tl.where(bit1, pair1, pair0)
+        quad1 = tl.where(bit1, pair3, pair2)
+        quad2 = tl.where(bit1, pair5, pair4)
+        quad3 = tl.where(bit1, pair7, pair6)
+        return tl.where((nibble & 8) != 0, tl.where(bit2, quad3, quad2), tl.where(bit2, quad1, quad0))
+    else:
+        # The 64-byte table stays in L1; a gather from it is one load per element.
+        return tl.load(code_ptr + nibble, eviction_policy="evict_last")
 
 
 @triton.jit
@@ -148,20 +192,31 @@ def _pair(high, low, out_ptr, BF16_BITS: tl.constexpr, PAIR_TYPE: tl.constexpr):
 
 
 # Launch knobs by compute capability (prefix match; () is the default). Speed only: every config is
-# bit-exact. Rows: (largest packed size in bytes, bytes per program, num_warps, evict hints).
+# bit-exact. Rows: (largest packed size in bytes, Config).
+@dataclass(frozen=True)
+class Config:
+    tile_bytes: int  # packed bytes per tile (whole quant blocks)
+    num_warps: int
+    evict: bool  # evict_first hints on the streamed bytes and output
+    lut_select: bool = False  # nibble decode by selects instead of an L1 gather
+    programs_per_sm: int = 0  # > 0: persistent grid of this many programs per SM
+    stages: int = 1  # pipelining depth of the persistent loop
+
+
 CONFIGS = {
     (): (
-        (1 << 16, 512, 2, False),
-        (1 << 21, 1024, 4, True),
-        (None, 2048, 4, True),
+        (1 << 16, Config(512, 2, False)),
+        (1 << 21, Config(1024, 4, True)),
+        (None, Config(2048, 4, True)),
     ),
     # T4: only L1 eviction hints exist there; keep the plain loads.
-    (7, 5): ((None, 1024, 4, False),),
+    (7, 5): ((None, Config(1024, 4, False)),),
 }
-# Set by the benchmark to (bytes per program, num_warps, evict) to measure a variant.
-CONFIG_OVERRIDE: Optional[tuple] = None
+# Set by the benchmark to a Config to measure a variant.
+CONFIG_OVERRIDE: Optional[Config] = None
 
 _capabilities: dict = {}
+_sm_counts: dict = {}
 
 
 def _capability(device: torch.device) -> tuple:
@@ -169,30 +224,32 @@ def _capability(device: torch.device) -> tuple:
     cap = _capabilities.get(index)
     if cap is None:
         cap = _capabilities[index] = torch.cuda.get_device_capability(index)
+        _sm_counts[index] = torch.cuda.get_device_properties(index).multi_processor_count
     return cap
 
 
-def choose_config(n_bytes: int, half_block: int, capability: tuple) -> tuple:
-    """(blocks per program, num_warps, evict policy) for a weight of ``n_bytes`` packed bytes."""
+def choose_config(n_bytes: int, capability: tuple) -> Config:
+    """The launch config for a weight of ``n_bytes`` packed bytes on a GPU of ``capability``."""
     if CONFIG_OVERRIDE is not None:
-        target, num_warps, evict = CONFIG_OVERRIDE
-    else:
-        table = CONFIGS.get(tuple(capability)) or CONFIGS.get(tuple(capability[:1])) or CONFIGS[()]
-        for limit, target, num_warps, evict in table:
-            if limit is None or n_bytes <= limit:
-                break
-    blocks = max(1, target // half_block)
-    return blocks, num_warps, "evict_first" if evict else ""
+        return CONFIG_OVERRIDE
+    table = CONFIGS.get(tuple(capability)) or CONFIGS.get(tuple(capability[:1])) or CONFIGS[()]
+    for limit, config in table:
+        if limit is None or n_bytes <= limit:
+            return config
+    return table[-1][1]
 
 
-def launch_config(n_elements, blocksize, nested_blocksize, nested, out_dtype, capability):
+def launch_config(n_elements, blocksize, nested_blocksize, nested, out_dtype, capability, sm_count=132):
     """(grid, constexprs, num_warps) for one weight; ``capability`` None means the interpreter."""
     half_block = blocksize // 2
     n_bytes = (n_elements + 1) // 2
-    if capability is None:
-        blocks, num_warps, evict = max(1, 4096 // half_block), 4, ""  # few, large programs
+    if capability is None and CONFIG_OVERRIDE is None:
+        config = Config(max(half_block, 4096), 4, False)  # the interpreter: few, large programs
     else:
-        blocks, num_warps, evict = choose_config(n_bytes, half_block, capability)
+        config = choose_config(n_bytes, capability)
+    blocks = max(1, config.tile_bytes // half_block)
+    n_tiles = -(-n_bytes // (half_block * blocks))
+    persistent = config.programs_per_sm > 0 and n_tiles > sm_count * config.programs_per_sm
     constexprs = dict(
         HALF_BLOCK=half_block,
         BLOCKS_PER_PROGRAM=blocks,
@@ -200,20 +257,25 @@ def launch_config(n_elements, blocksize, nested_blocksize, nested, out_dtype, ca
         NESTED_SHIFT=nested_blocksize.bit_length() - 1 if nested else 0,
         PTX=capability is not None,
         BF16_BITS=out_dtype == torch.bfloat16 and (capability is None or tuple(capability) < (8, 0)),
-        EVICT=evict,
+        EVICT="evict_first" if config.evict else "",
         MASKED=n_elements % (2 * half_block * blocks) != 0,
         PAIR_STORE=n_elements % 2 == 0,
         PAIR_TYPE=tl.uint64 if out_dtype == torch.float32 else tl.uint32,
+        LUT_SELECT=config.lut_select,
+        PERSISTENT=persistent,
+        STAGES=config.stages,
     )
-    return (-(-n_bytes // (half_block * blocks)),), constexprs, num_warps
+    grid = (sm_count * config.programs_per_sm,) if persistent else (n_tiles,)
+    return grid, constexprs, config.num_warps
 
 
 def _plan(packed, absmax, code2, absmax2, offset, code, out, blocksize, nested_blocksize):
     """Everything a launch needs: (grid, args, constexprs, num_warps)."""
     nested = code2 is not None
     capability = None if INTERPRET or out.device.type != "cuda" else _capability(out.device)
+    sm_count = _sm_counts.get(out.device.index, 132) if capability is not None else 1
     grid, constexprs, num_warps = launch_config(
-        out.numel(), blocksize, nested_blocksize, nested, out.dtype, capability
+        out.numel(), blocksize, nested_blocksize, nested, out.dtype, capability, sm_count
     )
     args = (
         packed,

@@ -100,22 +100,23 @@ def dequantize_4bit_kernel(
     LUT_SELECT: tl.constexpr,  # decode nibbles with selects on the table held in registers, not a gather
     PERSISTENT: tl.constexpr,  # a fixed grid of programs, each looping over tiles
     STAGES: tl.constexpr,  # software-pipelining depth of that loop
+    STORE_CACHE: tl.constexpr,  # cache modifier of the output stores ("" or ".cs", streaming)
 ):
     if PERSISTENT:
         n_tiles = (n_bytes + HALF_BLOCK * BLOCKS_PER_PROGRAM - 1) // (HALF_BLOCK * BLOCKS_PER_PROGRAM)
         for tile in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), num_stages=STAGES):
             _tile(tile, packed_ptr, absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, code_ptr, out_ptr, n_elements, n_bytes,
-                  HALF_BLOCK, BLOCKS_PER_PROGRAM, NESTED, NESTED_SHIFT, PTX, BF16_BITS, EVICT, MASKED, PAIR_STORE, PAIR_TYPE, LUT_SELECT)  # fmt: skip
+                  HALF_BLOCK, BLOCKS_PER_PROGRAM, NESTED, NESTED_SHIFT, PTX, BF16_BITS, EVICT, MASKED, PAIR_STORE, PAIR_TYPE, LUT_SELECT, STORE_CACHE)  # fmt: skip
     else:
         _tile(tl.program_id(0), packed_ptr, absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, code_ptr, out_ptr, n_elements, n_bytes,
-              HALF_BLOCK, BLOCKS_PER_PROGRAM, NESTED, NESTED_SHIFT, PTX, BF16_BITS, EVICT, MASKED, PAIR_STORE, PAIR_TYPE, LUT_SELECT)  # fmt: skip
+              HALF_BLOCK, BLOCKS_PER_PROGRAM, NESTED, NESTED_SHIFT, PTX, BF16_BITS, EVICT, MASKED, PAIR_STORE, PAIR_TYPE, LUT_SELECT, STORE_CACHE)  # fmt: skip
 
 
 @triton.jit
 def _tile(tile, packed_ptr, absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, code_ptr, out_ptr, n_elements, n_bytes,
           HALF_BLOCK: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr, NESTED: tl.constexpr, NESTED_SHIFT: tl.constexpr,
           PTX: tl.constexpr, BF16_BITS: tl.constexpr, EVICT: tl.constexpr, MASKED: tl.constexpr, PAIR_STORE: tl.constexpr,
-          PAIR_TYPE: tl.constexpr, LUT_SELECT: tl.constexpr):  # fmt: skip
+          PAIR_TYPE: tl.constexpr, LUT_SELECT: tl.constexpr, STORE_CACHE: tl.constexpr):  # fmt: skip
     packed_ptr = packed_ptr.to(tl.pointer_type(tl.uint8))
     block = tile * BLOCKS_PER_PROGRAM + tl.arange(0, BLOCKS_PER_PROGRAM)
     block_ok = block < (n_bytes + HALF_BLOCK - 1) // HALF_BLOCK
@@ -139,7 +140,7 @@ def _tile(tile, packed_ptr, absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, code
         # Element 2i (the high nibble) and 2i + 1 share one 2x-wide word, low half first (little
         # endian): one store per byte, no interleave and so no trip through shared memory.
         tl.store(out_ptr.to(tl.pointer_type(PAIR_TYPE)) + byte, _pair(high, low, out_ptr, BF16_BITS, PAIR_TYPE),
-                 mask=(byte < n_bytes) if MASKED else None, eviction_policy=EVICT)  # fmt: skip
+                 mask=(byte < n_bytes) if MASKED else None, eviction_policy=EVICT, cache_modifier=STORE_CACHE)  # fmt: skip
     else:
         values = tl.interleave(high, low)  # element 2i is the high nibble of byte i
         if BF16_BITS:
@@ -147,7 +148,8 @@ def _tile(tile, packed_ptr, absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, code
         else:
             values = values.to(out_ptr.dtype.element_ty)
         element = block[:, None] * (2 * HALF_BLOCK) + tl.arange(0, 2 * HALF_BLOCK)[None, :]
-        tl.store(out_ptr + element, values, mask=(element < n_elements) if MASKED else None, eviction_policy=EVICT)
+        tl.store(out_ptr + element, values, mask=(element < n_elements) if MASKED else None, eviction_policy=EVICT,
+                 cache_modifier=STORE_CACHE)  # fmt: skip
 
 
 @triton.jit
@@ -201,13 +203,14 @@ class Config:
     lut_select: bool = False  # nibble decode by selects instead of an L1 gather
     programs_per_sm: int = 0  # > 0: persistent grid of this many programs per SM
     stages: int = 1  # pipelining depth of the persistent loop
+    streaming_stores: bool = False  # st.global.cs for the output
 
 
 CONFIGS = {
     (): (
         (1 << 16, Config(512, 2, False)),
         (1 << 21, Config(1024, 4, True)),
-        (None, Config(2048, 4, True)),
+        (None, Config(2048, 4, False)),
     ),
     # T4: only L1 eviction hints exist there; keep the plain loads.
     (7, 5): ((None, Config(1024, 4, False)),),
@@ -264,6 +267,7 @@ def launch_config(n_elements, blocksize, nested_blocksize, nested, out_dtype, ca
         LUT_SELECT=config.lut_select,
         PERSISTENT=persistent,
         STAGES=config.stages,
+        STORE_CACHE=".cs" if config.streaming_stores else "",
     )
     grid = (sm_count * config.programs_per_sm,) if persistent else (n_tiles,)
     return grid, constexprs, config.num_warps

@@ -207,10 +207,13 @@ class Config:
 
 
 CONFIGS = {
+    # Measured on an H100 (benchmarks/bench_dequant.py, README): evict_first hints help small
+    # weights and cost ~1% on large ones; 8 warps per 2 KiB tile edge ahead past 16 MiB packed.
     (): (
         (1 << 16, Config(512, 2, False)),
         (1 << 21, Config(1024, 4, True)),
-        (None, Config(2048, 4, False)),
+        (1 << 24, Config(2048, 4, False)),
+        (None, Config(2048, 8, False)),
     ),
     # T4: only L1 eviction hints exist there; keep the plain loads.
     (7, 5): ((None, Config(1024, 4, False)),),

@@ -17,10 +17,9 @@ from nf4convert.kernels import nf4
 SIGNATURE_TYPES = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32"}
 
 
-def build(capability, out_dtype, nested, fp_fusion):
-    grid, constexprs, num_warps = nf4.launch_config(
-        1 << 24, 64, 256, nested, out_dtype, capability
-    )
+def compile_for(capability, out_dtype, nested, n_elements=1 << 24, blocksize=64, fp_fusion=False, sm_count=40):
+    """Triton's CompiledKernel for ``capability`` as the launcher would configure it, with its grid."""
+    grid, constexprs, num_warps = nf4.launch_config(n_elements, blocksize, 256, nested, out_dtype, capability, sm_count)
     out_type = "*i16" if constexprs["BF16_BITS"] else SIGNATURE_TYPES[out_dtype]
     signature = {
         "packed_ptr": "*u8",
@@ -37,6 +36,11 @@ def build(capability, out_dtype, nested, fp_fusion):
     source = ASTSource(fn=nf4.dequantize_4bit_kernel, signature=signature, constexprs=constexprs)
     target = GPUTarget("cuda", capability[0] * 10 + capability[1], 32)
     compiled = triton.compile(source, target=target, options={"num_warps": num_warps, "enable_fp_fusion": fp_fusion})
+    return compiled, grid, constexprs
+
+
+def build(capability, out_dtype, nested, fp_fusion):
+    compiled, _, constexprs = compile_for(capability, out_dtype, nested, fp_fusion=fp_fusion)
     ptx = compiled.asm["ptx"]
     return {
         "dtype": str(out_dtype),

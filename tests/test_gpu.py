@@ -191,3 +191,33 @@ def test_launch_variants_bit_exact(name, config, monkeypatch):
                                              ((3000, 1024), "fp4", True, torch.float32)):  # fmt: skip
         packed, state = quantize(shape, quant_type=quant_type, blocksize=64, nested=nested, dtype=dtype, device="cuda")
         _assert_same(nf4convert.dequantize_4bit(packed, state), F.dequantize_4bit(packed, state))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sm75_code_path_runs_bit_exact_on_this_gpu(dtype, tmp_path):
+    # The T4 build (sm_75 PTX: integer bf16 rounding, L1-only hints) JIT-compiled by the driver for
+    # this GPU and launched through CuPy, against bitsandbytes' CUDA kernel.
+    cupy = pytest.importorskip("cupy")
+    import numpy
+
+    from aot_build import compile_for
+    from nf4convert.dequantize import _fields
+
+    for nested in (True, False):
+        packed, state = quantize((1000, 4104), quant_type="fp4" if nested else "nf4", blocksize=64, nested=nested, dtype=dtype, device="cuda")
+        n = state.shape.numel()
+        compiled, grid, constexprs = compile_for((7, 5), dtype, nested, n_elements=n)
+        assert ".target sm_75" in compiled.asm["ptx"]
+        (tmp_path / "k.ptx").write_text(compiled.asm["ptx"])
+        function = cupy.RawModule(path=str(tmp_path / "k.ptx")).get_function("dequantize_4bit_kernel")
+        absmax, code2, absmax2, offset, code, _ = _fields(packed, state, None, "triton")
+        out = torch.full(tuple(state.shape), float("nan"), dtype=dtype, device="cuda")
+        pointers = [t.data_ptr() for t in (packed, absmax, code2 if nested else absmax, absmax2 if nested else absmax,
+                                           offset if nested else absmax, code, out)]  # fmt: skip
+        n_params = compiled.asm["ptx"].split(".entry", 1)[1].split(")", 1)[0].count(".param")
+        scratch = [numpy.uint64(0)] * (n_params - 9)  # Triton's global/profile scratch pointers, unused here
+        torch.cuda.synchronize()
+        function(grid, (compiled.metadata.num_warps * 32,), (*map(numpy.uint64, pointers), numpy.int32(n), numpy.int32((n + 1) // 2), *scratch),
+                 shared_mem=compiled.metadata.shared)  # fmt: skip
+        cupy.cuda.runtime.deviceSynchronize()
+        _assert_same(out, F.dequantize_4bit(packed, state))

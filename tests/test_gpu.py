@@ -193,8 +193,9 @@ def test_launch_variants_bit_exact(name, config, monkeypatch):
         _assert_same(nf4convert.dequantize_4bit(packed, state), F.dequantize_4bit(packed, state))
 
 
+@pytest.mark.parametrize("capability", [(7, 5), (9, 0)])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_sm75_code_path_runs_bit_exact_on_this_gpu(dtype, tmp_path):
+def test_sm75_code_path_runs_bit_exact_on_this_gpu(dtype, capability, tmp_path):
     # The T4 build (sm_75 PTX: integer bf16 rounding, L1-only hints) JIT-compiled by the driver for
     # this GPU and launched through CuPy, against bitsandbytes' CUDA kernel.
     cupy = pytest.importorskip("cupy")
@@ -206,10 +207,11 @@ def test_sm75_code_path_runs_bit_exact_on_this_gpu(dtype, tmp_path):
     for nested in (True, False):
         packed, state = quantize((1000, 4104), quant_type="fp4" if nested else "nf4", blocksize=64, nested=nested, dtype=dtype, device="cuda")
         n = state.shape.numel()
-        compiled, grid, constexprs = compile_for((7, 5), dtype, nested, n_elements=n)
-        assert ".target sm_75" in compiled.asm["ptx"]
-        (tmp_path / "k.ptx").write_text(compiled.asm["ptx"])
-        function = cupy.RawModule(path=str(tmp_path / "k.ptx")).get_function("dequantize_4bit_kernel")
+        compiled, grid, constexprs = compile_for(capability, dtype, nested, n_elements=n)
+        assert f".target sm_{capability[0]}{capability[1]}" in compiled.asm["ptx"]
+        ptx = tmp_path / f"kernel-{nested}.ptx"  # one file per build: CuPy caches modules by path
+        ptx.write_text(compiled.asm["ptx"])
+        function = cupy.RawModule(path=str(ptx)).get_function("dequantize_4bit_kernel")
         absmax, code2, absmax2, offset, code, _ = _fields(packed, state, None, "triton")
         out = torch.full(tuple(state.shape), float("nan"), dtype=dtype, device="cuda")
         pointers = [t.data_ptr() for t in (packed, absmax, code2 if nested else absmax, absmax2 if nested else absmax,

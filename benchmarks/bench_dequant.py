@@ -32,6 +32,8 @@ VARIANTS = {
     "t2k.w4.ev": dict(tile_bytes=2048, num_warps=4, evict=True),
     "t2k.w4": dict(tile_bytes=2048, num_warps=4, evict=False),
     "t2k.w4.cs": dict(tile_bytes=2048, num_warps=4, evict=False, streaming_stores=True),
+    "t2k.w4.noptx": dict(tile_bytes=2048, num_warps=4, evict=False, ptx=False),
+    "t2k.w8.noptx": dict(tile_bytes=2048, num_warps=8, evict=False, ptx=False),
     "t2k.w8": dict(tile_bytes=2048, num_warps=8, evict=False),
     "t4k.w8": dict(tile_bytes=4096, num_warps=8, evict=False),
     "t512.w2": dict(tile_bytes=512, num_warps=2, evict=False),

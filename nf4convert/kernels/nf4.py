@@ -204,6 +204,8 @@ class Config:
     programs_per_sm: int = 0  # > 0: persistent grid of this many programs per SM
     stages: int = 1  # pipelining depth of the persistent loop
     streaming_stores: bool = False  # st.global.cs for the output
+    ptx: bool = True  # inline PTX for the exact multiplies; False: plain ops and a compare-flush (exact
+    # only with fp fusion off, so never under torch.compile: the benchmark's "no PTX" column)
 
 
 CONFIGS = {
@@ -261,7 +263,7 @@ def launch_config(n_elements, blocksize, nested_blocksize, nested, out_dtype, ca
         BLOCKS_PER_PROGRAM=blocks,
         NESTED=nested,
         NESTED_SHIFT=nested_blocksize.bit_length() - 1 if nested else 0,
-        PTX=capability is not None,
+        PTX=capability is not None and config.ptx,
         BF16_BITS=out_dtype == torch.bfloat16 and (capability is None or tuple(capability) < (8, 0)),
         EVICT="evict_first" if config.evict else "",
         MASKED=n_elements % (2 * half_block * blocks) != 0,

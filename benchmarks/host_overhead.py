@@ -50,5 +50,28 @@ def main():
     nf4convert.dequantize_4bit(packed, state)
 
 
+
+
+def profile_replayed():
+    """cProfile of the replayed path: which Python calls the host time goes to."""
+    import cProfile
+    import pstats
+
+    import bitsandbytes.functional as F
+
+    weight = torch.randn(64, 256, dtype=torch.bfloat16, device="cuda")
+    packed, state = F.quantize_4bit(weight, blocksize=64, quant_type="nf4", compress_statistics=True)
+    nf4convert.dequantize_4bit(packed, state)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(2000):
+        nf4convert.dequantize_4bit(packed, state)
+    profiler.disable()
+    torch.cuda.synchronize()
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(12)
+
+
 if __name__ == "__main__":
-    main()
+    import sys
+
+    profile_replayed() if "--profile" in sys.argv else main()

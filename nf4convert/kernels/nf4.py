@@ -35,7 +35,7 @@ import triton.language as tl
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-FLT_MIN = 1.1754943508222875e-38  # smallest normal fp32
+FLT_MIN = tl.constexpr(1.1754943508222875e-38)  # smallest normal fp32
 
 
 @triton.jit

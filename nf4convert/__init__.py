@@ -24,5 +24,7 @@ def __getattr__(name):
         import importlib
 
         module, attribute = _EXPORTS[name]
-        return getattr(importlib.import_module(module), attribute)
+        value = getattr(importlib.import_module(module), attribute)
+        globals()[name] = value  # later lookups skip this hook (it costs microseconds per call)
+        return value
     raise AttributeError(f"module 'nf4convert' has no attribute {name!r}")

@@ -135,7 +135,7 @@ def dequantize_4bit(
         if entry is not None:
             if quant_state is None:
                 quant_state = packed.quant_state
-            if isinstance(packed, torch.nn.Parameter):
+            if type(packed) is not torch.Tensor and isinstance(packed, torch.nn.Parameter):
                 packed = packed.data
             key, refs, replay, config = entry
             if config is _kernel_module.CONFIG_OVERRIDE and _same(key, refs, packed, quant_state):

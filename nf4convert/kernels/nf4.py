@@ -310,15 +310,16 @@ _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 _fast_launch = _raw_stream is not None and not INTERPRET and os.environ.get("NF4CONVERT_FAST_LAUNCH", "1") != "0"
 
 
+_runtime_knobs = getattr(getattr(triton, "knobs", None), "runtime", None)
+
+
 def _hooks_active() -> bool:
-    knobs = getattr(triton, "knobs", None)
-    if knobs is None:
+    """Whether a profiler hooks Triton's launches: then launches take Triton's own path."""
+    if _runtime_knobs is None:
         return True  # older Triton keeps hooks elsewhere: take its own path
-    runtime = knobs.runtime
-    return any(
-        hook is not None and getattr(hook, "calls", True) != []
-        for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook)
-    )
+    enter, exit_ = _runtime_knobs.launch_enter_hook, _runtime_knobs.launch_exit_hook
+    # Triton 3.5+ always installs a HookChain, which is empty unless something registered a hook.
+    return (enter is not None and getattr(enter, "calls", True) != []) or (exit_ is not None and getattr(exit_, "calls", True) != [])
 
 
 def _specialization(args, constexprs, num_warps, device_index):

@@ -188,6 +188,8 @@ def convert(
     try:
         plan = make_plan(folder, dtype=dtype, max_shard_size=shard_limit, reader=reader)
         output = Path(output) if output is not None else default_output(source, plan.dtype)
+        if output.resolve() == folder.resolve() or output.resolve() in folder.resolve().parents:
+            raise OutputError(f"{output}: is the source checkpoint's folder (or holds it); choose another output")
         check_output(output, overwrite)
         check_free_space(plan, output)
         temporary = output.parent / f".{output.name}.nf4convert-partial"

@@ -44,14 +44,15 @@ def _remember(packed, quant_state, replay):
     state_id = id(quant_state)
     try:
         refs = tuple(weakref.ref(t) if isinstance(t, torch.Tensor) else (lambda: None) for t in key[7:])
-        weakref.finalize(quant_state, _replays.pop, state_id, None)
+        if state_id not in _replays:  # an entry under this id means this very object is alive: one finalizer
+            weakref.finalize(quant_state, _replays.pop, state_id, None)
     except TypeError:  # an object that takes no weak references: no replays for it
         return
     _replays[state_id] = (key[:7], refs, replay, _kernel_module.CONFIG_OVERRIDE)
 
 
 def _fields(packed: torch.Tensor, quant_state: Any, out: Optional[torch.Tensor], backend: str):
-    """Check the arguments; return (packed bytes, absmax, code2, absmax2, offset, code, nested blocksize)."""
+    """Check the arguments; return the kernel's inputs: (absmax, code2, absmax2, offset, code, nested blocksize)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, not {backend!r}")
     if quant_state.quant_type not in CODES:
@@ -130,7 +131,7 @@ def dequantize_4bit(
         >>> dense = nf4convert.dequantize_4bit(packed, state)   # == F.dequantize_4bit(packed, state)
     """
     global _kernel_module
-    if not torch.compiler.is_compiling() and out is None and backend != "cpu":
+    if not torch.compiler.is_compiling() and out is None and (backend == "auto" or backend == "triton"):
         entry = _replays.get(id(quant_state if quant_state is not None else getattr(packed, "quant_state", None)))
         if entry is not None:
             if quant_state is None:

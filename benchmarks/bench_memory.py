@@ -92,8 +92,10 @@ def main():
         results[name]["output_gb"] = output_bytes / 1e9
         print(name, json.dumps(results[name]), flush=True)
     import torch
+    import transformers
 
     print(f"\n{platform.processor() or platform.machine()}, {__import__('os').cpu_count()} cores, torch {torch.__version__}, "
+          f"transformers {transformers.__version__}, "
           f"Python {platform.python_version()}, {datetime.date.today().isoformat()}")  # fmt: skip
     print("| route | peak anonymous memory | peak RSS | wall time | output |")
     print("|---|---|---|---|---|")

@@ -15,7 +15,19 @@ DTYPES = ["auto", "bf16", "fp16", "fp32"]
 
 
 class DefaultGroup(click.Group):
-    """``nf4convert SOURCE ...`` means ``nf4convert convert SOURCE ...``."""
+    """``nf4convert SOURCE ...`` means ``nf4convert convert SOURCE ...``; usage errors are one line."""
+
+    def main(self, *args, **kwargs):
+        kwargs.pop("standalone_mode", None)
+        try:
+            code = super().main(*args, standalone_mode=False, **kwargs)
+        except click.ClickException as error:  # a bad option or argument: one line, not the usage text
+            click.echo(f"Error: {error.format_message()} (see 'nf4convert --help')", err=True)
+            sys.exit(error.exit_code)
+        except click.exceptions.Abort:
+            click.echo("Error: aborted", err=True)
+            sys.exit(1)
+        sys.exit(code if isinstance(code, int) else 0)
 
     def parse_args(self, ctx, args):
         if args and args[0] not in self.commands and args[0] not in ("--help", "-h", "--version"):

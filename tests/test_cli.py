@@ -286,6 +286,20 @@ def test_bad_input_is_one_clear_line(case, checkpoints, tmp_path):
     assert "Traceback" not in output and not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("args,message", [
+    (["--dtype", "int8"], "Invalid value for '--dtype'"),
+    (["--max-shard-size", "lots"], "size 'lots' is not like"),
+    (["--device", "tpu"], "device 'tpu' is not cpu, cuda or cuda:N"),
+    (["--device", "cuda:0"] if not torch.cuda.is_available() else ["--device", "nonsense"], "device"),
+    (["--no-such-option"], "No such option"),
+])  # fmt: skip
+def test_bad_options_are_one_line(args, message, checkpoints, tmp_path):
+    result = CliRunner().invoke(main, [str(checkpoints["llama-nf4-dq"]), "-o", str(tmp_path / "out"), "-q", *args])
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert result.exit_code in (1, 2) and len(lines) == 1 and lines[0].startswith("Error: ") and message in lines[0], result.output
+    assert not (tmp_path / "out").exists()
+
+
 def test_batch_keeps_going_and_reports(checkpoints, tmp_path):
     listing = tmp_path / "models.txt"
     listing.write_text(f"# two models\n{checkpoints['qwen2-tied-fp4']}\n")

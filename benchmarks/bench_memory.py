@@ -20,6 +20,7 @@ import datetime
 import json
 import platform
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -74,6 +75,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--keep", action="store_true", help="keep the built checkpoint and outputs")
+    parser.add_argument("--repeat", type=int, default=3, help="runs of each route, alternating; medians reported")
     options = parser.parse_args()
     workdir = options.workdir or Path(tempfile.mkdtemp(prefix="nf4convert-bench-"))
     workdir.mkdir(parents=True, exist_ok=True)
@@ -81,22 +83,28 @@ def main():
     if not (source / "config.json").exists():
         print("building the 4-bit source checkpoint ...", flush=True)
         build_source(source)
-    results = {}
-    for name, command in (
-        ("nf4convert", [sys.executable, "-m", "nf4convert.cli", str(source), "-o", str(workdir / "out-nf4convert"), "--device", "cpu", "-q", "--overwrite"]),
-        ("transformers", [sys.executable, "-c", TRANSFORMERS_ROUTE, str(source), str(workdir / "out-transformers")]),
-    ):
-        shutil.rmtree(workdir / f"out-{name}", ignore_errors=True)
-        results[name] = measure(command)
-        output_bytes = sum(p.stat().st_size for p in (workdir / f"out-{name}").glob("*.safetensors"))
-        results[name]["output_gb"] = output_bytes / 1e9
-        print(name, json.dumps(results[name]), flush=True)
+    routes = {
+        "nf4convert": [sys.executable, "-m", "nf4convert.cli", str(source), "-o", str(workdir / "out-nf4convert"), "--device", "cpu", "-q", "--overwrite"],
+        "transformers": [sys.executable, "-c", TRANSFORMERS_ROUTE, str(source), str(workdir / "out-transformers")],
+    }
+    runs = {name: [] for name in routes}
+    for _ in range(options.repeat):
+        for name, command in routes.items():  # alternating, so both see the same disk and cache state
+            shutil.rmtree(workdir / f"out-{name}", ignore_errors=True)
+            run = measure(command)
+            run["output_gb"] = sum(p.stat().st_size for p in (workdir / f"out-{name}").glob("*.safetensors")) / 1e9
+            runs[name].append(run)
+            print(name, json.dumps(run), flush=True)
+    results = {
+        name: {key: statistics.median(run[key] for run in measured) for key in measured[0]} for name, measured in runs.items()
+    }
     import torch
     import transformers
 
     print(f"\n{platform.processor() or platform.machine()}, {__import__('os').cpu_count()} cores, torch {torch.__version__}, "
           f"transformers {transformers.__version__}, "
           f"Python {platform.python_version()}, {datetime.date.today().isoformat()}")  # fmt: skip
+    print(f"medians of {options.repeat} runs each")
     print("| route | peak anonymous memory | peak RSS | wall time | output |")
     print("|---|---|---|---|---|")
     for name, r in results.items():

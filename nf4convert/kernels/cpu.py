@@ -23,19 +23,39 @@ FLT_MIN = 1.1754943508222875e-38  # smallest normal fp32
 # subnormal where |scale| is below FLT_MIN / 0.0052, so only such chunks pay for the flush.
 TINY_SCALE = FLT_MIN / 0.005
 
-_pair_tables: dict = {}
+_quad_tables: dict = {}
 
 
-def _pair_table(code: torch.Tensor) -> torch.Tensor:
-    """[256, 2] fp32: the values of the high and low nibble of every byte, one gather per byte."""
-    key = (code.data_ptr(), code.device, code._version)
-    table = _pair_tables.get(key)
+def _quad_table(code: torch.Tensor):
+    """[65536, 4] fp32 numpy table: the four values of every pair of bytes, read as one little-endian
+    uint16 (low byte first). numpy's take with uint16 indices is one gather per two bytes, several
+    times faster than torch's indexing on the CPU, and the 1 MiB table stays in cache."""
+    import numpy as np
+
+    key = (code.data_ptr(), code._version)
+    table = _quad_tables.get(key)
     if table is None:
-        byte = torch.arange(256, device=code.device)
-        table = torch.stack((code[byte >> 4], code[byte & 15]), dim=1).contiguous()
-        _pair_tables.clear()
-        _pair_tables[key] = table
+        values = code.cpu().numpy()
+        word = np.arange(65536)
+        first, second = word & 255, word >> 8
+        table = np.stack((values[first >> 4], values[first & 15], values[second >> 4], values[second & 15]), axis=1)
+        _quad_tables.clear()
+        _quad_tables[key] = table = np.ascontiguousarray(table, dtype=np.float32)
     return table
+
+
+def _decode_nibbles(table, packed: torch.Tensor) -> torch.Tensor:
+    """fp32 [2 * bytes]: code[high nibble], code[low nibble] of every byte, in order."""
+    import numpy as np
+
+    raw = packed.numpy()
+    even = raw.size // 2 * 2
+    values = np.empty(2 * raw.size, dtype=np.float32)
+    # mode="clip": every uint16 is a valid index, and "raise" would buffer the output (a copy)
+    np.take(table, raw[:even].view(np.uint16), axis=0, out=values[: 2 * even].reshape(-1, 4), mode="clip")
+    if even < raw.size:  # an odd byte count: the last byte alone, paired with a zero byte
+        values[2 * even :] = table[int(raw[-1])][:2]
+    return torch.from_numpy(values)
 
 
 def decode_absmax(absmax, code2, absmax2, offset, nested_blocksize) -> torch.Tensor:
@@ -61,13 +81,13 @@ def dequantize(packed, absmax, code2, absmax2, offset, code, out, blocksize, nes
     n_elements = out.numel()
     flat_out = out.view(-1)
     scale = decode_absmax(absmax, code2, absmax2, offset, nested_blocksize)
-    pairs = _pair_table(code)
+    table = _quad_table(code)
     half_block = blocksize // 2
     chunk = max(half_block, CHUNK_BYTES // half_block * half_block)
     n_bytes = packed.numel()
     for first_byte in range(0, n_bytes, chunk):
         last_byte = min(first_byte + chunk, n_bytes)
-        values = torch.index_select(pairs, 0, packed[first_byte:last_byte].int()).view(-1)  # [2 * bytes] fp32
+        values = _decode_nibbles(table, packed[first_byte:last_byte])  # [2 * bytes] fp32
         first_element = 2 * first_byte
         count = min(values.numel(), n_elements - first_element)
         first_block = first_byte // half_block

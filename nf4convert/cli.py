@@ -121,8 +121,9 @@ def convert_command(source, output, dtype, device, max_shard_size, overwrite, qu
 @click.argument("output", type=click.Path())
 @click.argument("source")
 @click.option("--device", default="auto", show_default=True, help="Where bitsandbytes dequantizes: auto, cpu, cuda, cuda:N.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 @_common_source_options
-def verify_command(output, source, device, revision, token, cache_dir):
+def verify_command(output, source, device, quiet, revision, token, cache_dir):
     """Check OUTPUT against SOURCE with bitsandbytes' own dequantize_4bit, bit for bit.
 
     Exits 0 only if every weight matches, every source tensor is there and no quantization
@@ -140,7 +141,7 @@ def verify_command(output, source, device, revision, token, cache_dir):
     def action():
         from .verify import report_lines, verify
 
-        report = verify(output, source, device=device, revision=revision, token=token, cache_dir=cache_dir)
+        report = verify(output, source, device=device, revision=revision, token=token, cache_dir=cache_dir, progress=not quiet)
         for line in report_lines(report):
             click.echo(line)
         return report.ok

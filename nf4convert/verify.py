@@ -70,7 +70,8 @@ def _reference(group: QuantGroup, reader: TensorReader, device, out_dtype):
     return expected, zero_mask
 
 
-def verify(output: str | Path, source: str, *, device: str = "auto", revision=None, token=None, cache_dir=None) -> VerifyReport:
+def verify(output: str | Path, source: str, *, device: str = "auto", revision=None, token=None, cache_dir=None,
+           progress: bool = False) -> VerifyReport:  # fmt: skip
     """Compare the converted checkpoint in ``output`` with ``source``; a report, never an exception for mismatches.
 
     Example:
@@ -112,7 +113,10 @@ def verify(output: str | Path, source: str, *, device: str = "auto", revision=No
             report.problems.append(f"{name}: in the source, missing from the output")
         for name in sorted(set(produced) - expected_names):
             report.problems.append(f"{name}: in the output, not in the source")
-        for name in sorted(expected_names & set(produced)):
+        from tqdm.auto import tqdm
+
+        names = sorted(expected_names & set(produced))
+        for name in tqdm(names, desc=f"verifying {output.name}", unit="tensor", disable=not progress, dynamic_ncols=True):
             got = output_reader.tensor(produced[name])
             report.checked += 1
             if name in groups:

@@ -195,10 +195,12 @@ class ShardWriter:
 
     def write(self, name: str, data) -> None:
         """Append bytes (a CPU tensor, any dtype, contiguous) of tensor ``name``; call in header order."""
+        import torch
+
         expected = self.tensors[self._next]
         if expected.name != name:
             raise RuntimeError(f"{self.path}: wrote '{name}' where '{expected.name}' comes next")
-        view = memoryview(data.contiguous().view(-1).view(__import__("torch").uint8).numpy())
+        view = memoryview(data.contiguous().view(-1).view(torch.uint8).numpy())
         self._file.write(view)
         self._written += len(view)
         if self._written > expected.nbytes:

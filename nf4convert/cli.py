@@ -165,7 +165,9 @@ def batch_command(sources, output_root, from_file, dtype, device, max_shard_size
       nf4convert batch --from-file models.txt -o converted/
     """
     import time
-    from pathlib import Path
+
+    from .convert import convert
+    from .errors import Nf4ConvertError
 
     sources = list(sources)
     if from_file is not None:
@@ -176,16 +178,8 @@ def batch_command(sources, output_root, from_file, dtype, device, max_shard_size
     for source in sources:
         started = time.perf_counter()
         try:
-            from .convert import convert, default_output
-            from .errors import Nf4ConvertError
-
-            target = None
-            if dtype != "auto":
-                target = Path(output_root) / default_output(source, {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[dtype])
-            else:
-                target = _auto_target(source, Path(output_root), revision, token, cache_dir)
-            result = convert(source, target, dtype=dtype, device=device, revision=revision, token=token, cache_dir=cache_dir,
-                             max_shard_size=max_shard_size, overwrite=overwrite, progress=not quiet)  # fmt: skip
+            result = convert(source, dtype=dtype, device=device, revision=revision, token=token, cache_dir=cache_dir,
+                             max_shard_size=max_shard_size, overwrite=overwrite, progress=not quiet, output_dir=output_root)  # fmt: skip
             rows.append((source, "ok", str(result.tensors), f"{result.bytes / 1e9:.2f} GB", f"{result.seconds:.1f}"))
         except KeyboardInterrupt:
             rows.append((source, "interrupted", "-", "-", f"{time.perf_counter() - started:.1f}"))
@@ -201,21 +195,6 @@ def batch_command(sources, output_root, from_file, dtype, device, max_shard_size
     if failed:
         click.echo(f"{failed} of {len(sources)} failed", err=True)
         sys.exit(1)
-
-
-def _auto_target(source, output_root, revision, token, cache_dir):
-    """OUTPUT_ROOT/<name>-<dtype> for --dtype auto: the dtype comes from the source's quant states."""
-    from .checkpoint import TensorReader
-    from .convert import default_output
-    from .hub import resolve
-    from .plan import make_plan
-
-    reader = TensorReader()
-    try:
-        plan = make_plan(resolve(source, revision=revision, token=token, cache_dir=cache_dir), reader=reader)
-    finally:
-        reader.close()
-    return output_root / default_output(source, plan.dtype)
 
 
 if __name__ == "__main__":

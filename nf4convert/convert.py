@@ -169,8 +169,11 @@ def convert(
     max_shard_size: str | int = "5GB",
     overwrite: bool = False,
     progress: bool = True,
+    output_dir: str | os.PathLike | None = None,
 ) -> ConvertResult:
     """Convert a bitsandbytes 4-bit checkpoint into a dense safetensors checkpoint.
+
+    ``output`` defaults to ``<output_dir or .>/<name>-<dtype>``.
 
     Example:
         >>> convert("unsloth/Llama-3.2-1B-Instruct-bnb-4bit", "llama-1b-bf16", dtype="bf16")
@@ -187,7 +190,7 @@ def convert(
     reader = TensorReader()
     try:
         plan = make_plan(folder, dtype=dtype, max_shard_size=shard_limit, reader=reader)
-        output = Path(output) if output is not None else default_output(source, plan.dtype)
+        output = Path(output) if output is not None else Path(output_dir or ".") / default_output(source, plan.dtype)
         if output.resolve() == folder.resolve() or output.resolve() in folder.resolve().parents:
             raise OutputError(f"{output}: is the source checkpoint's folder (or holds it); choose another output")
         check_output(output, overwrite)

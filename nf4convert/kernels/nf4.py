@@ -223,17 +223,16 @@ CONFIGS = {
 # Set by the benchmark to a Config to measure a variant.
 CONFIG_OVERRIDE: Optional[Config] = None
 
-_capabilities: dict = {}
-_sm_counts: dict = {}
+_devices: dict = {}
 
 
-def _capability(device: torch.device) -> tuple:
+def _device_info(device: torch.device) -> tuple:
+    """(compute capability, multiprocessor count) of a CUDA device, read once."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    cap = _capabilities.get(index)
-    if cap is None:
-        cap = _capabilities[index] = torch.cuda.get_device_capability(index)
-        _sm_counts[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return cap
+    info = _devices.get(index)
+    if info is None:
+        info = _devices[index] = (torch.cuda.get_device_capability(index), torch.cuda.get_device_properties(index).multi_processor_count)
+    return info
 
 
 def choose_config(n_bytes: int, capability: tuple) -> Config:
@@ -281,8 +280,7 @@ def launch_config(n_elements, blocksize, nested_blocksize, nested, out_dtype, ca
 def _plan(packed, absmax, code2, absmax2, offset, code, out, blocksize, nested_blocksize):
     """Everything a launch needs: (grid, args, constexprs, num_warps)."""
     nested = code2 is not None
-    capability = None if INTERPRET or out.device.type != "cuda" else _capability(out.device)
-    sm_count = _sm_counts.get(out.device.index, 132) if capability is not None else 1
+    capability, sm_count = (None, 1) if INTERPRET or out.device.type != "cuda" else _device_info(out.device)
     grid, constexprs, num_warps = launch_config(
         out.numel(), blocksize, nested_blocksize, nested, out.dtype, capability, sm_count
     )

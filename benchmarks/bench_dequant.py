@@ -26,7 +26,7 @@ from triton.testing import do_bench
 
 SHAPES = [(1024, 1024), (4096, 1024), (4096, 4096), (8192, 2048), (14336, 4096), (28672, 8192)]
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
-# Launch variants (nf4convert.kernels.nf4.Config fields) measured beside the default choice.
+# Launch variants (nf4convert.kernels.configs.Config fields) measured beside the default choice.
 VARIANTS = {
     "t1k.w4.ev": dict(tile_bytes=1024, num_warps=4, evict=True),
     "t2k.w4.ev": dict(tile_bytes=2048, num_warps=4, evict=True),
@@ -106,16 +106,13 @@ def host_us(fn, packed, state, calls=2000):
 
 
 def with_variant(fields, fn):
-    from nf4convert.kernels import nf4
+    from nf4convert.kernels import configs
 
-    config = nf4.Config(**fields)
+    config = configs.Config(**fields)
 
     def run(packed, state):
-        nf4.CONFIG_OVERRIDE = config
-        try:
+        with configs.override(config):
             return fn(packed, state)
-        finally:
-            nf4.CONFIG_OVERRIDE = None
 
     return run
 

@@ -12,7 +12,7 @@ import torch
 
 import nf4convert
 from nf4convert import dequantize as api
-from nf4convert.kernels import nf4
+from nf4convert.kernels import launch
 
 
 def per_call(fn, calls=5000):
@@ -33,16 +33,16 @@ def main():
     weight = torch.randn(64, 256, dtype=torch.bfloat16, device="cuda")
     packed, state = F.quantize_4bit(weight, blocksize=64, quant_type="nf4", compress_statistics=True)
     nf4convert.dequantize_4bit(packed, state)
-    key, refs, replay, _ = api._replays[id(state)]
+    entry = api._replays._entries[id(state)]
     out = torch.empty(tuple(state.shape), dtype=state.dtype, device="cuda")
     steps = {
         "dequantize_4bit (replayed)": lambda: nf4convert.dequantize_4bit(packed, state),
         "dequantize_4bit (full path, no replay)": lambda: (api._replays.clear(), nf4convert.dequantize_4bit(packed, state)),
-        "torch.empty": lambda: torch.empty(key[3], dtype=key[4], device=key[2]),
-        "replay check (_same)": lambda: api._same(key, refs, packed, state),
+        "torch.empty": lambda: torch.empty(entry.key.shape, dtype=entry.key.dtype, device=entry.key.device),
+        "replay cache (checks, empty, launch)": lambda: api._replays.replay(packed, state),
         "torch.cuda.current_device": torch.cuda.current_device,
-        "hooks check": nf4._hooks_active,
-        "replay (launch only)": lambda: replay(out),
+        "hooks check": launch._hooks_active,
+        "replay (launch only)": lambda: entry.replay(out),
         "torch.compiler.is_compiling": torch.compiler.is_compiling,
     }
     for name, fn in steps.items():

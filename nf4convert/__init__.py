@@ -2,21 +2,28 @@
 
 Public API (imported lazily, so the CLI starts without torch):
 
-    dequantize_4bit(packed, quant_state, *, out=None, backend="auto")
-    convert(source, output, ...)
-    verify(output, source, ...)
+    dequantize_4bit(packed, quant_state, *, out=None, backend="auto") -> torch.Tensor
+    convert(source, output=None, *, dtype="auto", device="auto", ...) -> ConvertResult
+    verify(output, source, *, device="auto", ...) -> VerifyReport
+    QuantState4bit, ConvertResult, VerifyReport
+    Nf4ConvertError and its subclasses ArgumentError, SourceNotFoundError, CheckpointError, OutputError, UploadError
 """
+
+from .errors import ArgumentError, CheckpointError, Nf4ConvertError, OutputError, SourceNotFoundError, UploadError
 
 __version__ = "0.1.0"
 
 _EXPORTS = {
     "dequantize_4bit": ("nf4convert.dequantize", "dequantize_4bit"),
-    "QuantState4bit": ("nf4convert.quant_state", "QuantState4bit"),
-    "convert": ("nf4convert.convert", "convert"),
-    "verify": ("nf4convert.verify", "verify"),
+    "QuantState4bit": ("nf4convert.formats.bnb4", "QuantState4bit"),
+    "convert": ("nf4convert.conversion", "convert"),
+    "ConvertResult": ("nf4convert.conversion", "ConvertResult"),
+    "verify": ("nf4convert.verification", "verify"),
+    "VerifyReport": ("nf4convert.verification", "VerifyReport"),
 }
 
-__all__ = ["__version__", *_EXPORTS]
+__all__ = ["__version__", *_EXPORTS, "Nf4ConvertError", "ArgumentError", "SourceNotFoundError", "CheckpointError",
+           "OutputError", "UploadError"]  # fmt: skip
 
 
 def __getattr__(name):

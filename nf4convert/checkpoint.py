@@ -16,17 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
+from .dtypes import DTYPES
 from .errors import CheckpointError
 
-# safetensors dtype names -> (torch dtype name, bytes per element)
-DTYPES = {
-    "F64": ("float64", 8), "F32": ("float32", 4), "F16": ("float16", 2), "BF16": ("bfloat16", 2),
-    "F8_E4M3": ("float8_e4m3fn", 1), "F8_E5M2": ("float8_e5m2", 1),
-    "I64": ("int64", 8), "I32": ("int32", 4), "I16": ("int16", 2), "I8": ("int8", 1),
-    "U64": ("uint64", 8), "U32": ("uint32", 4), "U16": ("uint16", 2), "U8": ("uint8", 1), "BOOL": ("bool", 1),
-}  # fmt: skip
-FLOAT_DTYPES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
-TORCH_TO_SAFETENSORS = {"float16": "F16", "bfloat16": "BF16", "float32": "F32"}
 MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit
 
 
@@ -76,8 +68,8 @@ def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict]:
             raise CheckpointError(f"{path}: tensor '{name}' has unknown dtype {dtype!r}")
         if not all(isinstance(d, int) and d >= 0 for d in shape):
             raise CheckpointError(f"{path}: tensor '{name}' has a malformed shape {list(shape)}")
-        if end - begin != math.prod(shape) * DTYPES[dtype][1] or begin < 0:
-            raise CheckpointError(f"{path}: tensor '{name}' has {end - begin} bytes, its shape {list(shape)} of {dtype} needs {math.prod(shape) * DTYPES[dtype][1]}")
+        if end - begin != math.prod(shape) * DTYPES[dtype].itemsize or begin < 0:
+            raise CheckpointError(f"{path}: tensor '{name}' has {end - begin} bytes, its shape {list(shape)} of {dtype} needs {math.prod(shape) * DTYPES[dtype].itemsize}")
         if data_start + end > size:
             raise CheckpointError(f"{path}: truncated: tensor '{name}' ends at byte {data_start + end}, the file has {size}")
         tensors[name] = TensorInfo(name, dtype, shape, data_start + begin, data_start + end, path)
@@ -132,10 +124,19 @@ class TensorReader:
     def __init__(self):
         self._files: dict[Path, object] = {}
 
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        self.close()
+
     def _file(self, path: Path):
         handle = self._files.get(path)
         if handle is None:
-            handle = self._files[path] = open(path, "rb")  # noqa: SIM115  (closed in close())
+            try:
+                handle = self._files[path] = open(path, "rb")  # noqa: SIM115  (closed in close())
+            except OSError as error:
+                raise CheckpointError(f"{path}: cannot be read ({error.strerror or error})") from None
         return handle
 
     def read(self, info: TensorInfo, first_byte: int = 0, count: int | None = None, out=None):
@@ -146,7 +147,11 @@ class TensorReader:
         buffer = torch.empty(count, dtype=torch.uint8) if out is None else out[:count]
         handle = self._file(info.path)
         handle.seek(info.begin + first_byte)
-        if handle.readinto(memoryview(buffer.numpy())) != count:
+        try:
+            complete = handle.readinto(memoryview(buffer.numpy())) == count
+        except OSError as error:
+            raise CheckpointError(f"{info.path}: cannot be read ({error.strerror or error})") from None
+        if not complete:
             raise CheckpointError(f"{info.path}: truncated while reading tensor '{info.name}'")
         return buffer
 
@@ -154,7 +159,7 @@ class TensorReader:
         import torch
 
         data = self.read(info)
-        return data.view(getattr(torch, DTYPES[info.dtype][0])).reshape(info.shape)
+        return data.view(DTYPES[info.dtype].torch).reshape(info.shape)
 
     def close(self):
         for handle in self._files.values():
@@ -162,16 +167,9 @@ class TensorReader:
         self._files.clear()
 
 
-@dataclass(frozen=True)
-class OutputTensor:
-    name: str
-    dtype: str  # safetensors name
-    shape: tuple
-    nbytes: int
-
-
-def shard_header(tensors: Iterable[OutputTensor]) -> bytes:
-    """The 8-byte length and JSON header for these tensors in this order, padded to 8 bytes."""
+def shard_header(tensors: Iterable) -> bytes:
+    """The 8-byte length and JSON header for these tensors (``name``, ``dtype``, ``shape``, ``nbytes``) in this order,
+    padded to 8 bytes."""
     header: dict = {"__metadata__": {"format": "pt"}}
     offset = 0
     for tensor in tensors:
@@ -185,7 +183,7 @@ def shard_header(tensors: Iterable[OutputTensor]) -> bytes:
 class ShardWriter:
     """Writes one shard: the header first, then each tensor's bytes in header order, as they come."""
 
-    def __init__(self, path: Path, tensors: list[OutputTensor]):
+    def __init__(self, path: Path, tensors: list):
         self.path = path
         self.tensors = tensors
         self._file = open(path, "wb")  # noqa: SIM115  (closed in close())

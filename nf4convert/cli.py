@@ -1,4 +1,4 @@
-"""The command line: parsing and messages only; the work is in convert.py and verify.py.
+"""The command line: parsing and messages only; the work is in conversion.py and verification.py.
 
 torch, Triton and bitsandbytes are imported inside the commands, so ``--help`` is instant.
 """
@@ -10,8 +10,17 @@ import sys
 import click
 
 from . import __version__
+from .dtypes import OUTPUT_CHOICES
 
-DTYPES = ["auto", "bf16", "fp16", "fp32"]
+# What a library error's ``option`` becomes on the command line.
+HINTS = {
+    "overwrite": "pass --overwrite to replace it",
+    "token": "pass --token or set HF_TOKEN",
+    "revision": "see --revision",
+    "dtype": "see --dtype",
+    "device": "see --device",
+    "max_shard_size": "see --max-shard-size",
+}
 
 
 class DefaultGroup(click.Group):
@@ -48,8 +57,14 @@ def _run(action):
         return action()
     except KeyboardInterrupt:
         _fail("interrupted; nothing was written", 130)
-    except (Nf4ConvertError, ValueError) as error:
-        _fail(str(error))
+    except Nf4ConvertError as error:
+        _fail(message(error))
+
+
+def message(error) -> str:
+    """A library error's line, with the flag that would change the outcome."""
+    hint = HINTS.get(getattr(error, "option", None) or "")
+    return f"{error} ({hint})" if hint else str(error)
 
 
 @click.group(cls=DefaultGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -78,7 +93,7 @@ def _common_source_options(function):
 
 def _convert_options(function):
     for option in reversed([
-        click.option("--dtype", type=click.Choice(DTYPES), default="auto", show_default=True,
+        click.option("--dtype", type=click.Choice(OUTPUT_CHOICES), default="auto", show_default=True,
                      help="Output dtype; auto keeps the dtype the model was quantized from."),
         click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N (auto: the GPU if there is one)."),
         click.option("--max-shard-size", default="5GB", show_default=True, help="Largest output shard, like transformers'."),
@@ -106,12 +121,12 @@ def convert_command(source, output, dtype, device, max_shard_size, overwrite, qu
     """
 
     def action():
-        from .convert import convert
+        from .conversion import convert
 
         result = convert(source, output, dtype=dtype, device=device, revision=revision, token=token, cache_dir=cache_dir,
                          max_shard_size=max_shard_size, overwrite=overwrite, progress=not quiet)  # fmt: skip
         if not quiet:
-            click.echo(f"{result.output}: {result.tensors} tensors ({result.quantized} dequantized), "
+            click.echo(f"{result.output}: {result.tensors} tensors ({result.dequantized} dequantized), "
                        f"{result.bytes / 1e9:.2f} GB {result.dtype}, {result.seconds:.1f} s")  # fmt: skip
 
     _run(action)
@@ -133,13 +148,9 @@ def verify_command(output, source, device, quiet, revision, token, cache_dir):
     Example:
       nf4convert verify Llama-3.2-1B-Instruct-bf16 unsloth/Llama-3.2-1B-Instruct-bnb-4bit
     """
-    from pathlib import Path
-
-    if not Path(output).is_dir():
-        _fail(f"{output}: no such folder")
 
     def action():
-        from .verify import report_lines, verify
+        from .verification import report_lines, verify
 
         report = verify(output, source, device=device, revision=revision, token=token, cache_dir=cache_dir, progress=not quiet)
         for line in report_lines(report):
@@ -166,7 +177,7 @@ def batch_command(sources, output_root, from_file, dtype, device, max_shard_size
     """
     import time
 
-    from .convert import convert
+    from .conversion import convert
     from .errors import Nf4ConvertError
 
     sources = list(sources)
@@ -184,8 +195,8 @@ def batch_command(sources, output_root, from_file, dtype, device, max_shard_size
         except KeyboardInterrupt:
             rows.append((source, "interrupted", "-", "-", f"{time.perf_counter() - started:.1f}"))
             break
-        except (Nf4ConvertError, ValueError) as error:
-            click.echo(f"Error: {error}", err=True)
+        except Nf4ConvertError as error:
+            click.echo(f"Error: {message(error)}", err=True)
             rows.append((source, "failed", "-", "-", f"{time.perf_counter() - started:.1f}"))
     header = ("source", "status", "tensors", "bytes", "seconds")
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(5)]

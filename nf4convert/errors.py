@@ -1,8 +1,27 @@
-"""Every failure a user can meet has its own type and a one-line message that says what to do next."""
+"""Every failure a user can meet has its own type and a one-line message naming the file, tensor or option.
+
+Library messages name parameters as the Python API spells them; an error that a parameter could
+resolve says which in ``option`` ("overwrite", "token", ...), and the CLI turns that into a flag.
+
+    Nf4ConvertError
+    ├── ArgumentError        an option / argument value that is not valid (also a ValueError)
+    ├── SourceNotFoundError  SOURCE or ADAPTER cannot be found, fetched or read as a folder
+    ├── CheckpointError      a checkpoint file that is missing, truncated, corrupt, or not convertible
+    ├── OutputError          the output cannot be written (exists, no space, not writable)
+    └── UploadError          pushing the output to the Hub failed
+"""
 
 
 class Nf4ConvertError(Exception):
     """Base of the errors the CLI reports in one line, without a traceback."""
+
+    def __init__(self, message: str, *, option: str | None = None):
+        super().__init__(message)
+        self.option = option  # the parameter that would change the outcome, if any
+
+
+class ArgumentError(Nf4ConvertError, ValueError):
+    """An argument that is not valid: a dtype, device, size, backend, or a quant state's field."""
 
 
 class SourceNotFoundError(Nf4ConvertError):
@@ -10,12 +29,12 @@ class SourceNotFoundError(Nf4ConvertError):
 
 
 class CheckpointError(Nf4ConvertError):
-    """A checkpoint file that is missing, truncated, corrupt, or not a bitsandbytes 4-bit checkpoint."""
+    """A checkpoint file that is missing, truncated, corrupt, or not a bitsandbytes checkpoint we convert."""
 
 
 class OutputError(Nf4ConvertError):
-    """The output folder cannot be written: it exists, or the disk is too small."""
+    """The output folder cannot be written: it exists, the disk is too small, or it is not writable."""
 
 
-class VerificationError(Nf4ConvertError):
-    """The output does not match its source."""
+class UploadError(Nf4ConvertError):
+    """The finished output could not be pushed to the Hub."""

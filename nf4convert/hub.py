@@ -32,6 +32,9 @@ def model_name(source: str) -> str:
 def resolve(source: str, *, revision: str | None = None, token: str | None = None, cache_dir: str | None = None) -> Path:
     """A local folder holding the checkpoint named by ``source``.
 
+    Raises:
+        SourceNotFoundError: not a folder, and not a Hub repo that can be fetched (or found in the cache offline).
+
     Example:
         >>> resolve("unsloth/Llama-3.2-1B-Instruct-bnb-4bit")   # downloads only what is needed
         >>> resolve("./my-model-bnb-4bit")                        # a local folder, used in place
@@ -50,11 +53,11 @@ def resolve(source: str, *, revision: str | None = None, token: str | None = Non
     try:
         return Path(snapshot_download(source, revision=revision, token=token, cache_dir=cache_dir, allow_patterns=ALLOW_PATTERNS))
     except errors.GatedRepoError:
-        raise SourceNotFoundError(f"{source}: gated repository; accept its terms on the Hub and pass --token (or set HF_TOKEN)") from None
+        raise SourceNotFoundError(f"{source}: gated repository; accept its terms on the Hub and give a token", option="token") from None
     except errors.RepositoryNotFoundError:
-        raise SourceNotFoundError(f"{source}: repository not found on the Hub (private? pass --token)") from None
+        raise SourceNotFoundError(f"{source}: repository not found on the Hub (private? give a token)", option="token") from None
     except errors.RevisionNotFoundError:
-        raise SourceNotFoundError(f"{source}: revision {revision!r} not found") from None
+        raise SourceNotFoundError(f"{source}: revision {revision!r} not found", option="revision") from None
     except errors.LocalEntryNotFoundError:
         raise SourceNotFoundError(f"{source}: not in the Hub cache, and the Hub cannot be reached (offline: HF_HUB_OFFLINE is set or there is no network)") from None
     except errors.HfHubHTTPError as error:

@@ -147,10 +147,10 @@ def test_verify_catches_tampering(checkpoints, tmp_path):
 
 
 def test_interrupted_run_leaves_nothing(checkpoints, tmp_path, monkeypatch):
-    from nf4convert import convert as convert_module
+    from nf4convert import plan, stream
 
     calls = {"n": 0}
-    original = convert_module._write_plain
+    original = stream.PRODUCERS[plan.Copy]
 
     def fail_after_some(*args, **kwargs):
         calls["n"] += 1
@@ -158,7 +158,7 @@ def test_interrupted_run_leaves_nothing(checkpoints, tmp_path, monkeypatch):
             raise KeyboardInterrupt
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(convert_module, "_write_plain", fail_after_some)
+    monkeypatch.setitem(stream.PRODUCERS, plan.Copy, fail_after_some)
     out = tmp_path / "out"
     output = CliRunner().invoke(main, [str(checkpoints["llama-nf4-dq"]), "-o", str(out), "-q"])
     assert output.exit_code == 130 and "interrupted" in output.output

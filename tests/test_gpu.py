@@ -14,7 +14,7 @@ from helpers import STORAGE_DTYPES, bits, quantize
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 F = pytest.importorskip("bitsandbytes.functional") if torch.cuda.is_available() else None
 
-_rng = random.Random()
+_rng = random.Random(20261124)  # fixed: the same cases (and test ids) every run
 BLOCKSIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -143,7 +143,7 @@ def test_repeat_calls_replay_and_notice_changes():
 
     packed, state = quantize((640, 1000), quant_type="nf4", blocksize=64, nested=True, dtype=torch.bfloat16, device="cuda")
     first = nf4convert.dequantize_4bit(packed, state)
-    assert id(state) in module._replays  # the second call takes the replay path
+    assert state in module._replays  # the second call takes the replay path
     for _ in range(3):
         _assert_same(nf4convert.dequantize_4bit(packed, state), first)
     # A quant state whose tensors were replaced is launched afresh, not replayed with stale pointers.
@@ -154,11 +154,13 @@ def test_repeat_calls_replay_and_notice_changes():
     # A different packed tensor with the same quant state is not the same launch either.
     other = packed.clone()
     _assert_same(nf4convert.dequantize_4bit(other, state), F.dequantize_4bit(other, state))
+    # The entry goes with its quant state (a finalizer), so the cache cannot grow with dead weights.
+    entries = len(module._replays)
     del state
     import gc
 
     gc.collect()
-    assert all(entry is not None for entry in module._replays.values())
+    assert len(module._replays) == entries - 1
 
 
 @pytest.mark.parametrize("variant", ["llama-nf4-dq", "phi3-fused-fp4-dq", "qwen2-tied-fp4"])
@@ -183,10 +185,14 @@ def test_cli_convert_on_cuda_matches_cpu_and_bnb_cuda(variant, tmp_path):
     ("select", dict(tile_bytes=1024, num_warps=4, evict=False, lut_select=True)),
     ("big-tiles", dict(tile_bytes=8192, num_warps=8, evict=True)),
 ])  # fmt: skip
-def test_launch_variants_bit_exact(name, config, monkeypatch):
-    from nf4convert.kernels import nf4
+def test_launch_variants_bit_exact(name, config):
+    from nf4convert.kernels import configs
 
-    monkeypatch.setattr(nf4, "CONFIG_OVERRIDE", nf4.Config(**config))
+    with configs.override(configs.Config(**config)):
+        _check_shapes()
+
+
+def _check_shapes():
     for shape, quant_type, nested, dtype in (((4096, 4096), "nf4", True, torch.bfloat16), ((777, 333), "fp4", False, torch.float16),
                                              ((3000, 1024), "fp4", True, torch.float32)):  # fmt: skip
         packed, state = quantize(shape, quant_type=quant_type, blocksize=64, nested=nested, dtype=dtype, device="cuda")

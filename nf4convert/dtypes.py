@@ -1,0 +1,58 @@
+"""The one table of dtypes: safetensors' names, torch's names, sizes, and which ones an output may take.
+
+Everything else (the CLI's --dtype choices, plan's casts, the shard writer, verify) reads this table.
+torch is not imported here, so the CLI can parse options without it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import ArgumentError
+
+
+@dataclass(frozen=True)
+class DType:
+    code: str  # safetensors' name, e.g. "BF16"
+    name: str  # torch's name, e.g. "bfloat16"
+    itemsize: int
+    short: str | None = None  # the CLI's short name, for the dtypes an output can take
+    cast: bool = False  # a plain tensor of this dtype takes the output dtype (so the output is of one dtype)
+
+    @property
+    def torch(self):
+        import torch
+
+        return getattr(torch, self.name)
+
+
+DTYPES = {
+    dtype.code: dtype
+    for dtype in (
+        DType("F64", "float64", 8, cast=True), DType("F32", "float32", 4, "fp32", cast=True),
+        DType("F16", "float16", 2, "fp16", cast=True), DType("BF16", "bfloat16", 2, "bf16", cast=True),
+        DType("F8_E4M3", "float8_e4m3fn", 1), DType("F8_E5M2", "float8_e5m2", 1),
+        DType("I64", "int64", 8), DType("I32", "int32", 4), DType("I16", "int16", 2), DType("I8", "int8", 1),
+        DType("U64", "uint64", 8), DType("U32", "uint32", 4), DType("U16", "uint16", 2), DType("U8", "uint8", 1),
+        DType("BOOL", "bool", 1),
+    )
+}  # fmt: skip
+BY_NAME = {dtype.name: dtype for dtype in DTYPES.values()}
+OUTPUT_DTYPES = {dtype.name: dtype for dtype in DTYPES.values() if dtype.short}  # float16, bfloat16, float32
+# What --dtype / dtype= accept: "auto", the short names and torch's names.
+OUTPUT_CHOICES = ("auto", *(d.short for d in OUTPUT_DTYPES.values()), *OUTPUT_DTYPES)
+
+
+def output_dtype(choice: str) -> DType | None:
+    """The output DType a ``dtype`` option names (``None`` for "auto"); ArgumentError for anything else."""
+    if choice == "auto":
+        return None
+    for dtype in OUTPUT_DTYPES.values():
+        if choice in (dtype.short, dtype.name):
+            return dtype
+    raise ArgumentError(f"dtype {choice!r} is not one of {', '.join(OUTPUT_CHOICES)}", option="dtype")
+
+
+def of_torch(torch_dtype) -> DType:
+    """The DType of a torch dtype (``torch.bfloat16`` -> BF16)."""
+    return BY_NAME[str(torch_dtype).removeprefix("torch.")]

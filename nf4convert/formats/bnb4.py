@@ -1,0 +1,311 @@
+"""bitsandbytes 4-bit (NF4/FP4) weights: the one owner of the quant state.
+
+A 4-bit weight ``W`` in a checkpoint is ``W`` (the packed bytes, two nibbles each, high nibble first)
+plus its quant state: ``W.absmax``, ``W.quant_map`` and, with double quantization, ``W.nested_absmax`` and
+``W.nested_quant_map``, and ``W.quant_state.bitsandbytes__{nf4,fp4}``, a UTF-8 JSON tensor with
+``quant_type``, ``blocksize``, ``dtype``, ``shape`` and, when nested, ``nested_blocksize`` and
+``nested_offset``. This module parses and checks all of that (from headers and the tiny JSON/table
+tensors), builds the in-memory :class:`QuantState4bit`, and cuts a weight into chunks of whole
+(nested) blocks for streaming. The arithmetic is in ``nf4convert.kernels``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Iterator
+
+from ..dtypes import DTYPES, OUTPUT_DTYPES
+from ..errors import ArgumentError, CheckpointError
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..checkpoint import TensorInfo, TensorReader
+
+# bitsandbytes' CUDA kernels decode the nibble with constants of their own and ignore the stored
+# quant_map, so these tables, not the checkpoint's, are the truth. FP4 nibble 8 is -0.0 there
+# (sign * 0.0f), although get_4bit_type stores +0.0 (the Python literal -0 is the integer 0).
+NF4_CODE = (
+    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
+    -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
+    0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
+    0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0,
+)  # fmt: skip
+FP4_CODE = tuple(sign * value / 12.0 for sign in (1.0, -1.0) for value in (0.0, 0.0625, 8.0, 12.0, 4.0, 6.0, 2.0, 3.0))
+CODES = {"nf4": NF4_CODE, "fp4": FP4_CODE}
+
+BLOCKSIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)
+PARTS = ("absmax", "quant_map", "nested_absmax", "nested_quant_map")  # suffixes of a weight's quant-state tensors
+STATE_KEY = re.compile(r"^(?P<weight>.+)\.quant_state\.bitsandbytes__(?P<quant_type>[^.]*)$")
+MAX_STATE_BYTES = 1 << 16  # bitsandbytes writes ~200 bytes; anything far larger is not a quant state
+_PART_KEY = re.compile(r"^(?P<weight>.+)\.(?:" + "|".join(PARTS) + r"|quant_state\.bitsandbytes__[^.]*)$")
+
+_code_cache: dict = {}
+
+
+def canonical_code(quant_type: str, device="cpu") -> torch.Tensor:
+    """The fp32 [16] table bitsandbytes' CUDA kernels decode ``quant_type`` nibbles with."""
+    import torch
+
+    device = torch.device(device)
+    table = _code_cache.get((quant_type, device))
+    if table is None:
+        table = _code_cache[(quant_type, device)] = torch.tensor(CODES[quant_type], dtype=torch.float32, device=device)
+    return table
+
+
+def matches_canonical(quant_type: str, quant_map: torch.Tensor) -> bool:
+    """Whether a stored quant_map is the canonical table, up to the sign of FP4's zero."""
+    import torch
+
+    if quant_map.numel() != 16:
+        return False
+    stored = quant_map.detach().to("cpu", torch.float32).reshape(16)
+    return bool(torch.equal(stored, canonical_code(quant_type)))  # +0.0 == -0.0 here
+
+
+@dataclass
+class NestedState:
+    absmax: torch.Tensor  # fp32, one per ``blocksize`` entries of the outer uint8 absmax
+    code: torch.Tensor  # fp32 [256], the dynamic 8-bit map
+    blocksize: int
+    dtype: Any = None  # bitsandbytes' field; the nested absmax is fp32
+
+
+@dataclass
+class QuantState4bit:
+    """bitsandbytes' QuantState fields, for a weight read from a checkpoint (no bitsandbytes import)."""
+
+    absmax: torch.Tensor
+    shape: Any  # torch.Size
+    dtype: Any  # torch.dtype of the output
+    blocksize: int
+    quant_type: str
+    offset: torch.Tensor | None = None
+    state2: NestedState | None = None
+    nested: bool = field(init=False)
+
+    def __post_init__(self):
+        self.nested = self.state2 is not None
+
+
+def layout_problem(*, packed_bytes: int, shape, blocksize: int, absmax_count: int, absmax_float: bool,
+                   absmax_u8: bool, nested_blocksize: int | None, nested_count: int = 0, nested_float: bool = True,
+                   code2_count: int = 256) -> str | None:  # fmt: skip
+    """What is wrong with a 4-bit weight's sizes (None when they fit): the one rule for checkpoints and the API."""
+    n_elements = math.prod(shape)
+    if packed_bytes != (n_elements + 1) // 2:
+        return f"{packed_bytes} packed bytes do not hold shape {list(shape)} ({(n_elements + 1) // 2} bytes expected)"
+    n_blocks = -(-n_elements // blocksize)
+    if absmax_count != n_blocks:
+        return f"absmax has {absmax_count} entries, {n_blocks} expected for {n_elements} elements in blocks of {blocksize}"
+    if nested_blocksize is None:
+        return None if absmax_float else "absmax must be floating point without a nested state"
+    if not absmax_u8:
+        return "nested absmax must be uint8"
+    n_nested = -(-n_blocks // nested_blocksize)
+    if nested_count != n_nested or not nested_float:
+        return f"nested_absmax has {nested_count} entries, {n_nested} floats expected"
+    if code2_count != 256:
+        return f"nested_quant_map has {code2_count} entries, 256 expected"
+    return None
+
+
+def check_state(packed_bytes: int, quant_state: Any) -> None:
+    """Raise ArgumentError unless a quant state (bitsandbytes' or ours) is one we dequantize for ``packed_bytes``."""
+    import torch
+
+    if quant_state.quant_type not in CODES:
+        raise ArgumentError(f"quant_type must be 'nf4' or 'fp4', not {quant_state.quant_type!r}")
+    if quant_state.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ArgumentError(f"dtype must be float16, bfloat16 or float32, not {quant_state.dtype}")
+    if quant_state.blocksize not in BLOCKSIZES:
+        raise ArgumentError(f"blocksize must be one of {BLOCKSIZES}, not {quant_state.blocksize!r}")
+    state2 = quant_state.state2 if quant_state.nested else None
+    if state2 is not None and (state2.blocksize <= 0 or state2.blocksize & (state2.blocksize - 1)):
+        raise ArgumentError(f"nested blocksize must be a power of two, not {state2.blocksize}")
+    absmax = quant_state.absmax
+    problem = layout_problem(
+        packed_bytes=packed_bytes, shape=tuple(quant_state.shape), blocksize=quant_state.blocksize,
+        absmax_count=absmax.numel(), absmax_float=absmax.is_floating_point(), absmax_u8=absmax.dtype == torch.uint8,
+        nested_blocksize=state2 and int(state2.blocksize), nested_count=state2 and state2.absmax.numel(),
+        code2_count=state2.code.numel() if state2 is not None else 256,
+    )  # fmt: skip
+    if problem:
+        raise ArgumentError(f"packed: {problem}")
+
+
+def parse_meta(raw: bytes, *, where: str) -> dict:
+    """The quant state's JSON (``where`` names file and weight in messages), checked; CheckpointError if bad."""
+    try:
+        meta = json.loads(bytes(raw).decode("utf-8"), parse_constant=_no_constant)
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise CheckpointError(f"{where}: quant state is not valid JSON") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{where}: quant state JSON is not an object")
+    for key in ("quant_type", "blocksize", "dtype", "shape"):
+        if key not in meta:
+            raise CheckpointError(f"{where}: quant state has no '{key}'")
+    if meta["quant_type"] not in CODES:
+        raise CheckpointError(f"{where}: quant_type {meta['quant_type']!r} is not nf4 or fp4")
+    if not _integer(meta["blocksize"]) or meta["blocksize"] not in BLOCKSIZES:
+        raise CheckpointError(f"{where}: blocksize {meta['blocksize']!r} is not one of {BLOCKSIZES}")
+    if not isinstance(meta["dtype"], str) or meta["dtype"] not in OUTPUT_DTYPES:
+        raise CheckpointError(f"{where}: dtype {meta['dtype']!r} is not float16, bfloat16 or float32")
+    shape = meta["shape"]
+    if not isinstance(shape, list) or not shape or not all(_integer(d) and d > 0 for d in shape):
+        raise CheckpointError(f"{where}: shape {shape!r} is not a list of positive integers")
+    if "nested_blocksize" in meta or "nested_offset" in meta:
+        blocksize2 = meta.get("nested_blocksize")
+        if not _integer(blocksize2) or blocksize2 <= 0 or blocksize2 & (blocksize2 - 1):
+            raise CheckpointError(f"{where}: nested_blocksize {blocksize2!r} is not a power of two")
+        offset = meta.get("nested_offset")
+        if not (_integer(offset) or isinstance(offset, float)) or not math.isfinite(offset):
+            raise CheckpointError(f"{where}: quant state has no finite numeric 'nested_offset'")
+    return meta
+
+
+def _integer(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _no_constant(name):
+    raise ValueError(f"{name} is not JSON")
+
+
+@dataclass(frozen=True, eq=False)
+class Weight4bit:
+    """A 4-bit weight in a checkpoint: its packed tensor, its quant-state tensors (wherever they sit) and JSON."""
+
+    name: str
+    packed: TensorInfo
+    parts: dict  # suffix ("absmax", ..., "quant_state") -> TensorInfo
+    meta: dict
+
+    @property
+    def shape(self) -> tuple:
+        return tuple(self.meta["shape"])
+
+    @property
+    def nested(self) -> bool:
+        return "nested_blocksize" in self.meta
+
+    @property
+    def quant_type(self) -> str:
+        return self.meta["quant_type"]
+
+    @property
+    def sources(self) -> tuple:
+        return (self.packed, *self.parts.values())
+
+
+def find_weights(tensors: dict[str, TensorInfo], reader: TensorReader) -> list[Weight4bit]:
+    """Every 4-bit weight of a checkpoint, checked; CheckpointError (naming file and tensor) for anything wrong.
+
+    A tensor named like a quant-state part whose weight has no quant state is an error, never a plain
+    tensor: copying it through would write packed bytes as a "dense" weight.
+    """
+    weights = []
+    for key, info in tensors.items():
+        match = STATE_KEY.match(key)
+        if match is None:
+            continue
+        name, quant_type = match["weight"], match["quant_type"]
+        where = f"{info.path}: {name}"
+        if quant_type not in CODES:
+            raise CheckpointError(f"{where}: unknown quant state '{key}' (only nf4 and fp4 are 4-bit)")
+        if name not in tensors:
+            raise CheckpointError(f"{info.path}: quant state '{key}' has no packed weight '{name}' in any shard")
+        if info.dtype != "U8" or len(info.shape) != 1 or info.nbytes > MAX_STATE_BYTES:
+            raise CheckpointError(f"{where}: quant state '{key}' is not a 1-D U8 tensor of at most {MAX_STATE_BYTES} JSON bytes")
+        meta = parse_meta(bytes(reader.read(info).numpy()), where=where)
+        if meta["quant_type"] != quant_type:
+            raise CheckpointError(f"{where}: quant state key says {quant_type}, its JSON says {meta['quant_type']}")
+        parts = {suffix: tensors[f"{name}.{suffix}"] for suffix in PARTS if f"{name}.{suffix}" in tensors}
+        parts["quant_state"] = info
+        weight = Weight4bit(name, tensors[name], parts, meta)
+        _check(weight, reader)
+        weights.append(weight)
+    consumed = {source.name for weight in weights for source in weight.sources}
+    for key, info in tensors.items():
+        match = _PART_KEY.match(key)
+        if match and key not in consumed:
+            raise CheckpointError(f"{info.path}: '{key}' is part of the 4-bit quant state of '{match['weight']}', "
+                                  f"which has no '{match['weight']}.quant_state.bitsandbytes__nf4/fp4' tensor")  # fmt: skip
+    return weights
+
+
+def _check(weight: Weight4bit, reader: TensorReader) -> None:
+    where = f"{weight.packed.path}: {weight.name}"
+    needed = PARTS if weight.nested else PARTS[:2]
+    for suffix in needed:
+        if suffix not in weight.parts:
+            raise CheckpointError(f"{where}: quant state is missing '{weight.name}.{suffix}'")
+    if not weight.nested and "nested_absmax" in weight.parts:
+        raise CheckpointError(f"{where}: has nested_absmax but its quant state JSON has no nested_blocksize")
+    absmax = weight.parts["absmax"]
+    nested = weight.parts.get("nested_absmax") if weight.nested else None
+    problem = layout_problem(
+        packed_bytes=weight.packed.nbytes, shape=weight.shape, blocksize=weight.meta["blocksize"],
+        absmax_count=math.prod(absmax.shape), absmax_float=DTYPES[absmax.dtype].cast, absmax_u8=absmax.dtype == "U8",
+        nested_blocksize=weight.meta.get("nested_blocksize"), nested_count=nested and math.prod(nested.shape),
+        nested_float=nested is not None and DTYPES[nested.dtype].cast,
+        code2_count=math.prod(weight.parts["nested_quant_map"].shape) if weight.nested else 256,
+    )  # fmt: skip
+    if problem:
+        raise CheckpointError(f"{where}: {problem}")
+    for suffix in ("quant_map", "nested_quant_map")[: 1 + weight.nested]:
+        if not DTYPES[weight.parts[suffix].dtype].cast:
+            raise CheckpointError(f"{where}: {suffix} is {weight.parts[suffix].dtype}, not floating point")
+    quant_map = weight.parts["quant_map"]
+    if math.prod(quant_map.shape) != 16 or not matches_canonical(weight.quant_type, reader.tensor(quant_map)):
+        raise CheckpointError(f"{where}: quant_map is not bitsandbytes' {weight.quant_type} table")
+
+
+def load_state(weight: Weight4bit, reader: TensorReader, device) -> QuantState4bit:
+    """The weight's quant state on ``device`` (a flat absmax as fp32), read from the checkpoint."""
+    import torch
+
+    meta = weight.meta
+    absmax = reader.tensor(weight.parts["absmax"])
+    state2 = offset = None
+    if weight.nested:
+        state2 = NestedState(
+            absmax=reader.tensor(weight.parts["nested_absmax"]).to(device, torch.float32).reshape(-1),
+            code=reader.tensor(weight.parts["nested_quant_map"]).to(device, torch.float32).reshape(-1),
+            blocksize=int(meta["nested_blocksize"]),
+        )
+        offset = torch.tensor(float(meta["nested_offset"]), dtype=torch.float32, device=device)
+    else:
+        absmax = absmax.to(torch.float32)
+    return QuantState4bit(absmax=absmax.to(device).reshape(-1), shape=torch.Size(meta["shape"]),
+                          dtype=OUTPUT_DTYPES[meta["dtype"]].torch, blocksize=int(meta["blocksize"]),
+                          quant_type=meta["quant_type"], offset=offset, state2=state2)  # fmt: skip
+
+
+def chunks(state: QuantState4bit, chunk_elements: int, dtype) -> Iterator[tuple[int, int, QuantState4bit]]:
+    """``(first element, element count, quant state of that piece)`` in chunks of whole (nested) blocks.
+
+    Each piece dequantizes on its own to ``dtype``: it holds exactly the absmax (and nested absmax)
+    entries of its blocks. Its packed bytes are ``[first // 2, first // 2 + (count + 1) // 2)``.
+    """
+    import torch
+
+    n = math.prod(state.shape)
+    nested_blocksize = state.state2.blocksize if state.nested else 1
+    unit = state.blocksize * nested_blocksize
+    chunk = max(unit, chunk_elements // unit * unit)
+    for first in range(0, n, chunk):
+        count = min(chunk, n - first)
+        first_block, end_block = first // state.blocksize, -(-(first + count) // state.blocksize)
+        state2 = None
+        if state.nested:
+            nested = state.state2
+            state2 = NestedState(nested.absmax[first_block // nested_blocksize : -(-end_block // nested_blocksize)],
+                                 nested.code, nested_blocksize)  # fmt: skip
+        yield first, count, QuantState4bit(absmax=state.absmax[first_block:end_block], shape=torch.Size([count]),
+                                           dtype=dtype, blocksize=state.blocksize, quant_type=state.quant_type,
+                                           offset=state.offset, state2=state2)  # fmt: skip

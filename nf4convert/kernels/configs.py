@@ -1,0 +1,99 @@
+"""Launch knobs of the dequantize kernel per GPU, and how one weight's launch is shaped.
+
+Speed only: every config is bit-exact (the tests run each variant). The table is by compute capability
+(prefix match; ``()`` is the default), rows ``(largest packed size in bytes, Config)``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton.language as tl
+
+
+@dataclass(frozen=True)
+class Config:
+    tile_bytes: int  # packed bytes per tile (whole quant blocks)
+    num_warps: int
+    evict: bool  # evict_first hints on the streamed bytes and output
+    lut_select: bool = False  # nibble decode by selects instead of an L1 gather
+    programs_per_sm: int = 0  # > 0: persistent grid of this many programs per SM
+    stages: int = 1  # pipelining depth of the persistent loop
+    streaming_stores: bool = False  # st.global.cs for the output
+    ptx: bool = True  # inline PTX for the exact multiplies; False: plain ops and a compare-flush (exact
+    # only with fp fusion off, so never under torch.compile: the benchmark's "no PTX" column)
+
+
+CONFIGS = {
+    # Measured on an H100 (benchmarks/bench_dequant.py, README): evict_first hints help small
+    # weights and cost ~1% on large ones; 8 warps per 2 KiB tile edge ahead past 16 MiB packed.
+    (): (
+        (1 << 16, Config(512, 2, False)),
+        (1 << 21, Config(1024, 4, True)),
+        (1 << 24, Config(2048, 4, False)),
+        (None, Config(2048, 8, False)),
+    ),
+    # T4: only L1 eviction hints exist there; keep the plain loads.
+    (7, 5): ((None, Config(1024, 4, False)),),
+}
+_override: Optional[Config] = None
+
+
+@contextlib.contextmanager
+def override(config: Config):
+    """Launch every weight with ``config`` inside the block (the benchmark and tests measure variants so)."""
+    global _override
+    previous, _override = _override, config
+    try:
+        yield config
+    finally:
+        _override = previous
+
+
+def current_override() -> Optional[Config]:
+    return _override
+
+
+def choose_config(n_bytes: int, capability: tuple) -> Config:
+    """The launch config for a weight of ``n_bytes`` packed bytes on a GPU of ``capability``."""
+    if _override is not None:
+        return _override
+    table = CONFIGS.get(tuple(capability)) or CONFIGS.get(tuple(capability[:1])) or CONFIGS[()]
+    for limit, config in table:
+        if limit is None or n_bytes <= limit:
+            return config
+    return table[-1][1]
+
+
+def launch_config(n_elements, blocksize, nested_blocksize, nested, out_dtype, capability, sm_count):
+    """(grid, constexprs, num_warps) for one weight; ``capability`` None means the interpreter."""
+    half_block = blocksize // 2
+    n_bytes = (n_elements + 1) // 2
+    if capability is None and _override is None:
+        config = Config(max(half_block, 4096), 4, False)  # the interpreter: few, large programs
+    else:
+        config = choose_config(n_bytes, capability)
+    blocks = max(1, config.tile_bytes // half_block)
+    n_tiles = -(-n_bytes // (half_block * blocks))
+    persistent = config.programs_per_sm > 0 and n_tiles > sm_count * config.programs_per_sm
+    constexprs = dict(
+        HALF_BLOCK=half_block,
+        BLOCKS_PER_PROGRAM=blocks,
+        NESTED=nested,
+        NESTED_SHIFT=nested_blocksize.bit_length() - 1 if nested else 0,
+        PTX=capability is not None and config.ptx,
+        BF16_BITS=out_dtype == torch.bfloat16 and (capability is None or tuple(capability) < (8, 0)),
+        EVICT="evict_first" if config.evict else "",
+        MASKED=n_elements % (2 * half_block * blocks) != 0,
+        PAIR_STORE=n_elements % 2 == 0,
+        PAIR_TYPE=tl.uint64 if out_dtype == torch.float32 else tl.uint32,
+        LUT_SELECT=config.lut_select,
+        PERSISTENT=persistent,
+        STAGES=config.stages,
+        STORE_CACHE=".cs" if config.streaming_stores else "",
+    )
+    grid = (sm_count * config.programs_per_sm,) if persistent else (n_tiles,)
+    return grid, constexprs, config.num_warps

@@ -1,0 +1,107 @@
+"""The output folder's lifecycle: checks before anything is written, a temporary folder beside OUT, the side
+files (config, index, carried files), the atomic move into place, and cleanup on any failure.
+
+OUT only ever appears complete: until the last rename it does not exist (or, with ``overwrite``, it is the
+user's old folder, untouched). Every OSError on this path becomes one OutputError line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+from pathlib import Path
+
+from .errors import OutputError
+
+PARTIAL_SUFFIX = ".nf4convert-partial"
+OLD_SUFFIX = ".nf4convert-old"
+SPARE_BYTES = 64 << 20  # headroom on the disk beyond the output itself
+
+
+def _reason(error: OSError) -> str:
+    return error.strerror or str(error)
+
+
+def check_destination(output: Path, *, overwrite: bool) -> None:
+    """OutputError if OUT is a file, or a non-empty folder and ``overwrite`` is off."""
+    try:
+        if output.exists() and not output.is_dir():
+            raise OutputError(f"{output}: exists and is not a folder")
+        if output.is_dir() and any(output.iterdir()) and not overwrite:
+            raise OutputError(f"{output}: exists and is not empty", option="overwrite")
+    except OSError as error:
+        raise OutputError(f"{output}: cannot be read ({_reason(error)})") from None
+
+
+def check_not_source(output: Path, source: Path) -> None:
+    """OutputError if OUT is the source folder or holds it (even with ``overwrite``)."""
+    resolved = output.resolve()
+    if resolved == source.resolve() or resolved in source.resolve().parents:
+        raise OutputError(f"{output}: is the source checkpoint's folder (or holds it); choose another output")
+
+
+def check_free_space(output: Path, needed: int) -> None:
+    """OutputError unless OUT's file system has ``needed`` bytes (and some headroom) free."""
+    parent = output.resolve().parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(parent).free
+    except OSError as error:
+        raise OutputError(f"{parent}: cannot be written ({_reason(error)})") from None
+    if free < needed + SPARE_BYTES:
+        raise OutputError(f"{parent}: {free / 1e9:.2f} GB free, the output needs {needed / 1e9:.2f} GB")
+
+
+@contextlib.contextmanager
+def staging(output: Path):
+    """A fresh temporary folder beside OUT; removed if the block fails in any way (Ctrl-C too)."""
+    temporary = output.parent / f".{output.name}{PARTIAL_SUFFIX}"
+    try:
+        shutil.rmtree(temporary, ignore_errors=True)  # left by a run that was killed outright
+        temporary.mkdir(parents=True)
+    except OSError as error:
+        raise OutputError(f"{output}: cannot be written ({_reason(error)})") from None
+    try:
+        yield temporary
+    except OSError as error:
+        shutil.rmtree(temporary, ignore_errors=True)
+        raise OutputError(f"{output}: writing failed ({_reason(error)}); nothing was written") from None
+    except BaseException:
+        shutil.rmtree(temporary, ignore_errors=True)
+        raise
+
+
+def index_json(plan) -> dict:
+    """model.safetensors.index.json for a sharded output, as transformers writes it."""
+    weight_map = {tensor.name: tensor.shard for tensor in plan.tensors}
+    return {"metadata": {"total_size": plan.tensor_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+
+
+def write_side_files(plan, folder: Path) -> None:
+    """Carried files, config.json (dense) and, for several shards, the index."""
+    for relative in plan.side_files:
+        target = folder / relative
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(plan.folder / relative, target)
+    if plan.config is not None:
+        (folder / "config.json").write_text(json.dumps(plan.config, indent=2) + "\n")
+    if len(plan.shards) > 1:
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index_json(plan), indent=2) + "\n")
+
+
+def move_into_place(temporary: Path, output: Path) -> None:
+    """Rename the finished folder to OUT; an old OUT (overwrite) is removed only after that."""
+    old = None
+    if output.exists():
+        old = output.parent / f".{output.name}{OLD_SUFFIX}"
+        shutil.rmtree(old, ignore_errors=True)
+        output.rename(old)
+    try:
+        temporary.rename(output)
+    except OSError:
+        if old is not None:
+            old.rename(output)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,103 @@
+"""Execute a plan: every output tensor's recipe, chunk by chunk, on one device, straight into its shard.
+
+Peak memory is a few chunks (``CHUNK_ELEMENTS`` outputs of a 4-bit weight, ``CHUNK_BYTES`` of a plain
+tensor), whatever the model or shard size: each shard's header is written first (the plan fixed every
+offset), then the bytes, on a writer thread while the next chunk is made.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, Iterator
+
+from .checkpoint import ShardWriter, TensorReader
+from .dtypes import DTYPES
+from .formats import bnb4
+from .plan import Copy, Dequantize4bit, Plan, PlannedTensor
+
+CHUNK_ELEMENTS = 1 << 24  # outputs per step of a quantized weight: 32 MiB of bf16
+CHUNK_BYTES = 1 << 25  # source bytes per step of a plain tensor
+
+
+def _copy(tensor: PlannedTensor, reader: TensorReader, device) -> Iterator:
+    import torch
+
+    source = tensor.recipe.source
+    source_type, target_type = DTYPES[source.dtype].torch, DTYPES[tensor.dtype].torch
+    size = DTYPES[source.dtype].itemsize
+    step = max(size, CHUNK_BYTES // size * size)
+    for first in range(0, source.nbytes, step):
+        data = reader.read(source, first, min(step, source.nbytes - first)).view(source_type)
+        yield data.to(target_type) if source_type != target_type else data
+    if source.nbytes == 0:
+        yield torch.empty(0, dtype=torch.uint8)
+
+
+def _dequantize_4bit(tensor: PlannedTensor, reader: TensorReader, device) -> Iterator:
+    import torch
+
+    from .dequantize import dequantize_4bit
+
+    weight = tensor.recipe.weight
+    state = bnb4.load_state(weight, reader, device)
+    buffer = None
+    for first, count, piece in bnb4.chunks(state, CHUNK_ELEMENTS, DTYPES[tensor.dtype].torch):
+        if buffer is None:  # the first chunk is the largest
+            buffer = torch.empty((count + 1) // 2, dtype=torch.uint8)
+        packed = reader.read(weight.packed, first // 2, (count + 1) // 2, out=buffer).to(device)
+        yield dequantize_4bit(packed, piece).cpu()
+
+
+# How each kind of recipe is made; verify.py holds the reference twin of this table.
+PRODUCERS: dict[type, Callable[[PlannedTensor, TensorReader, object], Iterator]] = {
+    Copy: _copy,
+    Dequantize4bit: _dequantize_4bit,
+}
+
+
+class _Pipeline:
+    """Writes chunks on a background thread while the next ones are computed (file writes and torch
+    release the GIL); at most ``depth`` chunks wait, so memory stays bounded."""
+
+    def __init__(self, progress: Callable[[int], None], depth: int = 2):
+        from collections import deque
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nf4convert-writer")
+        self._pending = deque()
+        self._progress = progress
+        self._depth = depth
+
+    def emit(self, writer: ShardWriter, name: str, data) -> None:
+        self._pending.append(self._pool.submit(writer.write, name, data))
+        self._progress(data.numel() * data.element_size())
+        while len(self._pending) > self._depth:
+            self._pending.popleft().result()
+
+    def drain(self) -> None:
+        while self._pending:
+            self._pending.popleft().result()
+
+    def close(self) -> None:
+        for future in self._pending:
+            future.cancel()
+        self._pool.shutdown(wait=True)
+
+
+def write_shards(plan: Plan, folder: Path, reader: TensorReader, device, *, progress: Callable[[int], None],
+                 tensor_done: Callable[[int], None] = lambda done: None) -> None:  # fmt: skip
+    """Write every shard of ``plan`` into ``folder``, making each tensor by its recipe on ``device``."""
+    pipeline = _Pipeline(progress)
+    done = 0
+    try:
+        for shard in plan.shards:
+            writer = ShardWriter(folder / shard.filename, shard.tensors)
+            for tensor in shard.tensors:
+                for chunk in PRODUCERS[type(tensor.recipe)](tensor, reader, device):
+                    pipeline.emit(writer, tensor.name, chunk)
+                done += 1
+                tensor_done(done)
+            pipeline.drain()
+            writer.close()
+    finally:
+        pipeline.close()

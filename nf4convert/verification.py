@@ -1,0 +1,182 @@
+"""Check a converted checkpoint against its source with the reference library, bit for bit.
+
+verify is stream's sibling: it re-plans the source and recomputes every recipe with bitsandbytes
+(never with our kernels), then compares the output's bytes. Every source tensor must be there, no
+quantization key or config may remain, and every floating tensor must be of the output's one dtype.
+
+On the CPU, bitsandbytes' native kernel is asked for a flat ``[1, n]`` shape: on AVX512 machines it
+indexes absmax per row, which is wrong when a row is not a whole number of blocks, and a flat shape
+is one row. Its CPU paths also decode FP4 nibble 8 as +0.0 where its CUDA kernel (the truth, which
+the output follows) gives -0.0, so on the CPU a zero at such a position matches either sign; that
+allowance is counted in the report. On a GPU the comparison is plain bits.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .checkpoint import TensorInfo, TensorReader, read_tensors
+from .dtypes import DTYPES
+from .errors import ArgumentError, CheckpointError, SourceNotFoundError
+from .formats import bnb4
+from .plan import Copy, Dequantize4bit, PlannedTensor, make_plan
+
+
+@dataclass
+class VerifyReport:
+    output: Path
+    checked: int = 0
+    dequantized: int = 0
+    signed_zero_allowances: int = 0
+    device: str = "cpu"
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def _bits(tensor):
+    import torch
+
+    integer = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.element_size()]
+    return tensor.contiguous().view(-1).view(integer)
+
+
+def _reference_4bit(tensor: PlannedTensor, reader: TensorReader, device):
+    """bitsandbytes' result for a 4-bit weight, and the FP4 nibble-8 mask (CPU allowance)."""
+    import bitsandbytes.functional as F
+    import torch
+
+    weight = tensor.recipe.weight
+    parts = {info.name: reader.tensor(info) for info in weight.parts.values()}
+    state = F.QuantState.from_dict(parts, device=device)
+    state.dtype = DTYPES[tensor.dtype].torch  # bitsandbytes rounds its fp32 products straight to the dtype asked for
+    packed = reader.tensor(weight.packed).to(device)
+    shape = state.shape
+    if device.type == "cpu":
+        state.shape = torch.Size([1, shape.numel()])
+    expected = F.dequantize_4bit(packed.view(torch.uint8).reshape(-1, 1), state).reshape(shape)
+    zero_mask = None
+    if device.type == "cpu" and state.quant_type == "fp4":
+        flat = packed.view(torch.uint8).reshape(-1).to(torch.int32)
+        zero_mask = (torch.stack((flat >> 4, flat & 15), 1).reshape(-1)[: shape.numel()] == 8).reshape(shape)
+    return expected, zero_mask
+
+
+def _reference_copy(tensor: PlannedTensor, reader: TensorReader, device):
+    return reader.tensor(tensor.recipe.source).to(DTYPES[tensor.dtype].torch), None
+
+
+# The reference twin of stream.PRODUCERS: (what makes it, whom a difference is blamed on).
+REFERENCES = {
+    Copy: (_reference_copy, "the source tensor"),
+    Dequantize4bit: (_reference_4bit, "bitsandbytes"),
+}
+
+
+def _leftovers(produced: dict[str, TensorInfo], output: Path) -> list[str]:
+    problems = [f"{name}: a quantization key remains in the output" for name in sorted(produced)
+                if bnb4.STATE_KEY.match(name) or name.endswith(tuple("." + part for part in bnb4.PARTS))]  # fmt: skip
+    config_path = output / "config.json"
+    if config_path.exists() and "quantization_config" in config_path.read_text(encoding="utf-8", errors="replace"):
+        problems.append("config.json: quantization_config remains")
+    return problems
+
+
+def _output_dtype(produced: dict[str, TensorInfo]) -> str:
+    """The output's dtype: that of most of its floating tensors (those of another are named one by one)."""
+    counts = Counter(info.dtype for info in produced.values() if info.dtype in ("F16", "BF16", "F32"))
+    if not counts:
+        raise CheckpointError("no fp16, bf16 or fp32 tensors in the output")
+    return DTYPES[counts.most_common(1)[0][0]].name
+
+
+def _plan_source(folder: Path, output: Path, dtype: str, reader: TensorReader):
+    try:
+        return make_plan(folder, dtype=dtype, reader=reader)
+    except CheckpointError:
+        # OUT and SOURCE swapped: the "output" is the 4-bit checkpoint.
+        try:
+            swapped = any(bnb4.STATE_KEY.match(name) for name in read_tensors(output))
+        except CheckpointError:
+            swapped = False
+        if swapped:
+            raise ArgumentError(f"{output} is a 4-bit checkpoint and {folder} is not: the order is OUT, then SOURCE") from None
+        raise
+
+
+def verify(output: str | Path, source: str, *, device: str = "auto", revision: str | None = None,
+           token: str | None = None, cache_dir: str | None = None, progress: bool = False) -> VerifyReport:  # fmt: skip
+    """Compare the converted checkpoint in ``output`` with ``source``; mismatches go in the report, not exceptions.
+
+    Raises:
+        ArgumentError: a bad ``device``, or ``output`` and ``source`` given the wrong way round.
+        SourceNotFoundError: ``output`` is not a folder, or ``source`` cannot be found or fetched.
+        CheckpointError: a file of ``output`` or ``source`` is corrupt, or ``source`` is not convertible.
+
+    Example:
+        >>> report = verify("llama-1b-bf16", "unsloth/Llama-3.2-1B-Instruct-bnb-4bit")
+        >>> report.ok
+    """
+    import logging
+
+    from tqdm.auto import tqdm
+
+    from .devices import pick_device
+    from .hub import resolve
+
+    # bitsandbytes warns on import about an optional CPU matmul kernel that verification never uses.
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    output = Path(output)
+    chosen = pick_device(device)
+    if not output.is_dir():
+        raise SourceNotFoundError(f"{output}: no such folder")
+    folder = resolve(source, revision=revision, token=token, cache_dir=cache_dir)
+    report = VerifyReport(output, device=str(chosen))
+    with TensorReader() as source_reader, TensorReader() as output_reader:
+        produced = read_tensors(output)
+        plan = _plan_source(folder, output, _output_dtype(produced), source_reader)
+        report.problems += _leftovers(produced, output)
+        expected = {tensor.name: tensor for tensor in plan.tensors}
+        report.problems += [f"{name}: in the source, missing from the output" for name in sorted(set(expected) - set(produced))]
+        report.problems += [f"{name}: in the output, not in the source" for name in sorted(set(produced) - set(expected))]
+        names = sorted(set(expected) & set(produced))
+        for name in tqdm(names, desc=f"verifying {output.name}", unit="tensor", disable=not progress, dynamic_ncols=True):
+            report.checked += 1
+            problem = _compare(expected[name], produced[name], source_reader, output_reader, chosen, report)
+            if problem:
+                report.problems.append(f"{name}: {problem}")
+    return report
+
+
+def _compare(tensor: PlannedTensor, info: TensorInfo, source_reader, output_reader, device, report) -> str | None:
+    if info.dtype != tensor.dtype or tuple(info.shape) != tuple(tensor.shape):
+        return f"{info.dtype} {list(info.shape)} in the output, {tensor.dtype} {list(tensor.shape)} expected"
+    reference, blame = REFERENCES[type(tensor.recipe)]
+    if not isinstance(tensor.recipe, Copy):
+        report.dequantized += 1
+    expected, zero_mask = reference(tensor, source_reader, device)
+    expected = expected.to("cpu")
+    got = output_reader.tensor(info)
+    differ = _bits(got) != _bits(expected)
+    if zero_mask is not None:
+        allowed = differ & zero_mask.reshape(-1) & (got.reshape(-1) == 0) & (expected.reshape(-1) == 0)
+        report.signed_zero_allowances += int(allowed.sum())
+        differ &= ~allowed
+    mismatches = int(differ.sum())
+    return f"{mismatches} of {got.numel()} elements differ from {blame}" if mismatches else None
+
+
+def report_lines(report: VerifyReport) -> list[str]:
+    lines = [f"{report.output}: {report.checked} tensors checked ({report.dequantized} dequantized by bitsandbytes on {report.device})"]
+    if report.signed_zero_allowances:
+        lines.append(f"  {report.signed_zero_allowances} FP4 zeros are -0.0 as on CUDA where bitsandbytes' CPU path gives +0.0")
+    lines += [f"  MISMATCH {problem}" for problem in report.problems[:20]]
+    if len(report.problems) > 20:
+        lines.append(f"  ... and {len(report.problems) - 20} more problems")
+    count = len(report.problems)
+    lines.append("OK: bit-exact with bitsandbytes" if report.ok else f"FAILED: {count} problem{'s' if count != 1 else ''}")
+    return lines

@@ -38,7 +38,7 @@ DTYPES = {
     )
 }  # fmt: skip
 BY_NAME = {dtype.name: dtype for dtype in DTYPES.values()}
-OUTPUT_DTYPES = {dtype.name: dtype for dtype in DTYPES.values() if dtype.short}  # float16, bfloat16, float32
+OUTPUT_DTYPES = {name: BY_NAME[name] for name in ("bfloat16", "float16", "float32")}  # those with a short name
 # What --dtype / dtype= accept: "auto", the short names and torch's names.
 OUTPUT_CHOICES = ("auto", *(d.short for d in OUTPUT_DTYPES.values()), *OUTPUT_DTYPES)
 

@@ -131,9 +131,9 @@ def verify(output: str | Path, source: str, *, device: str = "auto", revision: s
     # bitsandbytes warns on import about an optional CPU matmul kernel that verification never uses.
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
     output = Path(output)
-    chosen = pick_device(device)
     if not output.is_dir():
         raise SourceNotFoundError(f"{output}: no such folder")
+    chosen = pick_device(device)
     folder = resolve(source, revision=revision, token=token, cache_dir=cache_dir)
     report = VerifyReport(output, device=str(chosen))
     with TensorReader() as source_reader, TensorReader() as output_reader:

@@ -314,9 +314,23 @@ def test_batch_keeps_going_and_reports(checkpoints, tmp_path):
     assert (tmp_path / "root" / "qwen2-tied-fp16" / "model.safetensors").exists()
 
 
-def test_help_is_instant_and_imports_no_torch():
-    code = "import sys; from nf4convert.cli import main; assert 'torch' not in sys.modules, 'torch imported'"
-    subprocess.run([sys.executable, "-c", code], check=True)
+def test_help_and_bad_arguments_import_no_torch():
+    # torch costs ~2 s and bitsandbytes ~5 s to import: help and argument errors must not pay for them.
+    code = """
+import sys
+from nf4convert.cli import main
+for args in (["--help"], ["verify", "--help"], ["batch", "--help"], ["verify", "/no/such/out", "src"], ["x", "--dtype", "int9"]):
+    try:
+        main(args)
+    except SystemExit as exit:
+        print("exit", exit.code)
+heavy = sorted(name for name in ("torch", "bitsandbytes", "transformers", "triton") if name in sys.modules)
+print("heavy", heavy)
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert "heavy []" in result.stdout, result.stdout
+    assert result.stdout.count("exit 0") == 3 and "exit 1" in result.stdout and "exit 2" in result.stdout
+    assert "/no/such/out: no such folder" in result.stderr
     result = subprocess.run([sys.executable, "-m", "nf4convert.cli", "--help"], capture_output=True, text=True, check=True)
     assert "verify" in result.stdout and "batch" in result.stdout
     for command in ("convert", "verify", "batch"):

@@ -1,0 +1,134 @@
+"""plan and the shard writer, from small hand-made checkpoints: recipes, sizes, shards, offsets, what is read."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from helpers import quantize
+from nf4convert.checkpoint import ShardWriter, TensorReader, read_tensors
+from nf4convert.errors import ArgumentError, CheckpointError
+from nf4convert.plan import Copy, Dequantize4bit, make_plan, parse_size
+
+pytest.importorskip("bitsandbytes")
+
+
+def _checkpoint(folder, *, drop=None):
+    """Two shards: a nested NF4 bf16 weight whose quant state sits in the second shard, a flat FP4 fp16 weight,
+    an fp32 norm and an int64 buffer; plus an index and side files."""
+    a_packed, a_state = quantize((48, 83), quant_type="nf4", blocksize=64, nested=True, dtype=torch.bfloat16, seed=1)
+    b_packed, b_state = quantize((16, 40), quant_type="fp4", blocksize=128, nested=False, dtype=torch.bfloat16, seed=2)
+    first = {"a.weight": a_packed, "b.weight": b_packed, "norm.weight": torch.randn(83, generator=torch.Generator().manual_seed(3)),
+             "ids": torch.arange(7), **{f"b.weight.{k}": v for k, v in b_state.as_dict(packed=True).items()}}  # fmt: skip
+    second = {f"a.weight.{k}": v for k, v in a_state.as_dict(packed=True).items()}
+    for shard in (first, second):
+        for key in [k for k in shard if k == drop]:
+            del shard[key]
+    folder.mkdir()
+    save_file(first, folder / "one.safetensors")
+    save_file(second, folder / "two.safetensors")
+    weight_map = {**{k: "one.safetensors" for k in first}, **{k: "two.safetensors" for k in second}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    (folder / "config.json").write_text(json.dumps({"quantization_config": {"load_in_4bit": True}, "text_config": {"quantization_config": {}}}))
+    (folder / "tokenizer.json").write_text("{}")
+    (folder / "pytorch_model.bin").write_bytes(b"old weights")
+    return folder
+
+
+def test_recipes_sizes_and_side_files(tmp_path):
+    plan = make_plan(_checkpoint(tmp_path / "src"))
+    recipes = {tensor.name: tensor for tensor in plan.tensors}
+    assert sorted(recipes) == ["a.weight", "b.weight", "ids", "norm.weight"]  # no quant-state part is an output
+    assert isinstance(recipes["a.weight"].recipe, Dequantize4bit) and recipes["a.weight"].recipe.weight.nested
+    assert isinstance(recipes["norm.weight"].recipe, Copy)
+    assert plan.dtype.name == "bfloat16"  # auto: the dtype the weights were quantized from
+    assert (recipes["a.weight"].dtype, recipes["a.weight"].shape, recipes["a.weight"].nbytes) == ("BF16", (48, 83), 48 * 83 * 2)
+    assert (recipes["norm.weight"].dtype, recipes["ids"].dtype) == ("BF16", "I64")  # floats cast, integers kept
+    assert plan.tensor_bytes == sum(math.prod(t.shape) * (8 if t.dtype == "I64" else 2) for t in plan.tensors)
+    assert plan.n_dequantized == 2
+    assert [str(p) for p in plan.side_files] == ["tokenizer.json"]  # not the .bin, the index, or config.json
+    assert plan.config == {"text_config": {}, "torch_dtype": "bfloat16", "dtype": "bfloat16"}
+    # Sources resolved through the index wherever they sit.
+    assert {info.path.name for info in recipes["a.weight"].recipe.sources} == {"one.safetensors", "two.safetensors"}
+
+
+@pytest.mark.parametrize("limit", [1, 5000, 10**9])
+def test_shards_and_offsets(tmp_path, limit):
+    plan = make_plan(_checkpoint(tmp_path / "src"), dtype="float32", max_shard_size=limit)
+    assert plan.dtype.name == "float32"
+    names = [shard.filename for shard in plan.shards]
+    assert names == (["model.safetensors"] if len(names) == 1 else [f"model-{i:05d}-of-{len(names):05d}.safetensors" for i in range(1, len(names) + 1)])
+    for shard in plan.shards:
+        assert shard.nbytes <= limit or len(shard.tensors) == 1
+        offset = 0
+        for tensor in shard.tensors:
+            assert (tensor.shard, tensor.offset) == (shard.filename, offset)
+            offset += tensor.nbytes
+    assert len(plan.shards) == {1: 4, 5000: 3, 10**9: 1}[limit]
+
+
+def test_plan_reads_only_quant_states_and_maps(tmp_path, monkeypatch):
+    read = []
+    original = TensorReader.read
+
+    def recording(self, info, *args, **kwargs):
+        read.append(info.name)
+        return original(self, info, *args, **kwargs)
+
+    monkeypatch.setattr(TensorReader, "read", recording)
+    make_plan(_checkpoint(tmp_path / "src"))
+    assert sorted(read) == ["a.weight.quant_map", "a.weight.quant_state.bitsandbytes__nf4", "b.weight.quant_map",
+                            "b.weight.quant_state.bitsandbytes__fp4"]  # fmt: skip
+
+
+@pytest.mark.parametrize("drop,message", [
+    ("a.weight.quant_state.bitsandbytes__nf4", "is part of the 4-bit quant state of 'a.weight', which has no"),
+    ("b.weight.quant_state.bitsandbytes__fp4", "is part of the 4-bit quant state of 'b.weight'"),
+    ("a.weight.nested_absmax", "quant state is missing 'a.weight.nested_absmax'"),
+    ("b.weight", "has no packed weight 'b.weight'"),
+])  # fmt: skip
+def test_incomplete_quant_state_is_refused(tmp_path, drop, message):
+    with pytest.raises(CheckpointError, match=message.replace("(", r"\(")):
+        make_plan(_checkpoint(tmp_path / "src", drop=drop))
+
+
+def test_bad_options(tmp_path):
+    with pytest.raises(ArgumentError, match="dtype 'int8' is not one of auto, bf16"):
+        make_plan(_checkpoint(tmp_path / "src"), dtype="int8")
+    assert parse_size("5GB") == 5 * 10**9 and parse_size("2GiB") == 2 * 2**30 and parse_size(" 300kb ") == 300_000
+    assert parse_size(123) == 123
+    for bad in ("inf", "1e400", "-1", "0", "lots", "5XB", "nan", True):
+        with pytest.raises(ArgumentError, match="size"):
+            parse_size(bad)
+
+
+def test_shard_writer_round_trips_through_safetensors(tmp_path):
+    plan = make_plan(_checkpoint(tmp_path / "src"), dtype="fp16", max_shard_size=5000)
+    generator = torch.Generator().manual_seed(11)
+    written = {}
+    for shard in plan.shards:
+        writer = ShardWriter(tmp_path / shard.filename, shard.tensors)
+        for tensor in shard.tensors:
+            data = torch.randint(0, 255, (tensor.nbytes,), dtype=torch.uint8, generator=generator)
+            written[tensor.name] = data
+            half = tensor.nbytes // 2
+            writer.write(tensor.name, data[:half])  # in two pieces, as the stream writes chunks
+            writer.write(tensor.name, data[half:])
+        writer.close()
+        with safe_open(tmp_path / shard.filename, "pt") as file:
+            assert file.metadata() == {"format": "pt"}
+            for tensor in shard.tensors:
+                got = file.get_tensor(tensor.name)
+                assert tuple(got.shape) == tensor.shape and torch.equal(got.contiguous().view(-1).view(torch.uint8), written[tensor.name])
+    assert set(read_tensors(tmp_path)) >= set(written)  # our own reader takes what we wrote
+    # Out of order or short writes are bugs, caught loudly.
+    writer = ShardWriter(tmp_path / "x.safetensors", plan.shards[0].tensors)
+    with pytest.raises(RuntimeError, match="comes next"):
+        writer.write("no-such-tensor", torch.zeros(1, dtype=torch.uint8))
+    with pytest.raises(RuntimeError, match="tensors unwritten"):
+        writer.close()

@@ -23,6 +23,9 @@ and no reassociation); the constant 7.874015718698502e-3 is exactly fp32(1/127),
 whether an op multiplies in fp32 or in double (the product of two fp32 values is exact in double, so
 rounding it once to fp32 is the fp32 multiply); the cast to fp16/bf16 rounds to nearest even on both.
 The order matters: (weight * SCB) * (1/127), never weight * (SCB / 127).
+One exception, seen on an H100: NaN bits. A non-finite SCB (never written by bitsandbytes) gives NaNs whose
+bits differ by device (x86 makes 0xffc00000 for inf * 0 and keeps payloads; CUDA makes 0x7fffffff), so a
+CPU and a GPU result then agree only as NaN; on one device ours and bitsandbytes' agree bit for bit.
 """
 
 from __future__ import annotations

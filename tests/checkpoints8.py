@@ -27,7 +27,7 @@ VARIANTS = {
 
 
 def build(folder: Path, variant: str, *, shard_size: str = "150KB", seed: int = 0) -> Path:
-    """Save the 8-bit checkpoint of ``variant`` into ``folder``, sharded small; one weight's scales in a shard of their own."""
+    """Save the 8-bit checkpoint of ``variant`` into ``folder``, sharded small, one weight's scales in a shard alone."""
     from transformers import BitsAndBytesConfig
 
     arch, dtype, skip = VARIANTS[variant]

@@ -29,7 +29,7 @@ def reader():
 
 
 def random_int8(rows, columns, generator, device="cpu"):
-    """Codes over the whole int8 range, -128 (never written by bitsandbytes, but an int8 all the same) and 0 included."""
+    """Codes over the whole int8 range: 0, and -128 (bitsandbytes never writes it, but it is an int8 all the same)."""
     return torch.randint(-128, 128, (rows, columns), generator=generator, dtype=torch.int8).to(device)
 
 
@@ -41,8 +41,8 @@ def random_scb(rows, generator):
     scb[kind == 1] = torch.empty(rows).uniform_(1e-41, 1e-36, generator=generator)[kind == 1]
     scb[kind == 2] = torch.empty(rows).uniform_(1e36, 3.4e38, generator=generator)[kind == 2]
     scb[kind == 3] = 0.0
-    patterns = torch.randint(-(2**31), 2**31, (rows,), generator=generator, dtype=torch.int64).to(torch.int32).view(torch.float32)
-    scb[kind == 4] = patterns[kind == 4]
+    patterns = torch.randint(-(2**31), 2**31, (rows,), generator=generator, dtype=torch.int64).to(torch.int32)
+    scb[kind == 4] = patterns.view(torch.float32)[kind == 4]
     return scb
 
 
@@ -82,7 +82,8 @@ def test_dequantize_rejects_bad_arguments():
 def _expected_quantized(model):
     import bitsandbytes as bnb
 
-    return {f"{name}.weight": module for name, module in model.named_modules() if isinstance(module, bnb.nn.Linear8bitLt)}
+    modules = model.named_modules()
+    return {f"{name}.weight": module for name, module in modules if isinstance(module, bnb.nn.Linear8bitLt)}
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -103,14 +104,19 @@ def test_find_weights_on_real_checkpoints(variant, checkpoints, reader):
     consumed = {key for w in weights for key in w.source_keys}
     for w in weights:
         assert w.shape == tuple(quantized[w.name].weight.shape) and w.weight_format is not None
-        assert w.source_keys == (w.name, w.name[: -len("weight")] + "SCB", w.name[: -len("weight")] + "weight_format")
+        prefix = w.name[: -len("weight")]
+        assert w.source_keys == (w.name, prefix + "SCB", prefix + "weight_format")
     # Everything left is dense: no quantization data is unclaimed.
     assert all(info.dtype in ("F16", "BF16") for name, info in tensors.items() if name not in consumed)
     assert any(w.scb.path.name == "model-scales.safetensors" != w.weight.path.name for w in weights)
 
 
 # The dtype transformers dequantizes to by default (the checkpoint's), and one other per architecture.
-TRANSFORMERS_CASES = [(variant, None) for variant in VARIANTS] + [("llama-8bit-bf16", torch.float32), ("qwen2-tied-8bit-fp16", torch.bfloat16)]
+TRANSFORMERS_CASES = [
+    *((variant, None) for variant in VARIANTS),
+    ("llama-8bit-bf16", torch.float32),
+    ("qwen2-tied-8bit-fp16", torch.bfloat16),
+]
 
 
 @pytest.mark.parametrize("variant, out_dtype", TRANSFORMERS_CASES)
@@ -144,36 +150,60 @@ def test_dequantize_real_weights_whole_and_in_row_chunks(out_dtype, checkpoints,
             assert torch.equal(bits(torch.cat(chunks)), bits(whole)), (variant, w.name, cuts)
 
 
-def _drop(key):
-    return lambda tensors, w, extra: tensors.pop(key(w))
+WEIGHT, SCB, FORMAT = (lambda w: w.name), (lambda w: w.scb.name), (lambda w: w.weight_format.name)
+
+
+def _drop(*keys):
+    def change(tensors, w, extra):
+        for key in keys:
+            tensors.pop(key(w))
+
+    return change
 
 
 def _replace(key, **changes):
+    """Change a header field; a callable value is computed from the weight."""
+
     def change(tensors, w, extra):
-        tensors[key(w)] = dataclasses.replace(tensors[key(w)], **changes)
+        values = {field: value(w) if callable(value) else value for field, value in changes.items()}
+        tensors[key(w)] = dataclasses.replace(tensors[key(w)], **values)
 
     return change
 
 
 def _weight_format(value, dtype=torch.uint8, shape=()):
+    """A weight_format with real bytes (find_weights reads it), saved in a file of its own."""
+
     def change(tensors, w, extra):
         tensors[w.weight_format.name] = extra(w.weight_format.name, torch.full(shape, value, dtype=dtype))
 
     return change
 
 
-WEIGHT, SCB, FORMAT = (lambda w: w.name), (lambda w: w.scb.name), (lambda w: w.weight_format.name)
-
+# case: (change to the header, the tensor the message must name, what it must say)
 MALFORMED = {
     "scb-without-weight": (_drop(WEIGHT), SCB, "is 8-bit quantization data but its weight '{weight}' is missing"),
-    "format-without-weight-or-scb": (lambda t, w, e: (t.pop(w.name), t.pop(w.scb.name)), FORMAT, "is 8-bit quantization data but its weight"),
+    "format-without-weight-or-scb": (_drop(WEIGHT, SCB), FORMAT, "is 8-bit quantization data but its weight"),
     "format-without-scb": (_drop(SCB), FORMAT, "marks '{weight}' as 8-bit, but its scales '{scb}' are missing"),
     "weight-not-int8": (_replace(WEIGHT, dtype="F16"), WEIGHT, "has 8-bit scales ('{scb}') but is F16, not I8"),
-    "weight-not-2d": (lambda t, w, e: _replace(WEIGHT, shape=(w.shape[0], 1, w.shape[1]))(t, w, e), WEIGHT, "shape [{rows}, 1, {columns}], a matrix [out, in] expected"),
+    "weight-not-2d": (
+        _replace(WEIGHT, shape=lambda w: (w.shape[0], 1, w.shape[1])),
+        WEIGHT,
+        "shape [{rows}, 1, {columns}], [out, in] expected",
+    ),
     "scb-not-f32": (_replace(SCB, dtype="F16"), SCB, "(8-bit scales) is F16, F32 expected"),
-    "scb-too-short": (lambda t, w, e: _replace(SCB, shape=(w.shape[0] - 1,))(t, w, e), SCB, "has shape [{rows_less}], one scale per row of '{weight}' [{rows}, {columns}] expected: [{rows}]"),
-    "scb-2d": (lambda t, w, e: _replace(SCB, shape=(w.shape[0], 1))(t, w, e), SCB, "has shape [{rows}, 1], one scale per row"),
-    "format-col-turing": (_weight_format(2), FORMAT, "says weight format 2 ('col_turing', a tiled GPU layout of bitsandbytes 0.42-0.44); only 0 (row-major) can be dequantized"),
+    "scb-too-short": (
+        _replace(SCB, shape=lambda w: (w.shape[0] - 1,)),
+        SCB,
+        "has shape [{rows_less}], one scale per row of '{weight}' [{rows}, {columns}] expected: [{rows}]",
+    ),
+    "scb-2d": (_replace(SCB, shape=lambda w: (w.shape[0], 1)), SCB, "has shape [{rows}, 1], one scale per row"),
+    "format-col-turing": (
+        _weight_format(2),
+        FORMAT,
+        "says weight format 2 ('col_turing', a tiled GPU layout of bitsandbytes 0.42-0.44); "
+        "only 0 (row-major) can be dequantized",
+    ),
     "format-unknown": (_weight_format(9), FORMAT, "says weight format 9 (unknown); only 0 (row-major)"),
     "format-not-integer": (_weight_format(0.0, torch.float32), FORMAT, "should be one integer, not F32 of shape []"),
     "format-two-values": (_weight_format(0, shape=(2,)), FORMAT, "should be one integer, not U8 of shape [2]"),
@@ -212,7 +242,8 @@ def test_plain_int8_tensors_and_old_checkpoints_without_weight_format(checkpoint
     tensors = read_tensors(checkpoints["qwen2-tied-8bit-fp16"])
     generator = torch.Generator().manual_seed(5)
     path = tmp_path / "extra.safetensors"
-    save_file({"model.codebook.weight": random_int8(9, 13, generator), "model.counts": random_int8(1, 3, generator).view(-1)}, path)
+    plain = {"model.codebook.weight": random_int8(9, 13, generator), "model.counts": random_int8(1, 3, generator)[0]}
+    save_file(plain, path)
     tensors.update(read_header(path)[0])
     weights = bnb8.find_weights(tensors, reader)
     assert not any(w.name.startswith("model.codebook") for w in weights)
@@ -227,10 +258,11 @@ def test_plain_int8_tensors_and_old_checkpoints_without_weight_format(checkpoint
 def test_cuda_equals_bitsandbytes_on_cuda_and_the_cpu(checkpoints, reader):
     rng = random.Random(80)
     generator = torch.Generator().manual_seed(80)
-    cases = [(random_int8(r, c, generator), random_scb(r, generator)) for r, c in
-             [(rng.randrange(1, 3000), rng.randrange(1, 3000)) for _ in range(10)] + [(1, 1), (4099, 8191)]]  # fmt: skip
+    shapes = [(rng.randrange(1, 3000), rng.randrange(1, 3000)) for _ in range(10)] + [(1, 1), (4099, 8191)]
+    cases = [(random_int8(rows, columns, generator), random_scb(rows, generator)) for rows, columns in shapes]
     for folder in checkpoints.values():
-        cases += [(reader.tensor(w.weight), reader.tensor(w.scb)) for w in bnb8.find_weights(read_tensors(folder), reader)]
+        for w in bnb8.find_weights(read_tensors(folder), reader):
+            cases.append((reader.tensor(w.weight), reader.tensor(w.scb)))
     for weight, scb in cases:
         weight_cuda, scb_cuda = weight.cuda(), scb.cuda()
         for out_dtype in OUT_DTYPES:
@@ -238,7 +270,8 @@ def test_cuda_equals_bitsandbytes_on_cuda_and_the_cpu(checkpoints, reader):
             assert ours.is_cuda
             assert torch.equal(bits(ours), bits(bnb8.reference_dequantize(weight_cuda, scb_cuda, out_dtype)))
             cut = rng.randrange(0, weight.shape[0] + 1)
-            chunks = [bnb8.dequantize(weight_cuda[a:b], scb_cuda[a:b], out_dtype) for a, b in ((0, cut), (cut, weight.shape[0]))]
+            bounds = ((0, cut), (cut, weight.shape[0]))
+            chunks = [bnb8.dequantize(weight_cuda[a:b], scb_cuda[a:b], out_dtype) for a, b in bounds]
             assert torch.equal(bits(torch.cat(chunks)), bits(ours))
             # CPU and GPU agree bit for bit, except the payload of NaNs (a non-finite SCB): x86 and CUDA
             # make different NaN bits for inf * 0 and pass payloads on differently.

@@ -86,20 +86,29 @@ def find_weights(tensors: dict[str, TensorInfo], reader: TensorReader) -> list[W
     found = []
     for prefix in sorted(prefixes):
         name = prefix + "weight"
-        weight, scb, weight_format = tensors.get(name), tensors.get(prefix + "SCB"), tensors.get(prefix + "weight_format")
+        weight, scb, weight_format = (tensors.get(prefix + part) for part in ("weight", "SCB", "weight_format"))
         if weight is None:
             orphan = scb if scb is not None else weight_format
-            raise CheckpointError(f"{orphan.path}: tensor '{orphan.name}' is 8-bit quantization data but its weight '{name}' is missing")
+            raise CheckpointError(
+                f"{orphan.path}: tensor '{orphan.name}' is 8-bit quantization data but its weight '{name}' is missing"
+            )
         if scb is None:
-            raise CheckpointError(f"{weight_format.path}: tensor '{weight_format.name}' marks '{name}' as 8-bit, but its scales '{prefix}SCB' are missing")
+            raise CheckpointError(
+                f"{weight_format.path}: tensor '{weight_format.name}' marks '{name}' as 8-bit, "
+                f"but its scales '{prefix}SCB' are missing"
+            )
+        at_weight, at_scb = f"{weight.path}: tensor '{name}'", f"{scb.path}: tensor '{scb.name}'"
         if weight.dtype != "I8":
-            raise CheckpointError(f"{weight.path}: tensor '{name}' has 8-bit scales ('{scb.name}') but is {weight.dtype}, not I8")
+            raise CheckpointError(f"{at_weight} has 8-bit scales ('{scb.name}') but is {weight.dtype}, not I8")
         if len(weight.shape) != 2:
-            raise CheckpointError(f"{weight.path}: tensor '{name}' is an 8-bit weight of shape {list(weight.shape)}, a matrix [out, in] expected")
+            raise CheckpointError(f"{at_weight} is an 8-bit weight of shape {list(weight.shape)}, [out, in] expected")
         if scb.dtype != "F32":
-            raise CheckpointError(f"{scb.path}: tensor '{scb.name}' (8-bit scales) is {scb.dtype}, F32 expected")
+            raise CheckpointError(f"{at_scb} (8-bit scales) is {scb.dtype}, F32 expected")
         if scb.shape != weight.shape[:1]:
-            raise CheckpointError(f"{scb.path}: tensor '{scb.name}' has shape {list(scb.shape)}, one scale per row of '{name}' {list(weight.shape)} expected: [{weight.shape[0]}]")
+            raise CheckpointError(
+                f"{at_scb} has shape {list(scb.shape)}, one scale per row of '{name}' {list(weight.shape)} "
+                f"expected: [{weight.shape[0]}]"
+            )
         if weight_format is not None:
             _check_row_major(weight_format, reader)
         found.append(Weight8bit(name, weight, scb, weight_format))
@@ -108,11 +117,14 @@ def find_weights(tensors: dict[str, TensorInfo], reader: TensorReader) -> list[W
 
 def _check_row_major(weight_format: TensorInfo, reader: TensorReader) -> None:
     where = f"{weight_format.path}: tensor '{weight_format.name}'"
-    if weight_format.dtype not in _INTEGER_DTYPES or math.prod(weight_format.shape) != 1:
-        raise CheckpointError(f"{where} should be one integer, not {weight_format.dtype} of shape {list(weight_format.shape)}")
+    dtype, shape = weight_format.dtype, list(weight_format.shape)
+    if dtype not in _INTEGER_DTYPES or math.prod(shape) != 1:
+        raise CheckpointError(f"{where} should be one integer, not {dtype} of shape {shape}")
     value = int(reader.tensor(weight_format).reshape(()).item())
     if value != ROW_MAJOR:
-        layout = f"'{WEIGHT_FORMATS[value]}', a tiled GPU layout of bitsandbytes 0.42-0.44" if value in WEIGHT_FORMATS else "unknown"
+        layout = "unknown"
+        if value in WEIGHT_FORMATS:
+            layout = f"'{WEIGHT_FORMATS[value]}', a tiled GPU layout of bitsandbytes 0.42-0.44"
         raise CheckpointError(f"{where} says weight format {value} ({layout}); only 0 (row-major) can be dequantized")
 
 
@@ -126,9 +138,10 @@ def dequantize(weight: torch.Tensor, scb: torch.Tensor, out_dtype: torch.dtype) 
     import torch
 
     if weight.dtype != torch.int8 or scb.dtype != torch.float32:
-        raise ValueError(f"8-bit dequantize takes an int8 weight and float32 scales, not {weight.dtype} and {scb.dtype}")
+        raise ValueError(f"8-bit dequantize takes an int8 weight and float32 scales, not {weight.dtype}, {scb.dtype}")
     if weight.dim() != 2 or scb.shape != weight.shape[:1]:
-        raise ValueError(f"8-bit dequantize takes a weight [rows, in] and scales [rows], not {list(weight.shape)} and {list(scb.shape)}")
+        shapes = f"{list(weight.shape)} and {list(scb.shape)}"
+        raise ValueError(f"8-bit dequantize takes a weight [rows, in] and scales [rows], not {shapes}")
     if weight.device != scb.device:
         raise ValueError(f"8-bit dequantize: weight on {weight.device}, scales on {scb.device}")
     if out_dtype not in tuple(getattr(torch, name) for name in _OUT_DTYPES):

@@ -25,7 +25,7 @@ class ConvertResult:
 def default_output(source: str, dtype) -> Path:
     """``<name>-<dtype>`` for a SOURCE, a quantization suffix dropped: org/Llama-bnb-4bit -> Llama-bf16."""
     name = model_name(source)
-    for suffix in ("-bnb-4bit", "-bnb-nf4", "-bnb-fp4", "-4bit", "-nf4", "-fp4"):
+    for suffix in ("-bnb-4bit", "-bnb-nf4", "-bnb-fp4", "-bnb-8bit", "-4bit", "-nf4", "-fp4", "-8bit", "-int8"):
         if name.lower().endswith(suffix):
             name = name[: -len(suffix)]
             break
@@ -46,7 +46,7 @@ def convert(
     progress: bool = True,
     output_dir: str | os.PathLike | None = None,
 ) -> ConvertResult:
-    """Convert a bitsandbytes 4-bit checkpoint into a dense safetensors checkpoint.
+    """Convert a bitsandbytes checkpoint (4-bit NF4/FP4 or 8-bit LLM.int8) into a dense safetensors checkpoint.
 
     ``output`` defaults to ``<output_dir or .>/<name>-<dtype>``. Nothing is written unless the whole
     output is: it appears under its name only once complete.
@@ -54,7 +54,7 @@ def convert(
     Raises:
         ArgumentError: a bad ``dtype``, ``device`` or ``max_shard_size``.
         SourceNotFoundError: ``source`` cannot be found or fetched.
-        CheckpointError: the checkpoint is corrupt or not a bitsandbytes 4-bit checkpoint.
+        CheckpointError: the checkpoint is corrupt or not a bitsandbytes checkpoint.
         OutputError: the output exists (and ``overwrite`` is off), the disk is too small, or writing failed.
 
     Example:

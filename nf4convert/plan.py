@@ -2,10 +2,11 @@
 
 A plan is plain data. Each output tensor has a *recipe*: the source tensors it reads and the
 operation that makes it (:class:`Copy` a tensor, cast to the output dtype where it is floating;
-:class:`Dequantize4bit` a bitsandbytes 4-bit weight). ``stream`` executes recipes, ``verify``
-recomputes them with the reference libraries. The only tensor data read while planning are the
-quant states' tiny JSON and code tables, so a plan for a 70B checkpoint takes a moment, and it knows
-the exact output size before anything is written.
+:class:`Dequantize4bit` a bitsandbytes 4-bit weight; :class:`Dequantize8bit` an LLM.int8 weight).
+``stream`` executes recipes, ``verification`` recomputes them with the reference libraries. The only
+tensor data read while planning are the quant states' tiny JSON, code tables and 8-bit format flags,
+so a plan for a 70B checkpoint takes a moment, and it knows the exact output size before anything is
+written.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 from .checkpoint import TensorInfo, TensorReader, read_tensors
 from .dtypes import DTYPES, OUTPUT_DTYPES, DType, output_dtype
 from .errors import ArgumentError, CheckpointError
-from .formats import bnb4
+from .formats import bnb4, bnb8
 
 # Files a converted checkpoint must not carry over: the old weights, their indexes, caches, VCS data.
 SKIPPED_FILES = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json", "*.pt", "*.pth",
@@ -51,7 +52,19 @@ class Dequantize4bit:
         return self.weight.sources
 
 
-Recipe = Copy | Dequantize4bit
+@dataclass(frozen=True)
+class Dequantize8bit:
+    """A bitsandbytes 8-bit (LLM.int8) weight: int8 codes times their row's scale over 127, in the output dtype."""
+
+    weight: bnb8.Weight8bit
+
+    @property
+    def sources(self) -> tuple:
+        return self.weight.sources
+
+
+Recipe = Copy | Dequantize4bit | Dequantize8bit
+QUANTIZED = (Dequantize4bit, Dequantize8bit)
 
 
 @dataclass(frozen=True)
@@ -168,29 +181,37 @@ def side_files(folder: Path) -> list[Path]:
 
 def _recipes(folder: Path, tensors: dict[str, TensorInfo], reader: TensorReader) -> list[Recipe]:
     """One recipe per output tensor, in the order of the source files (so reads stay sequential)."""
-    for key, info in tensors.items():
-        if key.endswith((".SCB", ".weight_format")):
-            raise CheckpointError(
-                f"{info.path}: '{key}' marks an 8-bit bitsandbytes (LLM.int8) checkpoint; "
-                "nf4convert converts 4-bit (NF4/FP4) checkpoints only"
-            )
-    weights = {weight.packed.name: weight for weight in bnb4.find_weights(tensors, reader)}
-    if not weights:
-        raise CheckpointError(f"{folder}: no 4-bit bitsandbytes weights "
-                              "(no '*.quant_state.bitsandbytes__nf4/fp4' tensors): nothing to convert")  # fmt: skip
-    consumed = {source.name for weight in weights.values() for source in weight.sources}
+    quantized = {weight.packed.name: Dequantize4bit(weight) for weight in bnb4.find_weights(tensors, reader)}
+    quantized.update({weight.weight.name: Dequantize8bit(weight) for weight in bnb8.find_weights(tensors, reader)})
+    if not quantized:
+        raise CheckpointError(f"{folder}: no bitsandbytes weights (no '*.quant_state.bitsandbytes__nf4/fp4' "
+                              "or 8-bit '*.SCB' tensors): nothing to convert")  # fmt: skip
+    consumed = {source.name for recipe in quantized.values() for source in recipe.sources}
     recipes: list[Recipe] = []
     for info in sorted(tensors.values(), key=lambda t: (str(t.path), t.begin)):
-        if info.name in weights:
-            recipes.append(Dequantize4bit(weights[info.name]))
+        if info.name in quantized:
+            recipes.append(quantized[info.name])
         elif info.name not in consumed:
             recipes.append(Copy(info))
     return recipes
 
 
+def _auto_dtype(recipes: list[Recipe], config: dict | None) -> DType:
+    """``--dtype auto``: the dtype most 4-bit weights were quantized from (their quant state says), else the
+    config's (8-bit checkpoints), else that of most plain floating tensors."""
+    quantized_from = [r.weight.meta["dtype"] for r in recipes if isinstance(r, Dequantize4bit)]
+    if quantized_from:
+        return OUTPUT_DTYPES[Counter(quantized_from).most_common(1)[0][0]]
+    for key in ("dtype", "torch_dtype"):
+        if isinstance(config, dict) and isinstance(config.get(key), str) and config[key] in OUTPUT_DTYPES:
+            return OUTPUT_DTYPES[config[key]]
+    plain = [DTYPES[r.source.dtype].name for r in recipes if isinstance(r, Copy) and DTYPES[r.source.dtype].name in OUTPUT_DTYPES]
+    return OUTPUT_DTYPES[Counter(plain).most_common(1)[0][0] if plain else "float32"]
+
+
 def _output(recipe: Recipe, dtype: DType) -> tuple[str, str, tuple]:
     """(name, safetensors dtype, shape) of the tensor a recipe makes."""
-    if isinstance(recipe, Dequantize4bit):
+    if isinstance(recipe, QUANTIZED):
         return recipe.weight.name, dtype.code, recipe.weight.shape
     source = recipe.source
     # Every floating tensor takes the output dtype, so the checkpoint is uniformly that dtype.
@@ -202,7 +223,7 @@ def make_plan(folder: Path, *, dtype: str = "auto", max_shard_size: int = DEFAUL
     """Plan the conversion of the checkpoint in ``folder``.
 
     Raises:
-        CheckpointError: a file is missing, truncated or corrupt, or the checkpoint has no 4-bit weights.
+        CheckpointError: a file is missing, truncated or corrupt, or the checkpoint has no bitsandbytes weights.
         ArgumentError: ``dtype`` is not auto, bf16, fp16, fp32 (or torch's names).
     """
     chosen = output_dtype(dtype)
@@ -214,9 +235,8 @@ def make_plan(folder: Path, *, dtype: str = "auto", max_shard_size: int = DEFAUL
     finally:
         if own_reader:
             reader.close()
-    if chosen is None:  # auto: the dtype most weights were quantized from
-        quantized = [r.weight.meta["dtype"] for r in recipes if isinstance(r, Dequantize4bit)]
-        chosen = OUTPUT_DTYPES[Counter(quantized).most_common(1)[0][0]]
+    config = read_config(folder)
+    chosen = chosen or _auto_dtype(recipes, config)
 
     shards: list[list[tuple]] = [[]]
     shard_bytes = 0
@@ -232,5 +252,4 @@ def make_plan(folder: Path, *, dtype: str = "auto", max_shard_size: int = DEFAUL
     for index, entries in enumerate(shards, 1):
         filename = "model.safetensors" if len(shards) == 1 else f"model-{index:05d}-of-{len(shards):05d}.safetensors"
         planned.append(Shard(filename, [PlannedTensor(n, c, s, b, filename, o, r) for n, c, s, b, o, r in entries]))
-    config = read_config(folder)
     return Plan(folder, chosen, planned, tensors, side_files(folder), config and dense_config(config, chosen))

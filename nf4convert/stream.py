@@ -1,6 +1,6 @@
 """Execute a plan: every output tensor's recipe, chunk by chunk, on one device, straight into its shard.
 
-Peak memory is a few chunks (``CHUNK_ELEMENTS`` outputs of a 4-bit weight, ``CHUNK_BYTES`` of a plain
+Peak memory is a few chunks (``CHUNK_ELEMENTS`` outputs of a quantized weight, ``CHUNK_BYTES`` of a plain
 tensor), whatever the model or shard size: each shard's header is written first (the plan fixed every
 offset), then the bytes, on a writer thread while the next chunk is made.
 """
@@ -12,8 +12,8 @@ from typing import Callable, Iterator
 
 from .checkpoint import ShardWriter, TensorReader
 from .dtypes import DTYPES
-from .formats import bnb4
-from .plan import Copy, Dequantize4bit, Plan, PlannedTensor
+from .formats import bnb4, bnb8
+from .plan import Copy, Dequantize4bit, Dequantize8bit, Plan, PlannedTensor
 
 CHUNK_ELEMENTS = 1 << 24  # outputs per step of a quantized weight: 32 MiB of bf16
 CHUNK_BYTES = 1 << 25  # source bytes per step of a plain tensor
@@ -48,10 +48,24 @@ def _dequantize_4bit(tensor: PlannedTensor, reader: TensorReader, device) -> Ite
         yield dequantize_4bit(packed, piece).cpu()
 
 
-# How each kind of recipe is made; verify.py holds the reference twin of this table.
+def _dequantize_8bit(tensor: PlannedTensor, reader: TensorReader, device) -> Iterator:
+    import torch
+
+    weight = tensor.recipe.weight
+    rows, columns = weight.shape
+    scb = reader.tensor(weight.scb).to(device)
+    step = max(1, CHUNK_ELEMENTS // max(columns, 1))  # whole rows: each row has its own scale
+    for first in range(0, rows, step):
+        count = min(step, rows - first)
+        codes = reader.read(weight.weight, first * columns, count * columns).view(torch.int8).view(count, columns)
+        yield bnb8.dequantize(codes.to(device), scb[first : first + count], DTYPES[tensor.dtype].torch).cpu()
+
+
+# How each kind of recipe is made; verification.py holds the reference twin of this table.
 PRODUCERS: dict[type, Callable[[PlannedTensor, TensorReader, object], Iterator]] = {
     Copy: _copy,
     Dequantize4bit: _dequantize_4bit,
+    Dequantize8bit: _dequantize_8bit,
 }
 
 

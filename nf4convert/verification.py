@@ -20,8 +20,8 @@ from pathlib import Path
 from .checkpoint import TensorInfo, TensorReader, read_tensors
 from .dtypes import DTYPES
 from .errors import ArgumentError, CheckpointError, SourceNotFoundError
-from .formats import bnb4
-from .plan import Copy, Dequantize4bit, PlannedTensor, make_plan
+from .formats import bnb4, bnb8
+from .plan import Copy, Dequantize4bit, Dequantize8bit, PlannedTensor, make_plan
 
 
 @dataclass
@@ -66,6 +66,12 @@ def _reference_4bit(tensor: PlannedTensor, reader: TensorReader, device):
     return expected, zero_mask
 
 
+def _reference_8bit(tensor: PlannedTensor, reader: TensorReader, device):
+    weight = tensor.recipe.weight
+    codes, scb = reader.tensor(weight.weight).to(device), reader.tensor(weight.scb).to(device)
+    return bnb8.reference_dequantize(codes, scb, DTYPES[tensor.dtype].torch), None
+
+
 def _reference_copy(tensor: PlannedTensor, reader: TensorReader, device):
     return reader.tensor(tensor.recipe.source).to(DTYPES[tensor.dtype].torch), None
 
@@ -74,12 +80,14 @@ def _reference_copy(tensor: PlannedTensor, reader: TensorReader, device):
 REFERENCES = {
     Copy: (_reference_copy, "the source tensor"),
     Dequantize4bit: (_reference_4bit, "bitsandbytes"),
+    Dequantize8bit: (_reference_8bit, "bitsandbytes"),
 }
 
 
 def _leftovers(produced: dict[str, TensorInfo], output: Path) -> list[str]:
+    suffixes = tuple("." + part for part in (*bnb4.PARTS, *bnb8.PARTS))
     problems = [f"{name}: a quantization key remains in the output" for name in sorted(produced)
-                if bnb4.STATE_KEY.match(name) or name.endswith(tuple("." + part for part in bnb4.PARTS))]  # fmt: skip
+                if bnb4.STATE_KEY.match(name) or name.endswith(suffixes)]  # fmt: skip
     config_path = output / "config.json"
     if config_path.exists() and "quantization_config" in config_path.read_text(encoding="utf-8", errors="replace"):
         problems.append("config.json: quantization_config remains")
@@ -98,13 +106,13 @@ def _plan_source(folder: Path, output: Path, dtype: str, reader: TensorReader):
     try:
         return make_plan(folder, dtype=dtype, reader=reader)
     except CheckpointError:
-        # OUT and SOURCE swapped: the "output" is the 4-bit checkpoint.
+        # OUT and SOURCE swapped: the "output" is the bitsandbytes checkpoint.
         try:
-            swapped = any(bnb4.STATE_KEY.match(name) for name in read_tensors(output))
+            swapped = any(bnb4.STATE_KEY.match(name) or name.endswith(".SCB") for name in read_tensors(output))
         except CheckpointError:
             swapped = False
         if swapped:
-            raise ArgumentError(f"{output} is a 4-bit checkpoint and {folder} is not: the order is OUT, then SOURCE") from None
+            raise ArgumentError(f"{output} is a bitsandbytes checkpoint and {folder} is not: the order is OUT, then SOURCE") from None
         raise
 
 

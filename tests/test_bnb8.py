@@ -281,3 +281,60 @@ def test_cuda_equals_bitsandbytes_on_cuda_and_the_cpu(checkpoints, reader):
             assert torch.equal(bits(cpu[~nan]), bits(gpu[~nan]))
             finite_rows = scb.isfinite()
             assert torch.equal(bits(cpu[finite_rows]), bits(gpu[finite_rows]))
+
+
+# --- end to end: the CLI converts 8-bit checkpoints, verify checks them ---------------------------------------
+
+
+def _cli(*args, code=0):
+    from click.testing import CliRunner
+
+    from nf4convert.cli import main
+
+    result = CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+    assert result.exit_code == code, result.output
+    return result.output
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_cli_converts_verifies_and_transformers_loads(variant, checkpoints, tmp_path):
+    import json
+
+    source = checkpoints[variant]
+    arch, dense_dtype, _ = VARIANTS[variant]
+    out = tmp_path / "out"
+    summary = _cli(source, "-o", out, "--max-shard-size", "200KB", "--device", "cpu")
+    produced = read_tensors(out)
+    assert not [k for k in produced if k.endswith((".SCB", ".weight_format"))]
+    code = {torch.bfloat16: "BF16", torch.float16: "F16"}[dense_dtype]
+    assert {info.dtype for info in produced.values()} == {code}  # auto: the config's dtype
+    config = json.loads((out / "config.json").read_text())
+    assert "quantization_config" not in json.dumps(config) and config["dtype"] == str(dense_dtype).removeprefix("torch.")
+    assert f"{len(produced)} tensors" in summary
+    assert "OK: bit-exact with bitsandbytes" in _cli("verify", out, source, "--device", "cpu")
+
+    # transformers loads it as a dense model whose logits equal its own dequantize() of the 8-bit model.
+    dense = model_class(arch).from_pretrained(out).eval()
+    reference = model_class(arch).from_pretrained(source, device_map="cpu").eval()
+    reference.dequantize()
+    ids = torch.randint(0, 512, (2, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert torch.equal(dense(input_ids=ids).logits, reference(input_ids=ids).logits)
+
+
+def test_cli_fp32_and_tamper_is_caught(checkpoints, tmp_path):
+    import json
+    import struct
+
+    source = checkpoints["phi3-fused-8bit-fp16"]
+    out = tmp_path / "out"
+    _cli(source, "-o", out, "--dtype", "float32", "-q")
+    shard = out / "model.safetensors"
+    data = bytearray(shard.read_bytes())
+    (length,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + length])
+    name = next(k for k in sorted(header) if k.endswith("qkv_proj.weight"))
+    data[8 + length + header[name]["data_offsets"][0] + 4 * 101] ^= 0x01  # one bit of one element
+    shard.write_bytes(bytes(data))
+    output = _cli("verify", out, source, code=1)
+    assert f"{name}: 1 of" in output and "differ from bitsandbytes" in output and "FAILED: 1 problem\n" in output

@@ -69,6 +69,10 @@ class Weight8bit:
         return self.weight.shape
 
     @property
+    def sources(self) -> tuple[TensorInfo, ...]:
+        return tuple(info for info in (self.weight, self.scb, self.weight_format) if info is not None)
+
+    @property
     def source_keys(self) -> tuple[str, ...]:
         keys = (self.weight.name, self.scb.name)
         return keys if self.weight_format is None else (*keys, self.weight_format.name)

@@ -257,10 +257,16 @@ def test_bad_input_is_one_clear_line(case, checkpoints, tmp_path):
             data[begin:end] = encoded
 
         _rewrite_shard(_shard_of(source, key), grow)
-    elif case == "eight-bit":
-        _rewrite_shard(_shard_of(source, weight), lambda h, d: h.__setitem__(weight + ".SCB", {**h[weight], "data_offsets": h[weight]["data_offsets"]}))
+    elif case == "eight-bit":  # 8-bit scales beside a weight that is not int8
+        scb = weight.removesuffix("weight") + "SCB"
+
+        def add_scb(header, data):
+            header[scb] = {"dtype": "F32", "shape": [128], "data_offsets": [len(data), len(data) + 512]}
+            data.extend(bytes(512))
+
+        _rewrite_shard(_shard_of(source, weight), add_scb)
         index = json.loads((source / "model.safetensors.index.json").read_text())
-        index["weight_map"][weight + ".SCB"] = index["weight_map"][weight]
+        index["weight_map"][scb] = index["weight_map"][weight]
         (source / "model.safetensors.index.json").write_text(json.dumps(index))
     elif case == "dense":
         shutil.rmtree(source)

@@ -218,7 +218,7 @@ def test_bad_input_is_one_clear_line(case, checkpoints, tmp_path):
         "missing-absmax": f"quant state is missing '{weight}.absmax'",
         "bad-json": "quant state is not valid JSON",
         "packed-size": "packed bytes do not hold shape",
-        "eight-bit": f"tensor '{weight}' has 8-bit scales ('{weight}.SCB') but is U8, not I8",
+        "eight-bit": f"tensor '{weight}' has 8-bit scales ('{weight.removesuffix('weight')}SCB') but is U8, not I8",
         "dense": "no bitsandbytes weights",
         "no-safetensors": "no .safetensors files",
         "bad-quant-map": "quant_map is not bitsandbytes' nf4 table",

@@ -1,10 +1,13 @@
 """The command line: parsing and messages only; the work is in conversion.py and verification.py.
 
-torch, Triton and bitsandbytes are imported inside the commands, so ``--help`` is instant.
+torch, Triton and bitsandbytes are imported inside the commands, so ``--help`` and argument errors are
+instant. Every failure is one ``Error:`` line and a non-zero exit: 1 for bad input or a failed run, 2 for
+a usage error, 130 for Ctrl-C and 143 for SIGTERM (both remove what was partly written).
 """
 
 from __future__ import annotations
 
+import signal
 import sys
 
 import click
@@ -21,32 +24,68 @@ HINTS = {
     "device": "see --device",
     "max_shard_size": "see --max-shard-size",
 }
+INTERRUPTED, TERMINATED = 130, 143
+
+
+class Terminated(BaseException):
+    """SIGTERM (kill, timeout, docker stop), raised in the main thread so that cleanup runs as for Ctrl-C."""
+
+
+def _on_sigterm(signum, frame):
+    raise Terminated
 
 
 class DefaultGroup(click.Group):
     """``nf4convert SOURCE ...`` means ``nf4convert convert SOURCE ...``; usage errors are one line."""
 
-    def main(self, *args, **kwargs):
+    def main(self, args=None, *rest, **kwargs):
         kwargs.pop("standalone_mode", None)
+        args = sys.argv[1:] if args is None else list(args)
+        if not args:
+            args = ["--help"]
+        previous = signal.signal(signal.SIGTERM, _on_sigterm)
         try:
-            code = super().main(*args, standalone_mode=False, **kwargs)
+            code = super().main(args, *rest, standalone_mode=False, **kwargs)
         except click.ClickException as error:  # a bad option or argument: one line, not the usage text
             click.echo(f"Error: {error.format_message()} (see 'nf4convert --help')", err=True)
             sys.exit(error.exit_code)
         except click.exceptions.Abort:
             click.echo("Error: aborted", err=True)
             sys.exit(1)
+        finally:
+            signal.signal(signal.SIGTERM, previous)
         sys.exit(code if isinstance(code, int) else 0)
 
     def parse_args(self, ctx, args):
-        if args and args[0] not in self.commands and args[0] not in ("--help", "-h", "--version"):
+        if args and args[0] not in self.commands and not args[0].startswith("-"):
+            _refuse_mistyped_command(args[0], list(self.commands))
             args = ["convert", *args]
         return super().parse_args(ctx, args)
 
 
-def _fail(message: str, code: int = 1):
-    click.echo(f"Error: {message}", err=True)
+def _refuse_mistyped_command(word: str, commands: list[str]) -> None:
+    """A first word that is no folder, no repo id and close to a command is a typo, not a SOURCE."""
+    import difflib
+    from pathlib import Path
+
+    from .hub import looks_like_repo_id
+
+    if Path(word).expanduser().exists() or looks_like_repo_id(word):
+        return
+    close = difflib.get_close_matches(word, commands, n=1, cutoff=0.6)
+    if close:
+        raise click.UsageError(f"no such command '{word}'; did you mean {close[0]}?")
+
+
+def _fail(text: str, code: int = 1):
+    click.echo(f"Error: {text}", err=True)
     sys.exit(code)
+
+
+def message(error) -> str:
+    """A library error's line, with the flag that would change the outcome."""
+    hint = HINTS.get(getattr(error, "option", None) or "")
+    return f"{error} ({hint})" if hint else str(error)
 
 
 def _run(action):
@@ -56,21 +95,17 @@ def _run(action):
     try:
         return action()
     except KeyboardInterrupt:
-        _fail("interrupted; nothing was written", 130)
+        _fail("interrupted; nothing was written", INTERRUPTED)
+    except Terminated:
+        _fail("terminated; nothing was written", TERMINATED)
     except Nf4ConvertError as error:
         _fail(message(error))
-
-
-def message(error) -> str:
-    """A library error's line, with the flag that would change the outcome."""
-    hint = HINTS.get(getattr(error, "option", None) or "")
-    return f"{error} ({hint})" if hint else str(error)
 
 
 @click.group(cls=DefaultGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="nf4convert")
 def main():
-    """Turn bitsandbytes 4-bit (NF4/FP4) checkpoints into dense safetensors checkpoints.
+    """Turn bitsandbytes checkpoints (4-bit NF4/FP4, 8-bit LLM.int8) into dense safetensors checkpoints.
 
     \b
     Examples:
@@ -98,17 +133,25 @@ def _convert_options(function):
         click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N (auto: the GPU if there is one)."),
         click.option("--max-shard-size", default="5GB", show_default=True, help="Largest output shard, like transformers'."),
         click.option("--overwrite", is_flag=True, help="Replace OUT if it exists (only once the new output is complete)."),
-        click.option("-q", "--quiet", is_flag=True, help="No progress bar."),
+        click.option("-q", "--quiet", is_flag=True, help="No progress bar; the one-line summary stays."),
     ]):  # fmt: skip
         function = option(function)
     return _common_source_options(function)
+
+
+def _summary(result) -> str:
+    return (f"{result.output}: {result.tensors} tensors ({result.dequantized} dequantized), "
+            f"{result.bytes / 1e9:.2f} GB {result.dtype}, {result.seconds:.1f} s")  # fmt: skip
 
 
 @main.command("convert")
 @click.argument("source")
 @click.option("-o", "--output", type=click.Path(), help="Output folder (default: ./<name>-<dtype>).")
 @_convert_options
-def convert_command(source, output, dtype, device, max_shard_size, overwrite, quiet, revision, token, cache_dir):
+@click.option("--dry-run", is_flag=True, help="Print the plan (tensors, dtype, shards, bytes, free space); write nothing.")
+@click.option("--verify", "then_verify", is_flag=True, help="Verify the output against SOURCE right after converting.")
+def convert_command(source, output, dtype, device, max_shard_size, overwrite, quiet, revision, token, cache_dir, dry_run,
+                    then_verify):  # fmt: skip
     """Convert SOURCE (a Hub repo id, a local folder, or a repo in the Hub cache).
 
     \b
@@ -117,19 +160,54 @@ def convert_command(source, output, dtype, device, max_shard_size, overwrite, qu
     \b
     Examples:
       nf4convert convert unsloth/Qwen2.5-0.5B-Instruct-bnb-4bit --dtype bf16
-      nf4convert convert ./local-bnb-4bit -o dense --max-shard-size 2GB --device cpu
+      nf4convert convert ./local-bnb-4bit -o dense --max-shard-size 2GB --device cpu --verify
+      nf4convert convert ./local-bnb-4bit --dry-run
     """
+    options = dict(dtype=dtype, revision=revision, token=token, cache_dir=cache_dir, max_shard_size=max_shard_size,
+                   overwrite=overwrite)  # fmt: skip
 
     def action():
+        if dry_run:
+            from .conversion import prepare
+
+            for line in _plan_lines(prepare(source, output, **options)):
+                click.echo(line)
+            return True
         from .conversion import convert
 
-        result = convert(source, output, dtype=dtype, device=device, revision=revision, token=token, cache_dir=cache_dir,
-                         max_shard_size=max_shard_size, overwrite=overwrite, progress=not quiet)  # fmt: skip
-        if not quiet:
-            click.echo(f"{result.output}: {result.tensors} tensors ({result.dequantized} dequantized), "
-                       f"{result.bytes / 1e9:.2f} GB {result.dtype}, {result.seconds:.1f} s")  # fmt: skip
+        result = convert(source, output, device=device, progress=not quiet, **options)
+        click.echo(_summary(result))
+        if then_verify:
+            return _verify(result.output, source, device=device, quiet=quiet, revision=revision, token=token, cache_dir=cache_dir)
+        return True
 
-    _run(action)
+    if not _run(action):
+        sys.exit(1)
+
+
+def _plan_lines(prepared) -> list[str]:
+    plan = prepared.plan
+    needed = plan.tensor_bytes + plan.side_bytes
+    from collections import Counter
+
+    kinds = Counter(tensor.recipe.label for tensor in plan.tensors)
+    lines = [f"source: {plan.folder}", f"output: {prepared.output} ({plan.dtype.name})",
+             f"tensors: {len(plan.tensors)} (" + ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items())) + ")"]  # fmt: skip
+    lines += [f"  {shard.filename}: {len(shard.tensors)} tensors, {shard.nbytes / 1e9:.3f} GB" for shard in plan.shards]
+    lines.append(f"side files: {len(plan.side_files)} ({plan.side_bytes / 1e6:.1f} MB), config.json {'rewritten' if plan.config else 'none'}")
+    verdict = "enough" if prepared.free_bytes >= needed else "NOT enough"
+    lines.append(f"to write: {needed / 1e9:.3f} GB; free where it goes: {prepared.free_bytes / 1e9:.2f} GB ({verdict})")
+    lines.append("dry run: nothing was written")
+    return lines
+
+
+def _verify(output, source, *, device, quiet, revision, token, cache_dir) -> bool:
+    from .verification import report_lines, verify
+
+    report = verify(output, source, device=device, revision=revision, token=token, cache_dir=cache_dir, progress=not quiet)
+    for line in report_lines(report):
+        click.echo(line)
+    return report.ok
 
 
 @main.command("verify")
@@ -139,7 +217,7 @@ def convert_command(source, output, dtype, device, max_shard_size, overwrite, qu
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 @_common_source_options
 def verify_command(output, source, device, quiet, revision, token, cache_dir):
-    """Check OUTPUT against SOURCE with bitsandbytes' own dequantize_4bit, bit for bit.
+    """Check OUTPUT against SOURCE with bitsandbytes' own dequantization, bit for bit.
 
     Exits 0 only if every weight matches, every source tensor is there and no quantization
     key or config remains.
@@ -148,16 +226,7 @@ def verify_command(output, source, device, quiet, revision, token, cache_dir):
     Example:
       nf4convert verify Llama-3.2-1B-Instruct-bf16 unsloth/Llama-3.2-1B-Instruct-bnb-4bit
     """
-
-    def action():
-        from .verification import report_lines, verify
-
-        report = verify(output, source, device=device, revision=revision, token=token, cache_dir=cache_dir, progress=not quiet)
-        for line in report_lines(report):
-            click.echo(line)
-        return report.ok
-
-    if not _run(action):
+    if not _run(lambda: _verify(output, source, device=device, quiet=quiet, revision=revision, token=token, cache_dir=cache_dir)):
         sys.exit(1)
 
 
@@ -167,45 +236,86 @@ def verify_command(output, source, device, quiet, revision, token, cache_dir):
               help="Folder that receives one <name>-<dtype> folder per source.")  # fmt: skip
 @click.option("--from-file", type=click.File("r"), help="Read more sources from this file, one per line (# comments).")
 @_convert_options
-def batch_command(sources, output_root, from_file, dtype, device, max_shard_size, overwrite, quiet, revision, token, cache_dir):
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object per source (a line each) instead of the table.")
+def batch_command(sources, output_root, from_file, dtype, device, max_shard_size, overwrite, quiet, revision, token,
+                  cache_dir, as_json):  # fmt: skip
     """Convert several SOURCES into OUTPUT_ROOT; keep going when one fails, then print a table.
+
+    Two sources with the same name get outputs named after their owners too (orgA--x-bf16, orgB--x-bf16).
+    Exits 1 if any failed, 130 on Ctrl-C and 143 on SIGTERM (naming the sources not attempted).
 
     \b
     Example:
       nf4convert batch org/a-bnb-4bit ./b-bnb-4bit -o converted/ --dtype bf16
-      nf4convert batch --from-file models.txt -o converted/
+      nf4convert batch --from-file models.txt -o converted/ --json
     """
+    import json
     import time
-
-    from .conversion import convert
-    from .errors import Nf4ConvertError
+    from pathlib import Path
 
     sources = list(sources)
     if from_file is not None:
         sources += [line.split("#")[0].strip() for line in from_file if line.split("#")[0].strip()]
     if not sources:
         _fail("no sources given (name them, or pass --from-file)")
-    rows = []
-    for source in sources:
+
+    def stems():
+        from .conversion import batch_stems
+
+        return batch_stems(sources)
+
+    names = _run(stems)
+    rows, stopped = [], None
+    for source, stem in zip(sources, names):
         started = time.perf_counter()
+        row = {"source": source, "output": str(Path(output_root) / f"{stem}-<dtype>"), "status": "failed", "error": None,
+               "tensors": None, "bytes": None, "seconds": None}  # fmt: skip
         try:
+            from .conversion import convert
+
             result = convert(source, dtype=dtype, device=device, revision=revision, token=token, cache_dir=cache_dir,
-                             max_shard_size=max_shard_size, overwrite=overwrite, progress=not quiet, output_dir=output_root)  # fmt: skip
-            rows.append((source, "ok", str(result.tensors), f"{result.bytes / 1e9:.2f} GB", f"{result.seconds:.1f}"))
-        except KeyboardInterrupt:
-            rows.append((source, "interrupted", "-", "-", f"{time.perf_counter() - started:.1f}"))
+                             max_shard_size=max_shard_size, overwrite=overwrite, progress=not quiet and not as_json,
+                             output_dir=output_root, stem=stem)  # fmt: skip
+            row.update(output=str(result.output), status="ok", tensors=result.tensors, bytes=result.bytes)
+        except (KeyboardInterrupt, Terminated) as stop:
+            row.update(status="interrupted", error="interrupted")
+            stopped = stop
+        except Exception as error:  # noqa: BLE001  (one source's failure, whatever it is, must not stop the others)
+            from .errors import Nf4ConvertError
+
+            row["error"] = message(error) if isinstance(error, Nf4ConvertError) else f"internal error: {type(error).__name__}: {error}"
+            if not as_json:
+                click.echo(f"Error: {row['error']}", err=True)
+        row["seconds"] = round(time.perf_counter() - started, 1)
+        rows.append(row)
+        if stopped is not None:
             break
-        except Nf4ConvertError as error:
-            click.echo(f"Error: {message(error)}", err=True)
-            rows.append((source, "failed", "-", "-", f"{time.perf_counter() - started:.1f}"))
-    header = ("source", "status", "tensors", "bytes", "seconds")
-    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(5)]
-    for row in [header, *rows]:
-        click.echo("  ".join(cell.ljust(width) for cell, width in zip(row, widths)))
-    failed = sum(1 for row in rows if row[1] != "ok") + (len(sources) - len(rows))
+    untried = sources[len(rows) :]
+    rows += [{"source": s, "output": None, "status": "not attempted", "error": None, "tensors": None, "bytes": None, "seconds": None}
+             for s in untried]  # fmt: skip
+    if as_json:
+        for row in rows:
+            click.echo(json.dumps(row))
+    else:
+        _table(rows)
+    failed = sum(row["status"] != "ok" for row in rows)
+    if stopped is not None:
+        names = ", ".join(untried) if untried else "none"
+        _fail(f"{'terminated' if isinstance(stopped, Terminated) else 'interrupted'}; not attempted: {names}",
+              TERMINATED if isinstance(stopped, Terminated) else INTERRUPTED)  # fmt: skip
     if failed:
         click.echo(f"{failed} of {len(sources)} failed", err=True)
         sys.exit(1)
+
+
+def _table(rows) -> None:
+    header = ("source", "status", "output", "tensors", "size", "seconds")
+    cells = [header] + [(row["source"], row["status"], row["output"] or "-", str(row["tensors"] or "-"),
+                         f"{row['bytes'] / 1e9:.2f} GB" if row["bytes"] is not None else "-",
+                         f"{row['seconds']:.1f}" if row["seconds"] is not None else "-") for row in rows]  # fmt: skip
+    widths = [max(len(cell[i]) for cell in cells) for i in range(len(header))]
+    for cell in cells:
+        click.echo("  ".join(value.ljust(width) for value, width in zip(cell, widths)).rstrip())
 
 
 if __name__ == "__main__":

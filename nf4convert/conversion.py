@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import os
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .hub import model_name
+from .errors import ArgumentError
+from .hub import looks_like_repo_id, model_name
 
 DEFAULT_SHARD_SIZE = "5GB"
+QUANT_SUFFIX = re.compile(r"-(?:bnb-)?(?:4bit|nf4|fp4|8bit|int8)$", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -22,14 +25,62 @@ class ConvertResult:
     seconds: float
 
 
-def default_output(source: str, dtype) -> Path:
-    """``<name>-<dtype>`` for a SOURCE, a quantization suffix dropped: org/Llama-bnb-4bit -> Llama-bf16."""
-    name = model_name(source)
-    for suffix in ("-bnb-4bit", "-bnb-nf4", "-bnb-fp4", "-bnb-8bit", "-4bit", "-nf4", "-fp4", "-8bit", "-int8"):
-        if name.lower().endswith(suffix):
-            name = name[: -len(suffix)]
-            break
-    return Path(f"{name}-{dtype.short}")
+def output_stem(source: str, *, qualified: bool = False) -> str:
+    """The default output's name before ``-<dtype>``: the model's name, a quantization suffix dropped
+    (org/Llama-bnb-4bit -> Llama); ``qualified`` puts the owner (or parent folder) first: org--Llama."""
+    name = QUANT_SUFFIX.sub("", model_name(source)) or model_name(source)
+    if qualified:
+        parent = source.rstrip("/").split("/")[-2] if looks_like_repo_id(source) else Path(source).expanduser().resolve().parent.name
+        name = f"{parent}--{name}" if parent else name
+    return name
+
+
+def batch_stems(sources: list[str]) -> list[str]:
+    """Distinct output stems for a batch: a name that two sources share (case-insensitively, as some file
+    systems compare) is qualified with each one's owner; the same source twice is an ArgumentError."""
+    seen = {}
+    for source in sources:
+        key = source.rstrip("/") if looks_like_repo_id(source) else str(Path(source).expanduser().resolve())
+        if key in seen:
+            raise ArgumentError(f"{source}: given twice (as {seen[key]!r} too)")
+        seen[key] = source
+    plain = [output_stem(source).lower() for source in sources]
+    stems = [output_stem(source, qualified=plain.count(stem) > 1) for source, stem in zip(sources, plain)]
+    lowered = [stem.lower() for stem in stems]
+    for source, stem in zip(sources, lowered):
+        if lowered.count(stem) > 1:
+            others = [other for other, s in zip(sources, lowered) if s == stem and other != source]
+            raise ArgumentError(f"{source} and {others[0]} would both be written to '{stem}-<dtype>'; convert them apart with -o")
+    return stems
+
+
+@dataclass(frozen=True)
+class Prepared:
+    plan: object  # plan.Plan
+    output: Path
+    free_bytes: int
+
+
+def prepare(source: str, output=None, *, dtype="auto", revision=None, token=None, cache_dir=None,
+            max_shard_size=DEFAULT_SHARD_SIZE, overwrite=False, output_dir=None, stem=None, reader=None) -> Prepared:  # fmt: skip
+    """Resolve and plan a conversion and check where it goes, writing nothing (what ``convert`` and a dry run do first)."""
+    from . import output as lifecycle
+    from .dtypes import output_dtype
+    from .hub import resolve
+    from .plan import make_plan, parse_size
+
+    shard_limit = parse_size(max_shard_size)
+    output_dtype(dtype)
+    if output is not None:  # before any download
+        lifecycle.check_destination(Path(output), overwrite=overwrite)
+    folder = resolve(source, revision=revision, token=token, cache_dir=cache_dir)
+    plan = make_plan(folder, dtype=dtype, max_shard_size=shard_limit, reader=reader)
+    if output is None:
+        output = Path(output_dir or ".") / f"{stem or output_stem(source)}-{plan.dtype.short}"
+        lifecycle.check_destination(output, overwrite=overwrite)
+    output = Path(output)
+    lifecycle.check_not_source(output, folder)
+    return Prepared(plan, output, lifecycle.free_space(output))
 
 
 def convert(
@@ -45,11 +96,13 @@ def convert(
     overwrite: bool = False,
     progress: bool = True,
     output_dir: str | os.PathLike | None = None,
+    stem: str | None = None,
 ) -> ConvertResult:
     """Convert a bitsandbytes checkpoint (4-bit NF4/FP4 or 8-bit LLM.int8) into a dense safetensors checkpoint.
 
-    ``output`` defaults to ``<output_dir or .>/<name>-<dtype>``. Nothing is written unless the whole
-    output is: it appears under its name only once complete.
+    ``output`` defaults to ``<output_dir or .>/<stem>-<dtype>``, the stem being the model's name without
+    its quantization suffix. Nothing is written unless the whole output is: it appears under its name
+    only once complete.
 
     Raises:
         ArgumentError: a bad ``dtype``, ``device`` or ``max_shard_size``.
@@ -65,29 +118,19 @@ def convert(
     from . import output as lifecycle
     from .checkpoint import TensorReader
     from .devices import pick_device
-    from .dtypes import output_dtype
-    from .hub import resolve
-    from .plan import make_plan, parse_size
     from .stream import write_shards
 
     started = time.perf_counter()
-    shard_limit = parse_size(max_shard_size)
-    output_dtype(dtype)
     chosen_device = pick_device(device)
-    if output is not None:  # before any download
-        lifecycle.check_destination(Path(output), overwrite=overwrite)
-    folder = resolve(source, revision=revision, token=token, cache_dir=cache_dir)
     with TensorReader() as reader:
-        plan = make_plan(folder, dtype=dtype, max_shard_size=shard_limit, reader=reader)
-        if output is None:
-            output = Path(output_dir or ".") / default_output(source, plan.dtype)
-            lifecycle.check_destination(output, overwrite=overwrite)
-        output = Path(output)
-        lifecycle.check_not_source(output, folder)
+        prepared = prepare(source, output, dtype=dtype, revision=revision, token=token, cache_dir=cache_dir,
+                           max_shard_size=max_shard_size, overwrite=overwrite, output_dir=output_dir, stem=stem,
+                           reader=reader)  # fmt: skip
+        plan, output = prepared.plan, prepared.output
         lifecycle.check_free_space(output, plan.tensor_bytes + plan.side_bytes)
         with lifecycle.staging(output) as temporary:
             n_tensors = len(plan.tensors)
-            with tqdm(total=plan.tensor_bytes, unit="B", unit_scale=True, unit_divisor=1024, disable=not progress,
+            with tqdm(total=plan.tensor_bytes, unit="B", unit_scale=True, unit_divisor=1000, disable=not progress,
                       desc=f"{model_name(source)} -> {plan.dtype.name}", dynamic_ncols=True) as bar:  # fmt: skip
                 write_shards(plan, temporary, reader, chosen_device, progress=bar.update,
                              tensor_done=lambda done: bar.set_postfix_str(f"{done}/{n_tensors} tensors", refresh=False))  # fmt: skip

@@ -41,16 +41,22 @@ def check_not_source(output: Path, source: Path) -> None:
         raise OutputError(f"{output}: is the source checkpoint's folder (or holds it); choose another output")
 
 
+def free_space(output: Path) -> int:
+    """Free bytes on the file system OUT would be written to (its nearest existing ancestor); creates nothing."""
+    folder = output.resolve().parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    try:
+        return shutil.disk_usage(folder).free
+    except OSError as error:
+        raise OutputError(f"{folder}: cannot be read ({_reason(error)})") from None
+
+
 def check_free_space(output: Path, needed: int) -> None:
     """OutputError unless OUT's file system has ``needed`` bytes (and some headroom) free."""
-    parent = output.resolve().parent
-    try:
-        parent.mkdir(parents=True, exist_ok=True)
-        free = shutil.disk_usage(parent).free
-    except OSError as error:
-        raise OutputError(f"{parent}: cannot be written ({_reason(error)})") from None
+    free = free_space(output)
     if free < needed + SPARE_BYTES:
-        raise OutputError(f"{parent}: {free / 1e9:.2f} GB free, the output needs {needed / 1e9:.2f} GB")
+        raise OutputError(f"{output.resolve().parent}: {free / 1e9:.2f} GB free, the output needs {needed / 1e9:.2f} GB")
 
 
 @contextlib.contextmanager

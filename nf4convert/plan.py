@@ -16,6 +16,7 @@ import json
 import math
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import ClassVar
 from pathlib import Path
 
 from .checkpoint import TensorInfo, TensorReader, read_tensors
@@ -34,6 +35,7 @@ DEFAULT_SHARD_SIZE = 5 * 10**9
 class Copy:
     """The source tensor's bytes, cast to the output tensor's dtype where they differ."""
 
+    label: ClassVar[str] = "copied"
     source: TensorInfo
 
     @property
@@ -45,6 +47,7 @@ class Copy:
 class Dequantize4bit:
     """A bitsandbytes 4-bit weight, dequantized (bitsandbytes' CUDA arithmetic) to the output dtype."""
 
+    label: ClassVar[str] = "dequantized from 4-bit"
     weight: bnb4.Weight4bit
 
     @property
@@ -56,6 +59,7 @@ class Dequantize4bit:
 class Dequantize8bit:
     """A bitsandbytes 8-bit (LLM.int8) weight: int8 codes times their row's scale over 127, in the output dtype."""
 
+    label: ClassVar[str] = "dequantized from 8-bit"
     weight: bnb8.Weight8bit
 
     @property

@@ -1,0 +1,189 @@
+"""Faults a user meets: unwritable outputs, signals while writing, batch collisions, verify's report.
+
+Signals are sent to a real ``python -m nf4convert`` process, from inside its own tensor production (a
+wrapper makes the third plain tensor raise the signal), so the real handler and cleanup run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from nf4convert.cli import main
+
+pytest.importorskip("bitsandbytes")
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "tiny-llama-bnb-4bit"
+
+
+def run(*args, code=0):
+    result = CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+    assert result.exit_code == code, result.output
+    return result.output
+
+
+def one_error_line(output: str) -> str:
+    lines = [line for line in output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("Error: ") and "Traceback" not in output, output
+    return lines[0]
+
+
+def test_output_under_a_file_or_unwritable_place_is_one_line(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("user data")
+    line = one_error_line(run(EXAMPLE, "-o", blocker / "out", "-q", code=1))
+    assert str(blocker) in line and blocker.read_text() == "user data"
+    # /proc takes no new folders, even from root (which file permissions would not stop).
+    line = one_error_line(run(EXAMPLE, "-o", "/proc/nf4convert-test/out", "-q", code=1))
+    assert "/proc/nf4convert-test" in line  # no space there (or, elsewhere, cannot be written)
+
+
+@pytest.mark.parametrize("where", ["mkdir", "free-space"])
+def test_read_only_file_system_is_one_line(tmp_path, monkeypatch, where):
+    import errno
+
+    from nf4convert import output
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    if where == "mkdir":
+        monkeypatch.setattr(Path, "mkdir", read_only)
+    else:
+        monkeypatch.setattr(output.shutil, "disk_usage", read_only)
+    line = one_error_line(run(EXAMPLE, "-o", tmp_path / "out", "-q", code=1))
+    assert "Read-only file system" in line
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("size", ["inf", "1e400", "-5GB", "nan"])
+def test_absurd_shard_sizes_are_one_line(tmp_path, size):
+    line = one_error_line(run(EXAMPLE, "-o", tmp_path / "out", "--max-shard-size", size, code=1))
+    assert f"size '{size}'" in line and "--max-shard-size" in line
+
+
+WRAPPER = """
+import os, signal, sys
+from nf4convert import plan, stream
+original, calls = stream.PRODUCERS[plan.Copy], [0]
+def producer(*args):
+    calls[0] += 1
+    if calls[0] == 3:
+        os.kill(os.getpid(), getattr(signal, sys.argv[1]))
+    yield from original(*args)
+stream.PRODUCERS[plan.Copy] = producer
+from nf4convert.cli import main
+main(sys.argv[2:])
+"""
+
+
+@pytest.mark.parametrize("signal_name,code,word", [("SIGINT", 130, "interrupted"), ("SIGTERM", 143, "terminated")])
+def test_signal_while_writing_leaves_nothing(tmp_path, signal_name, code, word):
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run([sys.executable, "-c", WRAPPER, signal_name, str(EXAMPLE), "-o", str(out), "-q", "--device", "cpu"],
+                            capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
+    assert result.returncode == code, result.stderr
+    assert one_error_line(result.stdout + result.stderr) == f"Error: {word}; nothing was written"
+    assert not out.exists() and list(tmp_path.iterdir()) == []  # no hidden partial folder either
+
+
+def test_batch_signal_names_sources_not_attempted(tmp_path):
+    second = tmp_path / "second-bnb-4bit"
+    shutil.copytree(EXAMPLE, second)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run([sys.executable, "-c", WRAPPER, "SIGTERM", "batch", str(EXAMPLE), str(second), "-o",
+                             str(tmp_path / "root"), "-q", "--device", "cpu"], capture_output=True, text=True, env=env,
+                            timeout=300)  # fmt: skip
+    assert result.returncode == 143, result.stderr
+    assert f"Error: terminated; not attempted: {second}" in result.stderr
+    table = result.stdout.splitlines()
+    assert table[1].split()[1] == "interrupted" and table[2].split()[1:3] == ["not", "attempted"]
+    assert not (tmp_path / "root").exists() or not any((tmp_path / "root").iterdir())
+
+
+def test_batch_collisions_are_made_distinct_or_refused(tmp_path):
+    first, second = tmp_path / "orgA" / "x-bnb-4bit", tmp_path / "orgB" / "X-bnb-4bit"
+    shutil.copytree(EXAMPLE, first)
+    shutil.copytree(EXAMPLE, second)
+    root = tmp_path / "root"
+    output = run("batch", first, second, "-o", root, "-q", "--overwrite")
+    assert sorted(p.name for p in root.iterdir()) == ["orgA--x-bf16", "orgB--X-bf16"]
+    for name in ("orgA--x-bf16", "orgB--X-bf16"):
+        assert str(root / name) in output and (root / name / "model.safetensors").exists()
+    # The same source twice: refused before anything is converted.
+    shutil.rmtree(root)
+    line = one_error_line(run("batch", first, str(first) + "/", "-o", root, "-q", code=1))
+    assert "given twice" in line and not root.exists()
+
+
+def test_batch_keeps_going_past_an_unwritable_output_and_prints_json(tmp_path):
+    second = tmp_path / "second-bnb-4bit"
+    shutil.copytree(EXAMPLE, second)
+    root = tmp_path / "root"
+    root.mkdir()
+    (root / "tiny-llama-bf16").write_text("a file where the first output would go")
+    result = CliRunner().invoke(main, ["batch", str(EXAMPLE), str(second), "-o", str(root), "-q", "--json"])
+    assert result.exit_code == 1
+    rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert [row["status"] for row in rows] == ["failed", "ok"]
+    assert "exists and is not a folder" in rows[0]["error"] and rows[1]["output"] == str(root / "second-bf16")
+    assert rows[1]["tensors"] == 39 and rows[1]["bytes"] > 0 and rows[1]["seconds"] >= 0
+    assert (root / "tiny-llama-bf16").read_text().startswith("a file")
+
+
+# --- verify's report ------------------------------------------------------------------------------------
+
+
+def _edit_output_tensor(folder: Path, name: str, edit):
+    """Rewrite the shard holding ``name`` after ``edit(header, data)``."""
+    shard = folder / "model.safetensors"
+    raw = shard.read_bytes()
+    (length,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + length])
+    data = bytearray(raw[8 + length :])
+    edit(header, data)
+    encoded = json.dumps(header).encode()
+    shard.write_bytes(struct.pack("<Q", len(encoded)) + encoded + bytes(data))
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    out = tmp_path_factory.mktemp("verify") / "out"
+    run(EXAMPLE, "-o", out, "-q", "--device", "cpu")
+    return out
+
+
+def test_verify_names_a_retyped_weight(converted, tmp_path):
+    out = tmp_path / "out"
+    shutil.copytree(converted, out)
+    name = "model.layers.1.mlp.up_proj.weight"
+    _edit_output_tensor(out, name, lambda header, data: header[name].update(dtype="F16"))
+    output = run("verify", out, EXAMPLE, code=1)
+    assert f"MISMATCH {name}: F16 " in output and "BF16" in output and "FAILED: 1 problem\n" in output
+
+
+def test_verify_blames_the_source_for_a_plain_tensor(converted, tmp_path):
+    out = tmp_path / "out"
+    shutil.copytree(converted, out)
+    name = "model.norm.weight"
+
+    def flip(header, data):
+        data[header[name]["data_offsets"][0] + 1] ^= 0x40
+
+    _edit_output_tensor(out, name, flip)
+    output = run("verify", out, EXAMPLE, code=1)
+    assert f"{name}: 1 of 256 elements differ from the source tensor" in output and "bitsandbytes" not in output.split("MISMATCH")[1]
+
+
+def test_verify_recognises_swapped_arguments(converted):
+    line = one_error_line(run("verify", EXAMPLE, converted, code=1))
+    assert "is a bitsandbytes checkpoint" in line and "the order is OUT, then SOURCE" in line

@@ -42,8 +42,13 @@ KINDS = {
     "fan_in_fan_out": ("gpt2", dict(r=4, lora_alpha=6, fan_in_fan_out=True, target_modules=["c_attn", "c_proj", "c_fc"], bias="lora_only"), torch.bfloat16),
     "dora_fan_in_fan_out": ("gpt2", dict(r=3, lora_alpha=5, use_dora=True, fan_in_fan_out=True, target_modules=["c_attn", "c_fc"]), torch.float32),
     "lora_bias": ("gpt2", dict(r=4, lora_alpha=8, lora_bias=True, fan_in_fan_out=True, target_modules=["c_attn", "c_proj"]), torch.float32),
+    # peft sets fan_in_fan_out from the layer class whatever the config says; square weights included
+    "conv1d_config_false": ("gpt2", dict(r=4, lora_alpha=6, target_modules=["c_attn", "c_proj"]), torch.float16),
+    "linear_config_true": ("llama", dict(r=4, lora_alpha=6, fan_in_fan_out=True, target_modules=["q_proj", "k_proj", "o_proj"]), torch.float32),
 }
-CASES = [(kind, dtype) for kind in KINDS for dtype in ("bf16", "fp16")] + [("linear", "fp32"), ("dora", "fp32")]
+ONE_DTYPE = ("conv1d_config_false", "linear_config_true")
+CASES = [(kind, dtype) for kind in KINDS for dtype in ("bf16", "fp16") if kind not in ONE_DTYPE or dtype == "bf16"]
+CASES += [("linear", "fp32"), ("dora", "fp32")]
 
 
 def _model(family: str):
@@ -153,8 +158,8 @@ def test_merge_matches_peft(kind, dtype, dense, tmp_path):
         "modules_to_save": {"linear", "replace"}, "fan_in_fan_out": {"linear", "replace"},
     }.get(kind, {"linear"})  # fmt: skip
     assert kinds == expected_kinds
-    if "fan_in_fan_out" in kind or kind == "lora_bias":
-        assert all(t.fan_in_fan_out for t in targets.values() if t.kind == "linear")
+    linear = [t for t in targets.values() if t.kind == "linear"]
+    assert all(t.fan_in_fan_out == (KINDS[kind][0] == "gpt2") for t in linear)
     if kind == "embedding":  # peft saved the embedding's base weight (save_embedding_layers) and loads it
         assert "base" in targets["model.embed_tokens.weight"].tensors
 

@@ -16,8 +16,8 @@ the dense checkpoint loaded in the output dtype. What that does, step by step, a
 - Linear (``Linear.get_delta_weight`` and ``merge``): ``delta = transpose(B @ A, fan_in_fan_out) * scaling`` in
   fp32, then ``weight += delta``: an in-place add of an fp32 tensor into the bf16/fp16 weight, computed in fp32
   and rounded once. peft forces ``fan_in_fan_out`` to match the layer (True for GPT-2's ``Conv1D``, False for
-  ``nn.Linear``) whatever the config says; without the model we read it from the base weight's shape, and only a
-  square weight falls back to the config.
+  ``nn.Linear``) whatever the config says; without the model we read it from the base weight's shape (see
+  :func:`validate` for square weights).
 - Embedding (``Embedding.get_delta_weight`` and ``merge``): ``delta = (B @ A).T * scaling`` in fp32, then
   ``weight += delta.to(weight.dtype)``: rounded to the output dtype *before* the add (twice rounded, unlike Linear).
 - DoRA (``DoraLinearVariant.merge_unsafe``, ``DoraLinearLayer.get_weight_norm``): with ``delta`` as above,
@@ -269,11 +269,17 @@ def validate(adapter: Adapter, base: dict) -> Adapter:
     """Check the adapter against the base checkpoint before anything is written; one-line CheckpointError for
     each problem: a target the base lacks, a LoRA factor, magnitude or replacement whose shape does not fit
     the base tensor's. ``base`` maps every base tensor name to its dense shape (or ``(shape, ...)``, or an
-    object with ``.shape``). Resolves each linear target's ``fan_in_fan_out`` from the shapes as peft does
-    (Conv1D weights are stored transposed), updating ``adapter.targets``; returns the adapter.
+    object with ``.shape``). Resolves each linear target's ``fan_in_fan_out`` as peft does, updating
+    ``adapter.targets``, and returns the adapter.
+
+    peft sets ``fan_in_fan_out`` from the layer's class, whatever the config says: True for a ``Conv1D``
+    (GPT-2; weight stored (in, out)), False for ``nn.Linear`` (weight (out, in)). The shapes tell which one a
+    non-square weight is. A square weight takes the orientation that all non-square targets agree on, and the
+    config's value when they disagree or there are none.
     """
     path = adapter.path
-    for name, target in list(adapter.targets.items()):
+    orientation: dict[str, bool | None] = {}  # linear target -> fan_in_fan_out, None for a square weight
+    for name, target in adapter.targets.items():
         if name not in base:
             hint = ""
             for other in (f"model.{name}", name.removeprefix("model.")):
@@ -296,18 +302,16 @@ def validate(adapter: Adapter, base: dict) -> Adapter:
             lora_a, lora_b = target.tensors["lora_A"], target.tensors["lora_B"]
             out_features, in_features = lora_b.shape[0], lora_a.shape[1]
             if shape == (out_features, in_features) and shape == (in_features, out_features):
-                fan_in_fan_out = target.fan_in_fan_out  # square: only the config can tell
+                orientation[name] = None
             elif shape == (out_features, in_features):
-                fan_in_fan_out = False
+                orientation[name] = False
             elif shape == (in_features, out_features):
-                fan_in_fan_out = True  # a Conv1D weight, (in, out): peft forces fan_in_fan_out for it
+                orientation[name] = True
             else:
                 raise CheckpointError(
                     f"{path}: '{lora_a.name}' {list(lora_a.shape)} and '{lora_b.name}' {list(lora_b.shape)} "
                     f"do not fit the base's '{name}' {list(shape)}"
                 )
-            if fan_in_fan_out != target.fan_in_fan_out:
-                target = adapter.targets[name] = dataclasses.replace(target, fan_in_fan_out=fan_in_fan_out)
         else:
             lora_a, lora_b = target.tensors["lora_embedding_A"], target.tensors["lora_embedding_B"]
             out_features = lora_b.shape[0]  # embedding_dim
@@ -319,6 +323,13 @@ def validate(adapter: Adapter, base: dict) -> Adapter:
         magnitude = target.tensors.get("lora_magnitude_vector")
         if magnitude is not None and tuple(magnitude.shape) != (out_features,):
             raise CheckpointError(f"{path}: tensor '{magnitude.name}' is {list(magnitude.shape)}, the base's '{name}' {list(shape)} needs [{out_features}]")
+
+    known = {value for value in orientation.values() if value is not None}
+    square_default = known.pop() if len(known) == 1 else adapter.config["fan_in_fan_out"]
+    for name, fan_in_fan_out in orientation.items():
+        fan_in_fan_out = square_default if fan_in_fan_out is None else fan_in_fan_out
+        if fan_in_fan_out != adapter.targets[name].fan_in_fan_out:
+            adapter.targets[name] = dataclasses.replace(adapter.targets[name], fan_in_fan_out=fan_in_fan_out)
     return adapter
 
 

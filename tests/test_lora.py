@@ -101,6 +101,8 @@ def _make_adapter(tmp_path: Path, kind: str, seed: int) -> Path:
     family, arguments, stored_dtype = KINDS[kind]
     folder = tmp_path / f"adapter-{kind}"
     get_peft_model(_model(family), LoraConfig(**arguments)).save_pretrained(folder)
+    # peft overwrote fan_in_fan_out in the config it saved with the last layer's class: keep what the user set
+    _edit_config(folder, fan_in_fan_out=arguments.get("fan_in_fan_out", False))
     _randomize_adapter(folder, stored_dtype, seed)
     return folder
 
@@ -125,7 +127,15 @@ def _ours(dense_folder: Path, adapter_folder: Path, device="cpu") -> tuple[dict,
         for name, tensor in base.items():
             target = adapter.targets.get(name)
             tensor = tensor.to(device)
-            out[name] = tensor if target is None else peft_lora.merge(target, tensor, peft_lora.read_lora(target, reader))
+            if target is None:
+                out[name] = tensor
+                continue
+            lora = peft_lora.read_lora(target, reader)
+            original = tensor.clone()
+            out[name] = peft_lora.merge(target, tensor, lora)
+            assert torch.equal(bits(tensor), bits(original)), f"{name}: merge() changed its input"
+            in_place = peft_lora.merge(target, tensor, lora, inplace=True)
+            assert torch.equal(bits(in_place), bits(out[name])), f"{name}: inplace=True gives other bits"
     finally:
         reader.close()
     return out, adapter.targets

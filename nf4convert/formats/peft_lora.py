@@ -175,72 +175,38 @@ def load_adapter(folder: Path) -> Adapter:
     config_path, config = _read_config(folder)
     path = folder / WEIGHTS_NAME
     if not path.is_file():
-        other = " (only adapter_model.bin: pickled adapters are not read)" if (folder / "adapter_model.bin").exists() else ""
-        raise CheckpointError(f"{path}: missing{other}")
+        pickled = (folder / "adapter_model.bin").exists()
+        why = " (only adapter_model.bin: pickled adapters are not read)" if pickled else ""
+        raise CheckpointError(f"{path}: missing{why}")
     tensors, _ = read_header(path)
 
-    # Group the saved keys by module: module path -> role -> TensorInfo; plain keys replace base tensors.
+    # Group the saved keys by module: module path -> role -> TensorInfo; other keys replace base tensors.
     lora_modules: dict[str, dict[str, TensorInfo]] = {}
     replacements: dict[str, tuple[TensorInfo, bool]] = {}  # base tensor name -> (saved tensor, via base_layer)
+    suffixes = (*LINEAR_ROLES.items(), *EMBEDDING_ROLES.items(), (MAGNITUDE_SUFFIX, "lora_magnitude_vector"))
     for key, info in tensors.items():
         if not key.startswith(PEFT_PREFIX):
             raise CheckpointError(f"{path}: tensor '{key}' does not start with '{PEFT_PREFIX}' (not saved by peft)")
         if info.dtype not in FLOAT_DTYPES:
             raise CheckpointError(f"{path}: tensor '{key}' has dtype {info.dtype}, not a floating type")
         rest = key[len(PEFT_PREFIX) :]
-        for suffix, role in (*LINEAR_ROLES.items(), *EMBEDDING_ROLES.items(), (MAGNITUDE_SUFFIX, "lora_magnitude_vector")):
+        for suffix, role in suffixes:
             if rest.endswith(suffix):
                 lora_modules.setdefault(rest[: -len(suffix)], {})[role] = info
                 break
         else:
             if re.search(r"(^|\.)lora_\w+(\.|$)", rest):
-                raise CheckpointError(f"{path}: tensor '{key}' is no LoRA parameter peft saves (lora_A.weight, lora_B.weight, ...)")
+                raise CheckpointError(f"{path}: tensor '{key}' is no LoRA parameter that peft saves")
             # peft's load_state_dict puts these into the base parameters: "x.base_layer.weight" is x's own weight.
             replacements[rest.replace(".base_layer.", ".")] = (info, ".base_layer." in rest)
 
     targets: dict[str, LoraTarget] = {}
     for module, roles in lora_modules.items():
-        r = _pattern_value(config["rank_pattern"], module, config["r"], config_path, "rank_pattern")
-        r = _number(r, config_path, f"r for '{module}'", integer=True)
-        alpha = _pattern_value(config["alpha_pattern"], module, config["lora_alpha"], config_path, "alpha_pattern")
-        alpha = _number(alpha, config_path, f"lora_alpha for '{module}'", integer=False)
-        scaling = alpha / math.sqrt(r) if config["use_rslora"] else alpha / r  # peft's LoraLayer.update_layer
-        common = dict(module=module, rank=r, alpha=alpha, scaling=scaling, use_dora=config["use_dora"], use_rslora=config["use_rslora"])
-
-        if "lora_A" in roles or "lora_B" in roles or "lora_B.bias" in roles:
-            kind, a_role, b_role = "linear", "lora_A", "lora_B"
-            if "lora_embedding_A" in roles or "lora_embedding_B" in roles:
-                raise CheckpointError(f"{path}: module '{module}' has both linear and embedding LoRA weights")
-        else:
-            kind, a_role, b_role = "embedding", "lora_embedding_A", "lora_embedding_B"
-        prefix = f"{PEFT_PREFIX}{module}"
-        for role in (a_role, b_role):
-            if role not in roles:
-                raise CheckpointError(f"{path}: module '{module}' has no {role} (expected tensor '{prefix}.{role}{'.weight' if kind == 'linear' else ''}')")
-        lora_a, lora_b = roles[a_role], roles[b_role]
-        if len(lora_a.shape) != 2 or len(lora_b.shape) != 2:
-            raise CheckpointError(f"{path}: '{lora_a.name}' {list(lora_a.shape)} and '{lora_b.name}' {list(lora_b.shape)}: only LoRA on 2-D weights (Linear, Conv1D, Embedding) can be merged")
-        if lora_a.shape[0] != r or lora_b.shape[1] != r:
-            raise CheckpointError(f"{path}: module '{module}' has rank {r} in {CONFIG_NAME} but '{lora_a.name}' is {list(lora_a.shape)} and '{lora_b.name}' {list(lora_b.shape)}")
-        magnitude = roles.get("lora_magnitude_vector")
-        if config["use_dora"] and magnitude is None:
-            raise CheckpointError(f"{path}: use_dora is set but module '{module}' has no '{prefix}{MAGNITUDE_SUFFIX}'")
-        if magnitude is not None and not config["use_dora"]:
-            raise CheckpointError(f"{path}: tensor '{magnitude.name}' is a DoRA magnitude but use_dora is not set in {CONFIG_NAME}")
-        if "lora_B.bias" in roles and not config["lora_bias"]:
-            raise CheckpointError(f"{path}: tensor '{roles['lora_B.bias'].name}' is a LoRA bias but lora_bias is not set in {CONFIG_NAME}")
-
-        weight_roles = {role: info for role, info in roles.items() if role != "lora_B.bias"}
-        weight_name = f"{module}.weight"
-        if replacements.get(weight_name, (None, False))[1]:
-            weight_roles["base"] = replacements.pop(weight_name)[0]
-        targets[weight_name] = LoraTarget(weight_name, kind, tensors=weight_roles, fan_in_fan_out=config["fan_in_fan_out"] and kind == "linear", **common)
-        if "lora_B.bias" in roles:
-            bias_name = f"{module}.bias"
-            bias_roles = {"lora_B.bias": roles["lora_B.bias"]}
-            if replacements.get(bias_name, (None, False))[1]:
-                bias_roles["base"] = replacements.pop(bias_name)[0]
-            targets[bias_name] = LoraTarget(bias_name, "bias", tensors=bias_roles, **common)
+        for target in _module_targets(path, config_path, config, module, roles):
+            # the module's own base parameters, saved as "<module>.base_layer.<param>", are loaded before the merge
+            if replacements.get(target.name, (None, False))[1]:
+                target.tensors["base"] = replacements.pop(target.name)[0]
+            targets[target.name] = target
 
     for name, (info, via_base_layer) in replacements.items():
         module = name.rpartition(".")[0]
@@ -251,9 +217,55 @@ def load_adapter(folder: Path) -> Adapter:
         targets[name] = LoraTarget(name, "replace", module=module, tensors={"base": info})
 
     if config["ensure_weight_tying"] and any(t.kind in ("embedding", "replace") for t in targets.values()):
-        raise CheckpointError(f"{config_path}: ensure_weight_tying with adapted embeddings or modules_to_save cannot be merged tensor by tensor")
+        raise CheckpointError(
+            f"{config_path}: ensure_weight_tying with adapted embeddings or modules_to_save: not mergeable tensor by tensor"
+        )
     base = config.get("base_model_name_or_path")
     return Adapter(folder, path, config, base if isinstance(base, str) else None, targets, tensors)
+
+
+def _module_targets(path: Path, config_path: Path, config: dict, module: str, roles: dict) -> list[LoraTarget]:
+    """The targets of one LoRA module (its weight, and its bias with lora_bias), checked against the config."""
+    r = _pattern_value(config["rank_pattern"], module, config["r"], config_path, "rank_pattern")
+    r = _number(r, config_path, f"r for '{module}'", integer=True)
+    alpha = _pattern_value(config["alpha_pattern"], module, config["lora_alpha"], config_path, "alpha_pattern")
+    alpha = _number(alpha, config_path, f"lora_alpha for '{module}'", integer=False)
+    scaling = alpha / math.sqrt(r) if config["use_rslora"] else alpha / r  # LoraLayer.update_layer
+    common = dict(module=module, rank=r, alpha=alpha, scaling=scaling)
+    common.update(use_dora=config["use_dora"], use_rslora=config["use_rslora"])
+
+    if roles.keys() & {"lora_A", "lora_B", "lora_B.bias"}:
+        kind, a_role, b_role = "linear", "lora_A", "lora_B"
+        if roles.keys() & {"lora_embedding_A", "lora_embedding_B"}:
+            raise CheckpointError(f"{path}: module '{module}' has both linear and embedding LoRA weights")
+    else:
+        kind, a_role, b_role = "embedding", "lora_embedding_A", "lora_embedding_B"
+    prefix = f"{PEFT_PREFIX}{module}"
+    for role in (a_role, b_role):
+        if role not in roles:
+            expected = f"{prefix}.{role}{'.weight' if kind == 'linear' else ''}"
+            raise CheckpointError(f"{path}: module '{module}' has no {role} (expected tensor '{expected}')")
+    lora_a, lora_b = roles[a_role], roles[b_role]
+    factors = f"'{lora_a.name}' {list(lora_a.shape)} and '{lora_b.name}' {list(lora_b.shape)}"
+    if len(lora_a.shape) != 2 or len(lora_b.shape) != 2:
+        raise CheckpointError(f"{path}: {factors}: only LoRA on 2-D weights (Linear, Conv1D, Embedding) can be merged")
+    if lora_a.shape[0] != r or lora_b.shape[1] != r:
+        raise CheckpointError(f"{path}: module '{module}' has rank {r} in {CONFIG_NAME} but {factors}")
+    magnitude = roles.get("lora_magnitude_vector")
+    if config["use_dora"] and magnitude is None:
+        raise CheckpointError(f"{path}: use_dora is set but module '{module}' has no '{prefix}{MAGNITUDE_SUFFIX}'")
+    if magnitude is not None and not config["use_dora"]:
+        raise CheckpointError(f"{path}: tensor '{magnitude.name}' is a DoRA magnitude but {CONFIG_NAME} has no use_dora")
+    lora_bias = roles.get("lora_B.bias")
+    if lora_bias is not None and not config["lora_bias"]:
+        raise CheckpointError(f"{path}: tensor '{lora_bias.name}' is a LoRA bias but {CONFIG_NAME} has no lora_bias")
+
+    weight_roles = {role: info for role, info in roles.items() if role != "lora_B.bias"}
+    fan_in_fan_out = config["fan_in_fan_out"] and kind == "linear"  # validate() settles it from the shapes
+    targets = [LoraTarget(f"{module}.weight", kind, tensors=weight_roles, fan_in_fan_out=fan_in_fan_out, **common)]
+    if lora_bias is not None:
+        targets.append(LoraTarget(f"{module}.bias", "bias", tensors={"lora_B.bias": lora_bias}, **common))
+    return targets
 
 
 def _shape_of(value) -> tuple:
@@ -290,13 +302,17 @@ def validate(adapter: Adapter, base: dict) -> Adapter:
         shape = _shape_of(base[name])
         replacement = target.tensors.get("base")
         if replacement is not None and tuple(replacement.shape) != shape:
-            raise CheckpointError(f"{path}: tensor '{replacement.name}' is {list(replacement.shape)}, the base's '{name}' is {list(shape)}")
+            raise CheckpointError(
+                f"{path}: tensor '{replacement.name}' is {list(replacement.shape)}, the base's '{name}' is {list(shape)}"
+            )
         if target.kind == "replace":
             continue
         if target.kind == "bias":
             lora_bias = target.tensors["lora_B.bias"]
             if len(shape) != 1 or tuple(lora_bias.shape) != shape:
-                raise CheckpointError(f"{path}: tensor '{lora_bias.name}' is {list(lora_bias.shape)}, the base's '{name}' is {list(shape)}")
+                raise CheckpointError(
+                    f"{path}: tensor '{lora_bias.name}' is {list(lora_bias.shape)}, the base's '{name}' is {list(shape)}"
+                )
             continue
         if target.kind == "linear":
             lora_a, lora_b = target.tensors["lora_A"], target.tensors["lora_B"]
@@ -322,7 +338,10 @@ def validate(adapter: Adapter, base: dict) -> Adapter:
                 )
         magnitude = target.tensors.get("lora_magnitude_vector")
         if magnitude is not None and tuple(magnitude.shape) != (out_features,):
-            raise CheckpointError(f"{path}: tensor '{magnitude.name}' is {list(magnitude.shape)}, the base's '{name}' {list(shape)} needs [{out_features}]")
+            raise CheckpointError(
+                f"{path}: tensor '{magnitude.name}' is {list(magnitude.shape)}, the base's '{name}' {list(shape)} "
+                f"needs [{out_features}]"
+            )
 
     known = {value for value in orientation.values() if value is not None}
     square_default = known.pop() if len(known) == 1 else adapter.config["fan_in_fan_out"]

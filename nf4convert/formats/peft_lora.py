@@ -60,7 +60,8 @@ CONFIG_DEFAULTS = {
     "ensure_weight_tying": False,
 }
 
-# LoRA variants whose merge is not plain LoRA or DoRA (their config field is set when they are in use).
+# Config fields that, when set, make the merged model something other than base + LoRA/DoRA deltas: other LoRA
+# variants, layers added or copied (layer_replication, target_parameters, trainable tokens), Megatron layers.
 UNSUPPORTED_VARIANTS = (
     "velora_config", "alora_invocation_tokens", "monteclora_config", "use_bdlora", "arrow_config", "kasa_config",
     "use_qalora", "layer_replication", "target_parameters", "trainable_token_indices", "megatron_config",

@@ -1,0 +1,429 @@
+"""peft LoRA adapters: what an adapter folder changes in its base model, and the merge, bit for bit with peft.
+
+The reference is ``PeftModel.from_pretrained(dense, ADAPTER).merge_and_unload()`` (peft 0.21), where ``dense`` is
+the dense checkpoint loaded in the output dtype. What that does, step by step, and what this module reproduces:
+
+- Loading. Each targeted module gets LoRA parameters created in the base dtype, then ``autocast_adapter_dtype``
+  (on by default) upcasts every fp16/bf16 adapter parameter to **fp32**, then ``load_state_dict`` copies the saved
+  tensors into them. So whatever dtype the file stores, the LoRA factors, DoRA magnitudes and ``lora_B.bias`` are
+  fp32 on the base weight's device when merging, and peft's "upcast bf16/fp16 to fp32 on the CPU" branch of
+  ``get_delta_weight`` never runs. Saved keys that are not LoRA parameters (a ``modules_to_save`` module's weights,
+  biases saved with ``bias="all"|"lora_only"``, an embedding's ``base_layer.weight`` saved with
+  ``save_embedding_layers``) are copied into the base parameters: the saved tensor cast to the output dtype.
+- ``scaling = lora_alpha / r``, or ``lora_alpha / math.sqrt(r)`` with rsLoRA, Python floats; ``r`` and
+  ``lora_alpha`` come from ``rank_pattern`` / ``alpha_pattern`` (the first key, in file order, that matches the
+  module path as ``(.*\\.)?(key)$``), else from ``r`` / ``lora_alpha``.
+- Linear (``Linear.get_delta_weight`` and ``merge``): ``delta = transpose(B @ A, fan_in_fan_out) * scaling`` in
+  fp32, then ``weight += delta``: an in-place add of an fp32 tensor into the bf16/fp16 weight, computed in fp32
+  and rounded once. peft forces ``fan_in_fan_out`` to match the layer (True for GPT-2's ``Conv1D``, False for
+  ``nn.Linear``) whatever the config says; without the model we read it from the base weight's shape (see
+  :func:`validate` for square weights).
+- Embedding (``Embedding.get_delta_weight`` and ``merge``): ``delta = (B @ A).T * scaling`` in fp32, then
+  ``weight += delta.to(weight.dtype)``: rounded to the output dtype *before* the add (twice rounded, unlike Linear).
+- DoRA (``DoraLinearVariant.merge_unsafe``, ``DoraLinearLayer.get_weight_norm``): with ``delta`` as above,
+  ``norm = linalg.norm(transpose(W, fifo) + 1 * transpose(delta, fifo), dim=1)`` (fp32, W the unmerged weight),
+  ``factor = transpose((magnitude / norm).view(-1, 1), fifo)``, ``W' = (factor * (W + delta)).to(W.dtype)``.
+  Embeddings: ``norm`` over ``W.T + 1 * delta.T``, ``factor = (magnitude / norm).view(1, -1)``.
+- ``lora_bias``: ``bias += lora_B.bias * scaling`` (in place, fp32 compute).
+
+Every step is the same torch op on tensors of the same shape, dtype and strides as peft's, on the same device,
+so reductions (the matmul, the norm) run in the same order: the merge is bit for bit, not just close.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..checkpoint import FLOAT_DTYPES, TensorInfo, read_header
+from ..errors import CheckpointError
+
+CONFIG_NAME = "adapter_config.json"
+WEIGHTS_NAME = "adapter_model.safetensors"
+PEFT_PREFIX = "base_model.model."
+
+# peft.LoraConfig's defaults for the fields the merge reads (importing peft costs ~10 s; tests check these).
+CONFIG_DEFAULTS = {
+    "r": 8,
+    "lora_alpha": 8,
+    "fan_in_fan_out": False,
+    "use_rslora": False,
+    "use_dora": False,
+    "lora_bias": False,
+    "rank_pattern": {},
+    "alpha_pattern": {},
+    "init_lora_weights": True,
+    "ensure_weight_tying": False,
+}
+
+# Config fields that, when set, make the merged model something other than base + LoRA/DoRA deltas: other LoRA
+# variants, layers added or copied (layer_replication, target_parameters, trainable tokens), Megatron layers.
+UNSUPPORTED_VARIANTS = (
+    "velora_config", "alora_invocation_tokens", "monteclora_config", "use_bdlora", "arrow_config", "kasa_config",
+    "use_qalora", "layer_replication", "target_parameters", "trainable_token_indices", "megatron_config",
+)  # fmt: skip
+# init_lora_weights values after which the adapter only fits a base model that the init rewrote (PiSSA, OLoRA,
+# CorDA, LoftQ and LoRA-GA subtract their initial delta from the base weights), or that select another variant.
+BASE_MUTATING_INITS = ("olora", "corda", "loftq", "lora_ga")
+
+# Suffixes of saved LoRA parameters (peft removes the adapter name when saving): suffix -> role.
+LINEAR_ROLES = {".lora_A.weight": "lora_A", ".lora_B.weight": "lora_B", ".lora_B.bias": "lora_B.bias"}
+EMBEDDING_ROLES = {".lora_embedding_A": "lora_embedding_A", ".lora_embedding_B": "lora_embedding_B"}
+MAGNITUDE_SUFFIX = ".lora_magnitude_vector"
+
+
+@dataclass(frozen=True)
+class LoraTarget:
+    """One base tensor the adapter changes and how.
+
+    kind: "linear" (LoRA/DoRA on a Linear or Conv1D weight), "embedding" (on an Embedding weight), "bias"
+    (``lora_bias``: ``lora_B.bias * scaling`` added to the module's bias), "replace" (the saved tensor replaces
+    the base's: ``modules_to_save``, saved biases, saved embedding weights).
+    tensors: role -> the adapter's TensorInfo. Roles: lora_A, lora_B, lora_magnitude_vector (DoRA),
+    lora_embedding_A, lora_embedding_B, lora_B.bias, and "base" for a saved tensor that replaces the base weight
+    before any delta is merged (a "replace" target has only "base").
+    """
+
+    name: str  # the base checkpoint's tensor, e.g. model.layers.0.self_attn.q_proj.weight
+    kind: str
+    module: str  # the module path peft matched rank_pattern/alpha_pattern against
+    tensors: dict[str, TensorInfo] = field(default_factory=dict)
+    rank: int | None = None
+    alpha: float | None = None
+    scaling: float | None = None
+    fan_in_fan_out: bool = False
+    use_dora: bool = False
+    use_rslora: bool = False
+
+
+@dataclass
+class Adapter:
+    folder: Path
+    path: Path  # adapter_model.safetensors
+    config: dict
+    base_model_name_or_path: str | None
+    targets: dict[str, LoraTarget]  # base tensor name -> target
+    tensors: dict[str, TensorInfo]  # every tensor of the adapter file
+
+
+def _pattern_value(patterns: dict, module: str, default, config_path: Path, what: str):
+    """peft's get_pattern_key: the first pattern (in file order) matching the module path's tail."""
+    for key, value in patterns.items():
+        try:
+            matched = re.match(rf"(.*\.)?({key})$", module)
+        except re.error as error:
+            raise CheckpointError(f"{config_path}: {what} key {key!r} is not a valid regular expression ({error})") from None
+        if matched:
+            return value
+    return default
+
+
+def _number(value, config_path: Path, what: str, *, integer: bool):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not isinstance(value, int)):
+        raise CheckpointError(f"{config_path}: {what} is {value!r}, not a{'n integer' if integer else ' number'}")
+    if value <= 0 and integer:
+        raise CheckpointError(f"{config_path}: {what} is {value}, it must be positive")
+    return value
+
+
+def _read_config(folder: Path) -> tuple[Path, dict]:
+    config_path = folder / CONFIG_NAME
+    try:
+        config = json.loads(config_path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{config_path}: missing (not a peft adapter folder)") from None
+    except (OSError, UnicodeDecodeError, ValueError) as error:
+        raise CheckpointError(f"{config_path}: unreadable or not JSON ({error})") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{config_path}: not a JSON object")
+    peft_type = config.get("peft_type")
+    if peft_type != "LORA":
+        raise CheckpointError(f"{config_path}: peft_type is {peft_type!r}; only LORA adapters can be merged")
+    for name, default in CONFIG_DEFAULTS.items():
+        if config.get(name) is None:
+            config[name] = default
+    for name in UNSUPPORTED_VARIANTS:
+        if config.get(name):
+            raise CheckpointError(f"{config_path}: {name} is set; only plain LoRA and DoRA adapters can be merged")
+    init = config["init_lora_weights"]
+    if isinstance(init, str) and (init.startswith("pissa") or init in BASE_MUTATING_INITS or init == "mica"):
+        raise CheckpointError(
+            f"{config_path}: init_lora_weights is {init!r}: the adapter fits a base model rewritten by that init, "
+            "not the original one (convert it with peft's path_initial_model_for_weight_conversion first)"
+        )
+    for name in ("rank_pattern", "alpha_pattern"):
+        if not isinstance(config[name], dict):
+            raise CheckpointError(f"{config_path}: {name} is not an object")
+    for name in ("fan_in_fan_out", "use_rslora", "use_dora", "lora_bias"):
+        if not isinstance(config[name], bool):
+            raise CheckpointError(f"{config_path}: {name} is {config[name]!r}, not true or false")
+    return config_path, config
+
+
+def load_adapter(folder: Path) -> Adapter:
+    """Read ``adapter_config.json`` and the header of ``adapter_model.safetensors`` (no tensor data) of a peft
+    LoRA adapter, and map every base tensor it changes to a :class:`LoraTarget`.
+
+    >>> adapter = load_adapter(Path("my-qlora-adapter"))
+    >>> adapter.targets["model.layers.0.self_attn.q_proj.weight"].scaling
+    2.0
+    """
+    folder = Path(folder)
+    config_path, config = _read_config(folder)
+    path = folder / WEIGHTS_NAME
+    if not path.is_file():
+        pickled = (folder / "adapter_model.bin").exists()
+        why = " (only adapter_model.bin: pickled adapters are not read)" if pickled else ""
+        raise CheckpointError(f"{path}: missing{why}")
+    tensors, _ = read_header(path)
+
+    # Group the saved keys by module: module path -> role -> TensorInfo; other keys replace base tensors.
+    lora_modules: dict[str, dict[str, TensorInfo]] = {}
+    replacements: dict[str, tuple[TensorInfo, bool]] = {}  # base tensor name -> (saved tensor, via base_layer)
+    suffixes = (*LINEAR_ROLES.items(), *EMBEDDING_ROLES.items(), (MAGNITUDE_SUFFIX, "lora_magnitude_vector"))
+    for key, info in tensors.items():
+        if not key.startswith(PEFT_PREFIX):
+            raise CheckpointError(f"{path}: tensor '{key}' does not start with '{PEFT_PREFIX}' (not saved by peft)")
+        if info.dtype not in FLOAT_DTYPES:
+            raise CheckpointError(f"{path}: tensor '{key}' has dtype {info.dtype}, not a floating type")
+        rest = key[len(PEFT_PREFIX) :]
+        for suffix, role in suffixes:
+            if rest.endswith(suffix):
+                lora_modules.setdefault(rest[: -len(suffix)], {})[role] = info
+                break
+        else:
+            if re.search(r"(^|\.)lora_\w+(\.|$)", rest):
+                raise CheckpointError(f"{path}: tensor '{key}' is no LoRA parameter that peft saves")
+            # peft's load_state_dict puts these into the base parameters: "x.base_layer.weight" is x's own weight.
+            replacements[rest.replace(".base_layer.", ".")] = (info, ".base_layer." in rest)
+
+    targets: dict[str, LoraTarget] = {}
+    for module, roles in lora_modules.items():
+        for target in _module_targets(path, config_path, config, module, roles):
+            # the module's own base parameters, saved as "<module>.base_layer.<param>", are loaded before the merge
+            if replacements.get(target.name, (None, False))[1]:
+                target.tensors["base"] = replacements.pop(target.name)[0]
+            targets[target.name] = target
+
+    for name, (info, via_base_layer) in replacements.items():
+        module = name.rpartition(".")[0]
+        if (module in lora_modules) != via_base_layer:
+            # peft loads a LoRA module's own parameters from "<module>.base_layer.<param>" only, and has no
+            # "base_layer" anywhere else: it would ignore this tensor
+            raise CheckpointError(f"{path}: tensor '{info.name}' maps to no parameter of the model peft builds")
+        targets[name] = LoraTarget(name, "replace", module=module, tensors={"base": info})
+
+    if config["ensure_weight_tying"] and any(t.kind in ("embedding", "replace") for t in targets.values()):
+        raise CheckpointError(
+            f"{config_path}: ensure_weight_tying with adapted embeddings or modules_to_save: not mergeable tensor by tensor"
+        )
+    base = config.get("base_model_name_or_path")
+    return Adapter(folder, path, config, base if isinstance(base, str) else None, targets, tensors)
+
+
+def _module_targets(path: Path, config_path: Path, config: dict, module: str, roles: dict) -> list[LoraTarget]:
+    """The targets of one LoRA module (its weight, and its bias with lora_bias), checked against the config."""
+    r = _pattern_value(config["rank_pattern"], module, config["r"], config_path, "rank_pattern")
+    r = _number(r, config_path, f"r for '{module}'", integer=True)
+    alpha = _pattern_value(config["alpha_pattern"], module, config["lora_alpha"], config_path, "alpha_pattern")
+    alpha = _number(alpha, config_path, f"lora_alpha for '{module}'", integer=False)
+    scaling = alpha / math.sqrt(r) if config["use_rslora"] else alpha / r  # LoraLayer.update_layer
+    common = dict(module=module, rank=r, alpha=alpha, scaling=scaling)
+    common.update(use_dora=config["use_dora"], use_rslora=config["use_rslora"])
+
+    if roles.keys() & {"lora_A", "lora_B", "lora_B.bias"}:
+        kind, a_role, b_role = "linear", "lora_A", "lora_B"
+        if roles.keys() & {"lora_embedding_A", "lora_embedding_B"}:
+            raise CheckpointError(f"{path}: module '{module}' has both linear and embedding LoRA weights")
+    else:
+        kind, a_role, b_role = "embedding", "lora_embedding_A", "lora_embedding_B"
+    prefix = f"{PEFT_PREFIX}{module}"
+    for role in (a_role, b_role):
+        if role not in roles:
+            expected = f"{prefix}.{role}{'.weight' if kind == 'linear' else ''}"
+            raise CheckpointError(f"{path}: module '{module}' has no {role} (expected tensor '{expected}')")
+    lora_a, lora_b = roles[a_role], roles[b_role]
+    factors = f"'{lora_a.name}' {list(lora_a.shape)} and '{lora_b.name}' {list(lora_b.shape)}"
+    if len(lora_a.shape) != 2 or len(lora_b.shape) != 2:
+        raise CheckpointError(f"{path}: {factors}: only LoRA on 2-D weights (Linear, Conv1D, Embedding) can be merged")
+    if lora_a.shape[0] != r or lora_b.shape[1] != r:
+        raise CheckpointError(f"{path}: module '{module}' has rank {r} in {CONFIG_NAME} but {factors}")
+    magnitude = roles.get("lora_magnitude_vector")
+    if config["use_dora"] and magnitude is None:
+        raise CheckpointError(f"{path}: use_dora is set but module '{module}' has no '{prefix}{MAGNITUDE_SUFFIX}'")
+    if magnitude is not None and not config["use_dora"]:
+        raise CheckpointError(f"{path}: tensor '{magnitude.name}' is a DoRA magnitude but {CONFIG_NAME} has no use_dora")
+    lora_bias = roles.get("lora_B.bias")
+    if lora_bias is not None and not config["lora_bias"]:
+        raise CheckpointError(f"{path}: tensor '{lora_bias.name}' is a LoRA bias but {CONFIG_NAME} has no lora_bias")
+
+    weight_roles = {role: info for role, info in roles.items() if role != "lora_B.bias"}
+    fan_in_fan_out = config["fan_in_fan_out"] and kind == "linear"  # validate() settles it from the shapes
+    targets = [LoraTarget(f"{module}.weight", kind, tensors=weight_roles, fan_in_fan_out=fan_in_fan_out, **common)]
+    if lora_bias is not None:
+        targets.append(LoraTarget(f"{module}.bias", "bias", tensors={"lora_B.bias": lora_bias}, **common))
+    return targets
+
+
+def _shape_of(value) -> tuple:
+    """A base entry: a shape, a tuple whose first item is the shape, or anything with ``.shape``."""
+    if hasattr(value, "shape"):
+        return tuple(value.shape)
+    if isinstance(value, (tuple, list)) and value and isinstance(value[0], (tuple, list)):
+        return tuple(value[0])
+    return tuple(value)
+
+
+def validate(adapter: Adapter, base: dict) -> Adapter:
+    """Check the adapter against the base checkpoint before anything is written; one-line CheckpointError for
+    each problem: a target the base lacks, a LoRA factor, magnitude or replacement whose shape does not fit
+    the base tensor's. ``base`` maps every base tensor name to its dense shape (or ``(shape, ...)``, or an
+    object with ``.shape``). Resolves each linear target's ``fan_in_fan_out`` as peft does, updating
+    ``adapter.targets``, and returns the adapter.
+
+    peft sets ``fan_in_fan_out`` from the layer's class, whatever the config says: True for a ``Conv1D``
+    (GPT-2; weight stored (in, out)), False for ``nn.Linear`` (weight (out, in)). The shapes tell which one a
+    non-square weight is. A square weight takes the orientation that all non-square targets agree on, and the
+    config's value when they disagree or there are none.
+    """
+    path = adapter.path
+    orientation: dict[str, bool | None] = {}  # linear target -> fan_in_fan_out, None for a square weight
+    for name, target in adapter.targets.items():
+        if name not in base:
+            hint = ""
+            for other in (f"model.{name}", name.removeprefix("model.")):
+                if other != name and other in base:
+                    hint = f" (it has '{other}': was the adapter trained on another model class?)"
+            some = next(iter(target.tensors.values())).name
+            raise CheckpointError(f"{path}: '{some}' changes '{name}', which the base checkpoint does not have{hint}")
+        shape = _shape_of(base[name])
+        replacement = target.tensors.get("base")
+        if replacement is not None and tuple(replacement.shape) != shape:
+            raise CheckpointError(
+                f"{path}: tensor '{replacement.name}' is {list(replacement.shape)}, the base's '{name}' is {list(shape)}"
+            )
+        if target.kind == "replace":
+            continue
+        if target.kind == "bias":
+            lora_bias = target.tensors["lora_B.bias"]
+            if len(shape) != 1 or tuple(lora_bias.shape) != shape:
+                raise CheckpointError(
+                    f"{path}: tensor '{lora_bias.name}' is {list(lora_bias.shape)}, the base's '{name}' is {list(shape)}"
+                )
+            continue
+        if target.kind == "linear":
+            lora_a, lora_b = target.tensors["lora_A"], target.tensors["lora_B"]
+            out_features, in_features = lora_b.shape[0], lora_a.shape[1]
+            if shape == (out_features, in_features) and shape == (in_features, out_features):
+                orientation[name] = None
+            elif shape == (out_features, in_features):
+                orientation[name] = False
+            elif shape == (in_features, out_features):
+                orientation[name] = True
+            else:
+                raise CheckpointError(
+                    f"{path}: '{lora_a.name}' {list(lora_a.shape)} and '{lora_b.name}' {list(lora_b.shape)} "
+                    f"do not fit the base's '{name}' {list(shape)}"
+                )
+        else:
+            lora_a, lora_b = target.tensors["lora_embedding_A"], target.tensors["lora_embedding_B"]
+            out_features = lora_b.shape[0]  # embedding_dim
+            if len(shape) != 2 or shape != (lora_a.shape[1], lora_b.shape[0]):
+                raise CheckpointError(
+                    f"{path}: '{lora_a.name}' {list(lora_a.shape)} and '{lora_b.name}' {list(lora_b.shape)} "
+                    f"do not fit the base's embedding '{name}' {list(shape)}"
+                )
+        magnitude = target.tensors.get("lora_magnitude_vector")
+        if magnitude is not None and tuple(magnitude.shape) != (out_features,):
+            raise CheckpointError(
+                f"{path}: tensor '{magnitude.name}' is {list(magnitude.shape)}, the base's '{name}' {list(shape)} "
+                f"needs [{out_features}]"
+            )
+
+    known = {value for value in orientation.values() if value is not None}
+    square_default = known.pop() if len(known) == 1 else adapter.config["fan_in_fan_out"]
+    for name, fan_in_fan_out in orientation.items():
+        fan_in_fan_out = square_default if fan_in_fan_out is None else fan_in_fan_out
+        if fan_in_fan_out != adapter.targets[name].fan_in_fan_out:
+            adapter.targets[name] = dataclasses.replace(adapter.targets[name], fan_in_fan_out=fan_in_fan_out)
+    return adapter
+
+
+def read_lora(target: LoraTarget, reader) -> dict:
+    """The adapter tensors of one target, as stored (CPU tensors), read with a checkpoint.TensorReader."""
+    return {role: reader.tensor(info) for role, info in target.tensors.items()}
+
+
+def _transpose(weight, fan_in_fan_out: bool):
+    return weight.T if fan_in_fan_out else weight  # peft.utils.other.transpose
+
+
+def merge(target: LoraTarget, base_weight, lora: dict, *, inplace: bool = False):
+    """The merged tensor for ``target``: bit for bit what peft's ``merge_and_unload`` gives.
+
+    ``base_weight`` is the dense base tensor in the output dtype on the conversion's device; ``lora`` holds the
+    target's adapter tensors as stored (any device, any float dtype; see :func:`read_lora`). With ``inplace`` a
+    plain LoRA delta is added into ``base_weight`` itself (saves a copy of a large embedding); otherwise
+    ``base_weight`` is left as it was. The result has ``base_weight``'s dtype, shape and device. Peak memory:
+    the weight plus about two fp32 copies of it.
+
+    Where this departs from peft's literal code it is only to save memory, with the same bits: an in-place
+    ``mul_`` for ``x * scaling`` (the same elementwise kernel), ``x.mul_(factor)`` for ``factor * x``
+    (IEEE multiplication commutes), and no ``1 * x`` (exact, and its result has ``x``'s strides, so the norm
+    reduces in the same order).
+    """
+    import torch
+
+    out_dtype, device = base_weight.dtype, base_weight.device
+
+    def fp32(role):  # autocast_adapter_dtype: every adapter parameter is fp32 on the base weight's device
+        return lora[role].to(device=device, dtype=torch.float32)
+
+    if "base" in lora:
+        # load_state_dict copies the saved tensor into the base parameter: a cast to its dtype
+        weight = lora["base"].to(device=device, dtype=out_dtype)
+        owned = weight is not lora["base"]
+    else:
+        weight, owned = base_weight, inplace
+
+    def writable():
+        return weight if owned else weight.clone()
+
+    if target.kind == "replace":
+        return writable()
+    if target.kind == "bias":
+        merged = writable()
+        merged += fp32("lora_B.bias") * target.scaling  # not mul_: fp32() may return the caller's tensor
+        return merged
+
+    if target.kind == "linear":
+        fan_in_fan_out = target.fan_in_fan_out
+        delta = _transpose(fp32("lora_B") @ fp32("lora_A"), fan_in_fan_out).mul_(target.scaling)
+        if not target.use_dora:
+            merged = writable()
+            merged += delta  # Linear.merge: fp32 delta into the low-precision weight, one rounding
+            return merged
+        # DoraLinearVariant.merge_unsafe; get_weight_norm gets the delta (scaling already in it) with scaling=1
+        weight_sum = _transpose(weight, fan_in_fan_out) + _transpose(delta, fan_in_fan_out)
+        weight_norm = torch.linalg.norm(weight_sum, dim=1).to(weight_sum.dtype)
+        del weight_sum
+        dora_factor = fp32("lora_magnitude_vector") / weight_norm
+        dora_factor = _transpose(dora_factor.view(-1, 1), fan_in_fan_out)
+        return delta.add_(weight).mul_(dora_factor).to(out_dtype)
+
+    # embedding: Embedding.get_delta_weight is transpose(B @ A, True) * scaling
+    delta = (fp32("lora_embedding_B") @ fp32("lora_embedding_A")).T.mul_(target.scaling)
+    if not target.use_dora:
+        merged = writable()
+        merged += delta.to(out_dtype)  # Embedding.merge casts the delta first, unlike Linear.merge
+        return merged
+    # DoraEmbeddingVariant.merge_unsafe: DoraEmbeddingLayer has fan_in_fan_out=True and gets delta.T
+    weight_sum = weight.T + delta.T
+    weight_norm = torch.linalg.norm(weight_sum, dim=1).to(weight_sum.dtype)
+    del weight_sum
+    dora_factor = (fp32("lora_magnitude_vector") / weight_norm).view(1, -1)
+    return delta.add_(weight).mul_(dora_factor).to(out_dtype)

@@ -23,6 +23,7 @@ HINTS = {
     "dtype": "see --dtype",
     "device": "see --device",
     "max_shard_size": "see --max-shard-size",
+    "adapter": "see --adapter",
 }
 INTERRUPTED, TERMINATED = 130, 143
 
@@ -126,8 +127,12 @@ def _common_source_options(function):
     return function
 
 
+ADAPTER_HELP = "A peft LoRA adapter (folder or Hub repo id) to merge into the weights, bit for bit as peft merges."
+
+
 def _convert_options(function):
     for option in reversed([
+        click.option("--adapter", help=ADAPTER_HELP),
         click.option("--dtype", type=click.Choice(OUTPUT_CHOICES), default="auto", show_default=True,
                      help="Output dtype; auto keeps the dtype the model was quantized from."),
         click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N (auto: the GPU if there is one)."),
@@ -150,8 +155,8 @@ def _summary(result) -> str:
 @_convert_options
 @click.option("--dry-run", is_flag=True, help="Print the plan (tensors, dtype, shards, bytes, free space); write nothing.")
 @click.option("--verify", "then_verify", is_flag=True, help="Verify the output against SOURCE right after converting.")
-def convert_command(source, output, dtype, device, max_shard_size, overwrite, quiet, revision, token, cache_dir, dry_run,
-                    then_verify):  # fmt: skip
+def convert_command(source, output, adapter, dtype, device, max_shard_size, overwrite, quiet, revision, token, cache_dir,
+                    dry_run, then_verify):  # fmt: skip
     """Convert SOURCE (a Hub repo id, a local folder, or a repo in the Hub cache).
 
     \b
@@ -161,9 +166,11 @@ def convert_command(source, output, dtype, device, max_shard_size, overwrite, qu
     Examples:
       nf4convert convert unsloth/Qwen2.5-0.5B-Instruct-bnb-4bit --dtype bf16
       nf4convert convert ./local-bnb-4bit -o dense --max-shard-size 2GB --device cpu --verify
+      nf4convert convert ./local-bnb-4bit --adapter ./my-qlora-adapter -o merged
+      nf4convert convert ./my-qlora-adapter          # an adapter alone: merged into the base it names
       nf4convert convert ./local-bnb-4bit --dry-run
     """
-    options = dict(dtype=dtype, revision=revision, token=token, cache_dir=cache_dir, max_shard_size=max_shard_size,
+    options = dict(dtype=dtype, adapter=adapter, revision=revision, token=token, cache_dir=cache_dir, max_shard_size=max_shard_size,
                    overwrite=overwrite)  # fmt: skip
 
     def action():
@@ -178,7 +185,8 @@ def convert_command(source, output, dtype, device, max_shard_size, overwrite, qu
         result = convert(source, output, device=device, progress=not quiet, **options)
         click.echo(_summary(result))
         if then_verify:
-            return _verify(result.output, source, device=device, quiet=quiet, revision=revision, token=token, cache_dir=cache_dir)
+            return _verify(result.output, source, device=device, adapter=adapter, quiet=quiet, revision=revision, token=token,
+                           cache_dir=cache_dir)  # fmt: skip
         return True
 
     if not _run(action):
@@ -201,10 +209,11 @@ def _plan_lines(prepared) -> list[str]:
     return lines
 
 
-def _verify(output, source, *, device, quiet, revision, token, cache_dir) -> bool:
+def _verify(output, source, *, device, adapter, quiet, revision, token, cache_dir) -> bool:
     from .verification import report_lines, verify
 
-    report = verify(output, source, device=device, revision=revision, token=token, cache_dir=cache_dir, progress=not quiet)
+    report = verify(output, source, device=device, adapter=adapter, revision=revision, token=token, cache_dir=cache_dir,
+                    progress=not quiet)  # fmt: skip
     for line in report_lines(report):
         click.echo(line)
     return report.ok
@@ -214,9 +223,10 @@ def _verify(output, source, *, device, quiet, revision, token, cache_dir) -> boo
 @click.argument("output", type=click.Path())
 @click.argument("source")
 @click.option("--device", default="auto", show_default=True, help="Where bitsandbytes dequantizes: auto, cpu, cuda, cuda:N.")
+@click.option("--adapter", help="The LoRA adapter that was merged (peft merges it again for the check).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 @_common_source_options
-def verify_command(output, source, device, quiet, revision, token, cache_dir):
+def verify_command(output, source, device, adapter, quiet, revision, token, cache_dir):
     """Check OUTPUT against SOURCE with bitsandbytes' own dequantization, bit for bit.
 
     Exits 0 only if every weight matches, every source tensor is there and no quantization
@@ -226,7 +236,8 @@ def verify_command(output, source, device, quiet, revision, token, cache_dir):
     Example:
       nf4convert verify Llama-3.2-1B-Instruct-bf16 unsloth/Llama-3.2-1B-Instruct-bnb-4bit
     """
-    if not _run(lambda: _verify(output, source, device=device, quiet=quiet, revision=revision, token=token, cache_dir=cache_dir)):
+    if not _run(lambda: _verify(output, source, device=device, adapter=adapter, quiet=quiet, revision=revision, token=token,
+                                cache_dir=cache_dir)):  # fmt: skip
         sys.exit(1)
 
 
@@ -237,8 +248,8 @@ def verify_command(output, source, device, quiet, revision, token, cache_dir):
 @click.option("--from-file", type=click.File("r"), help="Read more sources from this file, one per line (# comments).")
 @_convert_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object per source (a line each) instead of the table.")
-def batch_command(sources, output_root, from_file, dtype, device, max_shard_size, overwrite, quiet, revision, token,
-                  cache_dir, as_json):  # fmt: skip
+def batch_command(sources, output_root, from_file, adapter, dtype, device, max_shard_size, overwrite, quiet, revision,
+                  token, cache_dir, as_json):  # fmt: skip
     """Convert several SOURCES into OUTPUT_ROOT; keep going when one fails, then print a table.
 
     Two sources with the same name get outputs named after their owners too (orgA--x-bf16, orgB--x-bf16).
@@ -273,7 +284,7 @@ def batch_command(sources, output_root, from_file, dtype, device, max_shard_size
         try:
             from .conversion import convert
 
-            result = convert(source, dtype=dtype, device=device, revision=revision, token=token, cache_dir=cache_dir,
+            result = convert(source, dtype=dtype, device=device, adapter=adapter, revision=revision, token=token, cache_dir=cache_dir,
                              max_shard_size=max_shard_size, overwrite=overwrite, progress=not quiet and not as_json,
                              output_dir=output_root, stem=stem)  # fmt: skip
             row.update(output=str(result.output), status="ok", tensors=result.tensors, bytes=result.bytes)

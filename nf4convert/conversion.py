@@ -61,25 +61,43 @@ class Prepared:
     free_bytes: int
 
 
-def prepare(source: str, output=None, *, dtype="auto", revision=None, token=None, cache_dir=None,
+def resolve_source(source: str, adapter: str | None = None, *, revision=None, token=None, cache_dir=None):
+    """(checkpoint folder, adapter folder or None): SOURCE resolved, and ADAPTER; a SOURCE that is itself a peft
+    adapter (``adapter_config.json``, no ADAPTER given) stands for the base its config names, with it merged."""
+    from .errors import SourceNotFoundError
+    from .formats import peft_lora
+    from .hub import resolve
+
+    folder = resolve(source, revision=revision, token=token, cache_dir=cache_dir)
+    adapter_folder = resolve(adapter, token=token, cache_dir=cache_dir) if adapter is not None else None
+    if adapter_folder is None and (folder / peft_lora.CONFIG_NAME).is_file():
+        base = peft_lora.load_adapter(folder).base_model_name_or_path
+        if not base:
+            raise SourceNotFoundError(f"{folder / peft_lora.CONFIG_NAME}: an adapter whose base_model_name_or_path is not set; name the base as SOURCE and this as the adapter", option="adapter")
+        adapter_folder, folder = folder, resolve(base, token=token, cache_dir=cache_dir)
+    return folder, adapter_folder
+
+
+def prepare(source: str, output=None, *, dtype="auto", adapter=None, revision=None, token=None, cache_dir=None,
             max_shard_size=DEFAULT_SHARD_SIZE, overwrite=False, output_dir=None, stem=None, reader=None) -> Prepared:  # fmt: skip
     """Resolve and plan a conversion and check where it goes, writing nothing (what ``convert`` and a dry run do first)."""
     from . import output as lifecycle
     from .dtypes import output_dtype
-    from .hub import resolve
     from .plan import make_plan, parse_size
 
     shard_limit = parse_size(max_shard_size)
     output_dtype(dtype)
     if output is not None:  # before any download
         lifecycle.check_destination(Path(output), overwrite=overwrite)
-    folder = resolve(source, revision=revision, token=token, cache_dir=cache_dir)
-    plan = make_plan(folder, dtype=dtype, max_shard_size=shard_limit, reader=reader)
+    folder, adapter_folder = resolve_source(source, adapter, revision=revision, token=token, cache_dir=cache_dir)
+    plan = make_plan(folder, dtype=dtype, max_shard_size=shard_limit, reader=reader, adapter=adapter_folder)
     if output is None:
         output = Path(output_dir or ".") / f"{stem or output_stem(source)}-{plan.dtype.short}"
         lifecycle.check_destination(output, overwrite=overwrite)
     output = Path(output)
     lifecycle.check_not_source(output, folder)
+    if adapter_folder is not None:
+        lifecycle.check_not_source(output, adapter_folder)
     return Prepared(plan, output, lifecycle.free_space(output))
 
 
@@ -89,6 +107,7 @@ def convert(
     *,
     dtype: str = "auto",
     device: str = "auto",
+    adapter: str | None = None,
     revision: str | None = None,
     token: str | None = None,
     cache_dir: str | None = None,
@@ -101,13 +120,15 @@ def convert(
     """Convert a bitsandbytes checkpoint (4-bit NF4/FP4 or 8-bit LLM.int8) into a dense safetensors checkpoint.
 
     ``output`` defaults to ``<output_dir or .>/<stem>-<dtype>``, the stem being the model's name without
-    its quantization suffix. Nothing is written unless the whole output is: it appears under its name
-    only once complete.
+    its quantization suffix. ``adapter`` (a folder or Hub repo id of a peft LoRA adapter) is merged into
+    the weights it changes, bit for bit as peft's ``merge_and_unload`` on the dense model; a ``source``
+    that is itself an adapter means its base with it merged. Nothing is written unless the whole output
+    is: it appears under its name only once complete.
 
     Raises:
         ArgumentError: a bad ``dtype``, ``device`` or ``max_shard_size``.
         SourceNotFoundError: ``source`` cannot be found or fetched.
-        CheckpointError: the checkpoint is corrupt or not a bitsandbytes checkpoint.
+        CheckpointError: the checkpoint is corrupt or not a bitsandbytes checkpoint, or the adapter does not fit it.
         OutputError: the output exists (and ``overwrite`` is off), the disk is too small, or writing failed.
 
     Example:
@@ -123,7 +144,7 @@ def convert(
     started = time.perf_counter()
     chosen_device = pick_device(device)
     with TensorReader() as reader:
-        prepared = prepare(source, output, dtype=dtype, revision=revision, token=token, cache_dir=cache_dir,
+        prepared = prepare(source, output, dtype=dtype, adapter=adapter, revision=revision, token=token, cache_dir=cache_dir,
                            max_shard_size=max_shard_size, overwrite=overwrite, output_dir=output_dir, stem=stem,
                            reader=reader)  # fmt: skip
         plan, output = prepared.plan, prepared.output

@@ -22,7 +22,7 @@ from pathlib import Path
 from .checkpoint import TensorInfo, TensorReader, read_tensors
 from .dtypes import DTYPES, OUTPUT_DTYPES, DType, output_dtype
 from .errors import ArgumentError, CheckpointError
-from .formats import bnb4, bnb8
+from .formats import bnb4, bnb8, peft_lora
 
 # Files a converted checkpoint must not carry over: the old weights, their indexes, caches, VCS data.
 SKIPPED_FILES = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json", "*.pt", "*.pth",
@@ -67,7 +67,21 @@ class Dequantize8bit:
         return self.weight.sources
 
 
-Recipe = Copy | Dequantize4bit | Dequantize8bit
+@dataclass(frozen=True)
+class MergeLora:
+    """Another recipe's tensor with a peft LoRA adapter's change merged in, bit for bit as peft merges it."""
+
+    label: ClassVar[str] = "merged with the adapter"
+    base: "Copy | Dequantize4bit | Dequantize8bit"
+    target: peft_lora.LoraTarget
+    adapter: peft_lora.Adapter = field(compare=False, repr=False)  # the whole adapter (verify rebuilds its module)
+
+    @property
+    def sources(self) -> tuple:
+        return (*self.base.sources, *self.target.tensors.values())
+
+
+Recipe = Copy | Dequantize4bit | Dequantize8bit | MergeLora
 QUANTIZED = (Dequantize4bit, Dequantize8bit)
 
 
@@ -102,6 +116,7 @@ class Plan:
     source_tensors: dict[str, TensorInfo]
     side_files: list[Path]  # carried over unchanged, relative to ``folder``
     config: dict | None  # config.json as the output has it
+    adapter: peft_lora.Adapter | None = None  # merged into the output
 
     @property
     def tensors(self) -> list[PlannedTensor]:
@@ -215,6 +230,8 @@ def _auto_dtype(recipes: list[Recipe], config: dict | None) -> DType:
 
 def _output(recipe: Recipe, dtype: DType) -> tuple[str, str, tuple]:
     """(name, safetensors dtype, shape) of the tensor a recipe makes."""
+    if isinstance(recipe, MergeLora):
+        return _output(recipe.base, dtype)
     if isinstance(recipe, QUANTIZED):
         return recipe.weight.name, dtype.code, recipe.weight.shape
     source = recipe.source
@@ -222,12 +239,28 @@ def _output(recipe: Recipe, dtype: DType) -> tuple[str, str, tuple]:
     return source.name, dtype.code if DTYPES[source.dtype].cast else source.dtype, source.shape
 
 
+def _merge_adapter(recipes: list[Recipe], adapter_folder: Path, dtype: DType) -> tuple[list[Recipe], peft_lora.Adapter]:
+    """Each recipe whose tensor the adapter changes becomes a MergeLora around it; the adapter is checked first."""
+    adapter = peft_lora.load_adapter(adapter_folder)
+    shapes = {name: shape for name, _, shape in (_output(recipe, dtype) for recipe in recipes)}
+    peft_lora.validate(adapter, shapes)
+    merged = []
+    for recipe in recipes:
+        name = _output(recipe, dtype)[0]
+        target = adapter.targets.get(name)
+        if target is not None and not DTYPES[_output(recipe, dtype)[1]].cast:
+            raise CheckpointError(f"{adapter.path}: changes '{name}', which is not a floating tensor")
+        merged.append(MergeLora(recipe, target, adapter) if target is not None else recipe)
+    return merged, adapter
+
+
 def make_plan(folder: Path, *, dtype: str = "auto", max_shard_size: int = DEFAULT_SHARD_SIZE,
-              reader: TensorReader | None = None) -> Plan:  # fmt: skip
-    """Plan the conversion of the checkpoint in ``folder``.
+              reader: TensorReader | None = None, adapter: Path | None = None) -> Plan:  # fmt: skip
+    """Plan the conversion of the checkpoint in ``folder`` (with the peft LoRA adapter in ``adapter`` merged in).
 
     Raises:
-        CheckpointError: a file is missing, truncated or corrupt, or the checkpoint has no bitsandbytes weights.
+        CheckpointError: a file is missing, truncated or corrupt, the checkpoint has no bitsandbytes weights, or
+            the adapter is not a LoRA adapter that fits the checkpoint.
         ArgumentError: ``dtype`` is not auto, bf16, fp16, fp32 (or torch's names).
     """
     chosen = output_dtype(dtype)
@@ -241,6 +274,9 @@ def make_plan(folder: Path, *, dtype: str = "auto", max_shard_size: int = DEFAUL
             reader.close()
     config = read_config(folder)
     chosen = chosen or _auto_dtype(recipes, config)
+    merged_adapter = None
+    if adapter is not None:
+        recipes, merged_adapter = _merge_adapter(recipes, Path(adapter), chosen)
 
     shards: list[list[tuple]] = [[]]
     shard_bytes = 0
@@ -256,4 +292,4 @@ def make_plan(folder: Path, *, dtype: str = "auto", max_shard_size: int = DEFAUL
     for index, entries in enumerate(shards, 1):
         filename = "model.safetensors" if len(shards) == 1 else f"model-{index:05d}-of-{len(shards):05d}.safetensors"
         planned.append(Shard(filename, [PlannedTensor(n, c, s, b, filename, o, r) for n, c, s, b, o, r in entries]))
-    return Plan(folder, chosen, planned, tensors, side_files(folder), config and dense_config(config, chosen))
+    return Plan(folder, chosen, planned, tensors, side_files(folder), config and dense_config(config, chosen), merged_adapter)

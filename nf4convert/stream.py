@@ -12,8 +12,8 @@ from typing import Callable, Iterator
 
 from .checkpoint import ShardWriter, TensorReader
 from .dtypes import DTYPES
-from .formats import bnb4, bnb8
-from .plan import Copy, Dequantize4bit, Dequantize8bit, Plan, PlannedTensor
+from .formats import bnb4, bnb8, peft_lora
+from .plan import Copy, Dequantize4bit, Dequantize8bit, MergeLora, Plan, PlannedTensor
 
 CHUNK_ELEMENTS = 1 << 24  # outputs per step of a quantized weight: 32 MiB of bf16
 CHUNK_BYTES = 1 << 25  # source bytes per step of a plain tensor
@@ -61,11 +61,27 @@ def _dequantize_8bit(tensor: PlannedTensor, reader: TensorReader, device) -> Ite
         yield bnb8.dequantize(codes.to(device), scb[first : first + count], DTYPES[tensor.dtype].torch).cpu()
 
 
+def _merge_lora(tensor: PlannedTensor, reader: TensorReader, device) -> Iterator:
+    """The base tensor made whole on ``device`` (a merge needs all of it), merged, written out: one weight plus
+    about two fp32 copies of it in memory at most."""
+    import dataclasses
+
+    import torch
+
+    recipe = tensor.recipe
+    base_tensor = dataclasses.replace(tensor, recipe=recipe.base)
+    chunks = [chunk.reshape(-1) for chunk in PRODUCERS[type(recipe.base)](base_tensor, reader, device)]
+    base = torch.cat(chunks).view(DTYPES[tensor.dtype].torch).to(device).view(tensor.shape)
+    del chunks
+    yield peft_lora.merge(recipe.target, base, peft_lora.read_lora(recipe.target, reader), inplace=True).contiguous().cpu()
+
+
 # How each kind of recipe is made; verification.py holds the reference twin of this table.
 PRODUCERS: dict[type, Callable[[PlannedTensor, TensorReader, object], Iterator]] = {
     Copy: _copy,
     Dequantize4bit: _dequantize_4bit,
     Dequantize8bit: _dequantize_8bit,
+    MergeLora: _merge_lora,
 }
 
 

@@ -21,7 +21,7 @@ from .checkpoint import TensorInfo, TensorReader, read_tensors
 from .dtypes import DTYPES
 from .errors import ArgumentError, CheckpointError, SourceNotFoundError
 from .formats import bnb4, bnb8
-from .plan import Copy, Dequantize4bit, Dequantize8bit, PlannedTensor, make_plan
+from .plan import Copy, Dequantize4bit, Dequantize8bit, MergeLora, PlannedTensor, make_plan
 
 
 @dataclass
@@ -45,7 +45,7 @@ def _bits(tensor):
     return tensor.contiguous().view(-1).view(integer)
 
 
-def _reference_4bit(tensor: PlannedTensor, reader: TensorReader, device):
+def _reference_4bit(tensor: PlannedTensor, reader: TensorReader, device, planned: dict):
     """bitsandbytes' result for a 4-bit weight, and the FP4 nibble-8 mask (CPU allowance)."""
     import bitsandbytes.functional as F
     import torch
@@ -66,21 +66,99 @@ def _reference_4bit(tensor: PlannedTensor, reader: TensorReader, device):
     return expected, zero_mask
 
 
-def _reference_8bit(tensor: PlannedTensor, reader: TensorReader, device):
+def _reference_8bit(tensor: PlannedTensor, reader: TensorReader, device, planned: dict):
     weight = tensor.recipe.weight
     codes, scb = reader.tensor(weight.weight).to(device), reader.tensor(weight.scb).to(device)
     return bnb8.reference_dequantize(codes, scb, DTYPES[tensor.dtype].torch), None
 
 
-def _reference_copy(tensor: PlannedTensor, reader: TensorReader, device):
+def _reference_copy(tensor: PlannedTensor, reader: TensorReader, device, planned: dict):
     return reader.tensor(tensor.recipe.source).to(DTYPES[tensor.dtype].torch), None
 
 
-# The reference twin of stream.PRODUCERS: (what makes it, whom a difference is blamed on).
+def _skeleton_module(module: str, adapter, reader, device, dtype, references: dict):
+    """A stand-in for one module of the base model, with the parameters the adapter touches: the layer class peft
+    wraps (Linear, transformers' Conv1D for fan_in_fan_out, Embedding), or a plain holder for modules_to_save."""
+    import torch
+
+    lora = next((t for t in adapter.targets.values() if t.module == module and t.kind in ("linear", "embedding")), None)
+    params = {name.rpartition(".")[2]: value for name, value in references.items()}
+    if lora is not None and lora.kind == "embedding":
+        layer = torch.nn.Embedding(lora.tensors["lora_embedding_A"].shape[1], lora.tensors["lora_embedding_B"].shape[0], device="meta")
+    elif lora is not None and lora.fan_in_fan_out:
+        from transformers.pytorch_utils import Conv1D
+
+        layer = Conv1D(lora.tensors["lora_B"].shape[0], lora.tensors["lora_A"].shape[1])
+    elif lora is not None:
+        layer = torch.nn.Linear(lora.tensors["lora_A"].shape[1], lora.tensors["lora_B"].shape[0], bias="bias" in params, device="meta")
+    else:
+        layer = torch.nn.Module()
+    for name, value in params.items():
+        setattr(layer, name, torch.nn.Parameter(value, requires_grad=False))
+    if lora is not None and "weight" not in params:  # a stand-in whose weight is not checked
+        if lora.kind == "embedding":
+            shape = (lora.tensors["lora_embedding_A"].shape[1], lora.tensors["lora_embedding_B"].shape[0])
+        else:
+            shape = (lora.tensors["lora_A"].shape[1], lora.tensors["lora_B"].shape[0])
+            shape = shape if lora.fan_in_fan_out else shape[::-1]
+        layer.weight = torch.nn.Parameter(torch.ones(shape, dtype=dtype, device=device), requires_grad=False)
+    if lora is not None and lora.kind == "linear" and "bias" not in params and lora.fan_in_fan_out:
+        del layer.bias  # Conv1D always has one; the base has none
+        layer.bias = None
+    return layer
+
+
+def _reference_merge(tensor: PlannedTensor, reader: TensorReader, device, planned: dict):
+    """peft's own merge: the tensor's module alone in a stand-in model holding the bitsandbytes reference of its
+    base tensors, then ``PeftModel.from_pretrained(...).merge_and_unload()`` (what the user's route runs)."""
+    import dataclasses
+    import logging
+    import warnings
+
+    import torch
+    from peft import PeftConfig, PeftModel
+
+    recipe = tensor.recipe
+    module = tensor.name.rpartition(".")[0]
+    # every tensor of this module the adapter changes (a weight and, with lora_bias, its bias) is rebuilt
+    siblings = {name: t for name, t in planned.items() if name.rpartition(".")[0] == module}
+    references = {}
+    for name, sibling in siblings.items():
+        base = sibling.recipe.base if isinstance(sibling.recipe, MergeLora) else sibling.recipe
+        reference = REFERENCES[type(base)][0](dataclasses.replace(sibling, recipe=base), reader, device, planned)[0]
+        references[name] = reference.to(device).reshape(sibling.shape)
+    dtype = DTYPES[tensor.dtype].torch
+    root = torch.nn.Module()
+    modules = {module: _skeleton_module(module, recipe.adapter, reader, device, dtype, references)}
+    if not any(t.module == module and t.kind in ("linear", "embedding") for t in recipe.adapter.targets.values()):
+        # a modules_to_save module alone: peft refuses a model with no LoRA target, so one stands beside it
+        lora = next(t for t in recipe.adapter.targets.values() if t.kind in ("linear", "embedding"))
+        modules[lora.module] = _skeleton_module(lora.module, recipe.adapter, reader, device, dtype, {})
+    for path, layer in modules.items():
+        parent = root
+        parts = path.split(".")
+        for part in parts[:-1]:
+            if not hasattr(parent, part):
+                parent.add_module(part, torch.nn.Module())
+            parent = getattr(parent, part)
+        parent.add_module(parts[-1], layer)
+    config = PeftConfig.from_pretrained(str(recipe.adapter.folder))
+    config.task_type = None  # a bare module tree: no causal-LM wrapper
+    config.inference_mode = True
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        logging.getLogger("peft").setLevel(logging.ERROR)
+        merged = PeftModel.from_pretrained(root, str(recipe.adapter.folder), config=config, torch_device=str(device)).merge_and_unload()
+    return merged.get_parameter(tensor.name).detach(), None
+
+
+# The reference twin of stream.PRODUCERS: (what makes it, whom a difference is blamed on). Each reference takes
+# (planned tensor, source reader, device, every planned tensor by name).
 REFERENCES = {
     Copy: (_reference_copy, "the source tensor"),
     Dequantize4bit: (_reference_4bit, "bitsandbytes"),
     Dequantize8bit: (_reference_8bit, "bitsandbytes"),
+    MergeLora: (_reference_merge, "bitsandbytes + peft"),
 }
 
 
@@ -102,9 +180,9 @@ def _output_dtype(produced: dict[str, TensorInfo]) -> str:
     return DTYPES[counts.most_common(1)[0][0]].name
 
 
-def _plan_source(folder: Path, output: Path, dtype: str, reader: TensorReader):
+def _plan_source(folder: Path, output: Path, dtype: str, reader: TensorReader, adapter: Path | None):
     try:
-        return make_plan(folder, dtype=dtype, reader=reader)
+        return make_plan(folder, dtype=dtype, reader=reader, adapter=adapter)
     except CheckpointError:
         # OUT and SOURCE swapped: the "output" is the bitsandbytes checkpoint.
         try:
@@ -116,9 +194,11 @@ def _plan_source(folder: Path, output: Path, dtype: str, reader: TensorReader):
         raise
 
 
-def verify(output: str | Path, source: str, *, device: str = "auto", revision: str | None = None,
-           token: str | None = None, cache_dir: str | None = None, progress: bool = False) -> VerifyReport:  # fmt: skip
-    """Compare the converted checkpoint in ``output`` with ``source``; mismatches go in the report, not exceptions.
+def verify(output: str | Path, source: str, *, device: str = "auto", adapter: str | None = None,
+           revision: str | None = None, token: str | None = None, cache_dir: str | None = None,
+           progress: bool = False) -> VerifyReport:  # fmt: skip
+    """Compare the converted checkpoint in ``output`` with ``source`` (and the LoRA ``adapter`` merged into it, by
+    peft's own merge); mismatches go in the report, not exceptions.
 
     Raises:
         ArgumentError: a bad ``device``, or ``output`` and ``source`` given the wrong way round.
@@ -133,8 +213,8 @@ def verify(output: str | Path, source: str, *, device: str = "auto", revision: s
 
     from tqdm.auto import tqdm
 
+    from .conversion import resolve_source
     from .devices import pick_device
-    from .hub import resolve
 
     # bitsandbytes warns on import about an optional CPU matmul kernel that verification never uses.
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
@@ -142,11 +222,11 @@ def verify(output: str | Path, source: str, *, device: str = "auto", revision: s
     if not output.is_dir():
         raise SourceNotFoundError(f"{output}: no such folder")
     chosen = pick_device(device)
-    folder = resolve(source, revision=revision, token=token, cache_dir=cache_dir)
+    folder, adapter_folder = resolve_source(source, adapter, revision=revision, token=token, cache_dir=cache_dir)
     report = VerifyReport(output, device=str(chosen))
     with TensorReader() as source_reader, TensorReader() as output_reader:
         produced = read_tensors(output)
-        plan = _plan_source(folder, output, _output_dtype(produced), source_reader)
+        plan = _plan_source(folder, output, _output_dtype(produced), source_reader, adapter_folder)
         report.problems += _leftovers(produced, output)
         expected = {tensor.name: tensor for tensor in plan.tensors}
         report.problems += [f"{name}: in the source, missing from the output" for name in sorted(set(expected) - set(produced))]
@@ -154,19 +234,19 @@ def verify(output: str | Path, source: str, *, device: str = "auto", revision: s
         names = sorted(set(expected) & set(produced))
         for name in tqdm(names, desc=f"verifying {output.name}", unit="tensor", disable=not progress, dynamic_ncols=True):
             report.checked += 1
-            problem = _compare(expected[name], produced[name], source_reader, output_reader, chosen, report)
+            problem = _compare(expected[name], produced[name], source_reader, output_reader, chosen, report, expected)
             if problem:
                 report.problems.append(f"{name}: {problem}")
     return report
 
 
-def _compare(tensor: PlannedTensor, info: TensorInfo, source_reader, output_reader, device, report) -> str | None:
+def _compare(tensor: PlannedTensor, info: TensorInfo, source_reader, output_reader, device, report, planned) -> str | None:
     if info.dtype != tensor.dtype or tuple(info.shape) != tuple(tensor.shape):
         return f"{info.dtype} {list(info.shape)} in the output, {tensor.dtype} {list(tensor.shape)} expected"
     reference, blame = REFERENCES[type(tensor.recipe)]
     if not isinstance(tensor.recipe, Copy):
         report.dequantized += 1
-    expected, zero_mask = reference(tensor, source_reader, device)
+    expected, zero_mask = reference(tensor, source_reader, device, planned)
     expected = expected.to("cpu")
     got = output_reader.tensor(info)
     differ = _bits(got) != _bits(expected)

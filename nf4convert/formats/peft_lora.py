@@ -39,7 +39,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..checkpoint import FLOAT_DTYPES, TensorInfo, read_header
+from ..checkpoint import TensorInfo, read_header
+from ..dtypes import DTYPES
 from ..errors import CheckpointError
 
 CONFIG_NAME = "adapter_config.json"
@@ -188,7 +189,7 @@ def load_adapter(folder: Path) -> Adapter:
     for key, info in tensors.items():
         if not key.startswith(PEFT_PREFIX):
             raise CheckpointError(f"{path}: tensor '{key}' does not start with '{PEFT_PREFIX}' (not saved by peft)")
-        if info.dtype not in FLOAT_DTYPES:
+        if not DTYPES[info.dtype].cast:
             raise CheckpointError(f"{path}: tensor '{key}' has dtype {info.dtype}, not a floating type")
         rest = key[len(PEFT_PREFIX) :]
         for suffix, role in suffixes:

@@ -1,0 +1,156 @@
+"""nf4convert SOURCE --adapter ADAPTER end to end: a real 4-bit base, peft adapters of several kinds; the merged
+output equals peft's merge_and_unload() on the dense conversion bit for bit, and verify --adapter (bitsandbytes
+and peft, not our merge code) accepts it."""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from checkpoints import _configs, build
+from helpers import bits
+from nf4convert.cli import main
+from nf4convert.checkpoint import read_tensors
+
+pytest.importorskip("peft")
+pytest.importorskip("bitsandbytes")
+warnings.filterwarnings("ignore", module="peft")
+
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+KINDS = {  # kind -> LoraConfig arguments
+    "linear": dict(r=4, lora_alpha=8, target_modules=[*ATTENTION, "gate_proj", "up_proj", "down_proj"], rank_pattern={"q_proj": 6}, alpha_pattern={"v_proj": 5}),
+    "rslora-dora": dict(r=4, lora_alpha=16, use_dora=True, use_rslora=True, target_modules=["q_proj", "down_proj"]),
+    "embedding": dict(r=5, lora_alpha=9, target_modules=["embed_tokens", "o_proj"]),
+    "modules_to_save": dict(r=2, lora_alpha=3, target_modules=["v_proj"], modules_to_save=["lm_head", "norm"]),
+}  # fmt: skip
+
+
+def run(*args, code=0):
+    result = CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+    assert result.exit_code == code, result.output
+    return result.output
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """A real 4-bit Llama checkpoint and its dense conversion (no adapter)."""
+    root = tmp_path_factory.mktemp("adapter-base")
+    source = build(root / "llama-bnb-4bit", "llama-nf4-dq", seed=3)
+    run(source, "-o", root / "dense", "-q", "--device", "cpu")
+    return source, root / "dense"
+
+
+def make_adapter(folder, kind, seed, base_model=None):
+    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(_configs()["llama"]())
+    get_peft_model(model, LoraConfig(**KINDS[kind])).save_pretrained(folder)
+    path = folder / "adapter_model.safetensors"
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for key, saved in load_file(path).items():  # peft starts lora_B at zero: random values everywhere
+        noise = torch.randn(saved.shape, generator=generator)
+        if key.endswith("lora_magnitude_vector"):
+            value = saved.float() * (1 + 0.3 * noise.tanh())
+        elif ".lora_" in key:
+            value = 0.3 * noise / math.sqrt(saved.shape[-1])
+        else:
+            value = saved.float() + 0.01 * noise
+        tensors[key] = value.to(torch.bfloat16 if seed % 2 else torch.float32).contiguous()
+    save_file(tensors, path, metadata={"format": "pt"})
+    config = json.loads((folder / "adapter_config.json").read_text())
+    config["base_model_name_or_path"] = base_model
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    return folder
+
+
+def peft_merged(dense_folder, adapter_folder):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(dense_folder, dtype=torch.bfloat16)
+    return PeftModel.from_pretrained(model, adapter_folder).merge_and_unload()
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_merge_while_converting_equals_peft(kind, base, tmp_path):
+    from safetensors.torch import load_file
+
+    source, dense = base
+    adapter = make_adapter(tmp_path / "adapter", kind, seed=list(KINDS).index(kind) + 20)
+    out = tmp_path / "merged"
+    summary = run(source, "--adapter", adapter, "-o", out, "--device", "cpu", "--max-shard-size", "400KB")
+    assert "tensors" in summary
+    merged = {}
+    for shard in out.glob("*.safetensors"):
+        merged.update(load_file(shard))
+    assert not [k for k in merged if "lora_" in k or "modules_to_save" in k or "base_layer" in k]
+    assert not (out / "adapter_config.json").exists() and not (out / "adapter_model.safetensors").exists()
+    reference = peft_merged(dense, adapter)
+    expected = reference.state_dict()
+    dense_tensors = {}
+    for shard in dense.glob("*.safetensors"):
+        dense_tensors.update(load_file(shard))
+    changed = 0
+    for name, tensor in merged.items():
+        assert torch.equal(bits(tensor), bits(expected[name].contiguous())), name
+        changed += not torch.equal(bits(tensor), bits(dense_tensors[name]))
+    assert changed >= 2  # the adapter did change weights
+    assert "OK: bit-exact" in run("verify", out, source, "--adapter", adapter, "--device", "cpu", "-q")
+    # The merged model loads in transformers and its logits are peft's merged model's.
+    from transformers import AutoModelForCausalLM
+
+    ids = torch.randint(0, 512, (2, 7), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours = AutoModelForCausalLM.from_pretrained(out).eval()(input_ids=ids).logits
+        assert torch.equal(ours, reference.eval()(input_ids=ids).logits)
+
+
+def test_adapter_as_source_and_verify_catches_a_wrong_merge(base, tmp_path):
+    source, dense = base
+    adapter = make_adapter(tmp_path / "my-adapter", "linear", seed=41, base_model=str(source))
+    out = tmp_path / "out"
+    run(adapter, "-o", out, "-q", "--device", "cpu")  # SOURCE is the adapter: its base is named in its config
+    assert "OK: bit-exact" in run("verify", out, adapter, "-q", "--device", "cpu")
+    # Verified against another adapter (same shapes, other values), the merged weights are named.
+    other = make_adapter(tmp_path / "other", "linear", seed=43)
+    output = run("verify", out, source, "--adapter", other, "-q", "--device", "cpu", code=1)
+    assert "q_proj.weight: " in output and "differ from bitsandbytes + peft" in output
+
+
+@pytest.mark.parametrize("case", ["ia3", "shape", "missing-target", "truncated"])
+def test_bad_adapters_are_one_line_and_write_nothing(case, base, tmp_path):
+    source, _ = base
+    adapter = make_adapter(tmp_path / "adapter", "linear", seed=5)
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    expected = {"ia3": "IA3", "shape": "do not fit the base's", "missing-target": "which the base checkpoint does not have",
+                "truncated": "adapter_model.safetensors"}[case]  # fmt: skip
+    if case == "ia3":
+        config["peft_type"] = "IA3"
+    elif case in ("shape", "missing-target"):
+        from safetensors.torch import load_file, save_file
+
+        tensors = load_file(adapter / "adapter_model.safetensors")
+        key = next(k for k in sorted(tensors) if k.endswith("q_proj.lora_A.weight"))
+        if case == "shape":
+            tensors[key] = torch.randn(tensors[key].shape[0], 7)
+        else:
+            tensors[key.replace("layers.0", "layers.9")] = tensors[key].clone()
+            tensors[key.replace("layers.0", "layers.9").replace("lora_A", "lora_B")] = tensors[key.replace("lora_A", "lora_B")].clone()
+        save_file(tensors, adapter / "adapter_model.safetensors")
+    else:
+        path = adapter / "adapter_model.safetensors"
+        path.write_bytes(path.read_bytes()[:-64])
+    (adapter / "adapter_config.json").write_text(json.dumps(config))
+    result = CliRunner().invoke(main, [str(source), "--adapter", str(adapter), "-o", str(tmp_path / "out"), "-q"])
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert result.exit_code == 1 and len(lines) == 1 and lines[0].startswith("Error: ") and expected in lines[0], result.output
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))

@@ -96,7 +96,7 @@ def quant_state_from_tensors(tensors: Mapping[str, torch.Tensor], device, *, fil
     where = f"{file}: " if file else ""
     weight = ", ".join(names) or "(no tensors)"
     try:
-        return F.QuantState.from_dict(dict(tensors), device=torch.device(device))  # from_dict pops from its dict
+        state = F.QuantState.from_dict(dict(tensors), device=torch.device(device))  # from_dict pops from its dict
     except (KeyError, AssertionError, ValueError, TypeError, AttributeError) as error:  # JSON errors are ValueErrors
         if isinstance(error, KeyError):
             detail = f"no {error}"
@@ -105,6 +105,9 @@ def quant_state_from_tensors(tensors: Mapping[str, torch.Tensor], device, *, fil
         else:
             detail = (str(error).splitlines() or [type(error).__name__])[0]
         raise CheckpointError(f"{where}{weight}: bitsandbytes cannot read its quant state ({detail})") from None
+    if not state.nested and not state.absmax.is_floating_point():  # from_dict reads a lost nested_absmax as "flat"
+        raise CheckpointError(f"{where}{weight}: absmax is {state.absmax.dtype} (double-quantized) but there is no nested_absmax")
+    return state
 
 
 def _as_bytes(packed: torch.Tensor) -> torch.Tensor:
@@ -185,7 +188,11 @@ def _multiply_ftz(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def _block_scales(quant_state: Any, first_block: int, last_block: int, operands: dict) -> torch.Tensor:
-    """fp32 scales of quant blocks ``[first_block, last_block)``, flushed as the 4-bit multiply reads them."""
+    """fp32 scales of quant blocks ``[first_block, last_block)``, flushed as the 4-bit multiply reads them.
+
+    (With |code| <= 1 a subnormal scale only makes products the flush would zero anyway; reading it as
+    zero says what CUDA does. In the nested decode the operand flush matters: code2 is data.)
+    """
     if not quant_state.nested:
         return _flush_operand(quant_state.absmax[first_block:last_block].cpu())
     code2, absmax2, offset, shift = operands["code2"], operands["absmax2"], operands["offset"], operands["shift"]
@@ -233,7 +240,7 @@ def _dequantize_cpu(raw: torch.Tensor, quant_state: Any, dtype: torch.dtype) -> 
     smallest_code = float(np.abs(pairs[pairs != 0]).min())
     no_flush_scale = 2 * FLT_MIN / smallest_code
     raw_bytes = raw.numpy()
-    chunk_blocks = max(1, CHUNK_ELEMENTS // blocksize)
+    chunk_blocks = max(1, min(n_blocks, CHUNK_ELEMENTS // blocksize))
     scratch = torch.empty(chunk_blocks * blocksize, dtype=torch.float32)
     scratch_pairs = scratch.numpy().reshape(-1, 2)
     for first_block in range(0, n_blocks, chunk_blocks):

@@ -7,8 +7,9 @@ for bit. Nothing here imports ``nf4convert.kernels`` or ``nf4convert.dequantize`
 share code (or mistakes) with what it checks.
 
 Why not bitsandbytes' CPU ops? They are not the CUDA arithmetic: on AVX512 machines the native 4-bit op
-indexes absmax per row (wrong when a row is not a whole number of blocks); every CPU path decodes FP4
-nibble 8 as +0.0; on CPUs with AVX512-FP16 its fp16 results differ from CUDA in about 1 element of 5000;
+indexes absmax per row (wrong when a row is not a whole number of blocks); its AVX512 and pure-torch
+fallback paths decode FP4 nibble 8 as +0.0 (its plain C++ loop gives -0.0, so the sign depends on the
+host); on CPUs with AVX512-FP16 its fp16 results were seen to differ from CUDA in about 1 element of 5000;
 and its native 8-bit op (``dequantize_blockwise``, used for the nested absmax) keeps subnormal products
 that CUDA flushes. So the CPU reference calls none of them, and computes, per element ``e`` of block ``k``:
 
@@ -92,7 +93,8 @@ def quant_state_from_tensors(tensors: Mapping[str, torch.Tensor], device, *, fil
     from .errors import CheckpointError
 
     # the weight's name: every key is "<name>.<part>", the packed JSON one "<name>.quant_state.bitsandbytes__nf4"
-    names = sorted({key.partition(".quant_state.")[0] if ".quant_state." in key else key.rpartition(".")[0] for key in tensors})
+    names = sorted({key.partition(".quant_state.")[0] if ".quant_state." in key else key.rpartition(".")[0]
+                    for key in tensors})  # fmt: skip
     where = f"{file}: " if file else ""
     weight = ", ".join(names) or "(no tensors)"
     try:
@@ -106,7 +108,9 @@ def quant_state_from_tensors(tensors: Mapping[str, torch.Tensor], device, *, fil
             detail = (str(error).splitlines() or [type(error).__name__])[0]
         raise CheckpointError(f"{where}{weight}: bitsandbytes cannot read its quant state ({detail})") from None
     if not state.nested and not state.absmax.is_floating_point():  # from_dict reads a lost nested_absmax as "flat"
-        raise CheckpointError(f"{where}{weight}: absmax is {state.absmax.dtype} (double-quantized) but there is no nested_absmax")
+        raise CheckpointError(
+            f"{where}{weight}: absmax is {state.absmax.dtype} (double-quantized) but there is no nested_absmax"
+        )
     return state
 
 
@@ -124,7 +128,9 @@ def _check(n_bytes: int, quant_state: Any, dtype: torch.dtype) -> None:
         raise ValueError(f"blocksize must be one of {BLOCKSIZES}, not {quant_state.blocksize!r}")
     n_elements = math.prod(quant_state.shape)
     if n_bytes != (n_elements + 1) // 2:
-        raise ValueError(f"{n_bytes} packed bytes do not hold shape {tuple(quant_state.shape)} ({(n_elements + 1) // 2} expected)")
+        raise ValueError(
+            f"{n_bytes} packed bytes do not hold shape {tuple(quant_state.shape)} ({(n_elements + 1) // 2} expected)"
+        )
     n_blocks = -(-n_elements // quant_state.blocksize)
     if quant_state.absmax.numel() != n_blocks:
         raise ValueError(f"absmax has {quant_state.absmax.numel()} entries, {n_blocks} expected")

@@ -187,7 +187,8 @@ def test_subnormal_products_flush_like_cuda(backend, quant_type):
     import bitsandbytes.functional as F
 
     seed = {"nf4": 8128, "fp4": 8129}[quant_type]
-    packed, state = quantize((24, 200), quant_type=quant_type, blocksize=64, nested=False, dtype=torch.float32, seed=seed)
+    packed, state = quantize((24, 200), quant_type=quant_type, blocksize=64, nested=False, dtype=torch.float32,
+                             seed=seed)  # fmt: skip
     state.absmax = state.absmax * torch.logspace(-40, -30, state.absmax.numel())
     code = F.get_4bit_type(quant_type, device="cpu").double()
     exact = code[nibbles(packed, 24 * 200)] * state.absmax.double().repeat_interleave(64)[: 24 * 200]

@@ -96,7 +96,8 @@ def window_state(quant_type, seed):
     for value in sorted({abs(c) for c in code.tolist() if c != 0}):  # powers of two have no product in W1
         scales.append(_window_hits(value, rng)[0])
     absmax = torch.cat(scales)
-    absmax = torch.where(torch.rand(absmax.numel(), generator=torch.Generator().manual_seed(seed)) < 0.3, -absmax, absmax)
+    negative = torch.rand(absmax.numel(), generator=torch.Generator().manual_seed(seed)) < 0.3
+    absmax = torch.where(negative, -absmax, absmax)
     order = [rng.sample(range(16), 16) + rng.sample(range(16), 16) for _ in range(absmax.numel())]
     nibble = torch.tensor(order, dtype=torch.uint8).view(-1, 2)
     packed = (nibble[:, 0] << 4) | nibble[:, 1]
@@ -126,9 +127,11 @@ def nested_window_state(offset, seed):
     ones = torch.rand(n + 1, generator=torch.Generator().manual_seed(seed)) < 0.5
     nibble = torch.where(ones, 15, 0).to(torch.uint8).view(-1, 2)
     packed = (nibble[:, 0] << 4) | nibble[:, 1]
-    state2 = F.QuantState(absmax=torch.tensor(absmax2, dtype=torch.float32), code=code2, blocksize=256, dtype=torch.float32)
+    absmax2 = torch.tensor(absmax2, dtype=torch.float32)
+    state2 = F.QuantState(absmax=absmax2, code=code2, blocksize=256, dtype=torch.float32)
     state = F.QuantState(absmax=absmax_u8, shape=torch.Size([n]), dtype=torch.float32, blocksize=32, quant_type="nf4",
-                         code=F.get_4bit_type("nf4", device="cpu"), offset=torch.tensor(offset), state2=state2)  # fmt: skip
+                         code=F.get_4bit_type("nf4", device="cpu"), offset=torch.tensor(offset),
+                         state2=state2)  # fmt: skip
     return packed, state
 
 
@@ -174,16 +177,20 @@ def test_fp4_nibble_8_is_negative_zero():
 
 def test_tables_are_the_cuda_kernels_constants():
     # The literals of nf4_dequantization_lut / fp4_dequantization_lut in bitsandbytes' csrc/kernels.cu.
-    nf4 = "-1.0 -0.6961928009986877 -0.5250730514526367 -0.39491748809814453 -0.28444138169288635 " \
-          "-0.18477343022823334 -0.09105003625154495 0.0 0.07958029955625534 0.16093020141124725 " \
-          "0.24611230194568634 0.33791524171829224 0.44070982933044434 0.5626170039176941 0.7229568362236023 1.0"  # fmt: skip
-    fp4_lut = torch.tensor([float(v) for v in "0.0 0.005208333333 0.66666667 1.0 0.33333333 0.5 0.16666667 0.25".split()])
+    nf4 = (
+        "-1.0 -0.6961928009986877 -0.5250730514526367 -0.39491748809814453 -0.28444138169288635 "
+        "-0.18477343022823334 -0.09105003625154495 0.0 0.07958029955625534 0.16093020141124725 "
+        "0.24611230194568634 0.33791524171829224 0.44070982933044434 0.5626170039176941 0.7229568362236023 1.0"
+    )
+    fp4_literals = "0.0 0.005208333333 0.66666667 1.0 0.33333333 0.5 0.16666667 0.25"
+    fp4_lut = torch.tensor([float(v) for v in fp4_literals.split()])
     fp4 = torch.cat((fp4_lut, fp4_lut * -1.0))  # lut[v & 7] * (1 - 2 * (v >> 3))
     packed = torch.tensor([0x01, 0x23, 0x45, 0x67, 0x89, 0xAB, 0xCD, 0xEF], dtype=torch.uint8)
     for quant_type, want in (("nf4", torch.tensor([float(v) for v in nf4.split()])), ("fp4", fp4)):
         state = F.QuantState(absmax=torch.tensor([1.0]), shape=torch.Size([16]), dtype=torch.float32, blocksize=32,
                              quant_type=quant_type, code=F.get_4bit_type(quant_type, device="cpu"))  # fmt: skip
-        assert torch.equal(bits(reference.dequantize_4bit(packed, state, dtype=torch.float32, device="cpu")), bits(want))
+        got = reference.dequantize_4bit(packed, state, dtype=torch.float32, device="cpu")
+        assert torch.equal(bits(got), bits(want))
 
 
 @pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
@@ -238,7 +245,8 @@ def test_partial_blocks_and_odd_counts(case):
     assert got.shape == state.shape
     assert _mismatches(got, model(packed, state, dtype)) == 0
     for other in OUT_DTYPES:  # the output dtype is the caller's, whatever the state says
-        assert _mismatches(reference.dequantize_4bit(packed, state, dtype=other, device="cpu"), model(packed, state, other)) == 0
+        got = reference.dequantize_4bit(packed, state, dtype=other, device="cpu")
+        assert _mismatches(got, model(packed, state, other)) == 0
 
 
 @pytest.mark.parametrize("nested", [False, True])
@@ -265,7 +273,8 @@ def test_chunks_give_the_bits_of_one_piece(nested, monkeypatch):
 
 def test_packed_storage_dtypes_are_read_as_bytes():
     for storage in (torch.bfloat16, torch.float16, torch.float32):
-        packed, state = quantize((24, 40), quant_type="nf4", blocksize=64, nested=True, dtype=torch.float16, storage=storage, seed=9)
+        packed, state = quantize((24, 40), quant_type="nf4", blocksize=64, nested=True, dtype=torch.float16,
+                                 storage=storage, seed=9)  # fmt: skip
         assert packed.dtype == storage
         got = reference.dequantize_4bit(packed, state, dtype=torch.float16, device="cpu")
         assert _mismatches(got, model(packed.view(torch.uint8), state, torch.float16)) == 0
@@ -279,7 +288,8 @@ def test_state_from_checkpoint_tensors_and_bad_input():
     got = reference.dequantize_4bit(packed, parsed, dtype=torch.bfloat16, device="cpu")
     assert _mismatches(got, model(packed, state, torch.bfloat16)) == 0
     del tensors["model.layers.0.mlp.up_proj.weight.nested_absmax"]
-    with pytest.raises(CheckpointError, match=r"^model-1\.safetensors: model\.layers\.0\.mlp\.up_proj\.weight: .*nested"):
+    message = r"^model-1\.safetensors: model\.layers\.0\.mlp\.up_proj\.weight: .*nested"
+    with pytest.raises(CheckpointError, match=message):
         reference.quant_state_from_tensors(tensors, "cpu", file="model-1.safetensors")
     with pytest.raises(ValueError, match="packed bytes do not hold shape"):
         reference.dequantize_4bit(packed[:-1], state, dtype=torch.bfloat16, device="cpu")
@@ -330,24 +340,55 @@ def _to_cuda(state):
     return state
 
 
+KINDS = ("rows", "odd", "partial", "tiny", "small")
+
+
 def _gpu_cases():
-    """Every blocksize x NF4/FP4 x nested/flat x kind of shape, with fresh seeded shapes and weights."""
+    """Every blocksize x NF4/FP4 x nested/flat x kind, with fresh seeded shapes and weights. Kinds: rows of
+    whole blocks, odd sizes, a partial last block; "tiny" scales near FLT_MIN / |code| (subnormal products;
+    nested: tiny absmax2 and offset, so the nested products flush too); "small" scales, whose fp16 results
+    are fp16 subnormals."""
     rng = random.Random(20261123)
     cases = []
-    for index in range(len(BLOCKSIZES) * 2 * 2 * 4):
+    for index in range(len(BLOCKSIZES) * 2 * 2 * len(KINDS)):
         blocksize = BLOCKSIZES[index % len(BLOCKSIZES)]
         quant_type, nested = ("nf4", "fp4")[index // 8 % 2], bool(index // 16 % 2)
-        kind = ("rows", "odd", "partial", "tiny")[index // 32]
-        shape_kind = rng.choice(("rows", "odd", "partial")) if kind == "tiny" else kind
-        if shape_kind == "rows":
+        kind = KINDS[index // 32]
+        if kind == "rows":
             shape = (rng.randint(1, 64), blocksize * rng.randint(1, 12))
-        elif shape_kind == "odd":
+        elif kind == "odd":
             shape = (rng.randrange(1, 99, 2), rng.randrange(1, 999, 2))
-        else:
+        elif kind == "partial":
             shape = (rng.randint(1, 9), rng.randint(1, 30_000))
-        cases.append(pytest.param(shape, blocksize, quant_type, nested, kind, rng.randrange(1 << 30),
-                                  id=f"{kind}-{quant_type}-{'nested' if nested else 'flat'}-{blocksize}-{index}"))  # fmt: skip
+        else:  # hundreds of blocks, so scales spread over decades; a partial last block
+            rows = rng.choice((1, 3))
+            shape = (rows, rng.randint(300, 700) * blocksize // rows - rng.randrange(1, blocksize // 2))
+        name = f"{kind}-{quant_type}-{'nested' if nested else 'flat'}-{blocksize}-{index}"
+        cases.append(pytest.param(shape, blocksize, quant_type, nested, kind, rng.randrange(1 << 30), id=name))
     return cases
+
+
+def _rescale(state, kind, rng):
+    """Scale a CUDA quant state's scales down (after F.quantize_4bit): the median block scale to about
+    FLT_MIN ("tiny"; flat: spread over six decades instead) or to about fp16's smallest normal ("small")."""
+    if state.nested:
+        scales = F.dequantize_blockwise(state.absmax, state.state2) + state.offset
+    else:
+        scales = state.absmax
+    target = 2 * FLT_MIN if kind == "tiny" else 2.0**-14
+    factor = target / scales.abs().median().item() * 10.0 ** rng.uniform(-0.5, 0.5)
+    if state.nested and kind == "tiny":  # and the smallest nested product code2[q] * absmax2 below FLT_MIN / 4
+        absmax2 = state.state2.absmax.repeat_interleave(256)[: state.absmax.numel()]
+        products = (state.state2.code[state.absmax.long()] * absmax2).abs()
+        factor = min(factor, FLT_MIN / 4 / products[products > 0].min().item())
+    if state.nested:
+        state.state2.absmax = state.state2.absmax * factor
+        state.offset = state.offset * factor
+    elif kind == "tiny":  # from subnormal scales (read as zeros) to products well above FLT_MIN
+        spread = torch.logspace(-40, -34, state.absmax.numel(), dtype=torch.float64, device="cuda")
+        state.absmax = state.absmax * spread.float()
+    else:
+        state.absmax = state.absmax * factor
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA: bitsandbytes' CUDA kernels are the truth")
@@ -355,27 +396,37 @@ def _gpu_cases():
 def test_gpu_reference_equals_bnb_cuda(shape, blocksize, quant_type, nested, kind, seed):
     from helpers import random_weight
 
-    generator = torch.Generator().manual_seed(seed)
-    weight = random_weight(shape, torch.float32, generator=generator)
-    if kind == "tiny":  # scales near 1e-38: subnormal products (for nested: absmax2 and offset tiny too)
-        rows = torch.logspace(-40, -33, shape[0], dtype=torch.float64)
-        weight = (weight.double() * rows[:, None]).float()
-    packed, state = F.quantize_4bit(weight.cuda(), blocksize=blocksize, quant_type=quant_type, compress_statistics=nested)
+    rng = random.Random(seed)
+    weight = random_weight(shape, torch.float32, generator=torch.Generator().manual_seed(seed))
+    packed, state = F.quantize_4bit(weight.cuda(), blocksize=blocksize, quant_type=quant_type,
+                                    compress_statistics=nested)  # fmt: skip
+    if kind in ("tiny", "small"):
+        _rescale(state, kind, rng)
     cpu_state = _cpu_state(state)
     packed_cpu = packed.cpu()
     n = math.prod(shape)
-    tiny_products = 0
+    truths = {}
     for dtype in OUT_DTYPES:
-        truth = _cuda_truth(packed, state, dtype)
+        truth = truths[dtype] = _cuda_truth(packed, state, dtype)
         got = reference.dequantize_4bit(packed_cpu, cpu_state, dtype=dtype, device="cpu")
-        assert _mismatches(got, truth) == 0, f"{dtype}: {_mismatches(got, truth)} of {n} differ from bitsandbytes' CUDA kernel"
+        differ = _mismatches(got, truth)
+        assert differ == 0, f"{dtype}: {differ} of {n} differ from bitsandbytes' CUDA kernel"
         via_cuda = reference.dequantize_4bit(packed_cpu, cpu_state, dtype=dtype, device="cuda")
         assert via_cuda.device.type == "cuda" and _mismatches(via_cuda.cpu(), truth) == 0
-        if dtype == torch.float32:
-            nonzero_code = cuda_code(quant_type).index_select(0, nibbles(packed_cpu, n).long()) != 0
-            tiny_products = int(((truth.view(-1) == 0) & nonzero_code).sum())
-    if kind == "tiny":
-        assert tiny_products > 0  # flushed products did occur
+    if kind == "tiny":  # subnormal products did occur, and CUDA flushed them (a margin clear of the rounding)
+        if nested:
+            absmax2 = cpu_state.state2.absmax.double().repeat_interleave(256)[: cpu_state.absmax.numel()]
+            nested_exact = cpu_state.state2.code.double()[cpu_state.absmax.long()] * absmax2
+            assert ((nested_exact != 0) & (nested_exact.abs() < FLT_MIN / 2)).any()
+            scale = F.dequantize_blockwise(state.absmax, state.state2).cpu().double() + state.offset.item()
+        else:
+            scale = cpu_state.absmax.double()
+        exact = cuda_code(quant_type)[nibbles(packed_cpu, n).long()] * scale.repeat_interleave(blocksize)[:n]
+        subnormal = (exact != 0) & (exact.abs() < FLT_MIN / 2)
+        assert subnormal.any() and (truths[torch.float32].view(-1)[subnormal] == 0).all()
+    if kind == "small":
+        fp16 = truths[torch.float16].view(-1)
+        assert ((fp16 != 0) & (fp16.abs() < 2.0**-14)).any()  # fp16 subnormals, rounded as CUDA does
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA: bitsandbytes' CUDA kernels are the truth")

@@ -1,14 +1,10 @@
-"""Check a converted checkpoint against its source with the reference library, bit for bit.
+"""Check a converted checkpoint against its source with the reference libraries, bit for bit.
 
-verify is stream's sibling: it re-plans the source and recomputes every recipe with bitsandbytes
-(never with our kernels), then compares the output's bytes. Every source tensor must be there, no
-quantization key or config may remain, and every floating tensor must be of the output's one dtype.
-
-On the CPU, bitsandbytes' native kernel is asked for a flat ``[1, n]`` shape: on AVX512 machines it
-indexes absmax per row, which is wrong when a row is not a whole number of blocks, and a flat shape
-is one row. Its CPU paths also decode FP4 nibble 8 as +0.0 where its CUDA kernel (the truth, which
-the output follows) gives -0.0, so on the CPU a zero at such a position matches either sign; that
-allowance is counted in the report. On a GPU the comparison is plain bits.
+verify is stream's sibling: it re-plans the source and recomputes every recipe with bitsandbytes and
+peft (never with our kernels or merge code), then compares the output's bytes. Every source tensor must
+be there, no quantization key or config may remain, and every floating tensor must be of the output's
+one dtype. The 4-bit reference on the CPU is ``reference.py``: bitsandbytes' CUDA arithmetic from
+bitsandbytes' own parts, because its native CPU op differs from its CUDA kernels on some CPUs.
 """
 
 from __future__ import annotations
@@ -29,7 +25,6 @@ class VerifyReport:
     output: Path
     checked: int = 0
     dequantized: int = 0
-    signed_zero_allowances: int = 0
     device: str = "cpu"
     problems: list[str] = field(default_factory=list)
 
@@ -46,34 +41,24 @@ def _bits(tensor):
 
 
 def _reference_4bit(tensor: PlannedTensor, reader: TensorReader, device, planned: dict):
-    """bitsandbytes' result for a 4-bit weight, and the FP4 nibble-8 mask (CPU allowance)."""
-    import bitsandbytes.functional as F
-    import torch
+    """bitsandbytes' CUDA result for a 4-bit weight: bitsandbytes itself on a GPU, its exact twin on the CPU."""
+    from .reference import dequantize_4bit, quant_state_from_tensors
 
     weight = tensor.recipe.weight
     parts = {info.name: reader.tensor(info) for info in weight.parts.values()}
-    state = F.QuantState.from_dict(parts, device=device)
-    state.dtype = DTYPES[tensor.dtype].torch  # bitsandbytes rounds its fp32 products straight to the dtype asked for
-    packed = reader.tensor(weight.packed).to(device)
-    shape = state.shape
-    if device.type == "cpu":
-        state.shape = torch.Size([1, shape.numel()])
-    expected = F.dequantize_4bit(packed.view(torch.uint8).reshape(-1, 1), state).reshape(shape)
-    zero_mask = None
-    if device.type == "cpu" and state.quant_type == "fp4":
-        flat = packed.view(torch.uint8).reshape(-1).to(torch.int32)
-        zero_mask = (torch.stack((flat >> 4, flat & 15), 1).reshape(-1)[: shape.numel()] == 8).reshape(shape)
-    return expected, zero_mask
+    state = quant_state_from_tensors(parts, device, file=weight.packed.path)
+    packed = reader.tensor(weight.packed)
+    return dequantize_4bit(packed, state, dtype=DTYPES[tensor.dtype].torch, device=device)
 
 
 def _reference_8bit(tensor: PlannedTensor, reader: TensorReader, device, planned: dict):
     weight = tensor.recipe.weight
     codes, scb = reader.tensor(weight.weight).to(device), reader.tensor(weight.scb).to(device)
-    return bnb8.reference_dequantize(codes, scb, DTYPES[tensor.dtype].torch), None
+    return bnb8.reference_dequantize(codes, scb, DTYPES[tensor.dtype].torch)
 
 
 def _reference_copy(tensor: PlannedTensor, reader: TensorReader, device, planned: dict):
-    return reader.tensor(tensor.recipe.source).to(DTYPES[tensor.dtype].torch), None
+    return reader.tensor(tensor.recipe.source).to(DTYPES[tensor.dtype].torch)
 
 
 def _skeleton_module(module: str, adapter, reader, device, dtype, references: dict):
@@ -125,7 +110,7 @@ def _reference_merge(tensor: PlannedTensor, reader: TensorReader, device, planne
     references = {}
     for name, sibling in siblings.items():
         base = sibling.recipe.base if isinstance(sibling.recipe, MergeLora) else sibling.recipe
-        reference = REFERENCES[type(base)][0](dataclasses.replace(sibling, recipe=base), reader, device, planned)[0]
+        reference = REFERENCES[type(base)][0](dataclasses.replace(sibling, recipe=base), reader, device, planned)
         references[name] = reference.to(device).reshape(sibling.shape)
     dtype = DTYPES[tensor.dtype].torch
     root = torch.nn.Module()
@@ -149,7 +134,7 @@ def _reference_merge(tensor: PlannedTensor, reader: TensorReader, device, planne
         warnings.simplefilter("ignore")
         logging.getLogger("peft").setLevel(logging.ERROR)
         merged = PeftModel.from_pretrained(root, str(recipe.adapter.folder), config=config, torch_device=str(device)).merge_and_unload()
-    return merged.get_parameter(tensor.name).detach(), None
+    return merged.get_parameter(tensor.name).detach()
 
 
 # The reference twin of stream.PRODUCERS: (what makes it, whom a difference is blamed on). Each reference takes
@@ -246,22 +231,16 @@ def _compare(tensor: PlannedTensor, info: TensorInfo, source_reader, output_read
     reference, blame = REFERENCES[type(tensor.recipe)]
     if not isinstance(tensor.recipe, Copy):
         report.dequantized += 1
-    expected, zero_mask = reference(tensor, source_reader, device, planned)
+    expected = reference(tensor, source_reader, device, planned)
     expected = expected.to("cpu")
     got = output_reader.tensor(info)
     differ = _bits(got) != _bits(expected)
-    if zero_mask is not None:
-        allowed = differ & zero_mask.reshape(-1) & (got.reshape(-1) == 0) & (expected.reshape(-1) == 0)
-        report.signed_zero_allowances += int(allowed.sum())
-        differ &= ~allowed
     mismatches = int(differ.sum())
     return f"{mismatches} of {got.numel()} elements differ from {blame}" if mismatches else None
 
 
 def report_lines(report: VerifyReport) -> list[str]:
     lines = [f"{report.output}: {report.checked} tensors checked ({report.dequantized} dequantized by bitsandbytes on {report.device})"]
-    if report.signed_zero_allowances:
-        lines.append(f"  {report.signed_zero_allowances} FP4 zeros are -0.0 as on CUDA where bitsandbytes' CPU path gives +0.0")
     lines += [f"  MISMATCH {problem}" for problem in report.problems[:20]]
     if len(report.problems) > 20:
         lines.append(f"  ... and {len(report.problems) - 20} more problems")

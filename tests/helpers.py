@@ -43,24 +43,13 @@ def nibbles(packed: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def bnb_reference_cpu(packed, state):
-    """What bitsandbytes' CUDA kernel gives, computed on the CPU by bitsandbytes' own code.
+    """What bitsandbytes' CUDA kernels give, computed on the CPU: nf4convert.reference.dequantize_4bit.
 
-    bitsandbytes' native CPU op is not the reference: on AVX512 machines it indexes absmax per row
-    (wrong when the last dimension is not a multiple of blocksize) and decodes FP4 nibble 8 as +0.0,
-    where the CUDA kernel (the truth) gives -0.0. Its pure-torch reference, _dequantize_4bit_compute
-    (flat blocks, one fp32 multiply, then a cast), fed the CUDA kernel's table, is. The nested absmax
-    is bitsandbytes' own dequantize_blockwise plus the offset, exactly as its dequantize_4bit does.
+    bitsandbytes' native CPU op is not the reference (per-row absmax on AVX512 machines, +0.0 for FP4
+    nibble 8, no flush-to-zero in its nested decode); the reference module says why each step is as it is,
+    and tests/test_reference.py checks it against the native op where that is right and against the CUDA
+    kernels on a GPU.
     """
-    import bitsandbytes.functional as F
-    from bitsandbytes.backends.default.ops import _dequantize_4bit_compute
+    from nf4convert.reference import dequantize_4bit
 
-    if state.nested:
-        absmax = F.dequantize_blockwise(state.absmax, state.state2)
-        absmax += state.offset
-    else:
-        absmax = state.absmax.float()
-    code = F.get_4bit_type(state.quant_type, device="cpu").clone()
-    if state.quant_type == "fp4":
-        code[8] = -0.0  # CUDA: sign * 0.0f
-    flat = packed.contiguous().view(torch.uint8).reshape(-1)
-    return _dequantize_4bit_compute(flat, absmax, code, state.blocksize, state.shape, state.dtype)
+    return dequantize_4bit(packed, state, dtype=state.dtype, device="cpu")

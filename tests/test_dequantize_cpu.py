@@ -1,7 +1,8 @@
 """Bit-exactness of the CPU path and of the Triton kernel under the interpreter, on the CPU.
 
 Every case draws fresh shapes and weights; the seed is printed in the test id so a failure can be
-replayed. The reference is bitsandbytes' own CPU dequantize (see helpers.bnb_reference_cpu).
+replayed. The reference is nf4convert.reference (see helpers.bnb_reference_cpu), checked on its own by
+test_reference.py.
 """
 
 import math
@@ -12,12 +13,13 @@ import pytest
 import torch
 
 import nf4convert
-from helpers import OUT_DTYPES, STORAGE_DTYPES, bits, bnb_reference_cpu, quantize
+from helpers import OUT_DTYPES, STORAGE_DTYPES, bits, bnb_reference_cpu, nibbles, quantize
 
 pytest.importorskip("bitsandbytes")
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 BLOCKSIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)
+FLT_MIN = 2.0**-126
 _rng = random.Random(20261123)  # fixed: the same cases (and test ids) every run
 
 
@@ -192,16 +194,25 @@ def test_agrees_with_bnb_native_cpu_where_it_is_exact(quant_type):
 @pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
 def test_subnormal_products_flush_like_cuda(backend, quant_type):
     # bitsandbytes' CUDA kernel multiplies with flush-to-zero (seen on an H100): scales near 1e-38
-    # give zeros of the product's sign. Reference: bnb's fp32 products, flushed, then rounded.
-    packed, state = quantize((24, 200), quant_type=quant_type, blocksize=64, nested=False, dtype=torch.float32)
+    # give zeros of the product's sign. The reference flushes by itself; the exact products (float64)
+    # show that subnormal products do occur here and that the reference turns them into signed zeros.
+    import bitsandbytes.functional as F
+
+    seed = {"nf4": 8128, "fp4": 8129}[quant_type]
+    packed, state = quantize((24, 200), quant_type=quant_type, blocksize=64, nested=False, dtype=torch.float32,
+                             seed=seed)  # fmt: skip
     state.absmax = state.absmax * torch.logspace(-40, -30, state.absmax.numel())
-    products = bnb_reference_cpu(packed, state)
-    assert ((products != 0) & (products.abs() < 1.1754943508222875e-38)).any()  # subnormals do occur
-    flushed = torch.where(products.abs() < 1.1754943508222875e-38, products * 0.0, products)
+    code = F.get_4bit_type(quant_type, device="cpu").double()
+    exact = code[nibbles(packed, 24 * 200)] * state.absmax.double().repeat_interleave(64)[: 24 * 200]
+    subnormal = (exact != 0) & (exact.abs() < FLT_MIN / 2)  # clear of the rounding window just below FLT_MIN
+    assert subnormal.sum() > 100
     for dtype in OUT_DTYPES:
         state.dtype = dtype
+        expected = bnb_reference_cpu(packed, state).view(-1)
+        assert (expected[subnormal] == 0).all()
+        assert torch.equal(torch.signbit(expected[subnormal]), exact[subnormal] < 0)
         got = nf4convert.dequantize_4bit(packed, state, backend=backend)
-        assert torch.equal(bits(got), bits(flushed.to(dtype)))
+        assert torch.equal(bits(got), bits(expected))
 
 
 @pytest.mark.skipif(not INTERPRETING, reason="the interpreter runs only without a GPU")
@@ -220,3 +231,20 @@ def test_kernel_variants_interpreted(config):
             packed, state = quantize(shape, quant_type=quant_type, blocksize=64, nested=nested, dtype=dtype)
             got = nf4convert.dequantize_4bit(packed, state, backend="triton")
             assert torch.equal(bits(got), bits(bnb_reference_cpu(packed, state)))
+
+
+@pytest.mark.parametrize("backend", ["cpu", pytest.param("triton", marks=pytest.mark.skipif(not INTERPRETING, reason="no interpreter"))])
+@pytest.mark.parametrize("case", ["nf4", "fp4", "nested-offset-0", "nested-offset-tiny", "nested-offset-negative"])
+def test_products_just_below_flt_min_flush_like_cuda(backend, case):
+    # mul.ftz.f32 flushes a product whose 24-bit rounding (unbounded exponent) is below FLT_MIN, even where
+    # rounding to the subnormal grid would give FLT_MIN; subnormal operands read as zeros (measured on an H100).
+    from test_reference import nested_window_state, window_state
+
+    if case.startswith("nested"):
+        offset = {"nested-offset-0": 0.0, "nested-offset-tiny": 2.0**-140, "nested-offset-negative": -3e-38}[case]
+        packed, state = nested_window_state(offset, seed=17)
+    else:
+        packed, state = window_state(case, seed=19)
+    expected = bnb_reference_cpu(packed, state)
+    got = nf4convert.dequantize_4bit(packed, state, backend=backend)
+    assert torch.equal(bits(got), bits(expected))

@@ -3,9 +3,11 @@
     A[k]   = fl32( fl32( code2[absmax_u8[k]] * absmax2[k // nested_blocksize] ) + offset )   nested
     out[e] = round_T( fl32( code[nibble(e)] * A[e // blocksize] ) )                           high nibble first
 
-bitsandbytes' kernels multiply with flush-to-zero (a subnormal product becomes a zero of the same
-sign; its ``absmax += offset`` is a torch add and keeps subnormals), so the products are flushed here
-too. Each torch operation rounds once (a multiply and a separate add are never fused on the CPU), and
+bitsandbytes' kernels multiply with flush-to-zero (``mul.ftz.f32``, built with fast math: a subnormal
+operand reads as a zero of its sign, and a product is flushed to a zero of its sign when it is below
+FLT_MIN *after rounding to 24 bits with an unbounded exponent*, so a product just under FLT_MIN that
+would round up to FLT_MIN is flushed too; its ``absmax += offset`` is a torch add and keeps subnormals),
+so the products are flushed the same way here: :func:`ftz_multiply`. Each torch operation rounds once (a multiply and a separate add are never fused on the CPU), and
 ``Tensor.copy_`` to fp16/bf16 rounds to nearest even. bitsandbytes' own CPU op is not used: at
 blocksize >= 2048 on AVX512 machines, and for an odd last dimension, it falls back to a pure-torch path
 that decodes FP4 nibble 8 as +0.0 where its CUDA kernel (the truth) gives -0.0.
@@ -19,8 +21,9 @@ import torch
 
 CHUNK_BYTES = 1 << 22  # packed bytes per chunk: 32 MiB of fp32 scratch
 FLT_MIN = 1.1754943508222875e-38  # smallest normal fp32
+LIFT = 2.0**24  # x * 2^24 is normal wherever round24(x) could be, so fp32 rounds it with the unbounded exponent
 # |code| >= 0.0052 for every non-zero entry (NF4 0.0796, FP4 1/192 and up): a product can only be
-# subnormal where |scale| is below FLT_MIN / 0.0052, so only such chunks pay for the flush.
+# (near) subnormal where |scale| is below FLT_MIN / 0.005, so only such chunks pay for the flush.
 TINY_SCALE = FLT_MIN / 0.005
 
 _quad_tables: dict = {}
@@ -63,16 +66,22 @@ def decode_absmax(absmax, code2, absmax2, offset, nested_blocksize) -> torch.Ten
     if code2 is None:
         return absmax.float()
     scale = code2[absmax.long()]
-    scale = flush_subnormal(scale * absmax2.repeat_interleave(nested_blocksize)[: absmax.numel()])
+    ftz_multiply(scale, absmax2.repeat_interleave(nested_blocksize)[: absmax.numel()])
     scale += offset
     return scale
 
 
-def flush_subnormal(values: torch.Tensor) -> torch.Tensor:
-    """Subnormal values to zeros of the same sign (x * 0.0 keeps the sign), in place."""
-    tiny = values.abs() < FLT_MIN
+def ftz_multiply(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``values *= scale`` in place as CUDA's ``mul.ftz.f32``: subnormal operands read as zeros of their sign,
+    and a product whose 24-bit rounding (unbounded exponent) is below FLT_MIN becomes a zero of its sign."""
+    values.copy_(torch.where(values.abs() < FLT_MIN, values * 0.0, values))
+    scale = torch.where(scale.abs() < FLT_MIN, scale * 0.0, scale)
+    # Lifted by 2^24 (exact: a power of two) the product is normal wherever it matters, so fp32 rounds it
+    # with 24 bits; where that lifted product is below FLT_MIN * 2^24 the unlifted one is flushed.
+    tiny = (values * (scale * LIFT)).abs() < FLT_MIN * LIFT
+    values *= scale
     if tiny.any():
-        values[tiny] = values[tiny] * 0.0
+        values[tiny] = values[tiny] * 0.0  # x * 0.0 keeps the sign
     return values
 
 
@@ -97,13 +106,14 @@ def dequantize(packed, absmax, code2, absmax2, offset, code, out, blocksize, nes
             full = full_blocks * blocksize
             block_values = values[:full].view(full_blocks, blocksize)
             block_scale = scale[first_block : first_block + full_blocks]
-            block_values *= block_scale[:, None]
             if block_scale.abs().min() < TINY_SCALE:
-                flush_subnormal(values[:full])
+                ftz_multiply(block_values, block_scale[:, None])
+            else:
+                block_values *= block_scale[:, None]
             target[:full].copy_(values[:full])
         rest = count - full_blocks * blocksize
         if rest:  # the partial last block of the weight
             start = full_blocks * blocksize
-            tail = flush_subnormal(values[start : start + rest] * scale[first_block + full_blocks])
+            tail = ftz_multiply(values[start : start + rest], scale[first_block + full_blocks])
             target[start:].copy_(tail)
     return out

@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 FLT_MIN = tl.constexpr(1.1754943508222875e-38)  # smallest normal fp32
+LIFT = tl.constexpr(16777216.0)  # 2^24
 
 
 @triton.jit
@@ -38,8 +39,12 @@ def _mul_ftz(a, b, PTX: tl.constexpr):
             "mul.rn.ftz.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.float32, is_pure=True, pack=1
         )
     else:
+        # As mul.ftz.f32: subnormal operands read as zeros; a product whose 24-bit rounding with an unbounded
+        # exponent is below FLT_MIN is flushed. Lifting one operand by 2^24 (exact) gives that rounding.
+        a = tl.where(tl.abs(a) < FLT_MIN, a * 0.0, a)
+        b = tl.where(tl.abs(b) < FLT_MIN, b * 0.0, b)
         product = a * b
-        return tl.where(tl.abs(product) < FLT_MIN, product * 0.0, product)
+        return tl.where(tl.abs(a * (b * LIFT)) < FLT_MIN * LIFT, product * 0.0, product)
 
 
 @triton.jit

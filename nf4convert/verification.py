@@ -24,7 +24,8 @@ from .plan import Copy, Dequantize4bit, Dequantize8bit, MergeLora, PlannedTensor
 class VerifyReport:
     output: Path
     checked: int = 0
-    dequantized: int = 0
+    dequantized: int = 0  # tensors recomputed by the reference libraries (not plain copies)
+    merged: int = 0  # of which an adapter's change was merged by peft
     device: str = "cpu"
     problems: list[str] = field(default_factory=list)
 
@@ -231,6 +232,7 @@ def _compare(tensor: PlannedTensor, info: TensorInfo, source_reader, output_read
     reference, blame = REFERENCES[type(tensor.recipe)]
     if not isinstance(tensor.recipe, Copy):
         report.dequantized += 1
+        report.merged += isinstance(tensor.recipe, MergeLora)
     expected = reference(tensor, source_reader, device, planned)
     expected = expected.to("cpu")
     got = output_reader.tensor(info)
@@ -240,7 +242,7 @@ def _compare(tensor: PlannedTensor, info: TensorInfo, source_reader, output_read
 
 
 def report_lines(report: VerifyReport) -> list[str]:
-    lines = [f"{report.output}: {report.checked} tensors checked ({report.dequantized} dequantized by bitsandbytes on {report.device})"]
+    lines = [f"{report.output}: {report.checked} tensors checked ({report.dequantized} recomputed by bitsandbytes{" and peft" if report.merged else ""} on {report.device})"]
     lines += [f"  MISMATCH {problem}" for problem in report.problems[:20]]
     if len(report.problems) > 20:
         lines.append(f"  ... and {len(report.problems) - 20} more problems")

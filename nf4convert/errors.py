@@ -19,3 +19,7 @@ class OutputError(Nf4ConvertError):
 
 class VerificationError(Nf4ConvertError):
     """The output does not match its source."""
+
+
+class UploadError(Nf4ConvertError):
+    """The output could not be pushed to the Hub: the cause (network, token, HTTP status and the server's message)."""

@@ -41,6 +41,8 @@ DTYPE_FLAGS = {name: flag for flag, name in DTYPE_NAMES.items()}
 FORMAT_NAMES = {"bnb-4bit": "bitsandbytes 4-bit", "bnb-8bit": "bitsandbytes 8-bit (LLM.int8)"}
 
 HUB_URL = "https://huggingface.co"
+CARD = "source model card (README.md)"  # how warnings name the file
+KEPT_TEXT = "; kept its text, dropped its metadata"
 
 
 class Card(NamedTuple):
@@ -89,8 +91,9 @@ def _split(text: str | None) -> tuple[dict, str, str | None]:
 
     if text is None or not text.strip():
         return {}, "", None
+    text = text.encode("utf-8", "replace").decode("utf-8")  # lone surrogates (from surrogateescape) cannot be written
     if "\x00" in text or sum(not c.isprintable() and c not in "\t\r\n" for c in text[:4096]) > 32:
-        return {}, "", "source model card (README.md) is not text; wrote a new card without it"
+        return {}, "", f"{CARD} is not text; wrote a new card without it"
     match = REGEX_YAML_BLOCK.search(text)
     if match is None:
         return {}, text, None
@@ -101,11 +104,11 @@ def _split(text: str | None) -> tuple[dict, str, str | None]:
         fields = yaml.safe_load(match.group(2))
     except Exception as error:  # noqa: BLE001  (yaml.YAMLError, or a ValueError for a date like 2024-13-45)
         first_line = text[: match.start(2)].count("\n") + 1  # the YAML block's line numbers count from 1 in the file
-        return {}, body, f"source model card (README.md): front matter is not valid YAML ({_yaml_problem(error, first_line)}); kept its text, dropped its metadata"  # fmt: skip
+        return {}, body, f"{CARD}: front matter is not valid YAML ({_yaml_problem(error, first_line)}){KEPT_TEXT}"
     if fields is None:
         return {}, body, None
     if not isinstance(fields, dict):
-        return {}, body, f"source model card (README.md): front matter is a {type(fields).__name__}, not a mapping; kept its text, dropped its metadata"  # fmt: skip
+        return {}, body, f"{CARD}: front matter is a {type(fields).__name__}, not a mapping{KEPT_TEXT}"
     return {str(key): value for key, value in fields.items()}, body, None
 
 
@@ -148,23 +151,33 @@ def _dense_tags(tags):
 
 
 def _front_matter(fields: dict) -> tuple[str, str | None]:
-    """The YAML block, through huggingface_hub's ModelCardData (the Hub's own field handling and YAML style)."""
-    from huggingface_hub import ModelCardData
+    """The YAML block, written the Hub's way, and one that huggingface_hub's ModelCard reads back.
 
-    # model-index goes back verbatim: ModelCardData would re-parse it into eval results (and log about any it
-    # cannot read), which may reorder or drop the source's entries.
-    order = list(fields)
-    fields = dict(fields)
-    model_index = fields.pop("model-index", None)
-    try:
-        data = ModelCardData(**fields, ignore_metadata_errors=True)
-        if model_index is not None:
-            data["model-index"] = model_index
-        return f"---\n{data.to_yaml(original_order=order)}\n---", None
-    except Exception as error:  # noqa: BLE001  (a value yaml cannot write back: keep the card, drop the fields)
-        kept = {key: fields[key] for key in ("base_model", "library_name") if isinstance(fields.get(key), str)}
-        warning = f"source model card (README.md): its metadata could not be written back ({type(error).__name__}: {_first_line(error)}); kept its text, dropped its metadata"  # fmt: skip
-        return f"---\n{ModelCardData(**kept).to_yaml()}\n---", warning
+    Written through CardData (huggingface_hub's YAML style, the fields' order kept), not its subclass
+    ModelCardData, which re-parses ``model-index`` into eval results and back (reordering or dropping the
+    source's entries): every field goes back as it came. But ModelCard, which tools load cards with, refuses a
+    ``model-index`` or ``eval_results`` it cannot parse; those fields are then dropped, and if the card is still
+    unreadable, every field but base_model and library_name."""
+    from huggingface_hub import CardData, ModelCard
+
+    readable = {key: value for key, value in fields.items() if key not in ("model-index", "eval_results")}
+    minimal = {key: fields[key] for key in ("base_model", "library_name") if isinstance(fields.get(key), str)}
+    attempts = [
+        (fields, None),
+        (readable, "its model-index or eval_results, which huggingface_hub cannot read, dropped"),
+        (minimal, "its metadata could not be written back readably and was dropped"),
+    ]
+    for attempt, note in attempts:
+        data = CardData()
+        for key, value in attempt.items():
+            data[key] = value  # item assignment: a field named like a CardData argument stays a field
+        try:
+            front_matter = f"---\n{data.to_yaml(original_order=list(attempt))}\n---"
+            ModelCard(front_matter)  # raises where a tool loading the card would fail
+        except Exception:  # noqa: BLE001  (any value yaml or ModelCard refuses: try with fewer fields)
+            continue
+        return front_matter, note and f"{CARD}: {note}"
+    return "---\nlibrary_name: transformers\n---", f"{CARD}: its metadata was dropped"
 
 
 def _how_made(*, source_repo, original_base, dtype, version, quant_format, adapter, source_body) -> str:
@@ -177,7 +190,7 @@ def _how_made(*, source_repo, original_base, dtype, version, quant_format, adapt
         source_text = f"[{source_repo}]({HUB_URL}/{source_repo}), a {format_text} checkpoint"
     else:
         source_text = f"a local {format_text} checkpoint"
-    bases = [original_base] if isinstance(original_base, str) else original_base if isinstance(original_base, list) else []
+    bases = original_base if isinstance(original_base, list) else [original_base]
     bases = [base for base in bases if isinstance(base, str) and base and base != source_repo]
     if bases:
         source_text += " quantized from " + ", ".join(_link(base) for base in bases)
@@ -188,8 +201,8 @@ def _how_made(*, source_repo, original_base, dtype, version, quant_format, adapt
         f"These are dense {dtype_text} weights, dequantized from {source_text}, by nf4convert {version}.",
         "",
         "Every dequantized weight is bit for bit what bitsandbytes itself computes from the quantized checkpoint "
-        "(its CUDA kernels): the model computes with exactly the weights the quantized model computes with, in a format "
-        "that loads without bitsandbytes. Dequantizing does not bring back the precision lost to quantization. "
+        "(its CUDA kernels): the model computes with exactly the weights the quantized model computes with, in a "
+        "format that loads without bitsandbytes. Dequantizing does not bring back the precision lost to quantization. "
         f"The other tensors were cast to {dtype_flag}, and `config.json` no longer has a `quantization_config`.",
     ]
     command = ["nf4convert", source_repo or "SOURCE", "--dtype", dtype_flag]

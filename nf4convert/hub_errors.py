@@ -44,6 +44,13 @@ TYPE_HINTS = {
     "EntryNotFoundError": "file not found in the repository",
     "BadRequestError": "the Hub refused the request as invalid",
 }
+# The Hub's X-Error-Code header, for clients that do not turn it into a type (requests under huggingface_hub 0.x).
+CODE_HINTS = {
+    "GatedRepo": TYPE_HINTS["GatedRepoError"],
+    "RepoNotFound": TYPE_HINTS["RepositoryNotFoundError"],
+    "RevisionNotFound": TYPE_HINTS["RevisionNotFoundError"],
+    "EntryNotFound": TYPE_HINTS["EntryNotFoundError"],
+}
 NAME_RESOLUTION = re.compile(
     r"name or service not known|nodename nor servname|temporary failure in name resolution|getaddrinfo failed"
     r"|no address associated|failed to resolve|nameresolutionerror|dns error|could not resolve",
@@ -73,7 +80,8 @@ def _line(error: BaseException) -> str:
             return _http_line(link, response)
     names = {cls.__name__ for link in chain for cls in type(link).__mro__}
     if "OfflineModeIsEnabled" in names:
-        return "offline mode (HF_HUB_OFFLINE=1) forbids reaching the Hub"
+        offline = "offline mode (HF_HUB_OFFLINE=1) forbids reaching the Hub"
+        return f"not in the local cache, and {offline}" if "LocalEntryNotFoundError" in names else offline
     network = _network_line(chain)
     if network is not None:
         if "LocalEntryNotFoundError" in names:
@@ -93,6 +101,9 @@ def _http_line(error: BaseException, response) -> str:
     reason = getattr(response, "reason_phrase", None) or getattr(response, "reason", None) or ""
     where = _request_text(getattr(response, "request", None))
     hint = next((TYPE_HINTS[cls.__name__] for cls in type(error).__mro__ if cls.__name__ in TYPE_HINTS), None)
+    if hint is None:
+        headers = getattr(response, "headers", None)
+        hint = CODE_HINTS.get(headers.get("X-Error-Code")) if hasattr(headers, "get") else None
     if hint is None:
         hint = STATUS_HINTS.get(status) or ("the Hub had a server error; try again later" if status >= 500 else "")
     line = " ".join(filter(None, [f"HTTP {status}", str(reason), f"from {where}" if where else ""]))
@@ -137,7 +148,7 @@ def _request_text(request) -> str:
 
 def _network_line(chain: list[BaseException]) -> str | None:
     """The network failure in an error chain, most specific cause first, with the host it concerns."""
-    texts = " | ".join(f"{type(link).__name__}: {link}" for link in chain)
+    texts = " | ".join(f"{type(link).__name__}: {_text(link)}" for link in chain)
     host = next(filter(None, (_host(link) for link in chain)), None)
     if host is None and (url := URL.search(texts)):  # hf_xet (Rust) errors name the URL only in their text
         host = urlsplit(url.group(0)).netloc
@@ -154,10 +165,11 @@ def _network_line(chain: list[BaseException]) -> str | None:
     ):  # fmt: skip
         kind = "connecting to" if names & {"ConnectTimeout", "ConnectTimeoutError"} else "waiting for"
         return f"timed out {kind}{at or ' the server'} (slow or no network; try again)"
-    if names & {"SSLError", "SSLCertVerificationError"} or (names & {"ConnectError", "ConnectionError"} and TLS.search(texts)):
+    connect_failed = bool(names & {"ConnectError", "ConnectionError"})
+    if names & {"SSLError", "SSLCertVerificationError"} or (connect_failed and TLS.search(texts)):
         return f"TLS error with{at or ' the server'}: {_first_line(_innermost(chain))}"
-    if names & {"ConnectError", "ConnectionError", "NetworkError", "TransportError", "RemoteProtocolError",
-                "ProtocolError", "ReadError", "WriteError", "ChunkedEncodingError", "ConnectionResetError"}:  # fmt: skip
+    if connect_failed or names & {"NetworkError", "TransportError", "RemoteProtocolError", "ProtocolError",
+                                  "ReadError", "WriteError", "ChunkedEncodingError", "ConnectionResetError"}:
         return f"network error with{at or ' the server'}: {_first_line(_innermost(chain))}"
     return None
 
@@ -200,7 +212,14 @@ def _innermost(chain: list[BaseException]) -> BaseException:
 
 def _one_line(error: BaseException) -> str:
     """All of a message on one line (huggingface_hub puts the useful part of a ValueError on its later lines)."""
-    return _shorten(" ".join(str(error).split())) or type(error).__name__
+    return _shorten(" ".join(_text(error).split())) or type(error).__name__
+
+
+def _text(error: BaseException) -> str:
+    try:
+        return str(error)
+    except Exception:  # noqa: BLE001  (an error whose __str__ fails still gets a line)
+        return ""
 
 
 def _shorten(text: str) -> str:
@@ -208,5 +227,5 @@ def _shorten(text: str) -> str:
 
 
 def _first_line(error: BaseException) -> str:
-    lines = [" ".join(line.split()) for line in str(error).splitlines() if line.strip()]
+    lines = [" ".join(line.split()) for line in _text(error).splitlines() if line.strip()]
     return lines[0] if lines else type(error).__name__

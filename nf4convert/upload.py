@@ -56,7 +56,7 @@ def push_to_hub(
         raise UploadError(f"{repo_id}: revision {revision!r} is a commit; an upload needs a branch (or refs/pr/N)")
 
     from huggingface_hub import HfApi  # noqa: PLC0415  (keeps CLI start-up fast)
-    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars  # noqa: PLC0415
+    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
 
     api = HfApi(token=token)
     silenced = not progress and not are_progress_bars_disabled()
@@ -65,14 +65,15 @@ def push_to_hub(
     try:
         url = str(api.create_repo(repo_id, private=private, exist_ok=True))
         if private and not api.repo_info(repo_id).private:
-            raise UploadError(f"{repo_id}: the repository exists and is public; nothing was uploaded (make it private on the Hub first, or push without --private)")  # fmt: skip
+            raise UploadError(f"{repo_id}: the repository exists and is public; nothing was uploaded (make it "
+                              "private on the Hub first, or push without --private)")  # fmt: skip
         if revision is not None and not revision.startswith("refs/"):
             api.create_branch(repo_id, branch=revision, exist_ok=True)
         api.upload_folder(repo_id=repo_id, folder_path=folder, revision=revision,
                           commit_message=commit_message or DEFAULT_COMMIT_MESSAGE)  # fmt: skip
     except UploadError:
         raise
-    except Exception as error:  # noqa: BLE001  (whatever the Hub, the network or hf_xet raise: one line, with the cause)
+    except Exception as error:  # noqa: BLE001  (whatever the Hub, the network or hf_xet raise: one line, the cause)
         raise UploadError(f"{repo_id}: upload failed: {hub_error_line(error)}") from error
     finally:
         if silenced:

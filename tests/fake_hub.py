@@ -87,6 +87,7 @@ class Hub:
         self.objects: dict[str, bytes] = {}  # sha256 -> bytes, from xet shards or LFS PUTs
         self.requests: list[str] = []
         self.commits: list[dict] = []
+        self.cas_url: str | None = None  # where the Xet token sends the client; None: this server's /cas
 
     def add_repo(self, repo_id, *, private):
         self.repos[repo_id] = {"private": private, "branches": {"main": {".gitattributes": GITATTRIBUTES}}}
@@ -174,6 +175,8 @@ class Handler(BaseHTTPRequestHandler):
 
         if path.endswith(".git/info/lfs/objects/batch"):
             return self._lfs_batch(json.loads(body), endpoint)
+        if "/resolve/" in path:  # /<org>/<name>/resolve/<revision>/<file>: a download
+            return self._resolve(*path.lstrip("/").split("/resolve/", 1))
         parts = path.split("/")  # /api/models/<org>/<name>/<action>/<rest...>
         if len(parts) < 5 or parts[:3] != ["", "api", "models"]:
             return self._error(404, "Sorry, we can't find the page you are looking for.")
@@ -200,12 +203,27 @@ class Handler(BaseHTTPRequestHandler):
             return self._send(200, {"files": [self._upload_mode(entry, branch) for entry in json.loads(body)["files"]]})
         if action == "xet-write-token":
             expiry = str(int(time.time()) + 3600)
-            info = {"casUrl": f"{endpoint}/cas", "accessToken": XET_TOKEN, "exp": int(expiry)}
-            headers = {"X-Xet-Cas-Url": info["casUrl"], "X-Xet-Access-Token": XET_TOKEN, "X-Xet-Token-Expiration": expiry}
+            info = {"casUrl": self.hub.cas_url or f"{endpoint}/cas", "accessToken": XET_TOKEN, "exp": int(expiry)}
+            headers = {"X-Xet-Cas-Url": info["casUrl"], "X-Xet-Access-Token": XET_TOKEN,
+                       "X-Xet-Token-Expiration": expiry}  # fmt: skip
             return self._send(200, info, headers=headers)
         if action == "commit":
             return self._commit(repo_id, rest, branch, body, endpoint)
         return self._error(404, f"no route for {path}")
+
+    def _resolve(self, repo_id, revision_and_file):
+        repo = self.hub.repos.get(repo_id)
+        if repo is None:
+            return self._error(404, "Repository not found", "RepoNotFound")
+        revision, _, name = revision_and_file.partition("/")
+        if revision not in repo["branches"]:
+            return self._error(404, f"Invalid rev id: {revision}", "RevisionNotFound")
+        if name not in repo["branches"][revision]:
+            return self._error(404, "Entry not found", "EntryNotFound")
+        data = repo["branches"][revision][name]
+        etag = f'"{git_blob_sha1(data)}"'
+        headers = {"ETag": etag, "X-Repo-Commit": "0" * 40}
+        return self._send(200, data, content_type="application/octet-stream", headers=headers)
 
     def _validate_yaml(self, content):
         from huggingface_hub import ModelCard
@@ -234,7 +252,7 @@ class Handler(BaseHTTPRequestHandler):
             elif line["key"] == "lfsFile":
                 data = self.hub.objects.get(value["oid"])
                 if data is None or len(data) != value["size"]:
-                    return self._error(422, f"Your push was rejected: {value['path']} points to an object that was never uploaded")  # fmt: skip
+                    return self._error(422, f"{value['path']} points to an object that was never uploaded")
                 changes[value["path"]] = data
                 transports[value["path"]] = "object"
             else:
@@ -242,8 +260,9 @@ class Handler(BaseHTTPRequestHandler):
         with self.hub.lock:
             branch.update(changes)
             oid = hashlib.sha1(f"{repo_id}{revision}{len(self.hub.commits)}".encode()).hexdigest()
-            self.hub.commits.append({"repo": repo_id, "revision": revision, "files": transports, "header": lines[0]["value"]})
-        return self._send(200, {"commitUrl": f"{endpoint}/{repo_id}/commit/{oid}", "commitOid": oid, "pullRequestUrl": None})
+            self.hub.commits.append({"repo": repo_id, "revision": revision, "files": transports})
+        commit_url = f"{endpoint}/{repo_id}/commit/{oid}"
+        return self._send(200, {"commitUrl": commit_url, "commitOid": oid, "pullRequestUrl": None})
 
     def _cas(self, path, body):
         if self._token() != XET_TOKEN:
@@ -263,7 +282,8 @@ class Handler(BaseHTTPRequestHandler):
         if path in ("/v2/shards", "/v1/shards"):
             with self.hub.lock:
                 for sha256, segments in shard_files(body):
-                    data = b"".join(b"".join(xorb_chunks(self.hub.xorbs[xorb])[start:end]) for xorb, start, end in segments)
+                    chunks = [xorb_chunks(self.hub.xorbs[xorb])[first:end] for xorb, first, end in segments]
+                    data = b"".join(b"".join(part) for part in chunks)
                     if hashlib.sha256(data).hexdigest() != sha256:
                         return self._send(400, b"a file's segments do not match its sha256", content_type="text/plain")
                     self.hub.objects[sha256] = data

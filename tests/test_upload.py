@@ -56,12 +56,14 @@ def converted(tmp_path):
         "model-00001-of-00002.safetensors": {"model.embed_tokens.weight": ("BF16", [331, 397]),
                                               "model.layers.0.self_attn.q_proj.weight": ("BF16", [127, 331])},
         "model-00002-of-00002.safetensors": {"model.layers.0.mlp.down_proj.weight": ("BF16", [331, 211]),
-                                              "model.norm.weight": ("F32", [331]), "lm_head.weight": ("BF16", [97, 331])},
+                                              "model.norm.weight": ("F32", [331]),
+                                              "lm_head.weight": ("BF16", [97, 331])},
     }  # fmt: skip
     for name, tensors in shards.items():
         (folder / name).write_bytes(safetensors_bytes(tensors, rng))
     weight_map = {tensor: name for name, tensors in shards.items() for tensor in tensors}
-    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2))
+    index = {"metadata": {}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     (folder / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "dtype": "bfloat16"}))
     source_card = "---\nbase_model: meta-llama/Llama-3.2-1B\ntags:\n- unsloth\n- bitsandbytes\n- 4-bit\n---\n# Tiny\n"
     card = model_card(source_card, source_repo="test-org/tiny-llama-bnb-4bit", dtype="bf16", version="0.1.0",
@@ -96,8 +98,12 @@ print(json.dumps({"url": url, **seen, "bars_off_after": are_progress_bars_disabl
 
 def push(folder, repo_id, *, endpoint, home, xet=True, **options):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING"))}
-    env.update(HF_ENDPOINT=endpoint, HF_HOME=str(home), HF_HUB_DISABLE_TELEMETRY="1", HF_XET_XORB_COMPRESSION_POLICY="none",
-               HF_XET_CLIENT_RETRY_MAX_ATTEMPTS="1", PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))  # fmt: skip
+    env.update(
+        HF_ENDPOINT=endpoint, HF_HOME=str(home), HF_HUB_DISABLE_TELEMETRY="1",
+        HF_XET_XORB_COMPRESSION_POLICY="none",  # the stand-in reads chunks as they are (see fake_hub.py)
+        HF_XET_CLIENT_RETRY_MAX_ATTEMPTS="1", HF_XET_CLIENT_RETRY_BASE_DELAY="100ms",  # fail fast, not in minutes
+        PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]),
+    )  # fmt: skip
     if not xet:
         env["HF_HUB_DISABLE_XET"] = "1"
     args = [f"{key}={value}" for key, value in options.items() if value is not None]
@@ -127,11 +133,11 @@ def test_push_puts_every_file_on_the_new_branch(hub, converted, tmp_path, xet, p
     [commit] = state.commits
     assert commit["revision"] == "dense-bf16"
     # the weights went through the object store (Xet or LFS), never inline in the commit
-    assert {path for path, how in commit["files"].items() if how == "object"} == {p for p in expected if p.endswith(".safetensors")}
+    weights = {path for path in expected if path.endswith(".safetensors")}
+    assert {path for path, how in commit["files"].items() if how == "object"} == weights
     assert bool(state.xorbs) == xet
-    requests = state.requests
-    assert "POST /api/models/me/tiny-llama-bf16/branch/dense-bf16" in requests
-    assert requests.index("POST /api/models/me/tiny-llama-bf16/branch/dense-bf16") < requests.index("POST /api/models/me/tiny-llama-bf16/commit/dense-bf16")
+    api = "POST /api/models/me/tiny-llama-bf16"
+    assert state.requests.index(f"{api}/branch/dense-bf16") < state.requests.index(f"{api}/commit/dense-bf16")
 
     # Pushing again (an interrupted push is resumed the same way) sends no weights, commits nothing, changes nothing.
     before = len(state.requests)
@@ -149,7 +155,8 @@ def test_push_to_main_of_an_existing_repo(hub, converted, tmp_path):
     result = push(converted, "me/existing", endpoint=endpoint, home=tmp_path / "home", token=WRITE_TOKEN)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["url"] == f"{endpoint}/me/existing"
-    assert state.repos["me/existing"]["branches"]["main"] == {".gitattributes": GITATTRIBUTES, "old.txt": b"kept", **files_of(converted)}
+    main = state.repos["me/existing"]["branches"]["main"]
+    assert main == {".gitattributes": GITATTRIBUTES, "old.txt": b"kept", **files_of(converted)}
     assert not [r for r in state.requests if "/branch/" in r]
 
 
@@ -159,7 +166,7 @@ def closed_port() -> int:
         return probe.getsockname()[1]
 
 
-@pytest.mark.parametrize("case", ["401", "403", "404", "refused", "public"])
+@pytest.mark.parametrize("case", ["401", "403", "404", "refused", "storage-refused", "public"])
 def test_push_errors_are_one_line_with_their_cause(hub, converted, tmp_path, case):
     endpoint, state = hub
     state.add_repo("me/public-model", private=False)
@@ -178,6 +185,10 @@ def test_push_errors_are_one_line_with_their_cause(hub, converted, tmp_path, cas
         port = closed_port()
         endpoint = f"http://127.0.0.1:{port}"
         expected = [f"connection refused by 127.0.0.1:{port}"]
+    elif case == "storage-refused":  # the Hub answers, hf_xet cannot reach the storage it is sent to
+        port = closed_port()
+        state.cas_url = f"http://127.0.0.1:{port}"
+        expected = [f"network error with 127.0.0.1:{port}"]
     elif case == "public":
         repo_id, options["private"] = "me/public-model", "1"
         expected = ["exists and is public", "nothing was uploaded"]

@@ -27,7 +27,7 @@ MAX_MESSAGE = 300  # characters of a server's or a library's message kept in the
 STATUS_HINTS = {
     401: "the token was rejected or is missing (pass --token or set HF_TOKEN)",
     402: "the Hub asks for payment for this operation",
-    403: "the token lacks the permission (uploading needs a token with write access to this namespace)",
+    403: "the token lacks the permission (an upload needs write access to the namespace; a gated repo, its terms)",
     404: "not found (check the repo id and revision; a private repo needs a token)",
     409: "conflict with the repo's current state",
     413: "the request is too large for the Hub",
@@ -65,7 +65,7 @@ URL = re.compile(r"https?://[^\s/'\")]+")
 def hub_error_line(error: BaseException) -> str:
     """One line saying what went wrong talking to the Hub and why: the HTTP status with the server's message
     and the request, or the network failure (name resolution, refused connection, timeout, TLS) and its host.
-    Never raises; an error it does not know gives its type and the first line of its message."""
+    Never raises; an error it does not know gives its type and its message, on one line."""
     try:
         return _line(error)
     except Exception:  # noqa: BLE001  (a message must come out whatever the error looks like)

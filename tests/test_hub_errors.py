@@ -63,8 +63,11 @@ def raised(call) -> BaseException:
 
 @pytest.mark.parametrize("client", ["httpx2", "requests"])
 def test_network_failures_name_the_cause_and_the_host(client, silent_port):
-    get = {"httpx2": lambda url, timeout: __import__("httpx2").get(url, timeout=timeout),
-           "requests": lambda url, timeout: __import__("requests").get(url, timeout=timeout)}[client]  # fmt: skip
+    module = pytest.importorskip(client)  # httpx2 comes with huggingface_hub 2.x, requests with 0.x
+
+    def get(url, timeout):
+        return module.get(url, timeout=timeout)
+
     port = closed_port()
     line = hub_error_line(raised(lambda: get(f"http://127.0.0.1:{port}/api/models/a/b", 5)))
     assert line.startswith(f"connection refused by 127.0.0.1:{port}"), line
@@ -76,7 +79,7 @@ def test_network_failures_name_the_cause_and_the_host(client, silent_port):
 
 NOT_FOUND = "repository not found (or private, and the token cannot see it)"
 NO_TOKEN = "the token was rejected or is missing (pass --token or set HF_TOKEN)"
-NO_WRITE = "the token lacks the permission (uploading needs a token with write access to this namespace)"
+NO_WRITE = "the token lacks the permission (an upload needs write access to the namespace; a gated repo, its terms)"
 
 
 @pytest.mark.parametrize("path,token,expected", [
@@ -92,8 +95,8 @@ NO_WRITE = "the token lacks the permission (uploading needs a token with write a
      f"HTTP 401 Unauthorized from POST {{endpoint}}/cas/v1/xorbs/default/abc: {NO_TOKEN} [server: bad xet token]"),
 ])  # fmt: skip
 def test_http_errors_keep_status_request_and_server_message(path, token, expected):
-    import httpx2
-    import requests
+    httpx2 = pytest.importorskip("httpx2")
+    requests = pytest.importorskip("requests")
     from huggingface_hub.utils import hf_raise_for_status
 
     with serve() as (endpoint, state):

@@ -78,7 +78,8 @@ def shard_files(shard: bytes) -> list[tuple[str, list[tuple[str, int, int]]]]:
 
 
 class Hub:
-    """What the stand-in holds: repos with branches of files, and the uploaded objects by sha256."""
+    """What the stand-in holds: repos with branches of files, and the uploaded objects by sha256. Every API
+    request needs a token (WRITE_TOKEN, or READ_TOKEN for reads); the Xet storage takes the Xet token."""
 
     def __init__(self):
         self.lock = threading.Lock()
@@ -120,7 +121,8 @@ class Handler(BaseHTTPRequestHandler):
             self.send_header(key, value)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
-        self.wfile.write(body)
+        if self.command != "HEAD":  # a HEAD answer has no body, or the next answer on the connection is garbled
+            self.wfile.write(body)
 
     def _error(self, status, message, code=None):
         headers = {"X-Error-Message": message, **({"X-Error-Code": code} if code else {})}

@@ -64,10 +64,10 @@ def model_card(
     """The model card (README.md) for a converted checkpoint.
 
     ``source_card_text`` is the source's README.md (None when it has none); ``source_repo`` the Hub repo id of
-    SOURCE, None for a local folder; ``dtype`` the output dtype (``bf16``/``fp16``/``fp32``); ``version`` the
-    nf4convert version; ``quant_format`` the source format (``"bnb-4bit nf4"``, ``"bnb-4bit fp4"``,
-    ``"bnb-8bit"``); ``adapter`` the adapter merged into the weights (a repo id or a folder), if any. Never
-    raises on a malformed card: see the module docstring.
+    SOURCE, None for a local folder; ``dtype`` the output dtype, resolved (``bf16``/``fp16``/``fp32``, not
+    ``auto``); ``version`` the nf4convert version; ``quant_format`` the source format (``"bnb-4bit nf4"``,
+    ``"bnb-4bit fp4"``, ``"bnb-8bit"``); ``adapter`` the adapter merged into the weights (a repo id or a folder),
+    if any. Never raises on a malformed card: see the module docstring.
 
     Example:
         >>> card = model_card(readme, source_repo="unsloth/Llama-3.2-1B-Instruct-bnb-4bit", dtype="bf16",

@@ -40,17 +40,17 @@ def safetensors_bytes(tensors: dict[str, tuple[str, list[int]]], rng: random.Ran
         offset += size
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
-    data = bytes(rng.randrange(1, 256) for _ in range(offset))
+    data = rng.randbytes(offset).replace(b"\x00", b"\x01")
     return struct.pack("<Q", len(raw)) + raw + data
 
 
-@pytest.fixture
-def converted(tmp_path):
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
     """A small converted folder: two shards (several Xet chunks each, odd sizes), index, config, README."""
     from nf4convert.card import model_card
 
     rng = random.Random(20240613)
-    folder = tmp_path / "tiny-llama-bf16"
+    folder = tmp_path_factory.mktemp("converted") / "tiny-llama-bf16"
     folder.mkdir()
     shards = {
         "model-00001-of-00002.safetensors": {"model.embed_tokens.weight": ("BF16", [331, 397]),

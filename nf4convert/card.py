@@ -24,6 +24,9 @@ from __future__ import annotations
 import re
 from typing import NamedTuple
 
+from .hub import looks_like_repo_id
+from .hub_errors import _first_line
+
 # Tags that describe quantized weights; compared lowercased. Tags about the model itself (unsloth, llama,
 # text-generation, conversational...) are kept.
 QUANTIZATION_TAGS = frozenset({
@@ -118,11 +121,6 @@ def _yaml_problem(error: Exception, first_line: int) -> str:
     return f"{problem}, line {first_line + mark.line}" if mark is not None else problem
 
 
-def _first_line(error: Exception) -> str:
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    return lines[0] if lines else type(error).__name__
-
-
 def _dense_fields(fields: dict, *, source_repo: str | None) -> dict:
     """The source card's fields without the quantization's, with base_model and library_name set."""
     dense = {}
@@ -207,7 +205,7 @@ def _how_made(*, source_repo, original_base, dtype, version, quant_format, adapt
     ]
     command = ["nf4convert", source_repo or "SOURCE", "--dtype", dtype_flag]
     if adapter:
-        adapter_repo = _looks_like_repo_id(adapter)
+        adapter_repo = looks_like_repo_id(adapter)
         name = adapter if adapter_repo else adapter.rstrip("/\\").replace("\\", "/").rsplit("/", 1)[-1]
         shown = _link(adapter) if adapter_repo else f"`{name}` (a local folder)"
         lines += ["", f"The adapter {shown} was then merged into the dequantized weights."]
@@ -220,10 +218,4 @@ def _how_made(*, source_repo, original_base, dtype, version, quant_format, adapt
 
 
 def _link(repo_id: str) -> str:
-    return f"[{repo_id}]({HUB_URL}/{repo_id})" if _looks_like_repo_id(repo_id) else f"`{repo_id}`"
-
-
-def _looks_like_repo_id(name: str) -> bool:
-    from .hub import looks_like_repo_id
-
-    return looks_like_repo_id(name)
+    return f"[{repo_id}]({HUB_URL}/{repo_id})" if looks_like_repo_id(repo_id) else f"`{repo_id}`"

@@ -167,10 +167,10 @@ def _network_line(chain: list[BaseException]) -> str | None:
         return f"timed out {kind}{at or ' the server'} (slow or no network; try again)"
     connect_failed = bool(names & {"ConnectError", "ConnectionError"})
     if names & {"SSLError", "SSLCertVerificationError"} or (connect_failed and TLS.search(texts)):
-        return f"TLS error with{at or ' the server'}: {_first_line(_innermost(chain))}"
+        return f"TLS error with{at or ' the server'}: {_first_line(chain[-1])}"
     if connect_failed or names & {"NetworkError", "TransportError", "RemoteProtocolError", "ProtocolError",
                                   "ReadError", "WriteError", "ChunkedEncodingError", "ConnectionResetError"}:
-        return f"network error with{at or ' the server'}: {_first_line(_innermost(chain))}"
+        return f"network error with{at or ' the server'}: {_first_line(chain[-1])}"
     return None
 
 
@@ -204,10 +204,6 @@ def _chain(error: BaseException) -> list[BaseException]:
         nested += [arg for arg in getattr(link, "args", ()) if isinstance(arg, BaseException)]
         todo += [item for item in nested if isinstance(item, BaseException)]
     return order
-
-
-def _innermost(chain: list[BaseException]) -> BaseException:
-    return chain[-1]
 
 
 def _one_line(error: BaseException) -> str:

@@ -19,13 +19,17 @@ import base64
 import contextlib
 import hashlib
 import json
+import os
+import socket
 import struct
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 WRITE_TOKEN, READ_TOKEN, XET_TOKEN = "hf_write_token", "hf_read_token", "xet_access_token"
+ROOT = Path(__file__).resolve().parents[1]
 GITATTRIBUTES = b"*.safetensors filter=lfs diff=lfs merge=lfs -text\n"
 
 
@@ -329,3 +333,19 @@ def serve(lifetime: float = 120):
         watchdog.cancel()
         server.shutdown()
         server.server_close()
+
+
+def client_env(endpoint: str, home: Path, **settings: str) -> dict[str, str]:
+    """The environment of a subprocess that talks to ``endpoint`` (huggingface_hub reads it at import), with
+    its own HF_HOME (nothing read from or written to the user's cache or login), nf4convert from this tree."""
+    env = {key: value for key, value in os.environ.items() if not key.startswith(("HF_", "HUGGING"))}
+    env.update(HF_ENDPOINT=endpoint, HF_HOME=str(home), HF_HUB_DISABLE_TELEMETRY="1", **settings)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    return env
+
+
+def closed_port() -> int:
+    """A loopback port nothing listens on."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]

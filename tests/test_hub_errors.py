@@ -4,26 +4,17 @@ against a closed port, a server that never answers, an unresolvable name, and th
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
 import threading
-from pathlib import Path
 
 import pytest
 
-from fake_hub import READ_TOKEN, serve
+from fake_hub import READ_TOKEN, client_env, closed_port, serve
 from nf4convert.hub_errors import hub_error_line
 
-ROOT = Path(__file__).resolve().parents[1]
 UNRESOLVABLE = "http://nf4convert-test.invalid"  # .invalid never resolves (RFC 6761)
-
-
-def closed_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @pytest.fixture
@@ -136,9 +127,7 @@ print(json.dumps(lines))
 @pytest.mark.parametrize("case", ["not-found", "refused", "offline"])
 def test_download_errors_are_one_line(case, tmp_path):
     with serve() as (endpoint, _):
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING"))}
-        env.update(HF_ENDPOINT=endpoint, HF_HOME=str(tmp_path / "home"), HF_HUB_DISABLE_TELEMETRY="1",
-                   HF_TOKEN=READ_TOKEN, PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))  # fmt: skip
+        env = client_env(endpoint, tmp_path / "home", HF_TOKEN=READ_TOKEN)
         if case == "refused":
             port = closed_port()
             env["HF_ENDPOINT"] = f"http://127.0.0.1:{port}"

@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import random
-import socket
 import struct
 import subprocess
 import sys
@@ -19,9 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from fake_hub import GITATTRIBUTES, READ_TOKEN, WRITE_TOKEN, serve
-
-ROOT = Path(__file__).resolve().parents[1]
+from fake_hub import GITATTRIBUTES, READ_TOKEN, WRITE_TOKEN, client_env, closed_port, serve
 
 
 @pytest.fixture
@@ -97,12 +93,10 @@ print(json.dumps({"url": url, **seen, "bars_off_after": are_progress_bars_disabl
 
 
 def push(folder, repo_id, *, endpoint, home, xet=True, **options):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING"))}
-    env.update(
-        HF_ENDPOINT=endpoint, HF_HOME=str(home), HF_HUB_DISABLE_TELEMETRY="1",
+    env = client_env(
+        endpoint, home,
         HF_XET_XORB_COMPRESSION_POLICY="none",  # the stand-in reads chunks as they are (see fake_hub.py)
         HF_XET_CLIENT_RETRY_MAX_ATTEMPTS="1", HF_XET_CLIENT_RETRY_BASE_DELAY="100ms",  # fail fast, not in minutes
-        PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]),
     )  # fmt: skip
     if not xet:
         env["HF_HUB_DISABLE_XET"] = "1"
@@ -158,12 +152,6 @@ def test_push_to_main_of_an_existing_repo(hub, converted, tmp_path):
     main = state.repos["me/existing"]["branches"]["main"]
     assert main == {".gitattributes": GITATTRIBUTES, "old.txt": b"kept", **files_of(converted)}
     assert not [r for r in state.requests if "/branch/" in r]
-
-
-def closed_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @pytest.mark.parametrize("case", ["401", "403", "404", "refused", "storage-refused", "public"])

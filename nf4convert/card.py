@@ -1,0 +1,221 @@
+"""The output's model card (README.md): the source card, minus what described the quantization, plus how the
+dense weights were made.
+
+A model card is a Markdown body under a YAML "front matter" block; the Hub reads the YAML (base_model, tags,
+license...) and renders the body. The card written for the output keeps the source card's YAML fields and its
+body, with these changes:
+
+- ``base_model`` names the source repo when SOURCE is a Hub repo id (the Hub's model tree then shows the dense
+  model under the quantized one); for a local folder the source card's ``base_model``, if any, is kept.
+- ``base_model_relation`` is dropped: it described how the source relates to *its* base ("quantized"), and the
+  Hub infers ours.
+- Tags that say the weights are quantized (``bitsandbytes``, ``4-bit``, ``bnb``, ``quantized``...) are dropped.
+- Fields that describe the quantization (``quantization_config``, ``quantized_by``, ``bnb_4bit_*``,
+  ``load_in_4bit``...) are dropped.
+- A section "How these weights were made" goes before the source card's body.
+
+A malformed source card never stops a conversion: ``model_card`` returns the card it could make and, in
+``warning``, one line saying what it dropped (front matter that is not YAML, or a card that is not text at
+all). Its caller prints that line; the card is still written.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import NamedTuple
+
+from .hub import looks_like_repo_id
+from .hub_errors import _first_line
+
+# Tags that describe quantized weights; compared lowercased. Tags about the model itself (unsloth, llama,
+# text-generation, conversational...) are kept.
+QUANTIZATION_TAGS = frozenset({
+    "bitsandbytes", "bnb", "bnb-4bit", "bnb-8bit", "bnb-nf4", "4-bit", "4bit", "8-bit", "8bit", "int4", "int8",
+    "nf4", "fp4", "llm.int8", "quantized", "quantization", "quantised",
+})  # fmt: skip
+# YAML fields that describe the quantization (matched on the lowercased key): quantization_config, quantized_by,
+# quant_method, bnb_4bit_compute_dtype, bitsandbytes..., load_in_4bit, load_in_8bit, bits.
+QUANTIZATION_FIELD = re.compile(r"quanti[sz]|^quant_|bnb|bitsandbytes|^load_in_\d+bit$|^bits$")
+# Fields about the source's relation to its own base model, wrong once base_model names the source itself.
+DROPPED_FIELDS = frozenset({"base_model_relation"})
+
+DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+DTYPE_FLAGS = {name: flag for flag, name in DTYPE_NAMES.items()}
+FORMAT_NAMES = {"bnb-4bit": "bitsandbytes 4-bit", "bnb-8bit": "bitsandbytes 8-bit (LLM.int8)"}
+
+HUB_URL = "https://huggingface.co"
+CARD = "source model card (README.md)"  # how warnings name the file
+KEPT_TEXT = "; kept its text, dropped its metadata"
+
+
+class Card(NamedTuple):
+    text: str
+    """The whole README.md: YAML front matter and Markdown body."""
+    warning: str | None
+    """One line saying what of the source card had to be dropped, or None."""
+
+
+def model_card(
+    source_card_text: str | None,
+    *,
+    source_repo: str | None,
+    dtype: str,
+    version: str,
+    quant_format: str,
+    adapter: str | None = None,
+) -> Card:
+    """The model card (README.md) for a converted checkpoint.
+
+    ``source_card_text`` is the source's README.md (None when it has none); ``source_repo`` the Hub repo id of
+    SOURCE, None for a local folder; ``dtype`` the output dtype, resolved (``bf16``/``fp16``/``fp32``, not
+    ``auto``); ``version`` the nf4convert version; ``quant_format`` the source format (``"bnb-4bit nf4"``,
+    ``"bnb-4bit fp4"``, ``"bnb-8bit"``); ``adapter`` the adapter merged into the weights (a repo id or a folder),
+    if any. Never raises on a malformed card: see the module docstring.
+
+    Example:
+        >>> card = model_card(readme, source_repo="unsloth/Llama-3.2-1B-Instruct-bnb-4bit", dtype="bf16",
+        ...                   version="0.1.0", quant_format="bnb-4bit nf4")
+        >>> (output / "README.md").write_text(card.text, encoding="utf-8")
+        >>> if card.warning: print(f"Warning: {card.warning}")
+    """
+    fields, body, warning = _split(source_card_text)
+    original_base = fields.get("base_model")
+    front_matter, yaml_warning = _front_matter(_dense_fields(fields, source_repo=source_repo))
+    body = body.strip("\r\n") if body.strip() else ""
+    section = _how_made(source_repo=source_repo, original_base=original_base, dtype=dtype, version=version,
+                        quant_format=quant_format, adapter=adapter, source_body=bool(body))  # fmt: skip
+    parts = [front_matter, section] + ([body] if body else [])
+    return Card("\n\n".join(parts) + "\n", warning or yaml_warning)
+
+
+def _split(text: str | None) -> tuple[dict, str, str | None]:
+    """(YAML fields, Markdown body, warning) of a card; what cannot be read is dropped and named in the warning."""
+    from huggingface_hub.repocard import REGEX_YAML_BLOCK  # the Hub server's own front-matter rule
+
+    if text is None or not text.strip():
+        return {}, "", None
+    text = text.encode("utf-8", "replace").decode("utf-8")  # lone surrogates (from surrogateescape) cannot be written
+    if "\x00" in text or sum(not c.isprintable() and c not in "\t\r\n" for c in text[:4096]) > 32:
+        return {}, "", f"{CARD} is not text; wrote a new card without it"
+    match = REGEX_YAML_BLOCK.search(text)
+    if match is None:
+        return {}, text, None
+    body = text[match.end() :]
+    try:
+        import yaml
+
+        fields = yaml.safe_load(match.group(2))
+    except Exception as error:  # noqa: BLE001  (yaml.YAMLError, or a ValueError for a date like 2024-13-45)
+        first_line = text[: match.start(2)].count("\n") + 1  # the YAML block's line numbers count from 1 in the file
+        return {}, body, f"{CARD}: front matter is not valid YAML ({_yaml_problem(error, first_line)}){KEPT_TEXT}"
+    if fields is None:
+        return {}, body, None
+    if not isinstance(fields, dict):
+        return {}, body, f"{CARD}: front matter is a {type(fields).__name__}, not a mapping{KEPT_TEXT}"
+    return {str(key): value for key, value in fields.items()}, body, None
+
+
+def _yaml_problem(error: Exception, first_line: int) -> str:
+    problem = getattr(error, "problem", None) or _first_line(error)
+    mark = getattr(error, "problem_mark", None)
+    return f"{problem}, line {first_line + mark.line}" if mark is not None else problem
+
+
+def _dense_fields(fields: dict, *, source_repo: str | None) -> dict:
+    """The source card's fields without the quantization's, with base_model and library_name set."""
+    dense = {}
+    if source_repo is not None and "base_model" not in fields:
+        dense["base_model"] = source_repo
+    for key, value in fields.items():
+        if QUANTIZATION_FIELD.search(key.lower()) or key in DROPPED_FIELDS:
+            continue
+        if key == "base_model" and source_repo is not None:
+            value = source_repo
+        if key == "tags":
+            value = _dense_tags(value)
+            if value == []:
+                continue
+        dense[key] = value
+    dense.setdefault("library_name", "transformers")  # the output is a plain transformers checkpoint
+    return dense
+
+
+def _dense_tags(tags):
+    if isinstance(tags, str):
+        tags = [tags]
+    if not isinstance(tags, list):
+        return tags
+    return [tag for tag in tags if not (isinstance(tag, str) and tag.strip().lower() in QUANTIZATION_TAGS)]
+
+
+def _front_matter(fields: dict) -> tuple[str, str | None]:
+    """The YAML block, written the Hub's way, and one that huggingface_hub's ModelCard reads back.
+
+    Written through CardData (huggingface_hub's YAML style, the fields' order kept), not its subclass
+    ModelCardData, which re-parses ``model-index`` into eval results and back (reordering or dropping the
+    source's entries): every field goes back as it came. But ModelCard, which tools load cards with, refuses a
+    ``model-index`` or ``eval_results`` it cannot parse; those fields are then dropped, and if the card is still
+    unreadable, every field but base_model and library_name."""
+    from huggingface_hub import CardData, ModelCard
+
+    readable = {key: value for key, value in fields.items() if key not in ("model-index", "eval_results")}
+    minimal = {key: fields[key] for key in ("base_model", "library_name") if isinstance(fields.get(key), str)}
+    attempts = [
+        (fields, None),
+        (readable, "its model-index or eval_results, which huggingface_hub cannot read, dropped"),
+        (minimal, "its metadata could not be written back readably and was dropped"),
+    ]
+    for attempt, note in attempts:
+        data = CardData()
+        for key, value in attempt.items():
+            data[key] = value  # item assignment: a field named like a CardData argument stays a field
+        try:
+            front_matter = f"---\n{data.to_yaml(original_order=list(attempt))}\n---"
+            ModelCard(front_matter)  # raises where a tool loading the card would fail
+        except Exception:  # noqa: BLE001  (any value yaml or ModelCard refuses: try with fewer fields)
+            continue
+        return front_matter, note and f"{CARD}: {note}"
+    return "---\nlibrary_name: transformers\n---", f"{CARD}: its metadata was dropped"
+
+
+def _how_made(*, source_repo, original_base, dtype, version, quant_format, adapter, source_body) -> str:
+    dtype_flag = DTYPE_FLAGS.get(dtype, dtype)
+    dtype_text = f"{dtype_flag} ({DTYPE_NAMES[dtype_flag]})" if dtype_flag in DTYPE_NAMES else dtype
+    kind, _, detail = quant_format.strip().partition(" ")
+    format_text = " ".join(filter(None, [FORMAT_NAMES.get(kind, kind), detail.upper()]))
+
+    if source_repo is not None:
+        source_text = f"[{source_repo}]({HUB_URL}/{source_repo}), a {format_text} checkpoint"
+    else:
+        source_text = f"a local {format_text} checkpoint"
+    bases = original_base if isinstance(original_base, list) else [original_base]
+    bases = [base for base in bases if isinstance(base, str) and base and base != source_repo]
+    if bases:
+        source_text += " quantized from " + ", ".join(_link(base) for base in bases)
+
+    lines = [
+        "## How these weights were made",
+        "",
+        f"These are dense {dtype_text} weights, dequantized from {source_text}, by nf4convert {version}.",
+        "",
+        "Every dequantized weight is bit for bit what bitsandbytes itself computes from the quantized checkpoint "
+        "(its CUDA kernels): the model computes with exactly the weights the quantized model computes with, in a "
+        "format that loads without bitsandbytes. Dequantizing does not bring back the precision lost to quantization. "
+        f"The other tensors were cast to {dtype_flag}, and `config.json` no longer has a `quantization_config`.",
+    ]
+    command = ["nf4convert", source_repo or "SOURCE", "--dtype", dtype_flag]
+    if adapter:
+        adapter_repo = looks_like_repo_id(adapter)
+        name = adapter if adapter_repo else adapter.rstrip("/\\").replace("\\", "/").rsplit("/", 1)[-1]
+        shown = _link(adapter) if adapter_repo else f"`{name}` (a local folder)"
+        lines += ["", f"The adapter {shown} was then merged into the dequantized weights."]
+        command += ["--adapter", adapter if adapter_repo else "ADAPTER"]
+    lines += ["", "Made with:", "", "```sh", " ".join(command), "```"]
+    if source_body:
+        lines += ["", "The text below is the source model's card, kept as it was: where it says the weights are "
+                  "quantized, it describes the source, not these weights."]  # fmt: skip
+    return "\n".join(lines)
+
+
+def _link(repo_id: str) -> str:
+    return f"[{repo_id}]({HUB_URL}/{repo_id})" if looks_like_repo_id(repo_id) else f"`{repo_id}`"

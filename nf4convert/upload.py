@@ -1,0 +1,81 @@
+"""Push a finished output folder to the Hub.
+
+huggingface_hub 2.x has no ``upload_large_folder``: its ``upload_folder`` took that role. With hf_xet installed
+(a dependency of huggingface_hub on x86-64 and arm64) it uploads through a streamed pipeline: files are chunked
+and deduplicated while the next ones are still being checked, a large folder goes up in several commits, and an
+interrupted upload resumes by running the same call again (committed files are skipped; chunks already stored
+are not sent again). It takes ``revision`` (an existing branch, or ``refs/pr/N``), which the old
+``upload_large_folder`` also took, and shows its progress unless huggingface_hub's progress bars are disabled.
+Without hf_xet it makes one commit through Git LFS, which skips objects already on the Hub. So
+``upload_folder`` is used on every version; the repo is created first (``private`` applies to a new repo only)
+and so is the branch, since a commit cannot create one.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from urllib.parse import quote
+
+from .errors import UploadError
+from .hub_errors import hub_error_line
+
+COMMIT_SHA = re.compile(r"[0-9a-fA-F]{40}")
+DEFAULT_COMMIT_MESSAGE = "Upload dense weights dequantized by nf4convert"
+
+
+def push_to_hub(
+    folder: Path | str,
+    repo_id: str,
+    *,
+    private: bool = False,
+    token: str | None = None,
+    revision: str | None = None,
+    progress: bool = True,
+    commit_message: str | None = None,
+) -> str:
+    """Upload ``folder`` (a finished conversion) to the model repo ``repo_id``; return the repo's URL (with
+    ``/tree/<revision>`` when a revision was given).
+
+    The repo is created if needed (private when ``private``; an existing public repo is refused rather than
+    filled, since ``private`` cannot change it). A ``revision`` that names a missing branch is created from the
+    default branch; ``refs/pr/N`` must exist. ``token`` defaults to HF_TOKEN or the saved login; ``progress=False``
+    silences huggingface_hub's progress display for this call. Every failure raises ``UploadError`` with one line
+    naming the repo and the cause (network, token, HTTP status and the server's message).
+
+    Example:
+        >>> push_to_hub(Path("Llama-3.2-1B-Instruct-bf16"), "me/Llama-3.2-1B-Instruct-bf16", private=True)
+        'https://huggingface.co/me/Llama-3.2-1B-Instruct-bf16'
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise UploadError(f"{folder}: no such folder to upload")
+    if not any(folder.iterdir()):
+        raise UploadError(f"{folder}: the folder is empty, nothing to upload")
+    if revision is not None and COMMIT_SHA.fullmatch(revision):
+        raise UploadError(f"{repo_id}: revision {revision!r} is a commit; an upload needs a branch (or refs/pr/N)")
+
+    from huggingface_hub import HfApi  # noqa: PLC0415  (keeps CLI start-up fast)
+    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+
+    api = HfApi(token=token)
+    silenced = not progress and not are_progress_bars_disabled()
+    if silenced:
+        disable_progress_bars()
+    try:
+        url = str(api.create_repo(repo_id, private=private, exist_ok=True))
+        if private and not api.repo_info(repo_id).private:
+            raise UploadError(f"{repo_id}: the repository exists and is public; nothing was uploaded (make it "
+                              "private on the Hub first, or push without --private)")  # fmt: skip
+        if revision is not None and not revision.startswith("refs/"):
+            api.create_branch(repo_id, branch=revision, exist_ok=True)
+        api.upload_folder(repo_id=repo_id, folder_path=folder, revision=revision,
+                          commit_message=commit_message or DEFAULT_COMMIT_MESSAGE)  # fmt: skip
+    except UploadError:
+        raise
+    except Exception as error:  # noqa: BLE001  (whatever the Hub, the network or hf_xet raise: one line, the cause)
+        raise UploadError(f"{repo_id}: upload failed: {hub_error_line(error)}") from error
+    finally:
+        if silenced:
+            enable_progress_bars()
+    return url if revision is None else f"{url}/tree/{quote(revision, safe='')}"

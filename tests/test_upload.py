@@ -1,0 +1,206 @@
+"""push_to_hub with the real huggingface_hub and hf_xet clients, against a local stand-in of the Hub
+(tests/fake_hub.py) that checks and keeps every byte it receives.
+
+HF_ENDPOINT is read when huggingface_hub is imported, so each push runs in a subprocess with its own environment
+(its own HF_HOME too, so that nothing is read from or written to the user's Hub cache or login).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fake_hub import GITATTRIBUTES, READ_TOKEN, WRITE_TOKEN, client_env, closed_port, serve
+
+
+@pytest.fixture
+def hub():
+    with serve() as (endpoint, state):
+        yield endpoint, state
+
+
+def safetensors_bytes(tensors: dict[str, tuple[str, list[int]]], rng: random.Random) -> bytes:
+    """A safetensors file with random (never zero) contents: 8-byte header length, JSON header, data."""
+    itemsize = {"BF16": 2, "F16": 2, "F32": 4, "I64": 8}
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for name, (dtype, shape) in tensors.items():
+        size = itemsize[dtype] * math.prod(shape)
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    data = rng.randbytes(offset).replace(b"\x00", b"\x01")
+    return struct.pack("<Q", len(raw)) + raw + data
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """A small converted folder: two shards (several Xet chunks each, odd sizes), index, config, README."""
+    from nf4convert.card import model_card
+
+    rng = random.Random(20240613)
+    folder = tmp_path_factory.mktemp("converted") / "tiny-llama-bf16"
+    folder.mkdir()
+    shards = {
+        "model-00001-of-00002.safetensors": {"model.embed_tokens.weight": ("BF16", [331, 397]),
+                                              "model.layers.0.self_attn.q_proj.weight": ("BF16", [127, 331])},
+        "model-00002-of-00002.safetensors": {"model.layers.0.mlp.down_proj.weight": ("BF16", [331, 211]),
+                                              "model.norm.weight": ("F32", [331]),
+                                              "lm_head.weight": ("BF16", [97, 331])},
+    }  # fmt: skip
+    for name, tensors in shards.items():
+        (folder / name).write_bytes(safetensors_bytes(tensors, rng))
+    weight_map = {tensor: name for name, tensors in shards.items() for tensor in tensors}
+    index = {"metadata": {}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    (folder / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "dtype": "bfloat16"}))
+    source_card = "---\nbase_model: meta-llama/Llama-3.2-1B\ntags:\n- unsloth\n- bitsandbytes\n- 4-bit\n---\n# Tiny\n"
+    card = model_card(source_card, source_repo="test-org/tiny-llama-bnb-4bit", dtype="bf16", version="0.1.0",
+                      quant_format="bnb-4bit nf4")  # fmt: skip
+    (folder / "README.md").write_text(card.text, encoding="utf-8")
+    return folder
+
+
+PUSH = """
+import json, sys
+from huggingface_hub import HfApi
+from huggingface_hub.utils import are_progress_bars_disabled
+from nf4convert.errors import UploadError
+from nf4convert.upload import push_to_hub
+
+upload_folder, seen = HfApi.upload_folder, {}
+def watched_upload_folder(self, **kwargs):  # the real upload, noting whether progress bars were off during it
+    seen["bars_off_during"] = are_progress_bars_disabled()
+    return upload_folder(self, **kwargs)
+HfApi.upload_folder = watched_upload_folder
+
+args = dict(arg.split("=", 1) for arg in sys.argv[3:])
+try:
+    url = push_to_hub(sys.argv[1], sys.argv[2], private=args.get("private") == "1", token=args.get("token"),
+                      revision=args.get("revision"), progress=args.get("progress") != "0")
+except UploadError as error:
+    print(f"Error: {error}", file=sys.stderr)
+    sys.exit(1)
+print(json.dumps({"url": url, **seen, "bars_off_after": are_progress_bars_disabled()}))
+"""
+
+
+def push(folder, repo_id, *, endpoint, home, xet=True, **options):
+    env = client_env(
+        endpoint, home,
+        HF_XET_XORB_COMPRESSION_POLICY="none",  # the stand-in reads chunks as they are (see fake_hub.py)
+        HF_XET_CLIENT_RETRY_MAX_ATTEMPTS="1", HF_XET_CLIENT_RETRY_BASE_DELAY="100ms",  # fail fast, not in minutes
+    )  # fmt: skip
+    if not xet:
+        env["HF_HUB_DISABLE_XET"] = "1"
+    args = [f"{key}={value}" for key, value in options.items() if value is not None]
+    return subprocess.run([sys.executable, "-c", PUSH, str(folder), repo_id, *args], capture_output=True, text=True,
+                          env=env, timeout=90)  # fmt: skip
+
+
+def files_of(folder: Path) -> dict[str, bytes]:
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("xet,progress", [(True, "0"), (False, "1")], ids=["xet", "lfs"])
+def test_push_puts_every_file_on_the_new_branch(hub, converted, tmp_path, xet, progress):
+    if xet:
+        pytest.importorskip("hf_xet")  # huggingface_hub installs it on x86-64 and arm64 only
+    endpoint, state = hub
+    result = push(converted, "me/tiny-llama-bf16", endpoint=endpoint, home=tmp_path / "home", xet=xet,
+                  token=WRITE_TOKEN, private="1", revision="dense-bf16", progress=progress)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["url"] == f"{endpoint}/me/tiny-llama-bf16/tree/dense-bf16"
+    assert report["bars_off_during"] == (progress == "0") and report["bars_off_after"] is False
+
+    repo = state.repos["me/tiny-llama-bf16"]
+    assert repo["private"] is True
+    expected = files_of(converted)
+    assert repo["branches"]["dense-bf16"] == {".gitattributes": GITATTRIBUTES, **expected}  # byte for byte
+    assert repo["branches"]["main"] == {".gitattributes": GITATTRIBUTES}  # the default branch untouched
+    [commit] = state.commits
+    assert commit["revision"] == "dense-bf16"
+    # the weights went through the object store (Xet or LFS), never inline in the commit
+    weights = {path for path in expected if path.endswith(".safetensors")}
+    assert {path for path, how in commit["files"].items() if how == "object"} == weights
+    assert bool(state.xorbs) == xet
+    api = "POST /api/models/me/tiny-llama-bf16"
+    assert state.requests.index(f"{api}/branch/dense-bf16") < state.requests.index(f"{api}/commit/dense-bf16")
+
+    # Pushing again (an interrupted push is resumed the same way) sends no weights, commits nothing, changes nothing.
+    before = len(state.requests)
+    again = push(converted, "me/tiny-llama-bf16", endpoint=endpoint, home=tmp_path / "home", xet=xet,
+                 token=WRITE_TOKEN, private="1", revision="dense-bf16", progress=progress)  # fmt: skip
+    assert again.returncode == 0, again.stderr
+    assert len(state.commits) == 1 and repo["branches"]["dense-bf16"] == {".gitattributes": GITATTRIBUTES, **expected}
+    assert not [r for r in state.requests[before:] if r.startswith(("POST /cas/v1/xorbs/", "PUT /lfs-objects/"))]
+
+
+def test_push_to_main_of_an_existing_repo(hub, converted, tmp_path):
+    endpoint, state = hub
+    state.add_repo("me/existing", private=False)
+    state.repos["me/existing"]["branches"]["main"]["old.txt"] = b"kept"
+    result = push(converted, "me/existing", endpoint=endpoint, home=tmp_path / "home", token=WRITE_TOKEN)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["url"] == f"{endpoint}/me/existing"
+    main = state.repos["me/existing"]["branches"]["main"]
+    assert main == {".gitattributes": GITATTRIBUTES, "old.txt": b"kept", **files_of(converted)}
+    assert not [r for r in state.requests if "/branch/" in r]
+
+
+@pytest.mark.parametrize("case", ["401", "403", "404", "refused", "storage-refused", "public"])
+def test_push_errors_are_one_line_with_their_cause(hub, converted, tmp_path, case):
+    endpoint, state = hub
+    state.add_repo("me/public-model", private=False)
+    options = {"token": WRITE_TOKEN}
+    repo_id, expected = "me/tiny-llama-bf16", []
+    if case == "401":
+        options["token"] = "hf_not_a_token"
+        expected = ["HTTP 401", "token was rejected", "Invalid credentials in Authorization header"]
+    elif case == "403":
+        repo_id, options["token"] = "me/public-model", READ_TOKEN
+        expected = ["HTTP 403", "write access", "the token is read-only"]
+    elif case == "404":
+        options["revision"] = "refs/pr/9"
+        expected = ["HTTP 404", "revision not found", "Invalid rev id: refs/pr/9"]
+    elif case == "refused":
+        port = closed_port()
+        endpoint = f"http://127.0.0.1:{port}"
+        expected = [f"connection refused by 127.0.0.1:{port}"]
+    elif case == "storage-refused":  # the Hub answers, hf_xet cannot reach the storage it is sent to
+        pytest.importorskip("hf_xet")
+        port = closed_port()
+        state.cas_url = f"http://127.0.0.1:{port}"
+        expected = [f"network error with 127.0.0.1:{port}"]
+    elif case == "public":
+        repo_id, options["private"] = "me/public-model", "1"
+        expected = ["exists and is public", "nothing was uploaded"]
+
+    result = push(converted, repo_id, endpoint=endpoint, home=tmp_path / "home", **options)
+    assert result.returncode == 1, result.stdout + result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"Error: {repo_id}: "), result.stderr
+    assert all(text in lines[0] for text in expected), lines[0]
+    assert not state.commits and not state.objects
+
+
+def test_push_refuses_a_missing_or_empty_folder_without_asking_the_hub(hub, tmp_path):
+    from nf4convert.errors import UploadError
+    from nf4convert.upload import push_to_hub
+
+    endpoint, state = hub
+    (tmp_path / "empty").mkdir()
+    for folder, message in [(tmp_path / "missing", "no such folder"), (tmp_path / "empty", "the folder is empty")]:
+        with pytest.raises(UploadError, match=message):
+            push_to_hub(folder, "me/x", token=WRITE_TOKEN)
+    with pytest.raises(UploadError, match="is a commit"):
+        push_to_hub(tmp_path, "me/x", revision="0123456789abcdef0123456789abcdef01234567")
+    assert not state.requests

@@ -155,8 +155,11 @@ def _summary(result) -> str:
 @_convert_options
 @click.option("--dry-run", is_flag=True, help="Print the plan (tensors, dtype, shards, bytes, free space); write nothing.")
 @click.option("--verify", "then_verify", is_flag=True, help="Verify the output against SOURCE right after converting.")
+@click.option("--push-to-hub", "push_to", metavar="REPO_ID", help="Upload the finished output to this Hub repo (after --verify, if asked).")
+@click.option("--private", is_flag=True, help="With --push-to-hub: create the repo private (an existing public one is refused).")
+@click.option("--push-branch", metavar="BRANCH", help="With --push-to-hub: the branch to upload to (created if missing; default main).")
 def convert_command(source, output, adapter, dtype, device, max_shard_size, overwrite, quiet, revision, token, cache_dir,
-                    dry_run, then_verify):  # fmt: skip
+                    dry_run, then_verify, push_to, private, push_branch):  # fmt: skip
     """Convert SOURCE (a Hub repo id, a local folder, or a repo in the Hub cache).
 
     \b
@@ -169,7 +172,10 @@ def convert_command(source, output, adapter, dtype, device, max_shard_size, over
       nf4convert convert ./local-bnb-4bit --adapter ./my-qlora-adapter -o merged
       nf4convert convert ./my-qlora-adapter          # an adapter alone: merged into the base it names
       nf4convert convert ./local-bnb-4bit --dry-run
+      nf4convert convert org/model-bnb-4bit --verify --push-to-hub me/model-bf16 --private
     """
+    if (private or push_branch) and not push_to:
+        _fail("--private and --push-branch go with --push-to-hub REPO_ID", 2)
     options = dict(dtype=dtype, adapter=adapter, revision=revision, token=token, cache_dir=cache_dir, max_shard_size=max_shard_size,
                    overwrite=overwrite)  # fmt: skip
 
@@ -184,9 +190,18 @@ def convert_command(source, output, adapter, dtype, device, max_shard_size, over
 
         result = convert(source, output, device=device, progress=not quiet, **options)
         click.echo(_summary(result))
-        if then_verify:
-            return _verify(result.output, source, device=device, adapter=adapter, quiet=quiet, revision=revision, token=token,
-                           cache_dir=cache_dir)  # fmt: skip
+        for warning in result.warnings:
+            click.echo(f"Warning: {warning}", err=True)
+        if then_verify and not _verify(result.output, source, device=device, adapter=adapter, quiet=quiet, revision=revision,
+                                       token=token, cache_dir=cache_dir):  # fmt: skip
+            if push_to:
+                click.echo(f"Error: verification failed; {result.output} was not pushed to {push_to}", err=True)
+            return False
+        if push_to:
+            from .upload import push_to_hub
+
+            url = push_to_hub(result.output, push_to, private=private, token=token, revision=push_branch, progress=not quiet)
+            click.echo(f"pushed to {url}")
         return True
 
     if not _run(action):

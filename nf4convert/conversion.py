@@ -20,9 +20,26 @@ class ConvertResult:
     output: Path
     dtype: str  # torch's name of the output dtype
     tensors: int
-    dequantized: int
+    dequantized: int  # tensors made by a recipe other than a plain copy
     bytes: int  # tensor bytes written
     seconds: float
+    warnings: tuple[str, ...] = ()  # what the user should know but did not stop the run (e.g. a malformed card)
+
+
+def model_card(source: str, plan) -> "card.Card":
+    """The output's README.md: the source's card made true for the dense model (nf4convert.card)."""
+    from . import __version__
+    from .card import model_card as make_card
+
+    text = None
+    if plan.card is not None:
+        text = plan.card.read_bytes().decode("utf-8", errors="replace")
+    adapter = None
+    if plan.adapter is not None:
+        adapter = str(plan.adapter.folder)
+    return make_card(text, source_repo=source if looks_like_repo_id(source) and not Path(source).exists() else None,
+                     dtype=plan.dtype.short, version=__version__, quant_format=", ".join(plan.source_formats) or "bitsandbytes",
+                     adapter=adapter)  # fmt: skip
 
 
 def output_stem(source: str, *, qualified: bool = False) -> str:
@@ -155,7 +172,8 @@ def convert(
                       desc=f"{model_name(source)} -> {plan.dtype.name}", dynamic_ncols=True) as bar:  # fmt: skip
                 write_shards(plan, temporary, reader, chosen_device, progress=bar.update,
                              tensor_done=lambda done: bar.set_postfix_str(f"{done}/{n_tensors} tensors", refresh=False))  # fmt: skip
-            lifecycle.write_side_files(plan, temporary)
+            card = model_card(source, plan)
+            lifecycle.write_side_files(plan, temporary, card.text)
             lifecycle.move_into_place(temporary, output)
     return ConvertResult(output, plan.dtype.name, len(plan.tensors), plan.n_dequantized, plan.tensor_bytes,
-                         time.perf_counter() - started)  # fmt: skip
+                         time.perf_counter() - started, tuple(w for w in [card.warning] if w))  # fmt: skip

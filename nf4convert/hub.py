@@ -60,7 +60,7 @@ def resolve(source: str, *, revision: str | None = None, token: str | None = Non
         raise SourceNotFoundError(f"{source}: revision {revision!r} not found", option="revision") from None
     except errors.LocalEntryNotFoundError:
         raise SourceNotFoundError(f"{source}: not in the Hub cache, and the Hub cannot be reached (offline: HF_HUB_OFFLINE is set or there is no network)") from None
-    except errors.HfHubHTTPError as error:
-        raise SourceNotFoundError(f"{source}: the Hub answered an error: {str(error).splitlines()[0]}") from None
-    except (OSError, ValueError) as error:
-        raise SourceNotFoundError(f"{source}: cannot be fetched: {error}") from None
+    except Exception as error:  # noqa: BLE001  (network, HTTP, xet, file system: one line that keeps the cause)
+        from .hub_errors import hub_error_line  # noqa: PLC0415
+
+        raise SourceNotFoundError(f"{source}: cannot be fetched: {hub_error_line(error)}") from None

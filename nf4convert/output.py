@@ -84,14 +84,16 @@ def index_json(plan) -> dict:
     return {"metadata": {"total_size": plan.tensor_bytes}, "weight_map": dict(sorted(weight_map.items()))}
 
 
-def write_side_files(plan, folder: Path) -> None:
-    """Carried files, config.json (dense) and, for several shards, the index."""
+def write_side_files(plan, folder: Path, card: str | None = None) -> None:
+    """Carried files, config.json (dense), the model card and, for several shards, the index."""
     for relative in plan.side_files:
         target = folder / relative
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(plan.folder / relative, target)
     if plan.config is not None:
         (folder / "config.json").write_text(json.dumps(plan.config, indent=2) + "\n")
+    if card is not None:
+        (folder / "README.md").write_text(card, encoding="utf-8")
     if len(plan.shards) > 1:
         (folder / "model.safetensors.index.json").write_text(json.dumps(index_json(plan), indent=2) + "\n")
 

@@ -116,6 +116,7 @@ class Plan:
     source_tensors: dict[str, TensorInfo]
     side_files: list[Path]  # carried over unchanged, relative to ``folder``
     config: dict | None  # config.json as the output has it
+    card: Path | None  # the source's model card (README.md), which the output's is written from
     adapter: peft_lora.Adapter | None = None  # merged into the output
 
     @property
@@ -132,7 +133,19 @@ class Plan:
 
     @property
     def side_bytes(self) -> int:
-        return sum((self.folder / path).stat().st_size for path in self.side_files)
+        return sum((self.folder / path).stat().st_size for path in self.side_files) + (self.card.stat().st_size if self.card else 0)
+
+    @property
+    def source_formats(self) -> list[str]:
+        """The bitsandbytes formats the weights came in, as the model card names them."""
+        formats = set()
+        for tensor in self.tensors:
+            recipe = tensor.recipe.base if isinstance(tensor.recipe, MergeLora) else tensor.recipe
+            if isinstance(recipe, Dequantize4bit):
+                formats.add(f"bnb-4bit {recipe.weight.quant_type}")
+            elif isinstance(recipe, Dequantize8bit):
+                formats.add("bnb-8bit")
+        return sorted(formats)
 
 
 def parse_size(text: str | int) -> int:
@@ -186,13 +199,14 @@ def dense_config(config: dict, dtype: DType) -> dict:
 
 
 def side_files(folder: Path) -> list[Path]:
-    """Files to carry over unchanged (relative paths): everything but weights, indexes and caches."""
+    """Files to carry over unchanged (relative paths): everything but weights, indexes, caches, the config and the
+    model card (both written anew)."""
     kept = []
     for path in sorted(folder.rglob("*")):
         relative = path.relative_to(folder)
         if any(part in SKIPPED_DIRS for part in relative.parts) or not path.is_file():
             continue
-        if relative.as_posix() == "config.json" or any(fnmatch.fnmatch(path.name, p) for p in SKIPPED_FILES):
+        if relative.as_posix() in ("config.json", "README.md") or any(fnmatch.fnmatch(path.name, p) for p in SKIPPED_FILES):
             continue
         kept.append(relative)
     return kept
@@ -292,4 +306,6 @@ def make_plan(folder: Path, *, dtype: str = "auto", max_shard_size: int = DEFAUL
     for index, entries in enumerate(shards, 1):
         filename = "model.safetensors" if len(shards) == 1 else f"model-{index:05d}-of-{len(shards):05d}.safetensors"
         planned.append(Shard(filename, [PlannedTensor(n, c, s, b, filename, o, r) for n, c, s, b, o, r in entries]))
-    return Plan(folder, chosen, planned, tensors, side_files(folder), config and dense_config(config, chosen), merged_adapter)
+    card = folder / "README.md"
+    return Plan(folder, chosen, planned, tensors, side_files(folder), config and dense_config(config, chosen),
+                card if card.is_file() else None, merged_adapter)  # fmt: skip

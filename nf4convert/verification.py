@@ -242,7 +242,8 @@ def _compare(tensor: PlannedTensor, info: TensorInfo, source_reader, output_read
 
 
 def report_lines(report: VerifyReport) -> list[str]:
-    lines = [f"{report.output}: {report.checked} tensors checked ({report.dequantized} recomputed by bitsandbytes{" and peft" if report.merged else ""} on {report.device})"]
+    libraries = "bitsandbytes and peft" if report.merged else "bitsandbytes"
+    lines = [f"{report.output}: {report.checked} tensors checked ({report.dequantized} recomputed by {libraries} on {report.device})"]
     lines += [f"  MISMATCH {problem}" for problem in report.problems[:20]]
     if len(report.problems) > 20:
         lines.append(f"  ... and {len(report.problems) - 20} more problems")

@@ -204,3 +204,24 @@ def test_push_refuses_a_missing_or_empty_folder_without_asking_the_hub(hub, tmp_
     with pytest.raises(UploadError, match="is a commit"):
         push_to_hub(tmp_path, "me/x", revision="0123456789abcdef0123456789abcdef01234567")
     assert not state.requests
+
+
+def test_cli_converts_verifies_then_pushes(hub, tmp_path):
+    """nf4convert SOURCE --verify --push-to-hub: the finished, verified folder goes up, model card and all."""
+    endpoint, state = hub
+    root = Path(__file__).resolve().parents[1]
+    example, out = root / "examples" / "tiny-llama-bnb-4bit", tmp_path / "out"
+    env = client_env(endpoint, tmp_path / "home", HF_XET_XORB_COMPRESSION_POLICY="none", HF_HUB_DISABLE_XET="1")
+    env["PYTHONPATH"] = str(root)
+    command = [sys.executable, "-m", "nf4convert", str(example), "-o", str(out), "--device", "cpu", "-q", "--verify",
+               "--push-to-hub", "me/tiny-llama-bf16", "--private", "--token", WRITE_TOKEN]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "OK: bit-exact with bitsandbytes" in result.stdout and f"pushed to {endpoint}/me/tiny-llama-bf16" in result.stdout
+    repo = state.repos["me/tiny-llama-bf16"]
+    assert repo["private"] is True and repo["branches"]["main"] == {".gitattributes": GITATTRIBUTES, **files_of(out)}
+    assert "How these weights were made" in files_of(out)["README.md"].decode()
+    # --private without --push-to-hub is a usage error, before any work.
+    result = subprocess.run([sys.executable, "-m", "nf4convert", str(example), "--private"], capture_output=True, text=True,
+                            env=env, timeout=120)  # fmt: skip
+    assert result.returncode == 2 and "go with --push-to-hub" in result.stderr

@@ -10,7 +10,8 @@ a whole shard is never held in memory.
 from __future__ import annotations
 
 import json
-import math
+import os
+import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,10 +90,16 @@ def _refuse_constant(name):
     raise ValueError(f"{name} is not JSON")
 
 
+def _parse_int(text: str):
+    # serde_json reads "-0" as a negative integer, which no usize field takes; int() would make it a plain 0.
+    return -0.0 if text == "-0" else int(text)
+
+
 def _strict_json(raw: bytes, where: str):
     """Parse ``raw`` as serde_json would, and refuse duplicate keys; CheckpointError ``where: ...`` if not."""
     try:
-        return json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys, parse_constant=_refuse_constant)
+        return json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys, parse_constant=_refuse_constant,
+                          parse_int=_parse_int)
     except _DuplicateKey as error:
         raise CheckpointError(f"{where}: key {_shown(error.args[0])} appears twice") from None
     except UnicodeDecodeError:
@@ -142,9 +149,6 @@ def _header_entry(path: Path, name: str, entry) -> tuple[str, tuple, int, int, i
 def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict]:
     """The tensors of one safetensors file (name -> TensorInfo) and its metadata, checked as strictly as
     safetensors' own reader does (and stricter where noted above); CheckpointError naming file and tensor."""
-    import os
-    import stat
-
     try:
         status = os.stat(path)
         if not stat.S_ISREG(status.st_mode):  # a FIFO or device would block or never end
@@ -212,6 +216,8 @@ def _plain_relative(folder: Path, file, where: str) -> str:
     if (not file.isprintable() or "\\" in file or PureWindowsPath(file).drive or file.startswith("/")
             or any(part in ("", ".", "..") for part in parts)):  # fmt: skip
         raise CheckpointError(f"{where}: file name {_shown(file)} is not a plain relative path inside {folder}")
+    if any(len(part.encode("utf-8", "surrogatepass")) > 255 for part in parts):  # no file system takes more
+        raise CheckpointError(f"{where}: file name {_shown(file)} is too long")
     if not file.endswith(".safetensors"):
         raise CheckpointError(f"{where}: file name {_shown(file)} is not a .safetensors file")
     return file
@@ -243,8 +249,6 @@ def read_index(folder: Path) -> dict[str, str] | None:
     Every file it names must be a ``.safetensors`` file named by a plain relative path inside ``folder``
     (no ``..``, no absolute path or drive, no backslash); CheckpointError otherwise.
     """
-    import os
-
     path = folder / "model.safetensors.index.json"
     if not os.path.lexists(path):
         candidates = sorted(folder.glob("*.safetensors.index.json"))
@@ -281,9 +285,14 @@ def read_tensors(folder: Path) -> dict[str, TensorInfo]:
     tensors: dict[str, TensorInfo] = {}
     for file in files:
         path = _inside(folder, file)
-        if not path.is_file():
-            missing = not path.exists()
-            raise CheckpointError(f"{path}: listed in the index but missing" if missing else f"{path}: not a regular file")
+        try:
+            regular = stat.S_ISREG(os.stat(path).st_mode)
+        except FileNotFoundError:
+            raise CheckpointError(f"{path}: listed in the index but missing") from None
+        except OSError as error:  # a name too long, a link loop, no permission
+            raise CheckpointError(f"{path}: cannot read ({error.strerror or error})") from None
+        if not regular:
+            raise CheckpointError(f"{path}: not a regular file")
         for name, info in read_header(path)[0].items():
             if name in tensors:
                 raise CheckpointError(f"{path}: tensor {_shown(name)} also stands in {tensors[name].path.name}")

@@ -14,58 +14,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from nf4convert.checkpoint import OutputTensor, ShardWriter, TensorReader, read_header, read_index, read_tensors, shard_header
 from nf4convert.errors import CheckpointError
-
-_TORCH_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I64": torch.int64,
-                 "U8": torch.uint8, "I8": torch.int8, "BOOL": torch.bool, "I32": torch.int32}  # fmt: skip
-
-
-def random_tensors(seed: int) -> dict[str, torch.Tensor]:
-    """A few tensors of odd shapes and several dtypes (never zeros), named like a model's."""
-    generator = torch.Generator().manual_seed(seed)
-    return {
-        "model.embed.weight": torch.randn(7, 5, generator=generator).to(torch.bfloat16),
-        "model.norm.weight": torch.randn(13, generator=generator),
-        "model.ids": torch.randint(1, 1000, (3, 3), generator=generator, dtype=torch.int64),
-        "model.layer.weight": torch.randint(1, 255, (11,), generator=generator, dtype=torch.uint8),
-    }
-
-
-def split(raw: bytes) -> tuple[dict, bytes]:
-    (length,) = struct.unpack("<Q", raw[:8])
-    return json.loads(raw[8 : 8 + length]), raw[8 + length :]
-
-
-def join(header, data: bytes) -> bytes:
-    encoded = header if isinstance(header, bytes) else json.dumps(header).encode()
-    return struct.pack("<Q", len(encoded)) + encoded + data
-
-
-def safetensors_reads(path: Path) -> dict | None:
-    """What safetensors' own reader makes of a file: {name: (dtype code, shape, bytes)}, or None if it refuses."""
-    try:
-        with safe_open(str(path), "pt") as file:
-            result = {}
-            for name in file.keys():  # noqa: SIM118  (safe_open is not a mapping)
-                tensor = file.get_tensor(name)
-                code = next(code for code, dtype in _TORCH_DTYPES.items() if dtype == tensor.dtype)
-                result[name] = (code, tuple(tensor.shape), tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-            return result
-    except Exception:  # noqa: BLE001  (any refusal of safetensors' is the answer we want)
-        return None
-
-
-def our_reads(path: Path) -> dict:
-    tensors, _ = read_header(path)
-    reader = TensorReader()
-    try:
-        return {name: (info.dtype, info.shape, bytes(reader.read(info).numpy())) for name, info in tensors.items()}
-    finally:
-        reader.close()
+from safetensors_files import TORCH_DTYPES, join, our_reads, random_tensors, safetensors_reads, split, tensor_bytes
 
 
 @pytest.fixture
@@ -77,7 +30,7 @@ def shard(tmp_path) -> Path:
 
 def test_a_valid_file_reads_as_safetensors_reads_it(shard):
     assert our_reads(shard) == safetensors_reads(shard)
-    assert read_header(shard)[1] == {"format": "pt"}
+    assert our_reads(shard)[1] == {"format": "pt"}
 
 
 def _edit_entry(name, **changes):
@@ -148,6 +101,8 @@ HEADER_CASES = [
     ("offsets-bool", _edit_entry("model.ids", data_offsets=[False, 72]), "malformed data_offsets", "model.ids", False),
     ("offsets-float", lambda h, d: _edit_entry("model.ids", data_offsets=[float(o) for o in h["model.ids"]["data_offsets"]])(h, d),
      "malformed data_offsets", "model.ids", False),
+    ("offsets-negative-zero", lambda h, d: (json.dumps(h).replace('"data_offsets": [0,', '"data_offsets": [-0,').encode(), d),
+     "malformed data_offsets [-0.0", "first", False),
     ("offsets-negative", _edit_entry("model.ids", data_offsets=[-8, 64]), "malformed data_offsets", "model.ids", False),
     ("offsets-64-bit", _edit_entry("model.ids", data_offsets=[0, 1 << 64]), "malformed data_offsets", "model.ids", False),
     ("gap-at-start", lambda h, d: _edit_entry(_first(h), data_offsets=[8, 8 + h[_first(h)]["data_offsets"][1]])(h, b"\x01" * 8 + d),
@@ -200,8 +155,7 @@ def test_rules_safetensors_keeps_too(shard):
     header["__metadata__"] = None
     shard.write_bytes(join(dict(reversed(list(header.items()))), data) + b"")
     ours = our_reads(shard)
-    assert ours == safetensors_reads(shard) and set(ours) == {*order, "empty.a", "empty.b"}
-    assert read_header(shard)[1] == {}
+    assert ours == safetensors_reads(shard) and set(ours[0]) == {*order, "empty.a", "empty.b"} and ours[1] == {}
     # Padding with spaces after the JSON (safetensors aligns the data to 8 bytes so).
     encoded = json.dumps(header).encode() + b"   "
     shard.write_bytes(struct.pack("<Q", len(encoded)) + encoded + data)
@@ -433,10 +387,10 @@ def test_shard_writer_output_round_trips(seed, tmp_path):
     generator = torch.Generator().manual_seed(seed)
     tensors = {}
     for index in range(int(torch.randint(1, 9, (1,), generator=generator))):
-        code = list(_TORCH_DTYPES)[int(torch.randint(0, len(_TORCH_DTYPES), (1,), generator=generator))]
+        code = list(TORCH_DTYPES)[int(torch.randint(0, len(TORCH_DTYPES), (1,), generator=generator))]
         shape = tuple(int(d) for d in torch.randint(0, 9, (int(torch.randint(0, 4, (1,), generator=generator)),), generator=generator))
         values = torch.randint(1, 120, shape, generator=generator, dtype=torch.int32)
-        tensors[f"layers.{index}.w{seed}"] = (code, values.to(_TORCH_DTYPES[code]))
+        tensors[f"layers.{index}.w{seed}"] = (code, values.to(TORCH_DTYPES[code]))
     outputs = [OutputTensor(name, code, tuple(t.shape), t.numel() * t.element_size()) for name, (code, t) in tensors.items()]
     path = tmp_path / "model.safetensors"
     writer = ShardWriter(path, outputs)
@@ -444,13 +398,11 @@ def test_shard_writer_output_round_trips(seed, tmp_path):
         writer.write(name, tensor)
     writer.close()
     assert path.read_bytes().startswith(shard_header(outputs)) and (len(shard_header(outputs)) - 8) % 8 == 0
-    expected = {name: (code, tuple(t.shape), t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()) for name, (code, t) in tensors.items()}
-    assert safetensors_reads(path) == expected
-    assert our_reads(path) == expected
-    assert read_header(path)[1] == {"format": "pt"}
+    expected = {name: (code, tuple(t.shape), tensor_bytes(t)) for name, (code, t) in tensors.items()}
+    assert safetensors_reads(path) == our_reads(path) == (expected, {"format": "pt"})
 
 
 def test_an_empty_shard_round_trips(tmp_path):
     path = tmp_path / "model.safetensors"
     ShardWriter(path, []).close()
-    assert safetensors_reads(path) == {} and read_header(path) == ({}, {"format": "pt"})
+    assert safetensors_reads(path) == our_reads(path) == ({}, {"format": "pt"})

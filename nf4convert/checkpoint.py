@@ -10,7 +10,8 @@ a whole shard is never held in memory.
 from __future__ import annotations
 
 import json
-import math
+import os
+import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,9 +19,6 @@ from typing import Iterable
 
 from .dtypes import DTYPES
 from .errors import CheckpointError
-
-MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit
-
 
 @dataclass(frozen=True)
 class TensorInfo:
@@ -36,60 +34,231 @@ class TensorInfo:
         return self.end - self.begin
 
 
-def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict]:
-    """The tensors of one safetensors file (name -> TensorInfo) and its metadata, checked."""
+# What reading refuses, and where that is stricter than safetensors itself (safetensors/src/tensor.rs,
+# read_metadata and Metadata::validate, which safe_open runs on the whole file):
+# - as safetensors: a header over 100 MB (its MAX_HEADER_SIZE, decimal) or past the end of the file; a header
+#   that is not UTF-8 JSON (serde_json: no NaN/Infinity, no lone surrogates, nesting bounded) or not an object;
+#   an entry whose dtype, shape or data_offsets is missing or not of the right type (sizes are usize: integers,
+#   not bools or floats, 0 <= x < 2**64, shape product and bit count without overflow); tensors that, sorted by
+#   offsets, do not begin where the previous one ends (the first at 0), whose byte count does not match; a last
+#   end that is not exactly the data size (trailing bytes too); `__metadata__` that is not a str -> str map.
+# - stricter: duplicate keys (serde keeps the last tensor silently), keys besides dtype/shape/data_offsets in an
+#   entry, empty or non-printable tensor names (they would break one-line messages), dtypes without a torch
+#   type here (F4, F6_*, F8_E8M0, C64, ...).
+_HEADER_LIMIT = 100_000_000
+_USIZE_END = 1 << 64
+_ENTRY_KEYS = {"dtype", "shape", "data_offsets"}
+_INDEX_LIMIT = 100_000_000  # an index lists names; real ones are kilobytes
+_SHOWN_CHARS = 120  # a hostile name or value is shortened in messages, so an error stays one readable line
+
+
+def _itemsize(code: str) -> int:
+    return DTYPES[code].itemsize
+
+
+def _shown(value) -> str:
+    """``value`` for a one-line message: quoted if a printable name, else its ascii() repr; shortened."""
+    text = f"'{value}'" if isinstance(value, str) and value.isprintable() else ascii(value)
+    return text if len(text) <= _SHOWN_CHARS else text[: _SHOWN_CHARS - 5] + "...'"
+
+
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _unique_keys(pairs):
+    result = {}
+    for key, value in pairs:
+        if key in result:
+            raise _DuplicateKey(key)
+        result[key] = value
+    return result
+
+
+def _refuse_constant(name):
+    raise ValueError(f"{name} is not JSON")
+
+
+def _parse_int(text: str):
+    # serde_json reads "-0" as a negative integer, which no usize field takes; int() would make it a plain 0.
+    return -0.0 if text == "-0" else int(text)
+
+
+def _strict_json(raw: bytes, where: str):
+    """Parse ``raw`` as serde_json would, and refuse duplicate keys; CheckpointError ``where: ...`` if not."""
     try:
-        size = path.stat().st_size
+        return json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys, parse_constant=_refuse_constant,
+                          parse_int=_parse_int)
+    except _DuplicateKey as error:
+        raise CheckpointError(f"{where}: key {_shown(error.args[0])} appears twice") from None
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{where}: not UTF-8") from None
+    except json.JSONDecodeError as error:
+        raise CheckpointError(f"{where}: not JSON ({error.msg} at character {error.pos})") from None
+    except RecursionError:
+        raise CheckpointError(f"{where}: not JSON that can be read (nested too deeply)") from None
+    except ValueError as error:  # NaN/Infinity, or an integer of thousands of digits
+        raise CheckpointError(f"{where}: not JSON that can be read ({str(error).split(';')[0]})") from None
+
+
+def _is_size(value) -> bool:
+    return type(value) is int and 0 <= value < _USIZE_END  # noqa: E721  (bool is an int subclass: refused)
+
+
+def _check_tensor_name(name, where: str) -> None:
+    # isprintable() is False for control characters, line separators and lone surrogates (serde_json refuses those).
+    if not isinstance(name, str) or not name or not name.isprintable():
+        raise CheckpointError(f"{where}: tensor name {_shown(name)} is empty or has control characters")
+
+
+def _header_entry(path: Path, name: str, entry) -> tuple[str, tuple, int, int, int]:
+    """(dtype, shape, begin, end, nbytes) of one header entry, its types and sizes checked."""
+    where = f"{path}: tensor {_shown(name)}"
+    if not isinstance(entry, dict) or entry.keys() != _ENTRY_KEYS:
+        found = sorted(entry) if isinstance(entry, dict) else type(entry).__name__
+        raise CheckpointError(f"{where}: header entry must have exactly dtype, shape and data_offsets, not {_shown(found)}")
+    dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise CheckpointError(f"{where}: unknown dtype {_shown(dtype)}")
+    if not isinstance(shape, list) or not all(_is_size(d) for d in shape):
+        raise CheckpointError(f"{where}: malformed shape {_shown(shape)} (a list of non-negative integers)")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_size(o) for o in offsets):
+        raise CheckpointError(f"{where}: malformed data_offsets {_shown(offsets)} (two non-negative integers)")
+    elements = 1
+    for dim in shape:  # stops at the first overflow, as safetensors' checked_mul does (a later 0 does not rescue it)
+        elements *= dim
+        if elements >= _USIZE_END:
+            raise CheckpointError(f"{where}: shape {_shown(shape)} has more elements than fit in 64 bits")
+    nbytes = elements * _itemsize(dtype)
+    if nbytes * 8 >= _USIZE_END:  # safetensors counts bits
+        raise CheckpointError(f"{where}: shape {_shown(shape)} of {dtype} has more bits than fit in 64 bits")
+    return dtype, tuple(shape), offsets[0], offsets[1], nbytes
+
+
+def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict]:
+    """The tensors of one safetensors file (name -> TensorInfo) and its metadata, checked as strictly as
+    safetensors' own reader does (and stricter where noted above); CheckpointError naming file and tensor."""
+    try:
+        status = os.stat(path)
+        if not stat.S_ISREG(status.st_mode):  # a FIFO or device would block or never end
+            raise CheckpointError(f"{path}: not a regular file")
+        size = status.st_size
         with open(path, "rb") as file:
             prefix = file.read(8)
             if len(prefix) < 8:
                 raise CheckpointError(f"{path}: not a safetensors file (shorter than its 8-byte header length)")
             (length,) = struct.unpack("<Q", prefix)
-            if length > MAX_HEADER or 8 + length > size:
+            if length > _HEADER_LIMIT or 8 + length > size:
                 raise CheckpointError(f"{path}: corrupt or truncated safetensors header (length {length}, file {size} bytes)")
             raw = file.read(length)
     except OSError as error:
         raise CheckpointError(f"{path}: cannot read ({error.strerror or error})") from None
-    try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise CheckpointError(f"{path}: corrupt safetensors header (not JSON)") from None
+    if len(raw) != length:
+        raise CheckpointError(f"{path}: truncated while reading its header")
+    header = _strict_json(raw, f"{path}: corrupt safetensors header")
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: corrupt safetensors header (not a JSON object)")
-    metadata = header.pop("__metadata__", None) or {}
+    metadata = header.pop("__metadata__", None)
+    metadata = {} if metadata is None else metadata
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise CheckpointError(f"{path}: corrupt safetensors header ('__metadata__' is not a map of strings to strings)")
+    for text in (*metadata, *metadata.values()):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate escape, which serde_json refuses
+            raise CheckpointError(f"{path}: corrupt safetensors header ('__metadata__' holds an invalid \\u escape)") from None
+    entries = []
+    for name, entry in header.items():
+        _check_tensor_name(name, str(path))
+        entries.append((name, *_header_entry(path, name, entry)))
+    # safetensors sorts by offsets and then requires the data to be tiled exactly: no gap, no overlap.
+    entries.sort(key=lambda e: (e[3], e[4]))
     data_start = 8 + length
     tensors = {}
-    for name, entry in header.items():
-        try:
-            dtype, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
-        except (TypeError, KeyError, ValueError):
-            raise CheckpointError(f"{path}: tensor '{name}' has a malformed header entry") from None
-        if dtype not in DTYPES:
-            raise CheckpointError(f"{path}: tensor '{name}' has unknown dtype {dtype!r}")
-        if not all(isinstance(d, int) and d >= 0 for d in shape):
-            raise CheckpointError(f"{path}: tensor '{name}' has a malformed shape {list(shape)}")
-        if end - begin != math.prod(shape) * DTYPES[dtype].itemsize or begin < 0:
-            raise CheckpointError(f"{path}: tensor '{name}' has {end - begin} bytes, its shape {list(shape)} of {dtype} needs {math.prod(shape) * DTYPES[dtype].itemsize}")
-        if data_start + end > size:
-            raise CheckpointError(f"{path}: truncated: tensor '{name}' ends at byte {data_start + end}, the file has {size}")
+    position = 0
+    for name, dtype, shape, begin, end, nbytes in entries:
+        where = f"{path}: tensor {_shown(name)}"
+        if begin != position:
+            what = "overlaps the tensor before it" if begin < position else "leaves a gap before it"
+            raise CheckpointError(f"{where}: data_offsets {[begin, end]} {what} (the data must begin at {position})")
+        if end < begin:
+            raise CheckpointError(f"{where}: data_offsets {[begin, end]} end before they begin")
+        if end - begin != nbytes:
+            raise CheckpointError(f"{where}: has {end - begin} bytes, its shape {list(shape)} of {dtype} needs {nbytes}")
+        position = end
         tensors[name] = TensorInfo(name, dtype, shape, data_start + begin, data_start + end, path)
+    if data_start + position != size:
+        if data_start + position > size:
+            last = _shown(entries[-1][0])
+            raise CheckpointError(f"{path}: truncated: tensor {last} ends at byte {data_start + position}, the file has {size}")
+        raise CheckpointError(f"{path}: {size - data_start - position} bytes after the last tensor, which its header does not describe")
     return tensors, metadata
 
 
+def _plain_relative(folder: Path, file, where: str) -> str:
+    """``file`` if it names a ``.safetensors`` file by a plain relative path inside ``folder``."""
+    from pathlib import PureWindowsPath
+
+    if not isinstance(file, str) or not file:
+        raise CheckpointError(f"{where}: file name {_shown(file)} is not a non-empty string")
+    parts = file.split("/")
+    if (not file.isprintable() or "\\" in file or PureWindowsPath(file).drive or file.startswith("/")
+            or any(part in ("", ".", "..") for part in parts)):  # fmt: skip
+        raise CheckpointError(f"{where}: file name {_shown(file)} is not a plain relative path inside {folder}")
+    if any(len(part.encode("utf-8", "surrogatepass")) > 255 for part in parts):  # no file system takes more
+        raise CheckpointError(f"{where}: file name {_shown(file)} is too long")
+    if not file.endswith(".safetensors"):
+        raise CheckpointError(f"{where}: file name {_shown(file)} is not a .safetensors file")
+    return file
+
+
+def _inside(folder: Path, file: str) -> Path:
+    """``folder / file``, refused when it resolves (through symlinks) outside ``folder``.
+
+    A symlink whose target stays inside the folder is fine. So is the Hub cache's layout, where
+    ``<repo>/snapshots/<rev>/<file>`` is a symlink to ``<repo>/blobs/<hash>``: a snapshot folder may read
+    its repo's blobs, nothing else. Any other way out (an index name was checked already, so a symlink
+    that a git clone or an archive planted) could put a file the user never meant to share into the output.
+    """
+    path = folder / file
+    try:
+        root = folder.resolve()
+        real = path.resolve()
+        blobs = (root.parent.parent / "blobs").resolve() if root.parent.name == "snapshots" else None
+    except (OSError, RuntimeError) as error:  # RuntimeError: a symlink loop (Python < 3.13)
+        raise CheckpointError(f"{path}: cannot be resolved ({error})") from None
+    if real == root or root in real.parents or (blobs is not None and real.parent == blobs):
+        return path
+    raise CheckpointError(f"{path}: is a link to {real}, outside the checkpoint folder; copy the file into the folder instead")
+
+
 def read_index(folder: Path) -> dict[str, str] | None:
-    """The ``weight_map`` of model.safetensors.index.json (tensor -> file), or None when there is none."""
+    """The ``weight_map`` of model.safetensors.index.json (tensor -> file), or None when there is none.
+
+    Every file it names must be a ``.safetensors`` file named by a plain relative path inside ``folder``
+    (no ``..``, no absolute path or drive, no backslash); CheckpointError otherwise.
+    """
     path = folder / "model.safetensors.index.json"
-    if not path.exists():
+    if not os.path.lexists(path):
         candidates = sorted(folder.glob("*.safetensors.index.json"))
         if not candidates:
             return None
         path = candidates[0]
+    path = _inside(folder, path.name)
     try:
-        weight_map = json.loads(path.read_text())["weight_map"]
-    except (OSError, ValueError, KeyError, TypeError):
-        raise CheckpointError(f"{path}: corrupt index (no readable 'weight_map')") from None
+        with open(path, "rb") as file:
+            raw = file.read(_INDEX_LIMIT + 1)
+    except OSError as error:
+        raise CheckpointError(f"{path}: cannot read ({error.strerror or error})") from None
+    if len(raw) > _INDEX_LIMIT:
+        raise CheckpointError(f"{path}: corrupt index (over {_INDEX_LIMIT} bytes)")
+    index = _strict_json(raw, f"{path}: corrupt index")
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict):
-        raise CheckpointError(f"{path}: corrupt index ('weight_map' is not an object)")
+        raise CheckpointError(f"{path}: corrupt index (no 'weight_map' object)")
+    for name, file in weight_map.items():
+        _check_tensor_name(name, str(path))
+        _plain_relative(folder, file, f"{path}: tensor {_shown(name)}")
     return weight_map
 
 
@@ -99,22 +268,28 @@ def read_tensors(folder: Path) -> dict[str, TensorInfo]:
     if weight_map is not None:
         files = sorted(set(weight_map.values()))
     else:
-        files = sorted(p.name for p in folder.glob("*.safetensors"))
+        files = sorted(_plain_relative(folder, p.name, str(folder)) for p in folder.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"{folder}: no .safetensors files (only safetensors checkpoints can be converted)")
     tensors: dict[str, TensorInfo] = {}
     for file in files:
-        path = folder / file
-        if not path.is_file():
-            raise CheckpointError(f"{path}: listed in the index but missing")
+        path = _inside(folder, file)
+        try:
+            regular = stat.S_ISREG(os.stat(path).st_mode)
+        except FileNotFoundError:
+            raise CheckpointError(f"{path}: listed in the index but missing") from None
+        except OSError as error:  # a name too long, a link loop, no permission
+            raise CheckpointError(f"{path}: cannot read ({error.strerror or error})") from None
+        if not regular:
+            raise CheckpointError(f"{path}: not a regular file")
         for name, info in read_header(path)[0].items():
             if name in tensors:
-                raise CheckpointError(f"{path}: tensor '{name}' also stands in {tensors[name].path.name}")
+                raise CheckpointError(f"{path}: tensor {_shown(name)} also stands in {tensors[name].path.name}")
             tensors[name] = info
     if weight_map is not None:
         for name, file in weight_map.items():
             if name not in tensors:
-                raise CheckpointError(f"{folder / file}: the index lists tensor '{name}' but the file does not hold it")
+                raise CheckpointError(f"{folder / file}: the index lists tensor {_shown(name)} but the file does not hold it")
     return tensors
 
 

@@ -192,14 +192,25 @@ def _copy(source: Path, tmp_path: Path) -> Path:
 
 
 def _rewrite_shard(path: Path, edit):
-    """Rewrite one safetensors file after ``edit(header, data)`` changed its header or bytes."""
+    """Rewrite one safetensors file after ``edit(header, data)`` changed its header or bytes.
+
+    The data is laid out again in header order, so the file stays valid safetensors (contiguous, no gaps
+    or overlaps) when an entry was removed or added: the case then tests what it means to.
+    """
     raw = path.read_bytes()
     (length,) = struct.unpack("<Q", raw[:8])
     header = json.loads(raw[8 : 8 + length])
     data = bytearray(raw[8 + length :])
     edit(header, data)
+    chunks, position = [], 0
+    for name, entry in header.items():
+        if name != "__metadata__":
+            begin, end = entry["data_offsets"]
+            chunks.append(bytes(data[begin:end]))
+            entry["data_offsets"] = [position, position + end - begin]
+            position += end - begin
     encoded = json.dumps(header).encode()
-    path.write_bytes(struct.pack("<Q", len(encoded)) + encoded + bytes(data))
+    path.write_bytes(struct.pack("<Q", len(encoded)) + encoded + b"".join(chunks))
 
 
 def _shard_of(folder: Path, key: str) -> Path:

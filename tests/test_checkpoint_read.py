@@ -7,6 +7,8 @@ stricter only where said" is tested, not assumed.
 
 from __future__ import annotations
 
+import collections
+
 import json
 import os
 import struct
@@ -16,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from nf4convert.checkpoint import OutputTensor, ShardWriter, TensorReader, read_header, read_index, read_tensors, shard_header
+from nf4convert.checkpoint import ShardWriter, TensorReader, read_header, read_index, read_tensors, shard_header
 from nf4convert.errors import CheckpointError
 from safetensors_files import TORCH_DTYPES, join, our_reads, random_tensors, safetensors_reads, split, tensor_bytes
 
@@ -382,6 +384,9 @@ def test_symlinks_that_lead_out_are_refused(case, tmp_path):
 # ---- what we write, safetensors and we read back -------------------------------------------------------
 
 
+_Out = collections.namedtuple("_Out", "name dtype shape nbytes")  # what ShardWriter reads of a planned tensor
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_shard_writer_output_round_trips(seed, tmp_path):
     generator = torch.Generator().manual_seed(seed)
@@ -391,7 +396,7 @@ def test_shard_writer_output_round_trips(seed, tmp_path):
         shape = tuple(int(d) for d in torch.randint(0, 9, (int(torch.randint(0, 4, (1,), generator=generator)),), generator=generator))
         values = torch.randint(1, 120, shape, generator=generator, dtype=torch.int32)
         tensors[f"layers.{index}.w{seed}"] = (code, values.to(TORCH_DTYPES[code]))
-    outputs = [OutputTensor(name, code, tuple(t.shape), t.numel() * t.element_size()) for name, (code, t) in tensors.items()]
+    outputs = [_Out(name, code, tuple(t.shape), t.numel() * t.element_size()) for name, (code, t) in tensors.items()]
     path = tmp_path / "model.safetensors"
     writer = ShardWriter(path, outputs)
     for name, (_, tensor) in tensors.items():

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import struct
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator
 
@@ -40,6 +41,8 @@ CODES = {"nf4": NF4_CODE, "fp4": FP4_CODE}
 BLOCKSIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)
 PARTS = ("absmax", "quant_map", "nested_absmax", "nested_quant_map")  # suffixes of a weight's quant-state tensors
 STATE_KEY = re.compile(r"^(?P<weight>.+)\.quant_state\.bitsandbytes__(?P<quant_type>[^.]*)$")
+META_KEYS = ("quant_type", "blocksize", "dtype", "shape", "nested_blocksize", "nested_dtype", "nested_offset")
+NESTED_KEYS = ("nested_blocksize", "nested_dtype", "nested_offset")
 MAX_STATE_BYTES = 1 << 16  # bitsandbytes writes ~200 bytes; anything far larger is not a quant state
 _PART_KEY = re.compile(r"^(?P<weight>.+)\.(?:" + "|".join(PARTS) + r"|quant_state\.bitsandbytes__[^.]*)$")
 
@@ -149,27 +152,45 @@ def parse_meta(raw: bytes, *, where: str) -> dict:
     for key in ("quant_type", "blocksize", "dtype", "shape"):
         if key not in meta:
             raise CheckpointError(f"{where}: quant state has no '{key}'")
-    if meta["quant_type"] not in CODES:
-        raise CheckpointError(f"{where}: quant_type {meta['quant_type']!r} is not nf4 or fp4")
+    unknown = sorted(set(meta) - set(META_KEYS))
+    if unknown:  # bitsandbytes' QuantState.from_dict refuses them too
+        raise CheckpointError(f"{where}: quant state has unknown key {_shown(unknown[0])}")
+    if not isinstance(meta["quant_type"], str) or meta["quant_type"] not in CODES:
+        raise CheckpointError(f"{where}: quant_type {_shown(meta['quant_type'])} is not nf4 or fp4")
     if not _integer(meta["blocksize"]) or meta["blocksize"] not in BLOCKSIZES:
-        raise CheckpointError(f"{where}: blocksize {meta['blocksize']!r} is not one of {BLOCKSIZES}")
+        raise CheckpointError(f"{where}: blocksize {_shown(meta['blocksize'])} is not one of {BLOCKSIZES}")
     if not isinstance(meta["dtype"], str) or meta["dtype"] not in OUTPUT_DTYPES:
-        raise CheckpointError(f"{where}: dtype {meta['dtype']!r} is not float16, bfloat16 or float32")
+        raise CheckpointError(f"{where}: dtype {_shown(meta['dtype'])} is not float16, bfloat16 or float32")
     shape = meta["shape"]
-    if not isinstance(shape, list) or not shape or not all(_integer(d) and d > 0 for d in shape):
-        raise CheckpointError(f"{where}: shape {shape!r} is not a list of positive integers")
-    if "nested_blocksize" in meta or "nested_offset" in meta:
+    if not isinstance(shape, list) or not shape or not all(_integer(d) and 0 < d < 2**63 for d in shape):
+        raise CheckpointError(f"{where}: shape {_shown(shape)} is not a list of positive integers")
+    if any(key in meta for key in NESTED_KEYS):
         blocksize2 = meta.get("nested_blocksize")
         if not _integer(blocksize2) or blocksize2 <= 0 or blocksize2 & (blocksize2 - 1):
-            raise CheckpointError(f"{where}: nested_blocksize {blocksize2!r} is not a power of two")
+            raise CheckpointError(f"{where}: nested_blocksize {_shown(blocksize2)} is not a power of two")
+        if meta.get("nested_dtype") != "float32":  # what bitsandbytes writes: its nested absmax is fp32
+            raise CheckpointError(f"{where}: nested_dtype {_shown(meta.get('nested_dtype'))} is not 'float32'")
         offset = meta.get("nested_offset")
-        if not (_integer(offset) or isinstance(offset, float)) or not math.isfinite(offset):
-            raise CheckpointError(f"{where}: quant state has no finite numeric 'nested_offset'")
+        if not (_integer(offset) or isinstance(offset, float)) or not _finite_fp32(offset):
+            raise CheckpointError(f"{where}: quant state has no nested_offset that is a finite fp32 number")
     return meta
 
 
 def _integer(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _finite_fp32(value) -> bool:
+    try:
+        return math.isfinite(struct.unpack("<f", struct.pack("<f", value))[0])
+    except (OverflowError, struct.error):
+        return False
+
+
+def _shown(value) -> str:
+    """A JSON value for a one-line message, shortened (a hostile checkpoint can hold anything)."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _no_constant(name):

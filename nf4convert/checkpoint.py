@@ -212,7 +212,7 @@ def _plain_relative(folder: Path, file, where: str) -> str:
     return file
 
 
-def _inside(folder: Path, file: str) -> Path:
+def inside(folder: Path, file: str) -> Path:
     """``folder / file``, refused when it resolves (through symlinks) outside ``folder``.
 
     A symlink whose target stays inside the folder is fine. So is the Hub cache's layout, where
@@ -244,7 +244,7 @@ def read_index(folder: Path) -> dict[str, str] | None:
         if not candidates:
             return None
         path = candidates[0]
-    path = _inside(folder, path.name)
+    path = inside(folder, path.name)
     try:
         with open(path, "rb") as file:
             raw = file.read(_INDEX_LIMIT + 1)
@@ -273,7 +273,7 @@ def read_tensors(folder: Path) -> dict[str, TensorInfo]:
         raise CheckpointError(f"{folder}: no .safetensors files (only safetensors checkpoints can be converted)")
     tensors: dict[str, TensorInfo] = {}
     for file in files:
-        path = _inside(folder, file)
+        path = inside(folder, file)
         try:
             regular = stat.S_ISREG(os.stat(path).st_mode)
         except FileNotFoundError:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 from pathlib import Path
 
-from .checkpoint import TensorInfo, TensorReader, read_tensors
+from .checkpoint import TensorInfo, TensorReader, inside, read_tensors
 from .dtypes import DTYPES, OUTPUT_DTYPES, DType, output_dtype
 from .errors import ArgumentError, CheckpointError
 from .formats import bnb4, bnb8, peft_lora
@@ -173,6 +173,7 @@ def read_config(folder: Path) -> dict | None:
     path = folder / "config.json"
     if not path.exists():
         return None
+    inside(folder, "config.json")
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError, RecursionError):
@@ -208,6 +209,7 @@ def side_files(folder: Path) -> list[Path]:
             continue
         if relative.as_posix() in ("config.json", "README.md") or any(fnmatch.fnmatch(path.name, p) for p in SKIPPED_FILES):
             continue
+        inside(folder, relative.as_posix())  # a link out of the folder is never copied into the output
         kept.append(relative)
     return kept
 
@@ -307,5 +309,7 @@ def make_plan(folder: Path, *, dtype: str = "auto", max_shard_size: int = DEFAUL
         filename = "model.safetensors" if len(shards) == 1 else f"model-{index:05d}-of-{len(shards):05d}.safetensors"
         planned.append(Shard(filename, [PlannedTensor(n, c, s, b, filename, o, r) for n, c, s, b, o, r in entries]))
     card = folder / "README.md"
+    if card.is_file():
+        inside(folder, "README.md")
     return Plan(folder, chosen, planned, tensors, side_files(folder), config and dense_config(config, chosen),
                 card if card.is_file() else None, merged_adapter)  # fmt: skip

@@ -132,3 +132,17 @@ def test_shard_writer_round_trips_through_safetensors(tmp_path):
         writer.write("no-such-tensor", torch.zeros(1, dtype=torch.uint8))
     with pytest.raises(RuntimeError, match="tensors unwritten"):
         writer.close()
+
+
+def test_side_files_linked_out_of_the_folder_are_refused(tmp_path):
+    import os
+
+    secret = tmp_path / "secret.txt"
+    secret.write_text("not for the output")
+    folder = _checkpoint(tmp_path / "src")
+    os.symlink(secret, folder / "tokenizer_extra.txt")
+    with pytest.raises(CheckpointError, match="outside the checkpoint folder"):
+        make_plan(folder)
+    (folder / "tokenizer_extra.txt").unlink()
+    os.symlink(folder / "tokenizer.json", folder / "tokenizer_alias.json")  # a link inside the folder is fine
+    assert "tokenizer_alias.json" in [str(p) for p in make_plan(folder).side_files]

@@ -229,3 +229,46 @@ def test_sm75_code_path_runs_bit_exact_on_this_gpu(dtype, capability, tmp_path):
                  shared_mem=compiled.metadata.shared)  # fmt: skip
         cupy.cuda.runtime.deviceSynchronize()
         _assert_same(out, F.dequantize_4bit(packed, state))
+
+
+@pytest.mark.parametrize("variant", ["llama-8bit-bf16", "phi3-fused-8bit-fp16"])
+def test_cli_8bit_on_cuda_matches_cpu_and_verifies(variant, tmp_path):
+    from click.testing import CliRunner
+
+    from checkpoints8 import build
+    from nf4convert.cli import main
+
+    source = build(tmp_path / "src", variant)
+    for device in ("cuda", "cpu"):
+        result = CliRunner().invoke(main, [str(source), "-o", str(tmp_path / device), "--device", device, "-q"])
+        assert result.exit_code == 0, result.output
+    for shard in (tmp_path / "cpu").glob("*.safetensors"):
+        assert shard.read_bytes() == (tmp_path / "cuda" / shard.name).read_bytes()
+    result = CliRunner().invoke(main, ["verify", str(tmp_path / "cuda"), str(source), "--device", "cuda", "-q"])
+    assert result.exit_code == 0 and "on cuda" in result.output and "OK: bit-exact" in result.output, result.output
+
+
+@pytest.mark.parametrize("kind", ["linear", "rslora-dora", "embedding", "modules_to_save"])
+def test_adapter_merge_on_cuda_equals_peft_on_cuda(kind, tmp_path):
+    # GPU output = peft on the GPU: the dense conversion loaded on CUDA, PeftModel.merge_and_unload() there.
+    from click.testing import CliRunner
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from checkpoints import build
+    from nf4convert.cli import main
+    from test_adapter_cli import KINDS, make_adapter
+
+    source = build(tmp_path / "src", "llama-nf4-dq", seed=3)
+    adapter = make_adapter(tmp_path / "adapter", kind, seed=list(KINDS).index(kind) + 20)
+    for args in ([str(source), "-o", str(tmp_path / "dense")], [str(source), "--adapter", str(adapter), "-o", str(tmp_path / "merged")]):
+        result = CliRunner().invoke(main, [*args, "--device", "cuda", "-q"])
+        assert result.exit_code == 0, result.output
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "dense", dtype=torch.bfloat16).to("cuda")
+    expected = PeftModel.from_pretrained(model, adapter).merge_and_unload().state_dict()
+    merged = load_file(tmp_path / "merged" / "model.safetensors")
+    for name, tensor in merged.items():
+        _assert_same(tensor, expected[name].cpu().contiguous())
+    result = CliRunner().invoke(main, ["verify", str(tmp_path / "merged"), str(source), "--adapter", str(adapter), "--device", "cuda", "-q"])
+    assert result.exit_code == 0 and "OK: bit-exact" in result.output, result.output

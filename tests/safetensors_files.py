@@ -71,3 +71,14 @@ def our_reads(path: Path) -> tuple[dict, dict]:
         return {name: (info.dtype, info.shape, bytes(reader.read(info).numpy())) for name, info in tensors.items()}, metadata
     finally:
         reader.close()
+
+
+def retile(header: dict, data: bytes, order: list[str]) -> tuple[dict, bytes]:
+    """Rewrite the data so the tensors sit in ``order`` (a valid file whose header lists them out of order)."""
+    chunks = {name: data[header[name]["data_offsets"][0] : header[name]["data_offsets"][1]] for name in order}
+    position, out = 0, b""
+    for name in order:
+        header[name]["data_offsets"] = [position, position + len(chunks[name])]
+        position += len(chunks[name])
+        out += chunks[name]
+    return header, out

@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 
 from nf4convert.checkpoint import ShardWriter, TensorReader, read_header, read_index, read_tensors, shard_header
 from nf4convert.errors import CheckpointError
-from safetensors_files import TORCH_DTYPES, join, our_reads, random_tensors, safetensors_reads, split, tensor_bytes
+from safetensors_files import TORCH_DTYPES, join, our_reads, random_tensors, retile, safetensors_reads, split, tensor_bytes
 
 
 @pytest.fixture
@@ -41,17 +41,6 @@ def _edit_entry(name, **changes):
         return header, data
 
     return edit
-
-
-def _retile(header, data, order):
-    """Rewrite the data so the tensors sit in ``order`` (a valid file whose header lists them out of order)."""
-    chunks = {name: data[header[name]["data_offsets"][0] : header[name]["data_offsets"][1]] for name in order}
-    position, out = 0, b""
-    for name in order:
-        header[name]["data_offsets"] = [position, position + len(chunks[name])]
-        position += len(chunks[name])
-        out += chunks[name]
-    return header, out
 
 
 def _first(header) -> str:
@@ -151,7 +140,7 @@ def test_rules_safetensors_keeps_too(shard):
     header, data = split(shard.read_bytes())
     # Listed out of offset order, with two zero-size tensors sharing an offset, and __metadata__ null: all valid.
     order = ["model.layer.weight", "model.ids", "model.norm.weight", "model.embed.weight"]
-    header, data = _retile(header, data, order)
+    header, data = retile(header, data, order)
     header["empty.a"] = {"dtype": "F32", "shape": [0, 5], "data_offsets": [11, 11]}
     header["empty.b"] = {"dtype": "BF16", "shape": [3, 0], "data_offsets": [11, 11]}
     header["__metadata__"] = None

@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 
 from nf4convert.checkpoint import read_tensors
 from nf4convert.errors import CheckpointError
-from safetensors_files import join, our_reads, random_tensors, safetensors_reads, split
+from safetensors_files import join, our_reads, random_tensors, retile, safetensors_reads, split
 
 HEADER_CASES = 3000
 INDEX_CASES = 1000
@@ -128,16 +128,6 @@ def _tensor_names(header: dict) -> list[str]:
     return sorted(k for k in header if k != "__metadata__" and isinstance(header[k], dict))
 
 
-def _retile(header: dict, data: bytes, order: list[str]) -> tuple[dict, bytes]:
-    chunks = {name: data[header[name]["data_offsets"][0] : header[name]["data_offsets"][1]] for name in order}
-    position, out = 0, b""
-    for name in order:
-        header[name]["data_offsets"] = [position, position + len(chunks[name])]
-        position += len(chunks[name])
-        out += chunks[name]
-    return header, out
-
-
 def mutate_header(rng: random.Random, header: dict, data: bytes, log: list) -> tuple[dict, bytes]:
     names = _tensor_names(header)
     name = rng.choice(names) if names else None
@@ -202,7 +192,7 @@ def mutate_header(rng: random.Random, header: dict, data: bytes, log: list) -> t
         order = names[:]
         rng.shuffle(order)
         log.append(f"retile in order {order}")  # valid: the data follows the new layout
-        header, data = _retile(header, data, order)
+        header, data = retile(header, data, order)
         if rng.random() < 0.5:
             header = dict(reversed(list(header.items())))
     elif choice == 10:

@@ -163,19 +163,22 @@ def test_repeat_calls_replay_and_notice_changes():
     assert len(module._replays) == entries - 1
 
 
-@pytest.mark.parametrize("variant", ["llama-nf4-dq", "phi3-fused-fp4-dq", "qwen2-tied-fp4"])
-def test_cli_convert_on_cuda_matches_cpu_and_bnb_cuda(variant, tmp_path):
+@pytest.mark.parametrize("builder,variant", [("checkpoints", "llama-nf4-dq"), ("checkpoints", "phi3-fused-fp4-dq"),
+                                             ("checkpoints", "qwen2-tied-fp4"), ("checkpoints8", "llama-8bit-bf16"),
+                                             ("checkpoints8", "phi3-fused-8bit-fp16")])  # fmt: skip
+def test_cli_convert_on_cuda_matches_cpu_and_bnb_cuda(builder, variant, tmp_path):
+    import importlib
+
     from click.testing import CliRunner
 
-    from checkpoints import build
     from nf4convert.cli import main
 
-    source = build(tmp_path / "src", variant)
+    source = importlib.import_module(builder).build(tmp_path / "src", variant)
     for device in ("cuda", "cpu"):
         result = CliRunner().invoke(main, [str(source), "-o", str(tmp_path / device), "--device", device, "-q"])
         assert result.exit_code == 0, result.output
     for shard in (tmp_path / "cpu").glob("*.safetensors"):
-        assert shard.read_bytes() == (tmp_path / "cuda" / shard.name).read_bytes()  # the kernel and the CPU path agree
+        assert shard.read_bytes() == (tmp_path / "cuda" / shard.name).read_bytes()  # the GPU and CPU routes agree
     result = CliRunner().invoke(main, ["verify", str(tmp_path / "cuda"), str(source), "--device", "cuda"])
     assert result.exit_code == 0 and "on cuda" in result.output and "OK: bit-exact" in result.output, result.output
 
@@ -229,23 +232,6 @@ def test_sm75_code_path_runs_bit_exact_on_this_gpu(dtype, capability, tmp_path):
                  shared_mem=compiled.metadata.shared)  # fmt: skip
         cupy.cuda.runtime.deviceSynchronize()
         _assert_same(out, F.dequantize_4bit(packed, state))
-
-
-@pytest.mark.parametrize("variant", ["llama-8bit-bf16", "phi3-fused-8bit-fp16"])
-def test_cli_8bit_on_cuda_matches_cpu_and_verifies(variant, tmp_path):
-    from click.testing import CliRunner
-
-    from checkpoints8 import build
-    from nf4convert.cli import main
-
-    source = build(tmp_path / "src", variant)
-    for device in ("cuda", "cpu"):
-        result = CliRunner().invoke(main, [str(source), "-o", str(tmp_path / device), "--device", device, "-q"])
-        assert result.exit_code == 0, result.output
-    for shard in (tmp_path / "cpu").glob("*.safetensors"):
-        assert shard.read_bytes() == (tmp_path / "cuda" / shard.name).read_bytes()
-    result = CliRunner().invoke(main, ["verify", str(tmp_path / "cuda"), str(source), "--device", "cuda", "-q"])
-    assert result.exit_code == 0 and "on cuda" in result.output and "OK: bit-exact" in result.output, result.output
 
 
 @pytest.mark.parametrize("kind", ["linear", "rslora-dora", "embedding", "modules_to_save"])

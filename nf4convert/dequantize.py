@@ -14,6 +14,14 @@ from .kernels.replay import ReplayCache
 
 BACKENDS = ("auto", "triton", "cpu")
 _replays = ReplayCache()
+_COMPILED_OP = os.environ.get("NF4CONVERT_COMPILED_OP", "custom_op")
+
+
+@torch.compiler.assume_constant_result
+def _code_table(quant_type: str, device: torch.device) -> torch.Tensor:
+    """The cached kernel table; under torch.compile a constant of the graph. Traced, the cache's dict would be
+    guarded on, and filling it on the first call would fail that guard: a recompile at the second layer."""
+    return canonical_code(quant_type, device)
 
 
 def _fields(packed: torch.Tensor, quant_state: Any, out: Optional[torch.Tensor], backend: str):
@@ -48,7 +56,7 @@ def _fields(packed: torch.Tensor, quant_state: Any, out: Optional[torch.Tensor],
             raise ArgumentError(f"out has {out.numel()} elements, shape {tuple(quant_state.shape)} needs {math.prod(quant_state.shape)}")
         if out.device != device or not out.is_contiguous():
             raise ArgumentError(f"out must be contiguous on {device}")
-    return absmax, code2, absmax2, offset, canonical_code(quant_state.quant_type, device), nested_blocksize
+    return absmax, code2, absmax2, offset, _code_table(quant_state.quant_type, device), nested_blocksize
 
 
 def _pick_backend(backend: str, device: torch.device) -> str:
@@ -63,13 +71,15 @@ def _pick_backend(backend: str, device: torch.device) -> str:
 
 
 def _compiled(packed, quant_state, fields, out):
-    """Under torch.compile: the registered triton_op, whose tables and offset travel as tensors."""
+    """Under torch.compile: the registered custom op, whose tables and offset travel as tensors
+    (NF4CONVERT_COMPILED_OP=triton_op: Inductor's own route for the kernel, to measure against)."""
     from .kernels import launch  # noqa: F401, PLC0415  (registers the op)
 
     absmax, code2, absmax2, offset, code, nested_blocksize = fields
     shape = tuple(quant_state.shape)
-    result = torch.ops.nf4convert.dequantize_4bit(packed, absmax, code2, absmax2, offset, code, quant_state.blocksize,
-                                                  nested_blocksize, list(shape), quant_state.dtype)  # fmt: skip
+    op = torch.ops.nf4convert.dequantize_4bit_inductor if _COMPILED_OP == "triton_op" else torch.ops.nf4convert.dequantize_4bit
+    result = op(packed, absmax, code2, absmax2, offset, code, quant_state.blocksize, nested_blocksize, list(shape),
+                quant_state.dtype)  # fmt: skip
     if out is None:
         return result
     out.copy_(result.view(out.shape))

@@ -22,21 +22,21 @@ _devices: dict = {}
 
 
 def _device_info(device: torch.device) -> tuple:
-    """(compute capability, multiprocessor count) of a CUDA device, read once."""
+    """(compute capability, multiprocessor count, name) of a CUDA device, read once."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     info = _devices.get(index)
     if info is None:
         properties = torch.cuda.get_device_properties(index)
-        info = _devices[index] = (torch.cuda.get_device_capability(index), properties.multi_processor_count)
+        info = _devices[index] = (torch.cuda.get_device_capability(index), properties.multi_processor_count, properties.name)
     return info
 
 
 def _plan(packed, absmax, code2, absmax2, offset, code, out, blocksize, nested_blocksize):
     """Everything a launch needs: (grid, args, constexprs, num_warps)."""
     nested = code2 is not None
-    capability, sm_count = (None, 1) if INTERPRET or out.device.type != "cuda" else _device_info(out.device)
+    capability, sm_count, gpu_name = (None, 1, "") if INTERPRET or out.device.type != "cuda" else _device_info(out.device)
     grid, constexprs, num_warps = configs.launch_config(
-        out.numel(), blocksize, nested_blocksize, nested, out.dtype, capability, sm_count
+        out.numel(), blocksize, nested_blocksize, nested, out.dtype, capability, sm_count, gpu_name
     )
     args = (
         packed,

@@ -122,7 +122,10 @@ class TensorReader:
     """Reads tensors' bytes from their files, keeping the files open; tensors come back on the CPU."""
 
     def __init__(self):
+        import threading
+
         self._files: dict[Path, object] = {}
+        self._opening = threading.Lock()  # the stream reads from several threads
 
     def __enter__(self):
         return self
@@ -133,10 +136,13 @@ class TensorReader:
     def _file(self, path: Path):
         handle = self._files.get(path)
         if handle is None:
-            try:
-                handle = self._files[path] = open(path, "rb")  # noqa: SIM115  (closed in close())
-            except OSError as error:
-                raise CheckpointError(f"{path}: cannot be read ({error.strerror or error})") from None
+            with self._opening:
+                handle = self._files.get(path)
+                if handle is None:
+                    try:
+                        handle = self._files[path] = open(path, "rb")  # noqa: SIM115  (closed in close())
+                    except OSError as error:
+                        raise CheckpointError(f"{path}: cannot be read ({error.strerror or error})") from None
         return handle
 
     def read(self, info: TensorInfo, first_byte: int = 0, count: int | None = None, out=None):

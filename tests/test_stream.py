@@ -143,7 +143,7 @@ def test_positional_writes_in_any_order(tmp_path):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("piece_bytes", [4096, 1 << 20])
+@pytest.mark.parametrize("piece_bytes", [512, 1 << 20])  # 512: every piece outgrows its slot
 def test_cuda_route_writes_the_cpu_route_bytes(tmp_path, piece_bytes):
     source, _ = _checkpoint(tmp_path / "src", 7)
     _convert(source, tmp_path / "cpu", stream.CpuRoute(), shard_size=60_000)

@@ -123,11 +123,12 @@ def build_source(folder: Path, layers: int, shard_bytes: int = 5 * 10**9) -> int
     return dense
 
 
-def measure(command: list[str]) -> dict:
-    """Run ``command``; its wall time and the peak of its RssAnon and VmRSS, sampled every 5 ms."""
+def measure(command: list[str], env: dict | None = None) -> dict:
+    """Run ``command``; its wall time and the peak of its RssAnon and VmRSS, sampled every 5 ms; nf4convert's
+    pipeline profile (NF4CONVERT_PROFILE=1) when it printed one."""
     with tempfile.TemporaryFile() as stderr:  # a file, not a pipe: a chatty route cannot block on it
         started = time.perf_counter()
-        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr)
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr, env={**os.environ, **(env or {})})
         peak_anon = peak_rss = 0
         status = Path(f"/proc/{process.pid}/status")
         while process.poll() is None:
@@ -139,10 +140,24 @@ def measure(command: list[str]) -> dict:
                 pass
             time.sleep(0.005)
         seconds = time.perf_counter() - started
+        stderr.seek(0)
+        text = stderr.read().decode(errors="replace")
         if process.returncode != 0:
-            stderr.seek(0)
-            raise SystemExit(f"{command[0]} failed:\n{stderr.read().decode(errors='replace')[-3000:]}")
-    return {"seconds": seconds, "peak_anon_mb": peak_anon / 1024, "peak_rss_mb": peak_rss / 1024}
+            raise SystemExit(f"{command[0]} failed:\n{text[-3000:]}")
+    run = {"seconds": seconds, "peak_anon_mb": peak_anon / 1024, "peak_rss_mb": peak_rss / 1024}
+    profiles = [line for line in text.splitlines() if line.startswith('{"pipeline_seconds"')]
+    if profiles:
+        run["profile"] = json.loads(profiles[-1])
+    return run
+
+
+def _profile(run: dict) -> str:
+    profile = run.get("profile")
+    if not profile:
+        return "- | - | - |"
+    busy = "/".join(f"{profile['busy'][s]:.1f}" for s in ("read", "make", "write"))
+    waited = "/".join(f"{profile['waited'][s]:.1f}" for s in ("read", "make", "write"))
+    return f"{profile['pipeline_seconds']:.1f} of {profile['process_seconds']:.1f} | {busy} | {waited} |"
 
 
 def sync_seconds() -> float:
@@ -156,7 +171,8 @@ def main():
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--no-transformers", action="store_true")
-    parser.add_argument("--routes", default="dd,cuda,cpu,transformers")
+    parser.add_argument("--routes", default="dd,cuda,cpu,transformers",
+                        help="dd, cuda, cpu, transformers; cuda:w4 / cpu:w4 run with NF4CONVERT_WRITERS=4")
     parser.add_argument("--json")
     options = parser.parse_args()
     import torch
@@ -178,14 +194,19 @@ def main():
         "transformers": lambda out: [sys.executable, "-c", TRANSFORMERS_ROUTE, str(source), str(out)],
     }
     wanted = {"dd": "dd", "cuda": "nf4convert cuda", "cpu": "nf4convert cpu", "transformers": "transformers"}
-    chosen = [wanted[r] for r in options.routes.split(",") if not (r == "transformers" and options.no_transformers)]
+    chosen = []
+    for route in options.routes.split(","):
+        base, _, writers = route.partition(":w")
+        if not (base == "transformers" and options.no_transformers):
+            chosen.append((wanted[base] + (f" ({writers} writers)" if writers else ""), wanted[base], writers))
     results = {}
-    for name in chosen:
-        out = workdir / ("out-" + name.replace(" ", "-"))
+    for name, base, writers in chosen:
+        out = workdir / ("out-" + name.replace(" ", "-").replace("(", "").replace(")", ""))
         shutil.rmtree(out, ignore_errors=True)
         subprocess.run(["sync"], check=True)
+        env = {"NF4CONVERT_PROFILE": "1", **({"NF4CONVERT_WRITERS": writers} if writers else {})}
         try:
-            run = measure(routes[name](out))
+            run = measure(routes[base](out), env)
         except SystemExit as error:
             print(f"{name}: failed: {str(error)[-800:]}", flush=True)
             continue
@@ -193,13 +214,13 @@ def main():
         run["output_gb"] = sum(p.stat().st_size for p in out.iterdir() if p.is_file()) / 1e9
         results[name] = run
         print(name, json.dumps(run), flush=True)
-        if name == "nf4convert cpu" and "nf4convert cuda" in results:
+        if name == "nf4convert cpu" and "nf4convert cuda" in results and (workdir / "out-nf4convert-cuda").exists():
             cuda_out = workdir / "out-nf4convert-cuda"
             same = all(subprocess.run(["cmp", "-s", str(path), str(out / path.name)]).returncode == 0
                        for path in sorted(cuda_out.glob("*.safetensors")))  # fmt: skip
             results[name]["identical_to_cuda"] = same
             print(f"cuda and cpu outputs identical: {same}", flush=True)
-        if name != "nf4convert cuda" or "nf4convert cpu" not in chosen:
+        if name != "nf4convert cuda" or "nf4convert cpu" not in [c[0] for c in chosen]:
             shutil.rmtree(out, ignore_errors=True)
     shutil.rmtree(workdir / "out-nf4convert-cuda", ignore_errors=True)
 
@@ -209,14 +230,14 @@ def main():
     print(f"\n{gpu}, {os.cpu_count()} CPU cores, torch {torch.__version__}, transformers {transformers.__version__}, "
           f"Python {platform.python_version()}, {datetime.date.today().isoformat()}; {options.layers} layers, "
           f"{dense / 1e9:.2f} GB of bf16 out")  # fmt: skip
-    print("| route | s (exit) | GB/s | x dd | s (+sync) | GB/s | x dd | peak RssAnon |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| route | s (exit) | GB/s | x dd | s (+sync) | GB/s | x dd | peak RssAnon | pipeline s | busy r/m/w s | waited r/m/w s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     dd = results.get("dd")
     for name, r in results.items():
         ratio = f"{r['seconds'] / dd['seconds']:.2f}" if dd else "-"
         ratio_synced = f"{r['synced_seconds'] / dd['synced_seconds']:.2f}" if dd else "-"
         print(f"| {name} | {r['seconds']:.1f} | {dense / 1e9 / r['seconds']:.2f} | {ratio} | {r['synced_seconds']:.1f} | "
-              f"{dense / 1e9 / r['synced_seconds']:.2f} | {ratio_synced} | {r['peak_anon_mb']:.0f} MB |")  # fmt: skip
+              f"{dense / 1e9 / r['synced_seconds']:.2f} | {ratio_synced} | {r['peak_anon_mb']:.0f} MB | {_profile(r)}")  # fmt: skip
     if options.json:
         Path(options.json).write_text(json.dumps({"gpu": gpu, "dense_bytes": dense, "results": results}, indent=1))
     if options.workdir is None:

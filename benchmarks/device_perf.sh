@@ -13,7 +13,7 @@ cd "$root"
 { date -u; nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader; nproc; free -g | head -2; df -h /tmp "$root" | tail -2
   python3 -c "import torch, triton, transformers, bitsandbytes; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'bnb', bitsandbytes.__version__)"; } 2>&1 | tee "$out/env.log"
 if [[ $stages == *tests* ]]; then
-  timeout ${TESTS_TIMEOUT:-200} python3 -m pytest tests/test_stream.py tests/test_compile.py tests/test_configs.py tests/test_gpu.py \
+  timeout ${TESTS_TIMEOUT:-200} python3 -m pytest ${TEST_FILES:-tests/test_stream.py tests/test_compile.py tests/test_configs.py tests/test_gpu.py} \
     -q -p no:cacheprovider -x ${PYTEST_ARGS:-} 2>&1 | tee "$out/gpu_tests.log" | tail -25
 fi
 if [[ $stages == *convert* ]]; then

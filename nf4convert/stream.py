@@ -39,6 +39,10 @@ CPU_PIECE_BYTES = 1 << 22  # output bytes per piece on the CPU: small, as every 
 CUDA_PIECE_BYTES = 1 << 24  # on CUDA: large copies and writes, a few pinned buffers of it
 READ_AHEAD = 3  # pieces read before their make begins
 WRITE_AHEAD = 3  # pieces made and waiting for (or being written by) the writers; more than one write in flight
+WRITERS = int(os.environ.get("NF4CONVERT_WRITERS", "2"))  # threads writing at once (a tuning knob for benchmarks)
+# NF4CONVERT_PROFILE=1: at the end, one JSON line on stderr: each stage's busy seconds (summed over its threads) and
+# how long the caller waited on it, the pipeline's wall time and the process's age (benchmarks/bench_convert.py).
+PROFILE = os.environ.get("NF4CONVERT_PROFILE", "0") == "1"
 
 
 @dataclass
@@ -295,10 +299,14 @@ class _Pipeline:
         self.route, self.reader, self.progress = route, reader, progress
         self._readers = ThreadPoolExecutor(READ_AHEAD, thread_name_prefix="nf4convert-read")
         self._makers = ThreadPoolExecutor(route.makers, thread_name_prefix="nf4convert-make", initializer=route.maker_started)
-        self._writers = ThreadPoolExecutor(2, thread_name_prefix="nf4convert-write")
+        self._writers = ThreadPoolExecutor(WRITERS, thread_name_prefix="nf4convert-write")
         self._reads: deque = deque()
         self._makes: deque = deque()
         self._writes: deque = deque()
+        self._busy = dict.fromkeys(("read", "make", "write"), 0.0)
+        self._waited = dict.fromkeys(("read", "make", "write"), 0.0)
+        self._pieces = 0
+        self._started = _now()
 
     def __enter__(self):
         return self
@@ -309,24 +317,48 @@ class _Pipeline:
     def close(self) -> None:
         for pool in (self._readers, self._makers, self._writers):
             pool.shutdown(wait=True, cancel_futures=True)  # nothing runs on after a failure
+        if PROFILE and self._started is not None:
+            import json
+            import sys
+
+            wall, self._started = _now() - self._started, None
+            print(json.dumps({"pipeline_seconds": wall, "process_seconds": _process_age(), "pieces": self._pieces,
+                              "busy": self._busy, "waited": self._waited}), file=sys.stderr)  # fmt: skip
+
+    def _timed(self, stage: str, started: float) -> None:
+        self._busy[stage] += _now() - started  # += on a float under the GIL: a lost update only blurs a profile
 
     def _read(self, piece: Piece):
+        started = _now()
         buffer = self.route.buffers.take(piece.count)
-        return self.reader.read(piece.source, piece.first, piece.count, out=buffer), buffer
+        read = self.reader.read(piece.source, piece.first, piece.count, out=buffer)
+        self._timed("read", started)
+        return read, buffer
 
     def _make(self, piece: Piece, read, read_buffer):
+        started = _now()
         buffer = self.route.buffers.take(piece.nbytes)
         event = piece.make(read, buffer[: piece.nbytes])
         self.route.buffers.give(read_buffer, event)
+        self._timed("make", started)
         return buffer[: piece.nbytes], event, buffer
 
     def _write(self, writer: ShardWriter, name: str, piece: Piece, made, event, buffer) -> None:
+        started = _now()
         if event is not None:
             event.synchronize()
         writer.write(name, made, offset=piece.offset)
         self.route.buffers.give(buffer)
+        self._timed("write", started)
+
+    def _result(self, stage: str, future):
+        started = _now()
+        result = future.result()
+        self._waited[stage] += _now() - started
+        return result
 
     def push(self, writer: ShardWriter, name: str, piece: Piece) -> None:
+        self._pieces += 1
         self._reads.append((writer, name, piece, self._readers.submit(self._read, piece)))
         self._step(READ_AHEAD, self.route.makers, WRITE_AHEAD)
 
@@ -338,7 +370,7 @@ class _Pipeline:
 
         while len(self._reads) > reads:
             writer, name, piece, future = self._reads.popleft()
-            read, buffer = future.result()
+            read, buffer = self._result("read", future)
             if piece.make is None:  # the bytes read are the output
                 made = Future()
                 made.set_result((read, None, buffer))
@@ -352,14 +384,30 @@ class _Pipeline:
     def _retire_makes(self, makes: int) -> None:
         while len(self._makes) > makes:
             writer, name, piece, future = self._makes.popleft()
-            self._writes.append((piece, self._writers.submit(self._write, writer, name, piece, *future.result())))
+            made = self._result("make", future)
+            self._writes.append((piece, self._writers.submit(self._write, writer, name, piece, *made)))
             self._retire_writes(WRITE_AHEAD)
 
     def _retire_writes(self, writes: int) -> None:
         while len(self._writes) > writes:
             piece, future = self._writes.popleft()
-            future.result()
+            self._result("write", future)
             self.progress(piece.nbytes)
+
+
+def _now() -> float:
+    import time
+
+    return time.perf_counter()
+
+
+def _process_age() -> float:
+    """Seconds since this process started (Linux), or -1."""
+    try:
+        start_ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        return float(Path("/proc/uptime").read_text().split()[0]) - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return -1.0
 
 
 def write_shards(plan: Plan, folder: Path, reader: TensorReader, device, *, progress: Callable[[int], None],

@@ -82,31 +82,18 @@ def make_methods():
         print(f"Unsloth's fused kernel not importable ({type(error).__name__}: {error}); column skipped")
     methods["ours"] = lambda packed, state: nf4convert.dequantize_4bit(packed, state)
     methods["ours_compiled"] = None  # compiled afresh for every shape and dtype, see main()
-    methods["ours_compiled_tritonop"] = None  # the former route (triton_op + wrap_triton), to measure against
     return methods
 
 
-def compiled_ours(op="custom_op"):
+def compiled_ours():
     import nf4convert
-    from nf4convert import dequantize
 
     torch._dynamo.reset()
-    compiled = torch.compile(lambda packed, state: nf4convert.dequantize_4bit(packed, state), fullgraph=True, dynamic=False)
-
-    def run(packed, state):
-        # Which op the trace records is read while tracing (the first call of a shape).
-        previous, dequantize._COMPILED_OP = dequantize._COMPILED_OP, op
-        try:
-            return compiled(packed, state)
-        finally:
-            dequantize._COMPILED_OP = previous
-
-    return run
+    return torch.compile(lambda packed, state: nf4convert.dequantize_4bit(packed, state), fullgraph=True, dynamic=False)
 
 
 def set_compiled(methods):
     methods["ours_compiled"] = compiled_ours()
-    methods["ours_compiled_tritonop"] = compiled_ours("triton_op")
 
 
 def host_us(fn, packed, state, calls=2000):

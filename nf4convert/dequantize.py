@@ -14,7 +14,6 @@ from .kernels.replay import ReplayCache
 
 BACKENDS = ("auto", "triton", "cpu")
 _replays = ReplayCache()
-_COMPILED_OP = os.environ.get("NF4CONVERT_COMPILED_OP", "custom_op")
 
 
 @torch.compiler.assume_constant_result
@@ -71,14 +70,12 @@ def _pick_backend(backend: str, device: torch.device) -> str:
 
 
 def _compiled(packed, quant_state, fields, out):
-    """Under torch.compile: the registered custom op, whose tables and offset travel as tensors
-    (NF4CONVERT_COMPILED_OP=triton_op: Inductor's own route for the kernel, to measure against)."""
+    """Under torch.compile: the registered triton_op, whose tables and offset travel as tensors."""
     from .kernels import launch  # noqa: F401, PLC0415  (registers the op)
 
     absmax, code2, absmax2, offset, code, nested_blocksize = fields
     shape = tuple(quant_state.shape)
-    op = torch.ops.nf4convert.dequantize_4bit_inductor if _COMPILED_OP == "triton_op" else torch.ops.nf4convert.dequantize_4bit
-    result = op(packed, absmax, code2, absmax2, offset, code, quant_state.blocksize, nested_blocksize, list(shape),
+    result = torch.ops.nf4convert.dequantize_4bit(packed, absmax, code2, absmax2, offset, code, quant_state.blocksize, nested_blocksize, list(shape),
                 quant_state.dtype)  # fmt: skip
     if out is None:
         return result

@@ -1,5 +1,6 @@
 """torch.compile: a Linear4bit-style forward compiles to one graph for every layer (fullgraph, no recompiles), with
-the kernel as one opaque op call, bit for bit the eager result. On the CPU the kernel runs in Triton's interpreter."""
+the kernel as one op call, bit for bit the eager result (GPU: Inductor needs a GPU target to trace the Triton
+kernel); on the CPU, that filling the kernel-table cache during a trace does not recompile the next layer."""
 
 from __future__ import annotations
 
@@ -11,6 +12,28 @@ from helpers import bits, quantize
 
 pytest.importorskip("bitsandbytes")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def test_filling_the_table_cache_while_tracing_does_not_recompile(monkeypatch):
+    import torch._dynamo
+
+    from nf4convert import dequantize
+    from nf4convert.formats import bnb4
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(bnb4, "_code_cache", {})  # empty: the first trace fills it
+
+    def scaled(x, quant_type):
+        return x * dequantize._code_table(quant_type, x.device)[3]
+
+    compiled = torch.compile(scaled, fullgraph=True, backend="aot_eager")
+    generator = torch.Generator().manual_seed(5)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for _ in range(3):
+            x = torch.randn(17, generator=generator)
+            assert torch.equal(compiled(x, "nf4"), x * bnb4.canonical_code("nf4")[3])
+    assert bnb4._code_cache  # filled once, by the first call
 
 
 def _layers(shape, count, dtype, nested, seed):
@@ -22,6 +45,7 @@ def _forward(x, packed, state):
     return x @ nf4convert.dequantize_4bit(packed, state).t()
 
 
+@needs_cuda
 @pytest.mark.parametrize("nested,dtype", [(True, torch.bfloat16), (False, torch.float16)])
 def test_linear4bit_forward_one_graph_for_every_layer(nested, dtype):
     import torch._dynamo
@@ -44,6 +68,7 @@ def test_linear4bit_forward_one_graph_for_every_layer(nested, dtype):
     assert any("nf4convert.dequantize_4bit" in t for t in targets), targets
 
 
+@needs_cuda
 def test_compiled_weight_is_bit_exact():
     import torch._dynamo
 

@@ -42,8 +42,9 @@ CONFIGS = {
     (7, 5): ((None, Config(1024, 4, False)),),
 }
 GPU_CONFIGS = {
-    # Measured on an H200 (benchmarks/bench_dequant.py variant columns): with its faster HBM3e, 4 warps per
-    # 2 KiB tile beat 8 on large weights (issue 10: 151 vs 173 us at 28672x8192 bf16, 42.3 vs 46.6 at 14336x4096).
+    # Measured on an H200 (benchmarks/results-h200-dequant-2026-11-23.log, variant columns): with its faster
+    # HBM3e, 4 warps per 2 KiB tile beat 8 on large weights: 148.6 vs 174.3 us at 28672x8192 bf16 (Unsloth's
+    # fused kernel 149.6), 40.8 vs 46.8 at 14336x4096 (41.5); below 2 MiB packed the H100's rows hold.
     "H200": (
         (1 << 16, Config(512, 2, False)),
         (1 << 21, Config(1024, 4, True)),

@@ -136,62 +136,16 @@ def _replayer(compiled, n_programs, device_index, args, constexpr_values):
 
 
 # --- torch.compile ---------------------------------------------------------------------------------
-# Under torch.compile the kernel runs as an opaque custom op (an extern call in Inductor's graph): Inductor's
-# own path for a user Triton kernel (triton_op + wrap_triton) re-emits and launches it through its generic
-# launcher and functionalizes the output, which cost far more host time per call than the kernel takes on
-# small weights (issue 10: 100 us vs 5 us at 1024x1024). Here a call is one dispatch plus a replayed launch.
-# Offset and the tables travel as tensors, so one compiled graph serves every layer of a model.
-
-_op_replays: dict = {}
-_OP_REPLAYS_MAX = 4096  # distinct launches remembered (about one per quantized layer)
+# A triton_op lets Inductor see the kernel and schedule it inside the graph; offset and the tables travel as
+# tensors, so one compiled graph serves every layer of a model. Measured on an H200 (issue 10,
+# benchmarks/results-h200-dequant-2026-11-23.log): the kernel time under compile equals eager's (148.5 vs
+# 148.4 us at 28672x8192); what is slower is the host's time per compiled call (78 us against eager's 15 us),
+# which do_bench shows on small weights. An opaque torch.library.custom_op calling the eager launcher was
+# tried in its place and cost more (124 us per call), so the triton_op stays.
 
 
-def _op_key(packed, absmax, code2, absmax2, offset, code, n_elements, dtype, blocksize, nested_blocksize):
-    """Everything a launch depends on: every pointer (alignment included), dtype and size it reads, the config."""
-    tables = tuple((t.data_ptr(), t.dtype) if t is not None else None for t in (packed, absmax, code2, absmax2, offset, code))
-    return tables, packed.device, n_elements, dtype, blocksize, nested_blocksize, configs.current_override()
-
-
-def _dequantize_4bit_op_impl(packed, absmax, code2, absmax2, offset, code, blocksize, nested_blocksize, shape, dtype):
-    out = torch.empty(shape, dtype=dtype, device=packed.device)
-    key = None
-    if out.device.type == "cuda":
-        key = _op_key(packed, absmax, code2, absmax2, offset, code, out.numel(), dtype, blocksize, nested_blocksize)
-        replay = _op_replays.get(key)
-        if replay is not None and replay(out):
-            return out
-    replay = launch(packed, absmax, code2, absmax2, offset, code, out, blocksize, nested_blocksize)
-    if replay is not None:
-        if len(_op_replays) >= _OP_REPLAYS_MAX:
-            _op_replays.clear()
-        _op_replays[key] = replay
-    return out
-
-
-@torch.library.custom_op("nf4convert::dequantize_4bit", mutates_args=())
+@torch.library.triton_op("nf4convert::dequantize_4bit", mutates_args=())
 def dequantize_4bit_op(
-    packed: torch.Tensor,
-    absmax: torch.Tensor,
-    code2: Optional[torch.Tensor],
-    absmax2: Optional[torch.Tensor],
-    offset: Optional[torch.Tensor],
-    code: torch.Tensor,
-    blocksize: int,
-    nested_blocksize: int,
-    shape: List[int],
-    dtype: torch.dtype,
-) -> torch.Tensor:
-    return _dequantize_4bit_op_impl(packed, absmax, code2, absmax2, offset, code, blocksize, nested_blocksize, shape, dtype)
-
-
-@dequantize_4bit_op.register_fake
-def _(packed, absmax, code2, absmax2, offset, code, blocksize, nested_blocksize, shape, dtype):
-    return torch.empty(shape, dtype=dtype, device=packed.device)
-
-
-# The former route, kept to measure against (benchmarks/bench_dequant.py, column ours_compiled_tritonop).
-@torch.library.triton_op("nf4convert::dequantize_4bit_inductor", mutates_args=())
-def dequantize_4bit_inductor_op(
     packed: torch.Tensor,
     absmax: torch.Tensor,
     code2: Optional[torch.Tensor],

@@ -245,7 +245,8 @@ class ShardWriter:
         self._pwrite(view, self._begin[name] + offset)
         with self._lock:
             self._written[name] += len(view)
-            while self._next < len(self.tensors) and self._written[self.tensors[self._next].name] >= self.tensors[self._next].nbytes:
+            tensors = self.tensors
+            while self._next < len(tensors) and self._written[tensors[self._next].name] >= tensors[self._next].nbytes:
                 self._next += 1
 
     def discard(self) -> None:

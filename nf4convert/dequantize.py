@@ -75,8 +75,8 @@ def _compiled(packed, quant_state, fields, out):
 
     absmax, code2, absmax2, offset, code, nested_blocksize = fields
     shape = tuple(quant_state.shape)
-    result = torch.ops.nf4convert.dequantize_4bit(packed, absmax, code2, absmax2, offset, code, quant_state.blocksize, nested_blocksize, list(shape),
-                quant_state.dtype)  # fmt: skip
+    result = torch.ops.nf4convert.dequantize_4bit(packed, absmax, code2, absmax2, offset, code, quant_state.blocksize,
+                                                  nested_blocksize, list(shape), quant_state.dtype)  # fmt: skip
     if out is None:
         return result
     out.copy_(result.view(out.shape))

@@ -182,7 +182,8 @@ class CpuRoute:
 
         def make(codes, out):
             rows = codes.numel() // columns
-            out.view(out_type).view(rows, columns).copy_(bnb8.dequantize(codes.view(torch.int8).view(rows, columns), scb, out_type))
+            made = bnb8.dequantize(codes.view(torch.int8).view(rows, columns), scb, out_type)
+            out.view(out_type).view(rows, columns).copy_(made)
 
         return make
 
@@ -298,7 +299,8 @@ class _Pipeline:
 
         self.route, self.reader, self.progress = route, reader, progress
         self._readers = ThreadPoolExecutor(READ_AHEAD, thread_name_prefix="nf4convert-read")
-        self._makers = ThreadPoolExecutor(route.makers, thread_name_prefix="nf4convert-make", initializer=route.maker_started)
+        self._makers = ThreadPoolExecutor(route.makers, thread_name_prefix="nf4convert-make",
+                                          initializer=route.maker_started)  # fmt: skip
         self._writers = ThreadPoolExecutor(WRITERS, thread_name_prefix="nf4convert-write")
         self._reads: deque = deque()
         self._makes: deque = deque()

@@ -88,7 +88,8 @@ def test_pieces_on_every_thread_give_the_reference_bytes(tmp_path, seed):
             for tensor in shard.tensors:
                 got, want = file.get_tensor(tensor.name), expected[tensor.name]
                 assert got.dtype == want.dtype and got.shape == want.shape, tensor.name
-                assert torch.equal(got.view(-1).view(torch.uint8), want.contiguous().view(-1).view(torch.uint8)), tensor.name
+                want_bytes = want.contiguous().view(-1).view(torch.uint8)
+                assert torch.equal(got.view(-1).view(torch.uint8), want_bytes), tensor.name
     # One maker with default pieces writes the very same files.
     _convert(source, tmp_path / "one", stream.CpuRoute(workers=1), shard_size=60_000)
     assert _files(tmp_path / "one") == _files(tmp_path / "small")

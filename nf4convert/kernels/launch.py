@@ -27,14 +27,16 @@ def _device_info(device: torch.device) -> tuple:
     info = _devices.get(index)
     if info is None:
         properties = torch.cuda.get_device_properties(index)
-        info = _devices[index] = (torch.cuda.get_device_capability(index), properties.multi_processor_count, properties.name)
+        capability = torch.cuda.get_device_capability(index)
+        info = _devices[index] = (capability, properties.multi_processor_count, properties.name)
     return info
 
 
 def _plan(packed, absmax, code2, absmax2, offset, code, out, blocksize, nested_blocksize):
     """Everything a launch needs: (grid, args, constexprs, num_warps)."""
     nested = code2 is not None
-    capability, sm_count, gpu_name = (None, 1, "") if INTERPRET or out.device.type != "cuda" else _device_info(out.device)
+    on_gpu = not INTERPRET and out.device.type == "cuda"
+    capability, sm_count, gpu_name = _device_info(out.device) if on_gpu else (None, 1, "")
     grid, constexprs, num_warps = configs.launch_config(
         out.numel(), blocksize, nested_blocksize, nested, out.dtype, capability, sm_count, gpu_name
     )

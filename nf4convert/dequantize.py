@@ -16,11 +16,15 @@ BACKENDS = ("auto", "triton", "cpu")
 _replays = ReplayCache()
 
 
-@torch.compiler.assume_constant_result
 def _code_table(quant_type: str, device: torch.device) -> torch.Tensor:
     """The cached kernel table; under torch.compile a constant of the graph. Traced, the cache's dict would be
     guarded on, and filling it on the first call would fail that guard: a recompile at the second layer."""
     return canonical_code(quant_type, device)
+
+
+# What torch.compiler.assume_constant_result sets; calling it imports torch._dynamo (a second or more), which
+# every eager user and the converter would pay at import. tests/test_compile.py checks that it still works.
+_code_table._dynamo_marked_constant = True
 
 
 def _fields(packed: torch.Tensor, quant_state: Any, out: Optional[torch.Tensor], backend: str):

@@ -92,6 +92,10 @@ def compiled_ours():
     return torch.compile(lambda packed, state: nf4convert.dequantize_4bit(packed, state), fullgraph=True, dynamic=False)
 
 
+def set_compiled(methods):
+    methods["ours_compiled"] = compiled_ours()
+
+
 def host_us(fn, packed, state, calls=2000):
     """Host time per call (no synchronize): what the launch path costs the CPU."""
     for _ in range(10):
@@ -160,6 +164,9 @@ def main():
     parser.add_argument("--quick", action="store_true", help="fewer shapes and no harness")
     parser.add_argument("--json", help="write every figure here")
     parser.add_argument("--harness-iterations", type=int, default=1000)
+    parser.add_argument("--shapes", help="e.g. 1024x1024,28672x8192 (default: all)")
+    parser.add_argument("--dtypes", help="e.g. bf16,fp16 (default: all)")
+    parser.add_argument("--no-harness", action="store_true")
     options = parser.parse_args()
 
     env = {
@@ -180,31 +187,34 @@ def main():
     for name, config in VARIANTS.items():
         methods[f"ours[{name}]"] = with_variant(config, methods["ours"])
     shapes = SHAPES[::2] if options.quick else SHAPES
+    if options.shapes:
+        shapes = [tuple(int(n) for n in shape.split("x")) for shape in options.shapes.split(",")]
+    dtypes = {name: DTYPES[name] for name in options.dtypes.split(",")} if options.dtypes else DTYPES
     rows = []
     for shape in shapes:
-        for dtype_name, dtype in DTYPES.items():
+        for dtype_name, dtype in dtypes.items():
             packed, state = quantized(shape, dtype)
             reference = F.dequantize_4bit(packed, state)
             floor_us = moved_bytes(packed, state) / bandwidth * 1e6
             row = {"shape": f"{shape[0]}x{shape[1]}", "dtype": dtype_name, "floor_us": floor_us}
-            methods["ours_compiled"] = compiled_ours()
+            set_compiled(methods)
             for name, fn in methods.items():
                 is_exact = exact(fn(packed, state), reference)
                 us = do_bench(lambda: fn(packed, state), warmup=25, rep=100, return_mode="median") * 1e3
                 row[name] = {"us": us, "exact": is_exact}
-                if shape == SHAPES[0] and not name.startswith("ours["):
+                if shape == shapes[0] and not name.startswith("ours["):
                     row[name]["host_us"] = host_us(fn, packed, state)
             rows.append(row)
             print(json.dumps(row), flush=True)
             del packed, state, reference
 
     harness = {}
-    if not options.quick:
+    if not options.quick and not options.no_harness:
         weights = []
         for _, _, hidden, intermediate, dtype in HARNESS:
             for shape in ((intermediate, hidden), (intermediate, hidden), (hidden, intermediate)):
                 weights.append(quantized(shape, dtype))
-        methods["ours_compiled"] = compiled_ours()
+        set_compiled(methods)
         torch._dynamo.config.recompile_limit = 64  # one graph per harness weight shape
         for name, fn in methods.items():
             if name.startswith("ours["):

@@ -297,7 +297,10 @@ class TensorReader:
     """Reads tensors' bytes from their files, keeping the files open; tensors come back on the CPU."""
 
     def __init__(self):
+        import threading
+
         self._files: dict[Path, object] = {}
+        self._opening = threading.Lock()  # the stream reads from several threads
 
     def __enter__(self):
         return self
@@ -308,26 +311,37 @@ class TensorReader:
     def _file(self, path: Path):
         handle = self._files.get(path)
         if handle is None:
-            try:
-                handle = self._files[path] = open(path, "rb")  # noqa: SIM115  (closed in close())
-            except OSError as error:
-                raise CheckpointError(f"{path}: cannot be read ({error.strerror or error})") from None
+            with self._opening:
+                handle = self._files.get(path)
+                if handle is None:
+                    try:
+                        handle = self._files[path] = open(path, "rb")  # noqa: SIM115  (closed in close())
+                    except OSError as error:
+                        raise CheckpointError(f"{path}: cannot be read ({error.strerror or error})") from None
         return handle
 
     def read(self, info: TensorInfo, first_byte: int = 0, count: int | None = None, out=None):
-        """Bytes ``[first_byte, first_byte + count)`` of a tensor as a uint8 tensor (into ``out`` if given)."""
+        """Bytes ``[first_byte, first_byte + count)`` of a tensor as a uint8 tensor (into ``out`` if given).
+
+        Positional reads (no shared file position): safe from several threads at once.
+        """
+        import os
+
         import torch
 
         count = info.nbytes - first_byte if count is None else count
         buffer = torch.empty(count, dtype=torch.uint8) if out is None else out[:count]
-        handle = self._file(info.path)
-        handle.seek(info.begin + first_byte)
+        view = memoryview(buffer.numpy()) if count else memoryview(b"")
+        descriptor = self._file(info.path).fileno()
+        done = 0
         try:
-            complete = handle.readinto(memoryview(buffer.numpy())) == count
+            while done < count:  # Linux reads at most ~2 GiB per call
+                got = os.preadv(descriptor, [view[done:]], info.begin + first_byte + done)
+                if got == 0:
+                    raise CheckpointError(f"{info.path}: truncated while reading tensor '{info.name}'")
+                done += got
         except OSError as error:
             raise CheckpointError(f"{info.path}: cannot be read ({error.strerror or error})") from None
-        if not complete:
-            raise CheckpointError(f"{info.path}: truncated while reading tensor '{info.name}'")
         return buffer
 
     def tensor(self, info: TensorInfo):
@@ -356,36 +370,72 @@ def shard_header(tensors: Iterable) -> bytes:
 
 
 class ShardWriter:
-    """Writes one shard: the header first, then each tensor's bytes in header order, as they come."""
+    """Writes one shard: the header first, then each tensor's bytes, either appended in header order
+    (``write(name, data)``) or put at their planned place (``write(name, data, offset=...)``, from any
+    number of threads at once: positional writes)."""
 
     def __init__(self, path: Path, tensors: list):
+        import os
+        import threading
+
         self.path = path
         self.tensors = tensors
-        self._file = open(path, "wb")  # noqa: SIM115  (closed in close())
-        self._file.write(shard_header(tensors))
-        self._next = 0
-        self._written = 0  # bytes of the current tensor written so far
+        header = shard_header(tensors)
+        self._descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+        self._begin: dict[str, int] = {}
+        position = len(header)
+        for tensor in tensors:
+            self._begin[tensor.name] = position
+            position += tensor.nbytes
+        self._nbytes = {tensor.name: tensor.nbytes for tensor in tensors}
+        self._written = dict.fromkeys(self._begin, 0)
+        self._lock = threading.Lock()
+        self._next = 0  # the tensor appended to next (header order)
+        self._pwrite(header, 0)
 
-    def write(self, name: str, data) -> None:
-        """Append bytes (a CPU tensor, any dtype, contiguous) of tensor ``name``; call in header order."""
+    def _pwrite(self, view, position: int) -> None:
+        import os
+
+        view = memoryview(view)
+        while len(view):  # a regular file takes at most ~2 GiB per call
+            done = os.pwrite(self._descriptor, view, position)
+            view, position = view[done:], position + done
+
+    def write(self, name: str, data, offset: int | None = None) -> None:
+        """Bytes (a CPU tensor, any dtype, contiguous) of tensor ``name``: appended after the bytes it has
+        (call in header order), or at byte ``offset`` of the tensor."""
         import torch
 
-        expected = self.tensors[self._next]
-        if expected.name != name:
-            raise RuntimeError(f"{self.path}: wrote '{name}' where '{expected.name}' comes next")
         view = memoryview(data.contiguous().view(-1).view(torch.uint8).numpy())
-        self._file.write(view)
-        self._written += len(view)
-        if self._written > expected.nbytes:
-            raise RuntimeError(f"{self.path}: '{name}' got {self._written} bytes, {expected.nbytes} planned")
-        if self._written == expected.nbytes:
-            self._next += 1
-            self._written = 0
+        if offset is None:
+            expected = self.tensors[self._next] if self._next < len(self.tensors) else None
+            if expected is None or expected.name != name:
+                raise RuntimeError(f"{self.path}: wrote '{name}' where '{expected and expected.name}' comes next")
+            offset = self._written[name]
+        elif name not in self._begin:
+            raise RuntimeError(f"{self.path}: '{name}' is not planned in this shard")
+        planned = self._nbytes[name]
+        if offset + len(view) > planned:
+            raise RuntimeError(f"{self.path}: '{name}' got bytes up to {offset + len(view)}, {planned} planned")
+        self._pwrite(view, self._begin[name] + offset)
+        with self._lock:
+            self._written[name] += len(view)
+            tensors = self.tensors
+            while self._next < len(tensors) and self._written[tensors[self._next].name] >= tensors[self._next].nbytes:
+                self._next += 1
+
+    def discard(self) -> None:
+        """Close the file, written or not (the run failed; its folder goes)."""
+        import os
+
+        if self._descriptor is not None:
+            os.close(self._descriptor)
+            self._descriptor = None
 
     def close(self) -> None:
         # No fsync: the folder only gets its final name once every shard is closed, so an
         # interrupted run never looks finished; durability across power loss is the OS's.
-        complete = self._next == len(self.tensors)
-        self._file.close()
-        if not complete:
-            raise RuntimeError(f"{self.path}: closed with {len(self.tensors) - self._next} tensors unwritten")
+        unwritten = [t.name for t in self.tensors if self._written[t.name] != t.nbytes]
+        self.discard()
+        if unwritten:
+            raise RuntimeError(f"{self.path}: closed with {len(unwritten)} tensors unwritten")

@@ -16,6 +16,17 @@ BACKENDS = ("auto", "triton", "cpu")
 _replays = ReplayCache()
 
 
+def _code_table(quant_type: str, device: torch.device) -> torch.Tensor:
+    """The cached kernel table; under torch.compile a constant of the graph. Traced, the cache's dict would be
+    guarded on, and filling it on the first call would fail that guard: a recompile at the second layer."""
+    return canonical_code(quant_type, device)
+
+
+# What torch.compiler.assume_constant_result sets; calling it imports torch._dynamo (a second or more), which
+# every eager user and the converter would pay at import. tests/test_compile.py checks that it still works.
+_code_table._dynamo_marked_constant = True
+
+
 def _fields(packed: torch.Tensor, quant_state: Any, out: Optional[torch.Tensor], backend: str):
     """Check the arguments; return the kernel's inputs: (absmax, code2, absmax2, offset, code, nested blocksize)."""
     if backend not in BACKENDS:
@@ -48,7 +59,7 @@ def _fields(packed: torch.Tensor, quant_state: Any, out: Optional[torch.Tensor],
             raise ArgumentError(f"out has {out.numel()} elements, shape {tuple(quant_state.shape)} needs {math.prod(quant_state.shape)}")
         if out.device != device or not out.is_contiguous():
             raise ArgumentError(f"out must be contiguous on {device}")
-    return absmax, code2, absmax2, offset, canonical_code(quant_state.quant_type, device), nested_blocksize
+    return absmax, code2, absmax2, offset, _code_table(quant_state.quant_type, device), nested_blocksize
 
 
 def _pick_backend(backend: str, device: torch.device) -> str:

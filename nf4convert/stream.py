@@ -1,64 +1,97 @@
-"""Execute a plan: every output tensor's recipe, chunk by chunk, on one device, straight into its shard.
+"""Execute a plan: every output tensor's recipe, piece by piece, on one device, straight into its shard.
 
-Peak memory is a few chunks (``CHUNK_ELEMENTS`` outputs of a quantized weight, ``CHUNK_BYTES`` of a plain
-tensor), whatever the model or shard size: each shard's header is written first (the plan fixed every
-offset), then the bytes, on a writer thread while the next chunk is made.
+One pipeline serves both devices. A recipe's producer cuts its output into *pieces* of at most
+``route.piece_bytes`` (whole quant blocks, whole 8-bit rows); each piece goes through three stages,
+each on its own threads, so reading, making and writing overlap:
+
+    read   positional reads of the source bytes into a reused host buffer        (reader threads)
+    make   the output bytes from them: a cast on the CPU, or a dequantization     (the route's makers)
+    write  positional writes at the piece's planned offset in its shard           (writer threads)
+
+A *route* says how pieces are made on its device. The CPU route spreads makes over every core (torch
+and numpy release the GIL; the CPU kernel works on whole blocks, so any piece stands alone). The CUDA
+route keeps one maker thread that only enqueues: host-to-device copies on their own stream, the kernel
+on the current stream, device-to-host copies into pinned buffers on a third stream, ordered by events;
+the writer waits on a piece's event before writing it. Plain tensors that need no cast are written
+from the very buffer they were read into: they never reach the GPU. Casts stay on the CPU on both routes
+(so NaN payloads are the CPU's, the same on both).
+
+Memory is bounded by the pieces in flight (``read_ahead + makers + write_ahead``, each at most
+``piece_bytes`` in and out), whatever the model; buffers are reused, pinned on the CUDA route.
+Every shard's header is written first (the plan fixed every offset), so pieces land in any order.
 """
 
 from __future__ import annotations
 
+import os
+import threading
+from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Optional
 
-from .checkpoint import ShardWriter, TensorReader
+from .checkpoint import ShardWriter, TensorInfo, TensorReader
 from .dtypes import DTYPES
 from .formats import bnb4, bnb8, peft_lora
 from .plan import Copy, Dequantize4bit, Dequantize8bit, MergeLora, Plan, PlannedTensor
 
-CHUNK_ELEMENTS = 1 << 24  # outputs per step of a quantized weight: 32 MiB of bf16
-CHUNK_BYTES = 1 << 25  # source bytes per step of a plain tensor
+CPU_PIECE_BYTES = 1 << 22  # output bytes per piece on the CPU: small, as every core holds one (and its fp32 scratch)
+CUDA_PIECE_BYTES = 1 << 24  # on CUDA: large copies and writes, a few pinned buffers of it
+READ_AHEAD = 3  # pieces read before their make begins
+WRITE_AHEAD = 3  # pieces made and waiting for (or being written by) the writers; more than one write in flight
+WRITERS = int(os.environ.get("NF4CONVERT_WRITERS", "2"))  # threads writing at once (a tuning knob for benchmarks)
+# NF4CONVERT_PROFILE=1: at the end, one JSON line on stderr: each stage's busy seconds (summed over its threads) and
+# how long the caller waited on it, the pipeline's wall time and the process's age (benchmarks/bench_convert.py).
+PROFILE = os.environ.get("NF4CONVERT_PROFILE", "0") == "1"
 
 
-def _copy(tensor: PlannedTensor, reader: TensorReader, device) -> Iterator:
-    import torch
+@dataclass
+class Piece:
+    """``nbytes`` output bytes at byte ``offset`` of an output tensor, made from ``count`` bytes of ``source``
+    from byte ``first``; ``make(read, out) -> event or None`` fills ``out`` (None: the bytes read are the output)."""
 
+    offset: int
+    nbytes: int
+    source: TensorInfo
+    first: int
+    count: int
+    make: Optional[Callable] = None
+
+
+# --- producers: what each kind of recipe reads and makes ----------------------------------------------------
+
+
+def _copy(tensor: PlannedTensor, reader: TensorReader, route) -> Iterator[Piece]:
     source = tensor.recipe.source
-    source_type, target_type = DTYPES[source.dtype].torch, DTYPES[tensor.dtype].torch
-    size = DTYPES[source.dtype].itemsize
-    step = max(size, CHUNK_BYTES // size * size)
-    for first in range(0, source.nbytes, step):
-        data = reader.read(source, first, min(step, source.nbytes - first)).view(source_type)
-        yield data.to(target_type) if source_type != target_type else data
-    if source.nbytes == 0:
-        yield torch.empty(0, dtype=torch.uint8)
+    source_type, target_type = DTYPES[source.dtype], DTYPES[tensor.dtype]
+    cast = route.cast(source_type.torch, target_type.torch) if source_type.torch != target_type.torch else None
+    step = max(1, route.piece_bytes // max(source_type.itemsize, target_type.itemsize))  # elements
+    n_elements = source.nbytes // source_type.itemsize
+    for first in range(0, n_elements, step):
+        count = min(step, n_elements - first)
+        yield Piece(first * target_type.itemsize, count * target_type.itemsize, source, first * source_type.itemsize,
+                    count * source_type.itemsize, cast)  # fmt: skip
 
 
-def _dequantize_4bit(tensor: PlannedTensor, reader: TensorReader, device) -> Iterator:
-    import torch
-
-    from .dequantize import dequantize_4bit
-
+def _dequantize_4bit(tensor: PlannedTensor, reader: TensorReader, route) -> Iterator[Piece]:
     weight = tensor.recipe.weight
-    state = bnb4.load_state(weight, reader, device)
-    buffer = None
-    for first, count, piece in bnb4.chunks(state, CHUNK_ELEMENTS, DTYPES[tensor.dtype].torch):
-        if buffer is None:  # the first chunk is the largest
-            buffer = torch.empty((count + 1) // 2, dtype=torch.uint8)
-        packed = reader.read(weight.packed, first // 2, (count + 1) // 2, out=buffer).to(device)
-        yield dequantize_4bit(packed, piece).cpu()
+    out_type = DTYPES[tensor.dtype]
+    state = bnb4.load_state(weight, reader, route.device)
+    for first, count, piece in bnb4.chunks(state, route.piece_bytes // out_type.itemsize, out_type.torch):
+        yield Piece(first * out_type.itemsize, count * out_type.itemsize, weight.packed, first // 2, (count + 1) // 2,
+                    route.dequantize_4bit(piece))  # fmt: skip
 
 
-def _dequantize_8bit(tensor: PlannedTensor, reader: TensorReader, device) -> Iterator:
-    import torch
-
+def _dequantize_8bit(tensor: PlannedTensor, reader: TensorReader, route) -> Iterator[Piece]:
     weight = tensor.recipe.weight
     rows, columns = weight.shape
-    scb = reader.tensor(weight.scb).to(device)
-    step = max(1, CHUNK_ELEMENTS // max(columns, 1))  # whole rows: each row has its own scale
+    out_type = DTYPES[tensor.dtype]
+    scb = reader.tensor(weight.scb).to(route.device)
+    step = max(1, route.piece_bytes // max(columns * out_type.itemsize, 1))  # whole rows: each has its own scale
     for first in range(0, rows, step):
         count = min(step, rows - first)
-        codes = reader.read(weight.weight, first * columns, count * columns).view(torch.int8).view(count, columns)
-        yield bnb8.dequantize(codes.to(device), scb[first : first + count], DTYPES[tensor.dtype].torch).cpu()
+        yield Piece(first * columns * out_type.itemsize, count * columns * out_type.itemsize, weight.weight,
+                    first * columns, count * columns, route.dequantize_8bit(scb[first : first + count], columns, out_type.torch))  # fmt: skip
 
 
 def _merge_lora(tensor: PlannedTensor, reader: TensorReader, device) -> Iterator:
@@ -77,7 +110,7 @@ def _merge_lora(tensor: PlannedTensor, reader: TensorReader, device) -> Iterator
 
 
 # How each kind of recipe is made; verification.py holds the reference twin of this table.
-PRODUCERS: dict[type, Callable[[PlannedTensor, TensorReader, object], Iterator]] = {
+PRODUCERS: dict[type, Callable[[PlannedTensor, TensorReader, object], Iterator[Piece]]] = {
     Copy: _copy,
     Dequantize4bit: _dequantize_4bit,
     Dequantize8bit: _dequantize_8bit,
@@ -85,49 +118,333 @@ PRODUCERS: dict[type, Callable[[PlannedTensor, TensorReader, object], Iterator]]
 }
 
 
-class _Pipeline:
-    """Writes chunks on a background thread while the next ones are computed (file writes and torch
-    release the GIL); at most ``depth`` chunks wait, so memory stays bounded."""
+# --- routes: how pieces are made on a device ------------------------------------------------------------------
 
-    def __init__(self, progress: Callable[[int], None], depth: int = 2):
-        from collections import deque
+
+def _cast(source_type, target_type):
+    def make(read, out):
+        out.view(target_type).copy_(read.view(source_type))
+
+    return make
+
+
+class _Buffers:
+    """Reused host buffers (pinned for CUDA). A buffer given back with an event is taken again only once
+    that event has passed (a copy may still be reading it)."""
+
+    def __init__(self, size: int, pinned: bool):
+        self._size, self._pinned = size, pinned
+        self._free: list = []
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int):
+        import torch
+
+        with self._lock:
+            index = next((i for i, (buffer, _) in enumerate(self._free) if buffer.numel() >= nbytes), None)
+            buffer, event = self._free.pop(index) if index is not None else (None, None)
+        if buffer is None:
+            buffer = torch.empty(max(nbytes, self._size), dtype=torch.uint8, pin_memory=self._pinned)
+        if event is not None:
+            event.synchronize()
+        return buffer
+
+    def give(self, buffer, event=None) -> None:
+        with self._lock:
+            self._free.append((buffer, event))
+
+
+class CpuRoute:
+    """Pieces made on the CPU, spread over every core; torch runs one thread per maker (the makers are
+    the parallelism; more would oversubscribe the cores)."""
+
+    piece_bytes = CPU_PIECE_BYTES
+
+    def __init__(self, workers: int | None = None):
+        import torch
+
+        self.device = torch.device("cpu")
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        self.makers = workers or cores
+        self.buffers = _Buffers(self.piece_bytes, pinned=False)
+        self._threads = torch.get_num_threads()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        import torch
+
+        torch.set_num_threads(self._threads)  # the makers set one thread each
+
+    def maker_started(self) -> None:
+        import torch
+
+        torch.set_num_threads(1)
+
+    def cast(self, source_type, target_type):
+        return _cast(source_type, target_type)
+
+    def dequantize_4bit(self, state):
+        from .dequantize import dequantize_4bit
+
+        def make(packed, out):
+            dequantize_4bit(packed, state, out=out.view(state.dtype), backend="cpu")
+
+        return make
+
+    def dequantize_8bit(self, scb, columns: int, out_type):
+        import torch
+
+        def make(codes, out):
+            rows = codes.numel() // columns
+            made = bnb8.dequantize(codes.view(torch.int8).view(rows, columns), scb, out_type)
+            out.view(out_type).view(rows, columns).copy_(made)
+
+        return make
+
+
+class _Slot:
+    """Device buffers for one piece in flight, and the event after which they are free again."""
+
+    def __init__(self, size: int, device):
+        import torch
+
+        self.packed = torch.empty(size, dtype=torch.uint8, device=device)
+        self.out = torch.empty(size, dtype=torch.uint8, device=device)
+        self.free = None
+        self.keep = None  # a result the device-to-host copy still reads
+
+
+class CudaRoute:
+    """Pieces made on one GPU: one maker thread enqueues copies and kernels, nothing waits on the host but
+    the writer (for its piece's event) and a reused pinned buffer (for the copy that last read it)."""
+
+    piece_bytes = CUDA_PIECE_BYTES
+    makers = 1  # enqueues only; one thread keeps the streams' order simple
+    slots = 3  # pieces on the device at once: one copied in, one made, one copied out
+
+    def __init__(self, device):
+        import torch
+
+        self.device = device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
+        self.buffers = _Buffers(self.piece_bytes, pinned=True)
+        with torch.cuda.device(self.device):
+            self._upload, self._download = torch.cuda.Stream(), torch.cuda.Stream()
+        self._slots = [_Slot(self.piece_bytes, self.device) for _ in range(self.slots)]
+        self._turn = 0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        import torch
+
+        torch.cuda.synchronize(self.device)  # no copy may still read or write a buffer after this
+        self._slots.clear()
+
+    def maker_started(self) -> None:
+        import torch
+
+        torch.cuda.set_device(self.device)
+
+    def cast(self, source_type, target_type):
+        return _cast(source_type, target_type)
+
+    def _run(self, read, out, compute):
+        """Copy ``read`` in, ``compute(device bytes in, device bytes out) -> device result``, copy the result out."""
+        import torch
+
+        slot = self._slots[self._turn]
+        self._turn = (self._turn + 1) % len(self._slots)
+        if slot.packed.numel() < read.numel() or slot.out.numel() < out.numel():  # an 8-bit row beyond a piece
+            if slot.free is not None:
+                slot.free.synchronize()
+            slot.__init__(max(read.numel(), out.numel()), self.device)
+        with torch.cuda.stream(self._upload):
+            if slot.free is not None:
+                self._upload.wait_event(slot.free)
+            device_in = slot.packed[: read.numel()]
+            device_in.copy_(read, non_blocking=True)
+            loaded = self._upload.record_event()
+        compute_stream = torch.cuda.current_stream(self.device)
+        compute_stream.wait_event(loaded)
+        result = compute(device_in, slot.out[: out.numel()])
+        made = compute_stream.record_event()
+        with torch.cuda.stream(self._download):
+            self._download.wait_event(made)
+            out.copy_(result, non_blocking=True)
+            slot.free = self._download.record_event()
+        slot.keep = result  # the device-to-host copy reads it: alive until the slot comes round again
+        return slot.free
+
+    def dequantize_4bit(self, state):
+        from .dequantize import dequantize_4bit
+
+        def compute(packed, out):
+            dequantize_4bit(packed, state, out=out.view(state.dtype))
+            return out
+
+        return lambda read, out: self._run(read, out, compute)
+
+    def dequantize_8bit(self, scb, columns: int, out_type):
+        import torch
+
+        def compute(codes, out):
+            rows = codes.numel() // columns
+            return bnb8.dequantize(codes.view(torch.int8).view(rows, columns), scb, out_type).view(-1).view(torch.uint8)
+
+        return lambda read, out: self._run(read, out, compute)
+
+
+def route_for(device):
+    """The route that makes pieces on ``device`` (a torch.device)."""
+    return CudaRoute(device) if device.type == "cuda" else CpuRoute()
+
+
+# --- the pipeline -------------------------------------------------------------------------------------------------
+
+
+class _Pipeline:
+    """Pieces through read -> make -> write, in order of arrival, at most ``READ_AHEAD + makers + WRITE_AHEAD``
+    in flight. The caller's thread moves each piece on when the stage before it is done, so a failure in any
+    stage surfaces there (and stops everything) at the next step."""
+
+    def __init__(self, route, reader: TensorReader, progress: Callable[[int], None]):
         from concurrent.futures import ThreadPoolExecutor
 
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nf4convert-writer")
-        self._pending = deque()
-        self._progress = progress
-        self._depth = depth
+        self.route, self.reader, self.progress = route, reader, progress
+        self._readers = ThreadPoolExecutor(READ_AHEAD, thread_name_prefix="nf4convert-read")
+        self._makers = ThreadPoolExecutor(route.makers, thread_name_prefix="nf4convert-make",
+                                          initializer=route.maker_started)  # fmt: skip
+        self._writers = ThreadPoolExecutor(WRITERS, thread_name_prefix="nf4convert-write")
+        self._reads: deque = deque()
+        self._makes: deque = deque()
+        self._writes: deque = deque()
+        self._busy = dict.fromkeys(("read", "make", "write"), 0.0)
+        self._waited = dict.fromkeys(("read", "make", "write"), 0.0)
+        self._pieces = 0
+        self._started = _now()
 
-    def emit(self, writer: ShardWriter, name: str, data) -> None:
-        self._pending.append(self._pool.submit(writer.write, name, data))
-        self._progress(data.numel() * data.element_size())
-        while len(self._pending) > self._depth:
-            self._pending.popleft().result()
+    def __enter__(self):
+        return self
 
-    def drain(self) -> None:
-        while self._pending:
-            self._pending.popleft().result()
+    def __exit__(self, *exc_info):
+        self.close()
 
     def close(self) -> None:
-        for future in self._pending:
-            future.cancel()
-        self._pool.shutdown(wait=True)
+        for pool in (self._readers, self._makers, self._writers):
+            pool.shutdown(wait=True, cancel_futures=True)  # nothing runs on after a failure
+        if PROFILE and self._started is not None:
+            import json
+            import sys
+
+            wall, self._started = _now() - self._started, None
+            print(json.dumps({"pipeline_seconds": wall, "process_seconds": _process_age(), "pieces": self._pieces,
+                              "busy": self._busy, "waited": self._waited}), file=sys.stderr)  # fmt: skip
+
+    def _timed(self, stage: str, started: float) -> None:
+        self._busy[stage] += _now() - started  # += on a float under the GIL: a lost update only blurs a profile
+
+    def _read(self, piece: Piece):
+        started = _now()
+        buffer = self.route.buffers.take(piece.count)
+        read = self.reader.read(piece.source, piece.first, piece.count, out=buffer)
+        self._timed("read", started)
+        return read, buffer
+
+    def _make(self, piece: Piece, read, read_buffer):
+        started = _now()
+        buffer = self.route.buffers.take(piece.nbytes)
+        event = piece.make(read, buffer[: piece.nbytes])
+        self.route.buffers.give(read_buffer, event)
+        self._timed("make", started)
+        return buffer[: piece.nbytes], event, buffer
+
+    def _write(self, writer: ShardWriter, name: str, piece: Piece, made, event, buffer) -> None:
+        started = _now()
+        if event is not None:
+            event.synchronize()
+        writer.write(name, made, offset=piece.offset)
+        self.route.buffers.give(buffer)
+        self._timed("write", started)
+
+    def _result(self, stage: str, future):
+        started = _now()
+        result = future.result()
+        self._waited[stage] += _now() - started
+        return result
+
+    def push(self, writer: ShardWriter, name: str, piece: Piece) -> None:
+        self._pieces += 1
+        self._reads.append((writer, name, piece, self._readers.submit(self._read, piece)))
+        self._step(READ_AHEAD, self.route.makers, WRITE_AHEAD)
+
+    def drain(self) -> None:
+        self._step(0, 0, 0)
+
+    def _step(self, reads: int, makes: int, writes: int) -> None:
+        from concurrent.futures import Future
+
+        while len(self._reads) > reads:
+            writer, name, piece, future = self._reads.popleft()
+            read, buffer = self._result("read", future)
+            if piece.make is None:  # the bytes read are the output
+                made = Future()
+                made.set_result((read, None, buffer))
+            else:
+                made = self._makers.submit(self._make, piece, read, buffer)
+            self._makes.append((writer, name, piece, made))
+            self._retire_makes(makes)
+        self._retire_makes(makes)
+        self._retire_writes(writes)
+
+    def _retire_makes(self, makes: int) -> None:
+        while len(self._makes) > makes:
+            writer, name, piece, future = self._makes.popleft()
+            made = self._result("make", future)
+            self._writes.append((piece, self._writers.submit(self._write, writer, name, piece, *made)))
+            self._retire_writes(WRITE_AHEAD)
+
+    def _retire_writes(self, writes: int) -> None:
+        while len(self._writes) > writes:
+            piece, future = self._writes.popleft()
+            self._result("write", future)
+            self.progress(piece.nbytes)
+
+
+def _now() -> float:
+    import time
+
+    return time.perf_counter()
+
+
+def _process_age() -> float:
+    """Seconds since this process started (Linux), or -1."""
+    try:
+        start_ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        return float(Path("/proc/uptime").read_text().split()[0]) - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return -1.0
 
 
 def write_shards(plan: Plan, folder: Path, reader: TensorReader, device, *, progress: Callable[[int], None],
-                 tensor_done: Callable[[int], None] = lambda done: None) -> None:  # fmt: skip
-    """Write every shard of ``plan`` into ``folder``, making each tensor by its recipe on ``device``."""
-    pipeline = _Pipeline(progress)
+                 tensor_done: Callable[[int], None] = lambda done: None, route=None) -> None:  # fmt: skip
+    """Write every shard of ``plan`` into ``folder``, making each tensor by its recipe on ``device``
+    (through ``route`` when given: tests use small pieces)."""
     done = 0
-    try:
+    with route or route_for(device) as route, _Pipeline(route, reader, progress) as pipeline:
         for shard in plan.shards:
             writer = ShardWriter(folder / shard.filename, shard.tensors)
-            for tensor in shard.tensors:
-                for chunk in PRODUCERS[type(tensor.recipe)](tensor, reader, device):
-                    pipeline.emit(writer, tensor.name, chunk)
-                done += 1
-                tensor_done(done)
-            pipeline.drain()
+            try:
+                for tensor in shard.tensors:
+                    for piece in PRODUCERS[type(tensor.recipe)](tensor, reader, route):
+                        pipeline.push(writer, tensor.name, piece)
+                    done += 1
+                    tensor_done(done)
+                pipeline.drain()
+            except BaseException:
+                pipeline.close()  # no write may still be running when its file closes
+                writer.discard()
+                raise
             writer.close()
-    finally:
-        pipeline.close()

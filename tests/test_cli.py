@@ -175,7 +175,7 @@ def test_disk_full_is_one_line(checkpoints, tmp_path, monkeypatch):
 
     from nf4convert import checkpoint
 
-    def no_space(self, name, data):
+    def no_space(self, name, data, offset=None):
         raise OSError(28, "No space left on device")
 
     monkeypatch.undo()

@@ -1,7 +1,9 @@
 """Launch knobs of the dequantize kernel per GPU, and how one weight's launch is shaped.
 
-Speed only: every config is bit-exact (the tests run each variant). The table is by compute capability
-(prefix match; ``()`` is the default), rows ``(largest packed size in bytes, Config)``.
+Speed only: every config is bit-exact (the tests run each variant). ``GPU_CONFIGS`` holds tables measured on a
+named GPU (matched in ``torch.cuda.get_device_name``: an H100 and an H200 share compute capability 9.0 and 132
+SMs, yet differ in memory, and so in the best config); ``CONFIGS`` is by compute capability (prefix match; ``()``
+is the default, measured on an H100) for every other GPU. Rows ``(largest packed size in bytes, Config)``.
 """
 
 from __future__ import annotations
@@ -39,6 +41,16 @@ CONFIGS = {
     # T4: only L1 eviction hints exist there; keep the plain loads.
     (7, 5): ((None, Config(1024, 4, False)),),
 }
+GPU_CONFIGS = {
+    # Measured on an H200 (benchmarks/results-h200-dequant-2026-11-23.log, variant columns): with its faster
+    # HBM3e, 4 warps per 2 KiB tile beat 8 on large weights: 148.6 vs 174.3 us at 28672x8192 bf16 (Unsloth's
+    # fused kernel 149.6), 40.8 vs 46.8 at 14336x4096 (41.5); below 2 MiB packed the H100's rows hold.
+    "H200": (
+        (1 << 16, Config(512, 2, False)),
+        (1 << 21, Config(1024, 4, True)),
+        (None, Config(2048, 4, False)),
+    ),
+}
 _override: Optional[Config] = None
 
 
@@ -57,25 +69,33 @@ def current_override() -> Optional[Config]:
     return _override
 
 
-def choose_config(n_bytes: int, capability: tuple) -> Config:
-    """The launch config for a weight of ``n_bytes`` packed bytes on a GPU of ``capability``."""
+def table_for(capability: tuple, gpu_name: str = "") -> tuple:
+    """The config table of a GPU: its model's own, else its compute capability's, else the default."""
+    for model, table in GPU_CONFIGS.items():
+        if model in gpu_name:
+            return table
+    return CONFIGS.get(tuple(capability)) or CONFIGS.get(tuple(capability[:1])) or CONFIGS[()]
+
+
+def choose_config(n_bytes: int, capability: tuple, gpu_name: str = "") -> Config:
+    """The launch config for a weight of ``n_bytes`` packed bytes on a GPU of ``capability`` (named ``gpu_name``)."""
     if _override is not None:
         return _override
-    table = CONFIGS.get(tuple(capability)) or CONFIGS.get(tuple(capability[:1])) or CONFIGS[()]
+    table = table_for(capability, gpu_name)
     for limit, config in table:
         if limit is None or n_bytes <= limit:
             return config
     return table[-1][1]
 
 
-def launch_config(n_elements, blocksize, nested_blocksize, nested, out_dtype, capability, sm_count):
+def launch_config(n_elements, blocksize, nested_blocksize, nested, out_dtype, capability, sm_count, gpu_name=""):
     """(grid, constexprs, num_warps) for one weight; ``capability`` None means the interpreter."""
     half_block = blocksize // 2
     n_bytes = (n_elements + 1) // 2
     if capability is None and _override is None:
         config = Config(max(half_block, 4096), 4, False)  # the interpreter: few, large programs
     else:
-        config = choose_config(n_bytes, capability)
+        config = choose_config(n_bytes, capability, gpu_name)
     blocks = max(1, config.tile_bytes // half_block)
     n_tiles = -(-n_bytes // (half_block * blocks))
     persistent = config.programs_per_sm > 0 and n_tiles > sm_count * config.programs_per_sm

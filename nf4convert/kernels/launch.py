@@ -22,21 +22,23 @@ _devices: dict = {}
 
 
 def _device_info(device: torch.device) -> tuple:
-    """(compute capability, multiprocessor count) of a CUDA device, read once."""
+    """(compute capability, multiprocessor count, name) of a CUDA device, read once."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     info = _devices.get(index)
     if info is None:
         properties = torch.cuda.get_device_properties(index)
-        info = _devices[index] = (torch.cuda.get_device_capability(index), properties.multi_processor_count)
+        capability = torch.cuda.get_device_capability(index)
+        info = _devices[index] = (capability, properties.multi_processor_count, properties.name)
     return info
 
 
 def _plan(packed, absmax, code2, absmax2, offset, code, out, blocksize, nested_blocksize):
     """Everything a launch needs: (grid, args, constexprs, num_warps)."""
     nested = code2 is not None
-    capability, sm_count = (None, 1) if INTERPRET or out.device.type != "cuda" else _device_info(out.device)
+    on_gpu = not INTERPRET and out.device.type == "cuda"
+    capability, sm_count, gpu_name = _device_info(out.device) if on_gpu else (None, 1, "")
     grid, constexprs, num_warps = configs.launch_config(
-        out.numel(), blocksize, nested_blocksize, nested, out.dtype, capability, sm_count
+        out.numel(), blocksize, nested_blocksize, nested, out.dtype, capability, sm_count, gpu_name
     )
     args = (
         packed,
@@ -136,8 +138,12 @@ def _replayer(compiled, n_programs, device_index, args, constexpr_values):
 
 
 # --- torch.compile ---------------------------------------------------------------------------------
-# A triton_op lets Inductor see the kernel and schedule it inside the graph; offset and the tables
-# travel as tensors, so one compiled graph serves every layer of a model.
+# A triton_op lets Inductor see the kernel and schedule it inside the graph; offset and the tables travel as
+# tensors, so one compiled graph serves every layer of a model. Measured on an H200 (issue 10,
+# benchmarks/results-h200-dequant-2026-11-23.log): the kernel time under compile equals eager's (148.5 vs
+# 148.4 us at 28672x8192); what is slower is the host's time per compiled call (78 us against eager's 15 us),
+# which do_bench shows on small weights. An opaque torch.library.custom_op calling the eager launcher was
+# tried in its place and cost more (124 us per call), so the triton_op stays.
 
 
 @torch.library.triton_op("nf4convert::dequantize_4bit", mutates_args=())

@@ -1,0 +1,248 @@
+"""Whole-model conversion time beside the disk's own speed: an 8B-shaped NF4 checkpoint, every route in one run.
+
+    python benchmarks/bench_convert.py [--workdir DIR] [--layers 32] [--no-transformers] [--json FILE]
+
+Synthesizes a Llama-3.1-8B-shaped bitsandbytes 4-bit checkpoint (hidden 4096, intermediate 14336, 32 layers,
+8 KV heads, vocab 128256, untied lm_head kept bf16 as transformers saves it; NF4, double quantization, blocksize
+64, 5 GB shards): packed bytes and absmax codes random, nested absmax random and positive, the tables
+bitsandbytes' own, the quant-state JSON as bitsandbytes writes it. Valid, so every route reads it as a real
+one; nothing is quantized (that would take minutes for 8B weights).
+
+Then, each in a fresh process, output removed and the page cache's dirty pages synced before each:
+
+  nf4convert cuda   nf4convert SOURCE -o OUT --device cuda
+  nf4convert cpu    nf4convert SOURCE -o OUT --device cpu
+  dd                dd if=/dev/zero of=OUT bs=64M: the same number of bytes as the dense output
+  transformers      from_pretrained(device_map="cuda") -> dequantize() -> save_pretrained
+
+Each route's time is taken twice: when its process exits, and after a ``sync`` that follows (the bytes on
+disk). Peak host memory is the process's RssAnon (heap, Python, torch, pinned buffers; not the page cache),
+sampled every 5 ms. The cuda and cpu outputs are compared byte for byte.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256)
+TRANSFORMERS_ROUTE = """
+import sys, torch
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], device_map="cuda")
+model = model.dequantize()
+model.save_pretrained(sys.argv[2], save_original_format=False)
+"""
+
+
+def _weights(layers: int):
+    """(name, shape, quantized) in the order transformers saves a Llama."""
+    hidden, inter, kv = LLAMA_8B["hidden_size"], LLAMA_8B["intermediate_size"], LLAMA_8B["num_key_value_heads"] * 128
+    yield "model.embed_tokens.weight", (LLAMA_8B["vocab_size"], hidden), False
+    for i in range(layers):
+        prefix = f"model.layers.{i}"
+        for name, shape in (("self_attn.q_proj", (hidden, hidden)), ("self_attn.k_proj", (kv, hidden)),
+                            ("self_attn.v_proj", (kv, hidden)), ("self_attn.o_proj", (hidden, hidden)),
+                            ("mlp.gate_proj", (inter, hidden)), ("mlp.up_proj", (inter, hidden)),
+                            ("mlp.down_proj", (hidden, inter))):  # fmt: skip
+            yield f"{prefix}.{name}.weight", shape, True
+        yield f"{prefix}.input_layernorm.weight", (hidden,), False
+        yield f"{prefix}.post_attention_layernorm.weight", (hidden,), False
+    yield "model.norm.weight", (hidden,), False
+    yield "lm_head.weight", (LLAMA_8B["vocab_size"], hidden), False
+
+
+def build_source(folder: Path, layers: int, shard_bytes: int = 5 * 10**9) -> int:
+    """Write the synthesized checkpoint; returns the bytes of its dense bf16 output."""
+    import torch
+    from bitsandbytes.functional import create_dynamic_map
+    from safetensors.torch import save_file
+    from transformers import BitsAndBytesConfig, LlamaConfig
+
+    from nf4convert.formats.bnb4 import CODES
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # random bytes at GPU speed where there is one
+    generator = torch.Generator(device).manual_seed(0)
+    quant_map = torch.tensor(CODES["nf4"], dtype=torch.float32)
+    nested_map = create_dynamic_map(signed=True).float()
+    folder.mkdir(parents=True, exist_ok=True)
+    shards, current, size, dense = [], {}, 0, 0
+
+    def flush():
+        nonlocal current, size
+        if current:
+            shards.append(current)
+            save_file(current, folder / f"part-{len(shards)}.safetensors", metadata={"format": "pt"})
+            current, size = {}, 0
+
+    for name, shape, quantized in _weights(layers):
+        n = math.prod(shape)
+        dense += 2 * n
+        if quantized:
+            blocks = n // 64
+            meta = {"quant_type": "nf4", "blocksize": 64, "dtype": "bfloat16", "shape": list(shape), "nested_blocksize": 256,
+                    "nested_dtype": "float32", "nested_offset": 0.0312}  # fmt: skip
+            tensors = {
+                name: torch.randint(0, 256, (n // 2, 1), dtype=torch.uint8, device=device, generator=generator).cpu(),
+                f"{name}.absmax": torch.randint(0, 256, (blocks,), dtype=torch.uint8, device=device, generator=generator).cpu(),
+                f"{name}.quant_map": quant_map.clone(),
+                f"{name}.nested_absmax": (torch.rand(-(-blocks // 256), device=device, generator=generator) * 0.05 + 1e-3).cpu(),
+                f"{name}.nested_quant_map": nested_map.clone(),
+                f"{name}.quant_state.bitsandbytes__nf4": torch.tensor(list(json.dumps(meta).encode()), dtype=torch.uint8),
+            }
+        else:
+            tensors = {name: (torch.randn(shape, device=device, generator=generator) * 0.02).to(torch.bfloat16).cpu()}
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        if size + nbytes > shard_bytes:
+            flush()
+        current.update(tensors)
+        size += nbytes
+    flush()
+    names = sorted(folder.glob("part-*.safetensors"), key=lambda p: int(p.stem.split("-")[1]))
+    weight_map = {}
+    for index, path in enumerate(names, 1):
+        target = folder / f"model-{index:05d}-of-{len(names):05d}.safetensors"
+        path.rename(target)
+        weight_map.update({key: target.name for key in shards[index - 1]})
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    config = LlamaConfig(**LLAMA_8B, num_hidden_layers=layers, tie_word_embeddings=False, torch_dtype="bfloat16").to_dict()
+    config["quantization_config"] = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                                       bnb_4bit_compute_dtype=torch.bfloat16).to_dict()  # fmt: skip
+    (folder / "config.json").write_text(json.dumps(config, indent=2, default=str))
+    return dense
+
+
+def measure(command: list[str], env: dict | None = None) -> dict:
+    """Run ``command``; its wall time and the peak of its RssAnon and VmRSS, sampled every 5 ms; nf4convert's
+    pipeline profile (NF4CONVERT_PROFILE=1) when it printed one."""
+    with tempfile.TemporaryFile() as stderr:  # a file, not a pipe: a chatty route cannot block on it
+        started = time.perf_counter()
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr, env={**os.environ, **(env or {})})
+        peak_anon = peak_rss = 0
+        status = Path(f"/proc/{process.pid}/status")
+        while process.poll() is None:
+            try:
+                fields = dict(line.split(":", 1) for line in status.read_text().splitlines() if ":" in line)
+                peak_anon = max(peak_anon, int(fields.get("RssAnon", "0 kB").split()[0]))
+                peak_rss = max(peak_rss, int(fields.get("VmRSS", "0 kB").split()[0]))
+            except (OSError, ValueError):
+                pass
+            time.sleep(0.005)
+        seconds = time.perf_counter() - started
+        stderr.seek(0)
+        text = stderr.read().decode(errors="replace")
+        if process.returncode != 0:
+            raise SystemExit(f"{command[0]} failed:\n{text[-3000:]}")
+    run = {"seconds": seconds, "peak_anon_mb": peak_anon / 1024, "peak_rss_mb": peak_rss / 1024}
+    profiles = [line for line in text.splitlines() if line.startswith('{"pipeline_seconds"')]
+    if profiles:
+        run["profile"] = json.loads(profiles[-1])
+    return run
+
+
+def _profile(run: dict) -> str:
+    profile = run.get("profile")
+    if not profile:
+        return "- | - | - |"
+    busy = "/".join(f"{profile['busy'][s]:.1f}" for s in ("read", "make", "write"))
+    waited = "/".join(f"{profile['waited'][s]:.1f}" for s in ("read", "make", "write"))
+    return f"{profile['pipeline_seconds']:.1f} of {profile['process_seconds']:.1f} | {busy} | {waited} |"
+
+
+def sync_seconds() -> float:
+    started = time.perf_counter()
+    subprocess.run(["sync"], check=True)
+    return time.perf_counter() - started
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workdir", type=Path, default=None)
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--no-transformers", action="store_true")
+    parser.add_argument("--routes", default="dd,cuda,cpu,transformers",
+                        help="dd, cuda, cpu, transformers; cuda:w4 / cpu:w4 run with NF4CONVERT_WRITERS=4")
+    parser.add_argument("--json")
+    options = parser.parse_args()
+    import torch
+
+    workdir = options.workdir or Path(tempfile.mkdtemp(prefix="nf4convert-bench-convert-"))
+    source = workdir / "llama-8b-shaped-bnb-4bit"
+    started = time.perf_counter()
+    shutil.rmtree(source, ignore_errors=True)
+    dense = build_source(source, options.layers)
+    source_bytes = sum(p.stat().st_size for p in source.glob("*.safetensors"))
+    print(f"source: {source_bytes / 1e9:.2f} GB in {time.perf_counter() - started:.1f} s; dense output {dense / 1e9:.2f} GB", flush=True)
+
+    cli = [sys.executable, "-m", "nf4convert.cli", str(source), "-q", "--overwrite", "-o"]
+    routes = {
+        "dd": lambda out: ["bash", "-c", f"mkdir -p {out} && dd if=/dev/zero of={out}/model.bin bs=64M iflag=count_bytes count={dense} "
+                                         "status=none"],  # fmt: skip
+        "nf4convert cuda": lambda out: [*cli, str(out), "--device", "cuda"],
+        "nf4convert cpu": lambda out: [*cli, str(out), "--device", "cpu"],
+        "transformers": lambda out: [sys.executable, "-c", TRANSFORMERS_ROUTE, str(source), str(out)],
+    }
+    wanted = {"dd": "dd", "cuda": "nf4convert cuda", "cpu": "nf4convert cpu", "transformers": "transformers"}
+    chosen = []
+    for route in options.routes.split(","):
+        base, _, writers = route.partition(":w")
+        if not (base == "transformers" and options.no_transformers):
+            chosen.append((wanted[base] + (f" ({writers} writers)" if writers else ""), wanted[base], writers))
+    results = {}
+    for name, base, writers in chosen:
+        out = workdir / ("out-" + name.replace(" ", "-").replace("(", "").replace(")", ""))
+        shutil.rmtree(out, ignore_errors=True)
+        subprocess.run(["sync"], check=True)
+        env = {"NF4CONVERT_PROFILE": "1", **({"NF4CONVERT_WRITERS": writers} if writers else {})}
+        try:
+            run = measure(routes[base](out), env)
+        except SystemExit as error:
+            print(f"{name}: failed: {str(error)[-800:]}", flush=True)
+            continue
+        run["synced_seconds"] = run["seconds"] + sync_seconds()
+        run["output_gb"] = sum(p.stat().st_size for p in out.iterdir() if p.is_file()) / 1e9
+        results[name] = run
+        print(name, json.dumps(run), flush=True)
+        if name == "nf4convert cpu" and "nf4convert cuda" in results and (workdir / "out-nf4convert-cuda").exists():
+            cuda_out = workdir / "out-nf4convert-cuda"
+            same = all(subprocess.run(["cmp", "-s", str(path), str(out / path.name)]).returncode == 0
+                       for path in sorted(cuda_out.glob("*.safetensors")))  # fmt: skip
+            results[name]["identical_to_cuda"] = same
+            print(f"cuda and cpu outputs identical: {same}", flush=True)
+        if name != "nf4convert cuda" or "nf4convert cpu" not in [c[0] for c in chosen]:
+            shutil.rmtree(out, ignore_errors=True)
+    shutil.rmtree(workdir / "out-nf4convert-cuda", ignore_errors=True)
+
+    import transformers
+
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+    print(f"\n{gpu}, {os.cpu_count()} CPU cores, torch {torch.__version__}, transformers {transformers.__version__}, "
+          f"Python {platform.python_version()}, {datetime.date.today().isoformat()}; {options.layers} layers, "
+          f"{dense / 1e9:.2f} GB of bf16 out")  # fmt: skip
+    print("| route | s (exit) | GB/s | x dd | s (+sync) | GB/s | x dd | peak RssAnon | pipeline s | busy r/m/w s | waited r/m/w s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    dd = results.get("dd")
+    for name, r in results.items():
+        ratio = f"{r['seconds'] / dd['seconds']:.2f}" if dd else "-"
+        ratio_synced = f"{r['synced_seconds'] / dd['synced_seconds']:.2f}" if dd else "-"
+        print(f"| {name} | {r['seconds']:.1f} | {dense / 1e9 / r['seconds']:.2f} | {ratio} | {r['synced_seconds']:.1f} | "
+              f"{dense / 1e9 / r['synced_seconds']:.2f} | {ratio_synced} | {r['peak_anon_mb']:.0f} MB | {_profile(r)}")  # fmt: skip
+    if options.json:
+        Path(options.json).write_text(json.dumps({"gpu": gpu, "dense_bytes": dense, "results": results}, indent=1))
+    if options.workdir is None:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

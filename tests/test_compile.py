@@ -1,0 +1,82 @@
+"""torch.compile: a Linear4bit-style forward compiles to one graph for every layer (fullgraph, no recompiles), with
+the kernel as one op call, bit for bit the eager result (GPU: Inductor needs a GPU target to trace the Triton
+kernel); on the CPU, that filling the kernel-table cache during a trace does not recompile the next layer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import nf4convert
+from helpers import bits, quantize
+
+pytest.importorskip("bitsandbytes")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def test_filling_the_table_cache_while_tracing_does_not_recompile(monkeypatch):
+    import torch._dynamo
+
+    from nf4convert import dequantize
+    from nf4convert.formats import bnb4
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(bnb4, "_code_cache", {})  # empty: the first trace fills it
+
+    def scaled(x, quant_type):
+        return x * dequantize._code_table(quant_type, x.device)[3]
+
+    compiled = torch.compile(scaled, fullgraph=True, backend="aot_eager")
+    generator = torch.Generator().manual_seed(5)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for _ in range(3):
+            x = torch.randn(17, generator=generator)
+            assert torch.equal(compiled(x, "nf4"), x * bnb4.canonical_code("nf4")[3])
+    assert bnb4._code_cache  # filled once, by the first call
+
+
+def _layers(shape, count, dtype, nested, seed):
+    return [quantize(shape, quant_type="nf4", blocksize=64, nested=nested, dtype=dtype, seed=seed + i, device=DEVICE)
+            for i in range(count)]  # fmt: skip
+
+
+def _forward(x, packed, state):
+    return x @ nf4convert.dequantize_4bit(packed, state).t()
+
+
+@needs_cuda
+@pytest.mark.parametrize("nested,dtype", [(True, torch.bfloat16), (False, torch.float16)])
+def test_linear4bit_forward_one_graph_for_every_layer(nested, dtype):
+    import torch._dynamo
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    shape = (96, 200) if DEVICE == "cpu" else (1536, 1000)
+    layers = _layers(shape, 3, dtype, nested, seed=11)
+    x = torch.randn(5, shape[1], generator=torch.Generator().manual_seed(3)).to(DEVICE, torch.float32)
+    counter = CompileCounterWithBackend("aot_eager" if DEVICE == "cpu" else "inductor")
+    compiled = torch.compile(_forward, fullgraph=True, backend=counter)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for packed, state in layers:
+            got = compiled(x.to(dtype), packed, state)
+            want = _forward(x.to(dtype), packed, state)
+            assert got.shape == want.shape and torch.allclose(got.float(), want.float(), rtol=2e-2, atol=1e-2)
+    assert counter.frame_count == 1
+    graph = counter.graphs[0]
+    targets = [str(node.target) for node in graph.graph.nodes if node.op == "call_function"]
+    assert any("nf4convert.dequantize_4bit" in t for t in targets), targets
+
+
+@needs_cuda
+def test_compiled_weight_is_bit_exact():
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    shape = (77, 333) if DEVICE == "cpu" else (1024, 3072)
+    compiled = torch.compile(lambda packed, state: nf4convert.dequantize_4bit(packed, state) * 2, fullgraph=True,
+                             backend="aot_eager" if DEVICE == "cpu" else "inductor")  # fmt: skip
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for packed, state in _layers(shape, 2, torch.bfloat16, True, seed=21):
+            # Doubling is exact: the compiled bits are the eager bits, doubled.
+            assert torch.equal(bits(compiled(packed, state)), bits(nf4convert.dequantize_4bit(packed, state) * 2))

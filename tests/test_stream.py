@@ -1,0 +1,161 @@
+"""The streaming pipeline: pieces made on several threads, written at their planned offsets, byte for byte what the
+reference libraries give; failures stop every stage; positional shard writes in any order."""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from helpers import bnb_reference_cpu, quantize
+from nf4convert import stream
+from nf4convert.checkpoint import ShardWriter, TensorReader
+from nf4convert.formats import bnb8
+from nf4convert.plan import make_plan
+
+pytest.importorskip("bitsandbytes")
+
+
+def _checkpoint(folder, seed):
+    """4-bit weights of odd shapes (nested and flat, NF4 and FP4, several blocksizes), an 8-bit weight, plain
+    tensors that are cast (fp32, fp16) and kept (int64, bf16); returns it with the expected output per tensor."""
+    rng = random.Random(seed)
+    generator = torch.Generator().manual_seed(seed)
+    tensors, expected = {}, {}
+    for index, (quant_type, blocksize, nested) in enumerate([("nf4", 64, True), ("fp4", 128, False), ("nf4", 256, False),
+                                                            ("fp4", 64, True), ("nf4", 64, True)]):  # fmt: skip
+        shape = (rng.randrange(40, 130), rng.randrange(300, 900) | 1)
+        packed, state = quantize(shape, quant_type=quant_type, blocksize=blocksize, nested=nested, dtype=torch.bfloat16,
+                                 seed=rng.randrange(1 << 30))  # fmt: skip
+        name = f"layers.{index}.weight"
+        tensors[name] = packed
+        tensors.update({f"{name}.{k}": v for k, v in state.as_dict(packed=True).items()})
+        expected[name] = bnb_reference_cpu(packed, state)
+    rows, columns = rng.randrange(50, 90), rng.randrange(200, 400) | 1
+    codes = torch.randint(-127, 128, (rows, columns), dtype=torch.int8, generator=generator)
+    scb = torch.rand(rows, generator=generator) * 3 + 0.01
+    tensors.update({"int8.weight": codes, "int8.SCB": scb, "int8.weight_format": torch.tensor(0, dtype=torch.uint8)})
+    expected["int8.weight"] = bnb8.reference_dequantize(codes, scb, torch.bfloat16)
+    plain = {
+        "norm.weight": torch.randn(rng.randrange(700, 1500), generator=generator),
+        "half.weight": torch.randn(rng.randrange(300, 700), 3, generator=generator).half(),
+        "embed.weight": torch.randn(rng.randrange(900, 1300), 7, generator=generator).bfloat16(),
+        "ids": torch.randint(0, 1 << 40, (rng.randrange(100, 300),), generator=generator),
+    }
+    tensors.update(plain)
+    expected.update({k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in plain.items()})
+    folder.mkdir()
+    names = sorted(tensors)
+    shards = {"one.safetensors": names[::2], "two.safetensors": names[1::2]}  # a weight and its state apart
+    for filename, keys in shards.items():
+        save_file({k: tensors[k] for k in keys}, folder / filename)
+    weight_map = {k: filename for filename, keys in shards.items() for k in keys}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return folder, expected
+
+
+class SmallPieces(stream.CpuRoute):
+    piece_bytes = 4096  # many pieces per weight: a few quant blocks (or one 8-bit row) each
+
+
+def _convert(source, out, route, shard_size=10**9):
+    plan = make_plan(source, dtype="bf16", max_shard_size=shard_size)
+    out.mkdir()
+    progress = []
+    with TensorReader() as reader:
+        stream.write_shards(plan, out, reader, torch.device("cpu"), progress=progress.append, route=route)
+    assert sum(progress) == plan.tensor_bytes
+    return plan
+
+
+def _files(folder):
+    return {path.name: path.read_bytes() for path in sorted(folder.glob("*.safetensors"))}
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_pieces_on_every_thread_give_the_reference_bytes(tmp_path, seed):
+    source, expected = _checkpoint(tmp_path / "src", seed)
+    threads = torch.get_num_threads()
+    plan = _convert(source, tmp_path / "small", SmallPieces(workers=3), shard_size=60_000)
+    assert len(plan.shards) > 2 and torch.get_num_threads() == threads  # each maker's one thread is undone
+    for shard in plan.shards:
+        with safe_open(tmp_path / "small" / shard.filename, "pt") as file:
+            for tensor in shard.tensors:
+                got, want = file.get_tensor(tensor.name), expected[tensor.name]
+                assert got.dtype == want.dtype and got.shape == want.shape, tensor.name
+                want_bytes = want.contiguous().view(-1).view(torch.uint8)
+                assert torch.equal(got.view(-1).view(torch.uint8), want_bytes), tensor.name
+    # One maker with default pieces writes the very same files.
+    _convert(source, tmp_path / "one", stream.CpuRoute(workers=1), shard_size=60_000)
+    assert _files(tmp_path / "one") == _files(tmp_path / "small")
+
+
+def test_a_failing_piece_stops_every_stage(tmp_path, monkeypatch):
+    source, _ = _checkpoint(tmp_path / "src", 3)
+    calls = {"n": 0}
+    original = SmallPieces.dequantize_4bit
+
+    def failing(self, state):
+        make = original(self, state)
+
+        def make_or_fail(read, out):
+            calls["n"] += 1
+            if calls["n"] == 5:
+                raise MemoryError("piece 5")
+            return make(read, out)
+
+        return make_or_fail
+
+    monkeypatch.setattr(SmallPieces, "dequantize_4bit", failing)
+    with pytest.raises(MemoryError, match="piece 5"):
+        _convert(source, tmp_path / "out", SmallPieces(workers=2))
+    assert not [t for t in threading.enumerate() if t.name.startswith("nf4convert-")]
+
+
+def test_positional_writes_in_any_order(tmp_path):
+    source, _ = _checkpoint(tmp_path / "src", 4)
+    plan = make_plan(source, dtype="bf16")
+    rng = random.Random(5)
+    generator = torch.Generator().manual_seed(6)
+    writer = ShardWriter(tmp_path / "x.safetensors", plan.shards[0].tensors)
+    written, pieces = {}, []
+    for tensor in plan.shards[0].tensors:
+        written[tensor.name] = data = torch.randint(0, 256, (tensor.nbytes,), dtype=torch.uint8, generator=generator)
+        cuts = sorted({0, tensor.nbytes, *(rng.randrange(tensor.nbytes) for _ in range(3))})
+        pieces += [(tensor.name, data[a:b], a) for a, b in zip(cuts, cuts[1:])]
+    rng.shuffle(pieces)
+    for name, data, offset in pieces:
+        writer.write(name, data, offset=offset)
+    with pytest.raises(RuntimeError, match="planned"):
+        writer.write(pieces[0][0], torch.ones(1 << 30 >> 10, dtype=torch.uint8), offset=len(written[pieces[0][0]]) - 1)
+    writer.close()
+    with safe_open(tmp_path / "x.safetensors", "pt") as file:
+        for name, data in written.items():
+            assert torch.equal(file.get_tensor(name).contiguous().view(-1).view(torch.uint8), data), name
+    short = ShardWriter(tmp_path / "y.safetensors", plan.shards[0].tensors)
+    short.write(pieces[0][0], pieces[0][1], offset=pieces[0][2])
+    with pytest.raises(RuntimeError, match="tensors unwritten"):
+        short.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("piece_bytes", [512, 1 << 20])  # 512: every piece outgrows its slot
+def test_cuda_route_writes_the_cpu_route_bytes(tmp_path, piece_bytes):
+    source, _ = _checkpoint(tmp_path / "src", 7)
+    _convert(source, tmp_path / "cpu", stream.CpuRoute(), shard_size=60_000)
+
+    class Route(stream.CudaRoute):
+        pass
+
+    Route.piece_bytes = piece_bytes
+    plan = make_plan(source, dtype="bf16", max_shard_size=60_000)
+    (tmp_path / "cuda").mkdir()
+    with TensorReader() as reader:
+        stream.write_shards(plan, tmp_path / "cuda", reader, torch.device("cuda"), progress=lambda n: None,
+                            route=Route(torch.device("cuda")))  # fmt: skip
+    assert _files(tmp_path / "cuda") == _files(tmp_path / "cpu")

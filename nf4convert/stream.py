@@ -94,19 +94,35 @@ def _dequantize_8bit(tensor: PlannedTensor, reader: TensorReader, route) -> Iter
                     first * columns, count * columns, route.dequantize_8bit(scb[first : first + count], columns, out_type.torch))  # fmt: skip
 
 
-def _merge_lora(tensor: PlannedTensor, reader: TensorReader, device) -> Iterator:
-    """The base tensor made whole on ``device`` (a merge needs all of it), merged, written out: one weight plus
-    about two fp32 copies of it in memory at most."""
+def _merge_lora(tensor: PlannedTensor, reader: TensorReader, route) -> Iterator[Piece]:
+    """The base tensor made whole (a merge needs all of it) through the route, merged on its device as peft would
+    there, then written from memory: that weight plus about two fp32 copies of it at most."""
     import dataclasses
 
     import torch
 
     recipe = tensor.recipe
-    base_tensor = dataclasses.replace(tensor, recipe=recipe.base)
-    chunks = [chunk.reshape(-1) for chunk in PRODUCERS[type(recipe.base)](base_tensor, reader, device)]
-    base = torch.cat(chunks).view(DTYPES[tensor.dtype].torch).to(device).view(tensor.shape)
-    del chunks
-    yield peft_lora.merge(recipe.target, base, peft_lora.read_lora(recipe.target, reader), inplace=True).contiguous().cpu()
+    whole = torch.empty(tensor.nbytes, dtype=torch.uint8)
+    for piece in PRODUCERS[type(recipe.base)](dataclasses.replace(tensor, recipe=recipe.base), reader, route):
+        read = reader.read(piece.source, piece.first, piece.count)
+        target = whole[piece.offset : piece.offset + piece.nbytes]
+        if piece.make is None:
+            target.copy_(read)
+        elif (event := piece.make(read, target)) is not None:
+            event.synchronize()
+    base = whole.view(DTYPES[tensor.dtype].torch).view(tensor.shape).to(route.device)
+    merged = peft_lora.merge(recipe.target, base, peft_lora.read_lora(recipe.target, reader), inplace=True)
+    merged = merged.contiguous().view(-1).view(torch.uint8).cpu()
+    for first in range(0, tensor.nbytes, route.piece_bytes):
+        count = min(route.piece_bytes, tensor.nbytes - first)
+        yield Piece(first, count, recipe.base.sources[0], 0, 0, _from_memory(merged[first : first + count]))
+
+
+def _from_memory(data):
+    def make(read, out):
+        out.copy_(data)
+
+    return make
 
 
 # How each kind of recipe is made; verification.py holds the reference twin of this table.
@@ -233,6 +249,7 @@ class CudaRoute:
             self._upload, self._download = torch.cuda.Stream(), torch.cuda.Stream()
         self._slots = [_Slot(self.piece_bytes, self.device) for _ in range(self.slots)]
         self._turn = 0
+        self._lock = threading.Lock()  # the maker thread enqueues, and so may a producer (an adapter merge)
 
     def __enter__(self):
         return self
@@ -253,6 +270,10 @@ class CudaRoute:
 
     def _run(self, read, out, compute):
         """Copy ``read`` in, ``compute(device bytes in, device bytes out) -> device result``, copy the result out."""
+        with self._lock:
+            return self._enqueue(read, out, compute)
+
+    def _enqueue(self, read, out, compute):
         import torch
 
         slot = self._slots[self._turn]

@@ -14,6 +14,9 @@ Then, each in a fresh process, output removed and the page cache's dirty pages s
   nf4convert cpu    nf4convert SOURCE -o OUT --device cpu
   dd                dd if=/dev/zero of=OUT bs=64M: the same number of bytes as the dense output
   transformers      from_pretrained(device_map="cuda") -> dequantize() -> save_pretrained
+  adapter           nf4convert SOURCE --adapter ADAPTER --device cuda: a rank-16 LoRA on every linear layer merged
+  peft              the same with transformers and peft: from_pretrained(device_map="cuda") -> dequantize() ->
+                    PeftModel.from_pretrained(ADAPTER) -> merge_and_unload() -> save_pretrained
 
 Each route's time is taken twice: when its process exits, and after a ``sync`` that follows (the bytes on
 disk). Peak host memory is the process's RssAnon (heap, Python, torch, pinned buffers; not the page cache),
@@ -37,6 +40,15 @@ from pathlib import Path
 
 
 LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256)
+PEFT_ROUTE = """
+import sys, torch
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], device_map="cuda").dequantize()
+model = PeftModel.from_pretrained(model, sys.argv[3]).merge_and_unload()
+model.save_pretrained(sys.argv[2], save_original_format=False)
+"""
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 TRANSFORMERS_ROUTE = """
 import sys, torch
 from transformers import AutoModelForCausalLM
@@ -123,6 +135,23 @@ def build_source(folder: Path, layers: int, shard_bytes: int = 5 * 10**9) -> int
     return dense
 
 
+def build_adapter(folder: Path, layers: int, rank: int = 16) -> None:
+    """A peft LoRA adapter (rank 16, alpha 32) on every linear layer, random non-zero factors stored in bf16."""
+    import torch
+    from peft import LoraConfig
+    from safetensors.torch import save_file
+
+    LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS, task_type="CAUSAL_LM").save_pretrained(folder)
+    generator = torch.Generator().manual_seed(1)
+    tensors = {}
+    for name, shape, quantized in _weights(layers):
+        if quantized:
+            module = "base_model.model." + name.removesuffix(".weight")
+            tensors[f"{module}.lora_A.weight"] = (torch.randn(rank, shape[1], generator=generator) * 0.01).to(torch.bfloat16)
+            tensors[f"{module}.lora_B.weight"] = (torch.randn(shape[0], rank, generator=generator) * 0.01).to(torch.bfloat16)
+    save_file(tensors, folder / "adapter_model.safetensors", metadata={"format": "pt"})
+
+
 def measure(command: list[str], env: dict | None = None) -> dict:
     """Run ``command``; its wall time and the peak of its RssAnon and VmRSS, sampled every 5 ms; nf4convert's
     pipeline profile (NF4CONVERT_PROFILE=1) when it printed one."""
@@ -171,8 +200,8 @@ def main():
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--no-transformers", action="store_true")
-    parser.add_argument("--routes", default="dd,cuda,cpu,transformers",
-                        help="dd, cuda, cpu, transformers; cuda:w4 / cpu:w4 run with NF4CONVERT_WRITERS=4")
+    parser.add_argument("--routes", default="dd,cuda,cpu,transformers,adapter,peft",
+                        help="dd, cuda, cpu, transformers, adapter, peft; cuda:w4 / cpu:w4 run with NF4CONVERT_WRITERS=4")
     parser.add_argument("--json")
     options = parser.parse_args()
     import torch
@@ -185,6 +214,10 @@ def main():
     source_bytes = sum(p.stat().st_size for p in source.glob("*.safetensors"))
     print(f"source: {source_bytes / 1e9:.2f} GB in {time.perf_counter() - started:.1f} s; dense output {dense / 1e9:.2f} GB", flush=True)
 
+    adapter = workdir / "lora-r16"
+    if "adapter" in options.routes or "peft" in options.routes:
+        shutil.rmtree(adapter, ignore_errors=True)
+        build_adapter(adapter, options.layers)
     cli = [sys.executable, "-m", "nf4convert.cli", str(source), "-q", "--overwrite", "-o"]
     routes = {
         "dd": lambda out: ["bash", "-c", f"mkdir -p {out} && dd if=/dev/zero of={out}/model.bin bs=64M iflag=count_bytes count={dense} "
@@ -192,12 +225,15 @@ def main():
         "nf4convert cuda": lambda out: [*cli, str(out), "--device", "cuda"],
         "nf4convert cpu": lambda out: [*cli, str(out), "--device", "cpu"],
         "transformers": lambda out: [sys.executable, "-c", TRANSFORMERS_ROUTE, str(source), str(out)],
+        "nf4convert cuda + adapter": lambda out: [*cli, str(out), "--device", "cuda", "--adapter", str(adapter)],
+        "transformers + peft": lambda out: [sys.executable, "-c", PEFT_ROUTE, str(source), str(out), str(adapter)],
     }
-    wanted = {"dd": "dd", "cuda": "nf4convert cuda", "cpu": "nf4convert cpu", "transformers": "transformers"}
+    wanted = {"dd": "dd", "cuda": "nf4convert cuda", "cpu": "nf4convert cpu", "transformers": "transformers",
+              "adapter": "nf4convert cuda + adapter", "peft": "transformers + peft"}  # fmt: skip
     chosen = []
     for route in options.routes.split(","):
         base, _, writers = route.partition(":w")
-        if not (base == "transformers" and options.no_transformers):
+        if not (base in ("transformers", "peft") and options.no_transformers):
             chosen.append((wanted[base] + (f" ({writers} writers)" if writers else ""), wanted[base], writers))
     results = {}
     for name, base, writers in chosen:

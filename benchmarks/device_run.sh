@@ -1,13 +1,28 @@
 #!/usr/bin/env bash
-# One call on the GPU machine: GPU tests, then the benchmark. Expects bitsandbytes unpacked under
-# .carry/site and Unsloth's kernel copy under .carry/peers (see README, "GPU tests and benchmark").
+# The GPU machine, one call: the GPU tests, then the whole-model conversion benchmark, then the kernel benchmark.
+# Expects bitsandbytes unpacked under .carry/site, peft 0.21 under .carry/peft and Unsloth's kernel copy under
+# .carry/peers (README, "GPU tests and benchmark"). STAGES picks parts (tests,convert,dequant); logs go to $OUT.
 set -o pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
-export PYTHONPATH="$root:$root/.carry/site:$root/.carry/peers:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
+carry=$(cd "$root/.." && pwd)  # .carry when run from .carry/perf
+export PYTHONPATH="$root:$root/.carry/peft:$root/.carry/site:$root/.carry/peers:$carry/site:$carry/peers:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 out=${OUT:-$root/.device-out}
+stages=${STAGES:-tests,convert,dequant}
 mkdir -p "$out"
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
-python3 -c "import torch, triton, bitsandbytes; print('torch', torch.__version__, 'triton', triton.__version__, 'bnb', bitsandbytes.__version__)"
-python3 -m pytest "$root/tests/test_gpu.py" "$root/tests/test_sm75_build.py" -q -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee "$out/gpu_tests.log" | tail -40
-python3 "$root/benchmarks/host_overhead.py" 2>&1 | tee "$out/host_overhead.log"
-python3 "$root/benchmarks/bench_dequant.py" --json "$out/bench.json" ${BENCH_ARGS:-} 2>&1 | tee "$out/bench.log" | grep -v '^{'
+cd "$root"
+{ date -u; nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader; nproc; free -g | head -2; df -h /tmp "$root" | tail -2
+  lscpu | grep -E "Model name|avx512fp16" | cut -c1-120
+  python3 -c "import torch, triton, transformers, bitsandbytes, peft; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'bnb', bitsandbytes.__version__, 'peft', peft.__version__)"; } 2>&1 | tee "$out/env.log"
+if [[ $stages == *tests* ]]; then
+  timeout ${TESTS_TIMEOUT:-400} python3 -m pytest ${TEST_FILES:-tests/test_gpu.py tests/test_reference.py tests/test_stream.py tests/test_compile.py \
+    tests/test_configs.py tests/test_bnb8.py tests/test_lora.py tests/test_sm75_build.py tests/test_dequantize_cpu.py} \
+    -q -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee "$out/gpu_tests.log" | tail -25
+fi
+if [[ $stages == *convert* ]]; then
+  timeout ${CONVERT_TIMEOUT:-280} python3 benchmarks/bench_convert.py --workdir /tmp/bench-convert --json "$out/convert.json" ${CONVERT_ARGS:-} 2>&1 \
+    | tee "$out/convert.log" | grep -v '^ *$'
+  rm -rf /tmp/bench-convert
+fi
+if [[ $stages == *dequant* ]]; then
+  timeout ${DEQUANT_TIMEOUT:-200} python3 benchmarks/bench_dequant.py --json "$out/dequant.json" ${DEQUANT_ARGS:-} 2>&1 | tee "$out/dequant.log" | grep -v '^{'
+fi

@@ -187,3 +187,29 @@ def test_verify_blames_the_source_for_a_plain_tensor(converted, tmp_path):
 def test_verify_recognises_swapped_arguments(converted):
     line = one_error_line(run("verify", EXAMPLE, converted, code=1))
     assert "is a bitsandbytes checkpoint" in line and "the order is OUT, then SOURCE" in line
+
+
+# --- CLI conventions ------------------------------------------------------------------------------------
+
+
+def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path):
+    out = tmp_path / "deeper" / "out"
+    output = run(EXAMPLE, "-o", out, "--dry-run", "--dtype", "float16")
+    assert f"output: {out} (float16)" in output and "tensors: 39 (11 copied, 28 dequantized from 4-bit)" in output
+    assert "model.safetensors: 39 tensors" in output and "free where it goes" in output and "(enough)" in output
+    assert "dry run: nothing was written" in output and not (tmp_path / "deeper").exists()
+
+
+def test_conventions_help_typos_aliases_and_quiet_summary(tmp_path):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    bare = subprocess.run([sys.executable, "-m", "nf4convert"], capture_output=True, text=True, env=env, timeout=120)
+    assert bare.returncode == 0 and "Usage: nf4convert" in bare.stdout and "verify" in bare.stdout
+    typo = subprocess.run([sys.executable, "-m", "nf4convert", "verfy", "a", "b"], capture_output=True, text=True, env=env, timeout=120)
+    assert typo.returncode == 2 and one_error_line(typo.stdout + typo.stderr).startswith("Error: no such command 'verfy'; did you mean verify?")
+    # A word that is no command and no folder is still taken as a SOURCE (and said to be missing).
+    line = one_error_line(run("./no-such-model", "-q", code=1))
+    assert "no such folder" in line
+    # torch's dtype names work as the short ones do; -q keeps the one-line summary.
+    output = run(EXAMPLE, "-o", tmp_path / "out", "--dtype", "bfloat16", "-q", "--device", "cpu")
+    assert output.strip().startswith(f"{tmp_path / 'out'}: 39 tensors (28 dequantized)") and "GB bfloat16" in output
+    assert len(output.strip().splitlines()) == 1

@@ -345,8 +345,6 @@ class TensorReader:
         return buffer
 
     def tensor(self, info: TensorInfo):
-        import torch
-
         data = self.read(info)
         return data.view(DTYPES[info.dtype].torch).reshape(info.shape)
 

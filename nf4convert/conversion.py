@@ -26,8 +26,8 @@ class ConvertResult:
     warnings: tuple[str, ...] = ()  # what the user should know but did not stop the run (e.g. a malformed card)
 
 
-def model_card(source: str, plan) -> "card.Card":
-    """The output's README.md: the source's card made true for the dense model (nf4convert.card)."""
+def model_card(source: str, plan):
+    """The output's README.md (a ``card.Card``): the source's card made true for the dense model."""
     from . import __version__
     from .card import model_card as make_card
 
@@ -90,7 +90,8 @@ def resolve_source(source: str, adapter: str | None = None, *, revision=None, to
     if adapter_folder is None and (folder / peft_lora.CONFIG_NAME).is_file():
         base = peft_lora.load_adapter(folder).base_model_name_or_path
         if not base:
-            raise SourceNotFoundError(f"{folder / peft_lora.CONFIG_NAME}: an adapter whose base_model_name_or_path is not set; name the base as SOURCE and this as the adapter", option="adapter")
+            raise SourceNotFoundError(f"{folder / peft_lora.CONFIG_NAME}: an adapter whose base_model_name_or_path is "
+                                      "not set; name the base as SOURCE and this as the adapter", option="adapter")  # fmt: skip
         adapter_folder, folder = folder, resolve(base, token=token, cache_dir=cache_dir)
     return folder, adapter_folder
 

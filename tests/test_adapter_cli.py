@@ -15,7 +15,6 @@ from click.testing import CliRunner
 from checkpoints import _configs, build
 from helpers import bits
 from nf4convert.cli import main
-from nf4convert.checkpoint import read_tensors
 
 pytest.importorskip("peft")
 pytest.importorskip("bitsandbytes")

@@ -5,7 +5,6 @@ replayed. The reference is nf4convert.reference (see helpers.bnb_reference_cpu),
 test_reference.py.
 """
 
-import math
 import os
 import random
 

@@ -26,20 +26,16 @@ class ConvertResult:
     warnings: tuple[str, ...] = ()  # what the user should know but did not stop the run (e.g. a malformed card)
 
 
-def model_card(source: str, plan):
-    """The output's README.md (a ``card.Card``): the source's card made true for the dense model."""
+def model_card(prepared: "Prepared"):
+    """The output's README.md (a ``card.Card``): the base's card made true for the dense (merged) model."""
     from . import __version__
     from .card import model_card as make_card
 
-    text = None
-    if plan.card is not None:
-        text = plan.card.read_bytes().decode("utf-8", errors="replace")
-    adapter = None
-    if plan.adapter is not None:
-        adapter = str(plan.adapter.folder)
-    return make_card(text, source_repo=source if looks_like_repo_id(source) and not Path(source).exists() else None,
+    plan, base = prepared.plan, prepared.base
+    text = plan.card.read_bytes().decode("utf-8", errors="replace") if plan.card is not None else None
+    return make_card(text, source_repo=base if looks_like_repo_id(base) and not Path(base).exists() else None,
                      dtype=plan.dtype.short, version=__version__, quant_format=", ".join(plan.source_formats) or "bitsandbytes",
-                     adapter=adapter)  # fmt: skip
+                     adapter=prepared.adapter)  # fmt: skip
 
 
 def output_stem(source: str, *, qualified: bool = False) -> str:
@@ -76,11 +72,14 @@ class Prepared:
     plan: object  # plan.Plan
     output: Path
     free_bytes: int
+    base: str  # the base checkpoint as the user named it (SOURCE, or the base an adapter SOURCE names)
+    adapter: str | None  # the adapter as the user named it
 
 
 def resolve_source(source: str, adapter: str | None = None, *, revision=None, token=None, cache_dir=None):
-    """(checkpoint folder, adapter folder or None): SOURCE resolved, and ADAPTER; a SOURCE that is itself a peft
-    adapter (``adapter_config.json``, no ADAPTER given) stands for the base its config names, with it merged."""
+    """(checkpoint folder, adapter folder or None, the base's name, the adapter's name or None): SOURCE resolved,
+    and ADAPTER; a SOURCE that is itself a peft adapter (``adapter_config.json``, no ADAPTER given) stands for
+    the base its config names, with it merged."""
     from .errors import SourceNotFoundError
     from .formats import peft_lora
     from .hub import resolve
@@ -93,7 +92,8 @@ def resolve_source(source: str, adapter: str | None = None, *, revision=None, to
             raise SourceNotFoundError(f"{folder / peft_lora.CONFIG_NAME}: an adapter whose base_model_name_or_path is "
                                       "not set; name the base as SOURCE and this as the adapter", option="adapter")  # fmt: skip
         adapter_folder, folder = folder, resolve(base, token=token, cache_dir=cache_dir)
-    return folder, adapter_folder
+        return folder, adapter_folder, base, source
+    return folder, adapter_folder, source, adapter
 
 
 def prepare(source: str, output=None, *, dtype="auto", adapter=None, revision=None, token=None, cache_dir=None,
@@ -107,7 +107,7 @@ def prepare(source: str, output=None, *, dtype="auto", adapter=None, revision=No
     output_dtype(dtype)
     if output is not None:  # before any download
         lifecycle.check_destination(Path(output), overwrite=overwrite)
-    folder, adapter_folder = resolve_source(source, adapter, revision=revision, token=token, cache_dir=cache_dir)
+    folder, adapter_folder, base, adapter = resolve_source(source, adapter, revision=revision, token=token, cache_dir=cache_dir)
     plan = make_plan(folder, dtype=dtype, max_shard_size=shard_limit, reader=reader, adapter=adapter_folder)
     if output is None:
         output = Path(output_dir or ".") / f"{stem or output_stem(source)}-{plan.dtype.short}"
@@ -116,7 +116,7 @@ def prepare(source: str, output=None, *, dtype="auto", adapter=None, revision=No
     lifecycle.check_not_source(output, folder)
     if adapter_folder is not None:
         lifecycle.check_not_source(output, adapter_folder)
-    return Prepared(plan, output, lifecycle.free_space(output))
+    return Prepared(plan, output, lifecycle.free_space(output), base, adapter)
 
 
 def convert(
@@ -173,7 +173,7 @@ def convert(
                       desc=f"{model_name(source)} -> {plan.dtype.name}", dynamic_ncols=True) as bar:  # fmt: skip
                 write_shards(plan, temporary, reader, chosen_device, progress=bar.update,
                              tensor_done=lambda done: bar.set_postfix_str(f"{done}/{n_tensors} tensors", refresh=False))  # fmt: skip
-            card = model_card(source, plan)
+            card = model_card(prepared)
             lifecycle.write_side_files(plan, temporary, card.text)
             lifecycle.move_into_place(temporary, output)
     return ConvertResult(output, plan.dtype.name, len(plan.tensors), plan.n_dequantized, plan.tensor_bytes,

@@ -118,6 +118,8 @@ def test_adapter_as_source_and_verify_catches_a_wrong_merge(base, tmp_path):
     adapter = make_adapter(tmp_path / "my-adapter", "linear", seed=41, base_model=str(source))
     out = tmp_path / "out"
     run(adapter, "-o", out, "-q", "--device", "cpu")  # SOURCE is the adapter: its base is named in its config
+    card = (out / "README.md").read_text()
+    assert "my-adapter" in card and "# test model" in card  # the base's card, saying which adapter was merged
     assert "OK: bit-exact" in run("verify", out, adapter, "-q", "--device", "cpu")
     # Verified against another adapter (same shapes, other values), the merged weights are named.
     other = make_adapter(tmp_path / "other", "linear", seed=43)

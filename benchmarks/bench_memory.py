@@ -21,11 +21,11 @@ import json
 import platform
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+from bench_convert import measure  # one sampler of wall time and peak RssAnon/VmRSS for both benchmarks
 
 TRANSFORMERS_ROUTE = """
 import sys, torch
@@ -49,26 +49,6 @@ def build_source(folder: Path) -> None:
                                           bnb_4bit_compute_dtype=torch.bfloat16)  # fmt: skip
         model = AutoModelForCausalLM.from_pretrained(dense, quantization_config=quantization, dtype=torch.bfloat16, device_map="cpu")
         model.save_pretrained(folder)
-
-
-def measure(command: list[str]) -> dict:
-    """Run ``command``; its wall time and the peak of its RssAnon and VmRSS, sampled every 5 ms."""
-    started = time.perf_counter()
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    peak_anon = peak_rss = 0
-    status = Path(f"/proc/{process.pid}/status")
-    while process.poll() is None:
-        try:
-            fields = dict(line.split(":", 1) for line in status.read_text().splitlines() if ":" in line)
-            peak_anon = max(peak_anon, int(fields.get("RssAnon", "0 kB").split()[0]))
-            peak_rss = max(peak_rss, int(fields.get("VmRSS", "0 kB").split()[0]))
-        except (OSError, ValueError):
-            pass
-        time.sleep(0.005)
-    stderr = process.stderr.read().decode(errors="replace")
-    if process.returncode != 0:
-        raise SystemExit(f"{command[0]} failed:\n{stderr[-3000:]}")
-    return {"seconds": time.perf_counter() - started, "peak_anon_mb": peak_anon / 1024, "peak_rss_mb": peak_rss / 1024}
 
 
 def main():

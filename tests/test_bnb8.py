@@ -180,8 +180,22 @@ def _weight_format(value, dtype=torch.uint8, shape=()):
     return change
 
 
+def _scales(value):
+    """The SCB replaced by real scales (find_weights reads them), one of them ``value``, saved in a file of its own."""
+
+    def change(tensors, w, extra):
+        scales = torch.rand(w.shape[0], generator=torch.Generator().manual_seed(9)) + 0.5
+        scales[w.shape[0] // 2] = value
+        tensors[w.scb.name] = extra(w.scb.name, scales)
+
+    return change
+
+
 # case: (change to the header, the tensor the message must name, what it must say)
 MALFORMED = {
+    "scb-nan": (_scales(float("nan")), SCB, "holds a negative, NaN or infinite scale"),
+    "scb-inf": (_scales(float("inf")), SCB, "holds a negative, NaN or infinite scale"),
+    "scb-negative": (_scales(-0.25), SCB, "holds a negative, NaN or infinite scale"),
     "scb-without-weight": (_drop(WEIGHT), SCB, "is 8-bit quantization data but its weight '{weight}' is missing"),
     "format-without-weight-or-scb": (_drop(WEIGHT, SCB), FORMAT, "is 8-bit quantization data but its weight"),
     "format-without-scb": (_drop(SCB), FORMAT, "marks '{weight}' as 8-bit, but its scales '{scb}' are missing"),

@@ -82,7 +82,7 @@ def find_weights(tensors: dict[str, TensorInfo], reader: TensorReader) -> list[W
     """Every 8-bit quantized weight of a checkpoint, validated, in name order.
 
     ``tensors`` is the whole checkpoint (``checkpoint.read_tensors``: a weight and its SCB may sit in
-    different shards). Only each weight_format scalar is read, through ``reader``. An I8 tensor with
+    different shards). Only each weight_format scalar and SCB (one float per row) is read, through ``reader``. An I8 tensor with
     neither an SCB nor a weight_format beside it is a plain integer tensor and is not returned.
     Raises ``CheckpointError`` naming the file and tensor for anything that cannot be dequantized.
     """
@@ -115,6 +115,11 @@ def find_weights(tensors: dict[str, TensorInfo], reader: TensorReader) -> list[W
             )
         if weight_format is not None:
             _check_row_major(weight_format, reader)
+        # Row absmaxes are finite and >= 0 as bitsandbytes writes them; anything else would make NaN or inf
+        # weights whose bits even differ between CPU and GPU (see above). One float per row: cheap to read.
+        scales = reader.tensor(scb)
+        if not bool(((scales >= 0) & scales.isfinite()).all()):
+            raise CheckpointError(f"{at_scb} holds a negative, NaN or infinite scale; bitsandbytes writes row absmaxes")
         found.append(Weight8bit(name, weight, scb, weight_format))
     return found
 

@@ -45,6 +45,7 @@ class TensorInfo:
 # - stricter: duplicate keys (serde keeps the last tensor silently), keys besides dtype/shape/data_offsets in an
 #   entry, empty or non-printable tensor names (they would break one-line messages), dtypes without a torch
 #   type here (F4, F6_*, F8_E8M0, C64, ...).
+ADAPTER_WEIGHTS = "adapter_model.safetensors"  # peft's file name: an adapter beside a checkpoint is not part of it
 _HEADER_LIMIT = 100_000_000
 _USIZE_END = 1 << 64
 _ENTRY_KEYS = {"dtype", "shape", "data_offsets"}
@@ -268,7 +269,9 @@ def read_tensors(folder: Path) -> dict[str, TensorInfo]:
     if weight_map is not None:
         files = sorted(set(weight_map.values()))
     else:
-        files = sorted(_plain_relative(folder, p.name, str(folder)) for p in folder.glob("*.safetensors"))
+        # Without an index every .safetensors file is the checkpoint's, but for a peft adapter's own file.
+        files = sorted(_plain_relative(folder, p.name, str(folder)) for p in folder.glob("*.safetensors")
+                       if p.name != ADAPTER_WEIGHTS)  # fmt: skip
     if not files:
         raise CheckpointError(f"{folder}: no .safetensors files (only safetensors checkpoints can be converted)")
     tensors: dict[str, TensorInfo] = {}

@@ -79,20 +79,23 @@ class Prepared:
 def resolve_source(source: str, adapter: str | None = None, *, revision=None, token=None, cache_dir=None):
     """(checkpoint folder, adapter folder or None, the base's name, the adapter's name or None): SOURCE resolved,
     and ADAPTER; a SOURCE that is itself a peft adapter (``adapter_config.json``, no ADAPTER given) stands for
-    the base its config names, with it merged."""
+    the base its config names, with it merged (a folder that also holds model weights is a checkpoint)."""
     from .errors import SourceNotFoundError
     from .formats import peft_lora
     from .hub import resolve
 
     folder = resolve(source, revision=revision, token=token, cache_dir=cache_dir)
     adapter_folder = resolve(adapter, token=token, cache_dir=cache_dir) if adapter is not None else None
-    if adapter_folder is None and (folder / peft_lora.CONFIG_NAME).is_file():
+    weights = [p for p in folder.glob("*.safetensors") if p.name != peft_lora.WEIGHTS_NAME]
+    if adapter_folder is None and (folder / peft_lora.CONFIG_NAME).is_file() and not weights:
         base = peft_lora.load_adapter(folder).base_model_name_or_path
         if not base:
             raise SourceNotFoundError(f"{folder / peft_lora.CONFIG_NAME}: an adapter whose base_model_name_or_path is "
                                       "not set; name the base as SOURCE and this as the adapter", option="adapter")  # fmt: skip
         adapter_folder, folder = folder, resolve(base, token=token, cache_dir=cache_dir)
-        return folder, adapter_folder, base, source
+        return folder, adapter_folder, base, str(adapter_folder.resolve()) if Path(source).expanduser().exists() else source
+    if adapter is not None and Path(adapter).expanduser().exists():
+        adapter = str(Path(adapter).expanduser().resolve())  # a folder, never mistaken for a Hub repo id
     return folder, adapter_folder, source, adapter
 
 

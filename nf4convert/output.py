@@ -25,6 +25,10 @@ def _reason(error: OSError) -> str:
 
 def check_destination(output: Path, *, overwrite: bool) -> None:
     """OutputError if OUT is a file, or a non-empty folder and ``overwrite`` is off."""
+    if output.is_symlink():
+        raise OutputError(f"{output}: is a symbolic link; give the folder it points to, or a new name")
+    if output.name in ("", ".", "..") or output.resolve() == Path.cwd().resolve():
+        raise OutputError(f"{output}: is the current folder; give the output a folder name of its own")
     try:
         if output.exists() and not output.is_dir():
             raise OutputError(f"{output}: exists and is not a folder")
@@ -107,8 +111,8 @@ def move_into_place(temporary: Path, output: Path) -> None:
         output.rename(old)
     try:
         temporary.rename(output)
-    except OSError:
-        if old is not None:
+    except BaseException:  # an OSError, or Ctrl-C / SIGTERM between the two renames: the user's OUT comes back
+        if old is not None and not output.exists():
             old.rename(output)
         raise
     if old is not None:

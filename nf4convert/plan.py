@@ -24,9 +24,11 @@ from .dtypes import DTYPES, OUTPUT_DTYPES, DType, output_dtype
 from .errors import ArgumentError, CheckpointError
 from .formats import bnb4, bnb8, peft_lora
 
-# Files a converted checkpoint must not carry over: the old weights, their indexes, caches, VCS data.
+# Files a converted checkpoint must not carry over: the old weights, their indexes, caches, VCS data, and a peft
+# adapter's own files (an adapter beside the weights is not part of the dense model).
 SKIPPED_FILES = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json", "*.pt", "*.pth",
-                 "*.ckpt", "*.h5", "*.msgpack", "*.gguf", ".gitattributes", "*.lock", "*.incomplete")  # fmt: skip
+                 "*.ckpt", "*.h5", "*.msgpack", "*.gguf", ".gitattributes", "*.lock", "*.incomplete",
+                 "adapter_config.json")  # fmt: skip
 SKIPPED_DIRS = {".cache", ".git", ".huggingface", "__pycache__"}
 DEFAULT_SHARD_SIZE = 5 * 10**9
 
@@ -244,6 +246,12 @@ def _auto_dtype(recipes: list[Recipe], config: dict | None) -> DType:
     return OUTPUT_DTYPES[Counter(plain).most_common(1)[0][0] if plain else "float32"]
 
 
+def _tied(config: dict) -> bool:
+    """Whether the model (or its text model) ties lm_head to the input embeddings; transformers' default is True."""
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    return bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", True)))
+
+
 def _output(recipe: Recipe, dtype: DType) -> tuple[str, str, tuple]:
     """(name, safetensors dtype, shape) of the tensor a recipe makes."""
     if isinstance(recipe, MergeLora):
@@ -255,11 +263,17 @@ def _output(recipe: Recipe, dtype: DType) -> tuple[str, str, tuple]:
     return source.name, dtype.code if DTYPES[source.dtype].cast else source.dtype, source.shape
 
 
-def _merge_adapter(recipes: list[Recipe], adapter_folder: Path, dtype: DType) -> tuple[list[Recipe], peft_lora.Adapter]:
+def _merge_adapter(recipes: list[Recipe], adapter_folder: Path, dtype: DType,
+                   config: dict | None) -> tuple[list[Recipe], peft_lora.Adapter]:  # fmt: skip
     """Each recipe whose tensor the adapter changes becomes a MergeLora around it; the adapter is checked first."""
     adapter = peft_lora.load_adapter(adapter_folder)
     shapes = {name: shape for name, _, shape in (_output(recipe, dtype) for recipe in recipes)}
-    peft_lora.validate(adapter, shapes)
+    config = config if isinstance(config, dict) else {}
+    peft_lora.validate(adapter, shapes, model_type=config.get("model_type"))
+    if _tied(config) and any(name.endswith("lm_head.weight") for name in adapter.targets):
+        # peft unties the head to merge it; transformers would tie it again on load and drop the change
+        raise CheckpointError(f"{adapter.path}: changes lm_head, which the base ties to its input embeddings "
+                              "(tie_word_embeddings): not mergeable into a checkpoint that stays tied")  # fmt: skip
     merged = []
     for recipe in recipes:
         name = _output(recipe, dtype)[0]
@@ -292,7 +306,7 @@ def make_plan(folder: Path, *, dtype: str = "auto", max_shard_size: int = DEFAUL
     chosen = chosen or _auto_dtype(recipes, config)
     merged_adapter = None
     if adapter is not None:
-        recipes, merged_adapter = _merge_adapter(recipes, Path(adapter), chosen)
+        recipes, merged_adapter = _merge_adapter(recipes, Path(adapter), chosen, config)
 
     shards: list[list[tuple]] = [[]]
     shard_bytes = 0

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable, NamedTuple
 
 from .checkpoint import TensorInfo, TensorReader, read_tensors
 from .dtypes import DTYPES
@@ -41,7 +42,7 @@ def _bits(tensor):
     return tensor.contiguous().view(-1).view(integer)
 
 
-def _reference_4bit(tensor: PlannedTensor, reader: TensorReader, device, planned: dict):
+def _reference_4bit(tensor: PlannedTensor, reader: TensorReader, device, context: "_Context"):
     """bitsandbytes' CUDA result for a 4-bit weight: bitsandbytes itself on a GPU, its exact twin on the CPU."""
     from .reference import dequantize_4bit, quant_state_from_tensors
 
@@ -52,20 +53,21 @@ def _reference_4bit(tensor: PlannedTensor, reader: TensorReader, device, planned
     return dequantize_4bit(packed, state, dtype=DTYPES[tensor.dtype].torch, device=device)
 
 
-def _reference_8bit(tensor: PlannedTensor, reader: TensorReader, device, planned: dict):
+def _reference_8bit(tensor: PlannedTensor, reader: TensorReader, device, context: "_Context"):
     weight = tensor.recipe.weight
     codes, scb = reader.tensor(weight.weight).to(device), reader.tensor(weight.scb).to(device)
     return bnb8.reference_dequantize(codes, scb, DTYPES[tensor.dtype].torch)
 
 
-def _reference_copy(tensor: PlannedTensor, reader: TensorReader, device, planned: dict):
+def _reference_copy(tensor: PlannedTensor, reader: TensorReader, device, context: "_Context"):
     return reader.tensor(tensor.recipe.source).to(DTYPES[tensor.dtype].torch)
 
 
-def _skeleton_module(module: str, adapter, device, dtype, references: dict):
+def _skeleton_module(module: str, adapter, device, dtype, references: dict, layer_class):
     """A stand-in for one module of the base model holding ``references`` (its tensors, by full name): the layer
-    class peft wraps there (Linear; transformers' Conv1D where the weight is stored (in, out), as the shapes
-    say; Embedding), or a plain holder for a modules_to_save module. peft then does all of the merging."""
+    class the model has there (``layer_class``, read from transformers' own model on the meta device: Linear,
+    Conv1D or Embedding, which decides what peft does), or a plain holder for a modules_to_save module. peft
+    then does all of the merging."""
     import torch
 
     lora = next((t for t in adapter.targets.values() if t.module == module and t.kind in ("linear", "embedding")), None)
@@ -73,10 +75,8 @@ def _skeleton_module(module: str, adapter, device, dtype, references: dict):
     if lora is not None and lora.kind == "embedding":
         shape = (lora.tensors["lora_embedding_A"].shape[1], lora.tensors["lora_embedding_B"].shape[0])
         layer = torch.nn.Embedding(*shape, device="meta")
-    elif lora is not None and lora.fan_in_fan_out:
-        from transformers.pytorch_utils import Conv1D
-
-        layer = Conv1D(lora.tensors["lora_B"].shape[0], lora.tensors["lora_A"].shape[1])
+    elif lora is not None and layer_class is not None and layer_class.__name__ == "Conv1D":
+        layer = layer_class(lora.tensors["lora_B"].shape[0], lora.tensors["lora_A"].shape[1])
     elif lora is not None:
         shape = (lora.tensors["lora_A"].shape[1], lora.tensors["lora_B"].shape[0])
         layer = torch.nn.Linear(*shape, bias="bias" in params, device="meta")
@@ -89,15 +89,15 @@ def _skeleton_module(module: str, adapter, device, dtype, references: dict):
             shape = (lora.tensors["lora_embedding_A"].shape[1], lora.tensors["lora_embedding_B"].shape[0])
         else:
             shape = (lora.tensors["lora_A"].shape[1], lora.tensors["lora_B"].shape[0])
-            shape = shape if lora.fan_in_fan_out else shape[::-1]
+            shape = shape if type(layer).__name__ == "Conv1D" else shape[::-1]
         layer.weight = torch.nn.Parameter(torch.ones(shape, dtype=dtype, device=device), requires_grad=False)
-    if lora is not None and lora.kind == "linear" and "bias" not in params and lora.fan_in_fan_out:
+    if lora is not None and lora.kind == "linear" and "bias" not in params and type(layer).__name__ == "Conv1D":
         del layer.bias  # Conv1D always has one; the base has none
         layer.bias = None
     return layer
 
 
-def _reference_merge(tensor: PlannedTensor, reader: TensorReader, device, planned: dict):
+def _reference_merge(tensor: PlannedTensor, reader: TensorReader, device, context: "_Context"):
     """peft's own merge: the tensor's module alone in a stand-in model holding the bitsandbytes reference of its
     base tensors, then ``PeftModel.from_pretrained(...).merge_and_unload()`` (what the user's route runs)."""
     import dataclasses
@@ -110,19 +110,19 @@ def _reference_merge(tensor: PlannedTensor, reader: TensorReader, device, planne
     recipe = tensor.recipe
     module = tensor.name.rpartition(".")[0]
     # every tensor of this module the adapter changes (a weight and, with lora_bias, its bias) is rebuilt
-    siblings = {name: t for name, t in planned.items() if name.rpartition(".")[0] == module}
+    siblings = {name: t for name, t in context.planned.items() if name.rpartition(".")[0] == module}
     references = {}
     for name, sibling in siblings.items():
         base = sibling.recipe.base if isinstance(sibling.recipe, MergeLora) else sibling.recipe
-        reference = REFERENCES[type(base)][0](dataclasses.replace(sibling, recipe=base), reader, device, planned)
+        reference = REFERENCES[type(base)][0](dataclasses.replace(sibling, recipe=base), reader, device, context)
         references[name] = reference.to(device).reshape(sibling.shape)
     dtype = DTYPES[tensor.dtype].torch
     root = torch.nn.Module()
-    modules = {module: _skeleton_module(module, recipe.adapter, device, dtype, references)}
+    modules = {module: _skeleton_module(module, recipe.adapter, device, dtype, references, context.module_class(module))}
     if not any(t.module == module and t.kind in ("linear", "embedding") for t in recipe.adapter.targets.values()):
         # a modules_to_save module alone: peft refuses a model with no LoRA target, so one stands beside it
         lora = next(t for t in recipe.adapter.targets.values() if t.kind in ("linear", "embedding"))
-        modules[lora.module] = _skeleton_module(lora.module, recipe.adapter, device, dtype, {})
+        modules[lora.module] = _skeleton_module(lora.module, recipe.adapter, device, dtype, {}, context.module_class(lora.module))
     for path, layer in modules.items():
         parent = root
         parts = path.split(".")
@@ -142,8 +142,42 @@ def _reference_merge(tensor: PlannedTensor, reader: TensorReader, device, planne
     return merged.get_parameter(tensor.name).detach()
 
 
+class _Context(NamedTuple):
+    planned: dict  # every planned tensor by name (a merge rebuilds its module's siblings)
+    module_class: Callable  # module path -> the class transformers' model has there, or None
+
+
+def _module_classes(config: dict | None) -> Callable:
+    """module path -> its class in the model transformers builds from ``config`` (on the meta device, no
+    weights), or None where that cannot be built: verify's own answer to "Linear or Conv1D?"."""
+    import functools
+
+    @functools.lru_cache(maxsize=1)
+    def model():
+        import torch
+        import transformers
+
+        try:
+            settings = {k: v for k, v in (config or {}).items() if k not in ("dtype", "torch_dtype")}
+            built = transformers.AutoConfig.for_model(**settings)
+            architecture = getattr(transformers, (config.get("architectures") or [""])[0], None)
+            with torch.device("meta"):
+                return architecture._from_config(built) if architecture else transformers.AutoModel.from_config(built)
+        except Exception:  # noqa: BLE001  (an unknown architecture: fall back to Linear)
+            return None
+
+    def module_class(path: str):
+        built = model()
+        try:
+            return type(built.get_submodule(path)) if built is not None else None
+        except AttributeError:
+            return None
+
+    return module_class
+
+
 # The reference twin of stream.PRODUCERS: (what makes it, whom a difference is blamed on). Each reference takes
-# (planned tensor, source reader, device, every planned tensor by name).
+# (planned tensor, source reader, device, _Context).
 REFERENCES = {
     Copy: (_reference_copy, "the source tensor"),
     Dequantize4bit: (_reference_4bit, "bitsandbytes"),
@@ -222,15 +256,16 @@ def verify(output: str | Path, source: str, *, device: str = "auto", adapter: st
         report.problems += [f"{name}: in the source, missing from the output" for name in sorted(set(expected) - set(produced))]
         report.problems += [f"{name}: in the output, not in the source" for name in sorted(set(produced) - set(expected))]
         names = sorted(set(expected) & set(produced))
+        context = _Context(expected, _module_classes(plan.config))
         for name in tqdm(names, desc=f"verifying {output.name}", unit="tensor", disable=not progress, dynamic_ncols=True):
             report.checked += 1
-            problem = _compare(expected[name], produced[name], source_reader, output_reader, chosen, report, expected)
+            problem = _compare(expected[name], produced[name], source_reader, output_reader, chosen, report, context)
             if problem:
                 report.problems.append(f"{name}: {problem}")
     return report
 
 
-def _compare(tensor: PlannedTensor, info: TensorInfo, source_reader, output_reader, device, report, planned) -> str | None:
+def _compare(tensor: PlannedTensor, info: TensorInfo, source_reader, output_reader, device, report, context) -> str | None:
     if info.dtype != tensor.dtype or tuple(info.shape) != tuple(tensor.shape):
         return f"{info.dtype} {list(info.shape)} in the output, {tensor.dtype} {list(tensor.shape)} expected"
     reference, blame = REFERENCES[type(tensor.recipe)]
@@ -238,7 +273,7 @@ def _compare(tensor: PlannedTensor, info: TensorInfo, source_reader, output_read
         report.dequantized += 1
         report.merged += isinstance(tensor.recipe, MergeLora)
     try:
-        expected = reference(tensor, source_reader, device, planned).to("cpu")
+        expected = reference(tensor, source_reader, device, context).to("cpu")
     except CheckpointError:
         raise
     except Exception as error:  # noqa: BLE001  (the reference library refused this input: a finding, not a crash)

@@ -14,6 +14,7 @@ from click.testing import CliRunner
 
 from checkpoints import _configs, build
 from helpers import bits
+from nf4convert.checkpoint import read_tensors
 from nf4convert.cli import main
 
 pytest.importorskip("peft")
@@ -26,6 +27,8 @@ KINDS = {  # kind -> LoraConfig arguments
     "rslora-dora": dict(r=4, lora_alpha=16, use_dora=True, use_rslora=True, target_modules=["q_proj", "down_proj"]),
     "embedding": dict(r=5, lora_alpha=9, target_modules=["embed_tokens", "o_proj"]),
     "modules_to_save": dict(r=2, lora_alpha=3, target_modules=["v_proj"], modules_to_save=["lm_head", "norm"]),
+    # only square weights, and a config that says fan_in_fan_out: peft still merges them as nn.Linear
+    "square-fan-in-fan-out": dict(r=3, lora_alpha=5, target_modules=["q_proj", "o_proj"], fan_in_fan_out=True),
 }  # fmt: skip
 
 
@@ -67,6 +70,7 @@ def make_adapter(folder, kind, seed, base_model=None):
     save_file(tensors, path, metadata={"format": "pt"})
     config = json.loads((folder / "adapter_config.json").read_text())
     config["base_model_name_or_path"] = base_model
+    config["fan_in_fan_out"] = KINDS[kind].get("fan_in_fan_out", False)  # as the user set it (peft saves its own)
     (folder / "adapter_config.json").write_text(json.dumps(config))
     return folder
 
@@ -155,3 +159,54 @@ def test_bad_adapters_are_one_line_and_write_nothing(case, base, tmp_path):
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert result.exit_code == 1 and len(lines) == 1 and lines[0].startswith("Error: ") and expected in lines[0], result.output
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
+
+
+def test_adapter_files_beside_the_weights_never_reach_the_output(base, tmp_path):
+    import shutil
+
+    source, _ = base
+    both = tmp_path / "both"
+    shutil.copytree(source, both)
+    (both / "model.safetensors.index.json").unlink()  # no index: every .safetensors file is looked at
+    adapter = make_adapter(tmp_path / "adapter", "linear", seed=7)
+    shutil.copy(adapter / "adapter_config.json", both)
+    shutil.copy(adapter / "adapter_model.safetensors", both)
+    out = tmp_path / "out"
+    run(both, "--adapter", adapter, "-o", out, "-q", "--device", "cpu")
+    keys = read_tensors(out)
+    assert not [k for k in keys if "lora_" in k] and not (out / "adapter_config.json").exists()
+    assert len(keys) == len(read_tensors(base[1]))
+
+
+def test_tied_lm_head_and_deep_config_are_refused(base, tmp_path):
+    import shutil
+
+    source, _ = base
+    tied = tmp_path / "tied"
+    shutil.copytree(source, tied)
+    config = json.loads((tied / "config.json").read_text())
+    config["tie_word_embeddings"] = True
+    (tied / "config.json").write_text(json.dumps(config))
+    adapter = make_adapter(tmp_path / "adapter", "modules_to_save", seed=8)
+    line = run(tied, "--adapter", adapter, "-o", tmp_path / "out", "-q", code=1).strip()
+    assert line.startswith("Error: ") and "ties to its input embeddings" in line
+    (adapter / "adapter_config.json").write_text('{"peft_type": "LORA", "x": ' + "[" * 100000 + "]" * 100000 + "}")
+    line = run(source, "--adapter", adapter, "-o", tmp_path / "out", "-q", code=1).strip()
+    assert line.startswith("Error: ") and "adapter_config.json" in line and "\n" not in line
+    assert not (tmp_path / "out").exists()
+
+
+def test_model_card_names_a_local_adapter_as_a_folder(base, tmp_path):
+    source, _ = base
+    adapter = make_adapter(tmp_path / "adapters" / "my-lora", "linear", seed=9)
+    out = tmp_path / "out"
+    import os
+
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        run(source, "--adapter", "adapters/my-lora", "-o", out, "-q", "--device", "cpu")
+    finally:
+        os.chdir(cwd)
+    card = (out / "README.md").read_text()
+    assert "`my-lora` (a local folder)" in card and "huggingface.co/adapters" not in card and str(tmp_path) not in card

@@ -39,12 +39,12 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..checkpoint import TensorInfo, read_header
+from ..checkpoint import ADAPTER_WEIGHTS, TensorInfo, read_header
 from ..dtypes import DTYPES
 from ..errors import CheckpointError
 
 CONFIG_NAME = "adapter_config.json"
-WEIGHTS_NAME = "adapter_model.safetensors"
+WEIGHTS_NAME = ADAPTER_WEIGHTS
 PEFT_PREFIX = "base_model.model."
 
 # peft.LoraConfig's defaults for the fields the merge reads (importing peft costs ~10 s; tests check these).
@@ -128,6 +128,8 @@ def _number(value, config_path: Path, what: str, *, integer: bool):
         raise CheckpointError(f"{config_path}: {what} is {value!r}, not a{'n integer' if integer else ' number'}")
     if value <= 0 and integer:
         raise CheckpointError(f"{config_path}: {what} is {value}, it must be positive")
+    if not math.isfinite(value):
+        raise CheckpointError(f"{config_path}: {what} is {value}, not a finite number")
     return value
 
 
@@ -138,7 +140,9 @@ def _read_config(folder: Path) -> tuple[Path, dict]:
     except FileNotFoundError:
         raise CheckpointError(f"{config_path}: missing (not a peft adapter folder)") from None
     except (OSError, UnicodeDecodeError, ValueError) as error:
-        raise CheckpointError(f"{config_path}: unreadable or not JSON ({error})") from None
+        raise CheckpointError(f"{config_path}: unreadable or not JSON ({str(error)[:200]})") from None
+    except RecursionError:
+        raise CheckpointError(f"{config_path}: not JSON this program reads (nested too deeply)") from None
     if not isinstance(config, dict):
         raise CheckpointError(f"{config_path}: not a JSON object")
     peft_type = config.get("peft_type")
@@ -279,7 +283,12 @@ def _shape_of(value) -> tuple:
     return tuple(value)
 
 
-def validate(adapter: Adapter, base: dict) -> Adapter:
+# Architectures whose linear layers are transformers' Conv1D (weight stored (in, out)): peft sets fan_in_fan_out
+# True there and False for nn.Linear, whatever the adapter's config says.
+CONV1D_MODEL_TYPES = ("gpt2", "openai-gpt", "imagegpt", "decision_transformer")
+
+
+def validate(adapter: Adapter, base: dict, *, model_type: str | None = None) -> Adapter:
     """Check the adapter against the base checkpoint before anything is written; one-line CheckpointError for
     each problem: a target the base lacks, a LoRA factor, magnitude or replacement whose shape does not fit
     the base tensor's. ``base`` maps every base tensor name to its dense shape (or ``(shape, ...)``, or an
@@ -288,8 +297,8 @@ def validate(adapter: Adapter, base: dict) -> Adapter:
 
     peft sets ``fan_in_fan_out`` from the layer's class, whatever the config says: True for a ``Conv1D``
     (GPT-2; weight stored (in, out)), False for ``nn.Linear`` (weight (out, in)). The shapes tell which one a
-    non-square weight is. A square weight takes the orientation that all non-square targets agree on, and the
-    config's value when they disagree or there are none.
+    non-square weight is. A square weight takes the orientation that all non-square targets agree on; when they
+    disagree or there are none, the architecture's (``model_type``: Conv1D for GPT-2 and its kin, else Linear).
     """
     path = adapter.path
     orientation: dict[str, bool | None] = {}  # linear target -> fan_in_fan_out, None for a square weight
@@ -346,7 +355,7 @@ def validate(adapter: Adapter, base: dict) -> Adapter:
             )
 
     known = {value for value in orientation.values() if value is not None}
-    square_default = known.pop() if len(known) == 1 else adapter.config["fan_in_fan_out"]
+    square_default = known.pop() if len(known) == 1 else model_type in CONV1D_MODEL_TYPES
     for name, fan_in_fan_out in orientation.items():
         fan_in_fan_out = square_default if fan_in_fan_out is None else fan_in_fan_out
         if fan_in_fan_out != adapter.targets[name].fan_in_fan_out:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import re
 from typing import NamedTuple
 
+from .dtypes import OUTPUT_DTYPES
 from .hub import looks_like_repo_id
 from .hub_errors import _first_line
 
@@ -39,7 +40,7 @@ QUANTIZATION_FIELD = re.compile(r"quanti[sz]|^quant_|bnb|bitsandbytes|^load_in_\
 # Fields about the source's relation to its own base model, wrong once base_model names the source itself.
 DROPPED_FIELDS = frozenset({"base_model_relation"})
 
-DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+DTYPE_NAMES = {dtype.short: dtype.name for dtype in OUTPUT_DTYPES.values()}  # bf16 -> bfloat16, ...
 DTYPE_FLAGS = {name: flag for flag, name in DTYPE_NAMES.items()}
 FORMAT_NAMES = {"bnb-4bit": "bitsandbytes 4-bit", "bnb-8bit": "bitsandbytes 8-bit (LLM.int8)"}
 

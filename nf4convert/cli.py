@@ -15,6 +15,8 @@ import click
 from . import __version__
 from .dtypes import OUTPUT_CHOICES
 
+DEFAULT_SHARD_SIZE = "5GB"  # plan.DEFAULT_SHARD_SIZE (plan imports what --help must not); a test checks they agree
+
 # What a library error's ``option`` becomes on the command line.
 HINTS = {
     "overwrite": "pass --overwrite to replace it",
@@ -136,7 +138,7 @@ def _convert_options(function):
         click.option("--dtype", type=click.Choice(OUTPUT_CHOICES), default="auto", show_default=True,
                      help="Output dtype; auto keeps the dtype the model was quantized from."),
         click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N (auto: the GPU if there is one)."),
-        click.option("--max-shard-size", default="5GB", show_default=True, help="Largest output shard, like transformers'."),
+        click.option("--max-shard-size", default=DEFAULT_SHARD_SIZE, show_default=True, help="Largest output shard, like transformers'."),
         click.option("--overwrite", is_flag=True, help="Replace OUT if it exists (only once the new output is complete)."),
         click.option("-q", "--quiet", is_flag=True, help="No progress bar; the one-line summary stays."),
     ]):  # fmt: skip
@@ -176,6 +178,8 @@ def convert_command(source, output, adapter, dtype, device, max_shard_size, over
     """
     if (private or push_branch) and not push_to:
         _fail("--private and --push-branch go with --push-to-hub REPO_ID", 2)
+    if dry_run and (then_verify or push_to):
+        _fail("--dry-run writes nothing, so there is nothing to --verify or --push-to-hub", 2)
     options = dict(dtype=dtype, adapter=adapter, revision=revision, token=token, cache_dir=cache_dir, max_shard_size=max_shard_size,
                    overwrite=overwrite)  # fmt: skip
 
@@ -283,7 +287,7 @@ def batch_command(sources, output_root, from_file, adapter, dtype, device, max_s
     if from_file is not None:
         sources += [line.split("#")[0].strip() for line in from_file if line.split("#")[0].strip()]
     if not sources:
-        _fail("no sources given (name them, or pass --from-file)")
+        _fail("no sources given (name them, or pass --from-file)", 2)
 
     def stems():
         from .conversion import batch_stems

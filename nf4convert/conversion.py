@@ -10,8 +10,8 @@ from pathlib import Path
 
 from .errors import ArgumentError
 from .hub import looks_like_repo_id, model_name
+from .plan import DEFAULT_SHARD_SIZE
 
-DEFAULT_SHARD_SIZE = "5GB"
 QUANT_SUFFIX = re.compile(r"-(?:bnb-)?(?:4bit|nf4|fp4|8bit|int8)$", re.IGNORECASE)
 
 

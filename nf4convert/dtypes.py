@@ -51,8 +51,3 @@ def output_dtype(choice: str) -> DType | None:
         if choice in (dtype.short, dtype.name):
             return dtype
     raise ArgumentError(f"dtype {choice!r} is not one of {', '.join(OUTPUT_CHOICES)}", option="dtype")
-
-
-def of_torch(torch_dtype) -> DType:
-    """The DType of a torch dtype (``torch.bfloat16`` -> BF16)."""
-    return BY_NAME[str(torch_dtype).removeprefix("torch.")]

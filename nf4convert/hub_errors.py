@@ -12,7 +12,7 @@ Example:
     ... except Exception as error:
     ...     raise SourceNotFoundError(f"org/name: {hub_error_line(error)}") from error
     "HTTP 401 Unauthorized from GET https://huggingface.co/api/models/org/name/revision/main: the token was
-     rejected or is missing (pass --token or set HF_TOKEN) [server: Invalid credentials in Authorization header]"
+     rejected or is missing (give a token, or set HF_TOKEN) [server: Invalid credentials in Authorization header]"
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ MAX_MESSAGE = 300  # characters of a server's or a library's message kept in the
 
 # What to do next, by HTTP status, for statuses whose error type says no more.
 STATUS_HINTS = {
-    401: "the token was rejected or is missing (pass --token or set HF_TOKEN)",
+    401: "the token was rejected or is missing (give a token, or set HF_TOKEN)",
     402: "the Hub asks for payment for this operation",
     403: "the token lacks the permission (an upload needs write access to the namespace; a gated repo, its terms)",
     404: "not found (check the repo id and revision; a private repo needs a token)",
@@ -36,7 +36,7 @@ STATUS_HINTS = {
 # huggingface_hub's error types that say more than the status (checked by class name, through the MRO, so
 # that no version of huggingface_hub has to be imported).
 TYPE_HINTS = {
-    "GatedRepoError": "gated repository: accept its terms on the Hub, then pass a token (--token or HF_TOKEN)",
+    "GatedRepoError": "gated repository: accept its terms on the Hub, then give a token (or set HF_TOKEN)",
     "DisabledRepoError": "the repository is disabled on the Hub",
     "RepositoryNotFoundError": "repository not found (or private, and the token cannot see it)",
     "RevisionNotFoundError": "revision not found in the repository",

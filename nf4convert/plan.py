@@ -30,7 +30,7 @@ SKIPPED_FILES = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.in
                  "*.ckpt", "*.h5", "*.msgpack", "*.gguf", ".gitattributes", "*.lock", "*.incomplete",
                  "adapter_config.json")  # fmt: skip
 SKIPPED_DIRS = {".cache", ".git", ".huggingface", "__pycache__"}
-DEFAULT_SHARD_SIZE = 5 * 10**9
+DEFAULT_SHARD_SIZE = "5GB"  # the one default, as transformers spells it (the CLI and the API show this)
 
 
 @dataclass(frozen=True)
@@ -151,7 +151,9 @@ class Plan:
 
 
 def parse_size(text: str | int) -> int:
-    """'5GB', '500MB', '2GiB' or a number of bytes -> bytes (decimal units like transformers)."""
+    """'5GB', '500MB', '2GiB', '1.5GB' or a number of bytes -> bytes (decimal units like transformers)."""
+    from decimal import Decimal, InvalidOperation
+
     if isinstance(text, int) and not isinstance(text, bool):
         size = text
     else:
@@ -160,13 +162,13 @@ def parse_size(text: str | int) -> int:
         value = str(text).strip().upper()
         number = value.rstrip("KMGTIB")
         try:
-            amount = float(number)
-            size = int(amount * units[value[len(number) :].strip()]) if math.isfinite(amount) else None
-        except (ValueError, KeyError, OverflowError):
+            amount = Decimal(number)  # exact: no float rounding of a large byte count
+            size = int(amount * units[value[len(number) :].strip()]) if amount.is_finite() else None
+        except (InvalidOperation, KeyError, ValueError):
             size = None
         if size is None:
             raise ArgumentError(f"size {text!r} is not like '5GB', '500MB' or a number of bytes", option="max_shard_size")
-    if size <= 0 or size > 2**63:
+    if size <= 0 or size >= 2**63:
         raise ArgumentError(f"size {text!r} must be positive and below 2**63 bytes", option="max_shard_size")
     return size
 
@@ -284,7 +286,7 @@ def _merge_adapter(recipes: list[Recipe], adapter_folder: Path, dtype: DType,
     return merged, adapter
 
 
-def make_plan(folder: Path, *, dtype: str = "auto", max_shard_size: int = DEFAULT_SHARD_SIZE,
+def make_plan(folder: Path, *, dtype: str = "auto", max_shard_size: str | int = DEFAULT_SHARD_SIZE,
               reader: TensorReader | None = None, adapter: Path | None = None) -> Plan:  # fmt: skip
     """Plan the conversion of the checkpoint in ``folder`` (with the peft LoRA adapter in ``adapter`` merged in).
 
@@ -294,6 +296,7 @@ def make_plan(folder: Path, *, dtype: str = "auto", max_shard_size: int = DEFAUL
         ArgumentError: ``dtype`` is not auto, bf16, fp16, fp32 (or torch's names).
     """
     chosen = output_dtype(dtype)
+    max_shard_size = parse_size(max_shard_size)
     own_reader = reader is None
     reader = reader or TensorReader()
     try:

@@ -39,7 +39,8 @@ CPU_PIECE_BYTES = 1 << 22  # output bytes per piece on the CPU: small, as every 
 CUDA_PIECE_BYTES = 1 << 24  # on CUDA: large copies and writes, a few pinned buffers of it
 READ_AHEAD = 3  # pieces read before their make begins
 WRITE_AHEAD = 3  # pieces made and waiting for (or being written by) the writers; more than one write in flight
-WRITERS = int(os.environ.get("NF4CONVERT_WRITERS", "2"))  # threads writing at once (a tuning knob for benchmarks)
+_writers = os.environ.get("NF4CONVERT_WRITERS", "2")
+WRITERS = int(_writers) if _writers.isdigit() and int(_writers) > 0 else 2  # threads writing at once (a benchmark knob)
 # NF4CONVERT_PROFILE=1: at the end, one JSON line on stderr: each stage's busy seconds (summed over its threads) and
 # how long the caller waited on it, the pipeline's wall time and the process's age (benchmarks/bench_convert.py).
 PROFILE = os.environ.get("NF4CONVERT_PROFILE", "0") == "1"

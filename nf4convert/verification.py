@@ -210,7 +210,7 @@ def _plan_source(folder: Path, output: Path, dtype: str, reader: TensorReader, a
     except CheckpointError:
         # OUT and SOURCE swapped: the "output" is the bitsandbytes checkpoint.
         try:
-            swapped = any(bnb4.STATE_KEY.match(name) or name.endswith(".SCB") for name in read_tensors(output))
+            swapped = any(bnb4.STATE_KEY.match(name) or name.endswith(f".{bnb8.PARTS[0]}") for name in read_tensors(output))
         except CheckpointError:
             swapped = False
         if swapped:
@@ -291,5 +291,5 @@ def report_lines(report: VerifyReport) -> list[str]:
     if len(report.problems) > 20:
         lines.append(f"  ... and {len(report.problems) - 20} more problems")
     count = len(report.problems)
-    lines.append("OK: bit-exact with bitsandbytes" if report.ok else f"FAILED: {count} problem{'s' if count != 1 else ''}")
+    lines.append(f"OK: bit-exact with {libraries}" if report.ok else f"FAILED: {count} problem{'s' if count != 1 else ''}")
     return lines

@@ -198,7 +198,7 @@ def test_tied_lm_head_and_deep_config_are_refused(base, tmp_path):
 
 def test_model_card_names_a_local_adapter_as_a_folder(base, tmp_path):
     source, _ = base
-    adapter = make_adapter(tmp_path / "adapters" / "my-lora", "linear", seed=9)
+    make_adapter(tmp_path / "adapters" / "my-lora", "linear", seed=9)
     out = tmp_path / "out"
     import os
 

@@ -69,7 +69,7 @@ def test_network_failures_name_the_cause_and_the_host(client, silent_port):
 
 
 NOT_FOUND = "repository not found (or private, and the token cannot see it)"
-NO_TOKEN = "the token was rejected or is missing (pass --token or set HF_TOKEN)"
+NO_TOKEN = "the token was rejected or is missing (give a token, or set HF_TOKEN)"
 NO_WRITE = "the token lacks the permission (an upload needs write access to the namespace; a gated repo, its terms)"
 
 

@@ -102,7 +102,8 @@ def test_bad_options(tmp_path):
         make_plan(_checkpoint(tmp_path / "src"), dtype="int8")
     assert parse_size("5GB") == 5 * 10**9 and parse_size("2GiB") == 2 * 2**30 and parse_size(" 300kb ") == 300_000
     assert parse_size(123) == 123
-    for bad in ("inf", "1e400", "-1", "0", "lots", "5XB", "nan", True):
+    assert parse_size("1.5GB") == 1_500_000_000 and parse_size(str(2**63 - 1)) == 2**63 - 1
+    for bad in ("inf", "1e400", "-1", "0", "lots", "5XB", "nan", True, str(2**63), "9223372036854775809"):
         with pytest.raises(ArgumentError, match="size"):
             parse_size(bad)
 
@@ -146,3 +147,9 @@ def test_side_files_linked_out_of_the_folder_are_refused(tmp_path):
     (folder / "tokenizer_extra.txt").unlink()
     os.symlink(folder / "tokenizer.json", folder / "tokenizer_alias.json")  # a link inside the folder is fine
     assert "tokenizer_alias.json" in [str(p) for p in make_plan(folder).side_files]
+
+
+def test_one_default_shard_size():
+    from nf4convert import cli, plan
+
+    assert cli.DEFAULT_SHARD_SIZE == plan.DEFAULT_SHARD_SIZE

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..checkpoint import TensorInfo
+from ..dtypes import DTYPES, OUTPUT_DTYPES
 from ..errors import CheckpointError
 
 if TYPE_CHECKING:
@@ -51,8 +52,6 @@ ROW_MAJOR = 0
 # Exactly fp32(1/127): the literal bitsandbytes multiplies by.
 INV_127 = 7.874015718698502e-3
 
-_INTEGER_DTYPES = {"U8", "I8", "U16", "I16", "U32", "I32", "U64", "I64"}
-_OUT_DTYPES = ("float16", "bfloat16", "float32")
 
 
 @dataclass(frozen=True)
@@ -127,7 +126,7 @@ def find_weights(tensors: dict[str, TensorInfo], reader: TensorReader) -> list[W
 def _check_row_major(weight_format: TensorInfo, reader: TensorReader) -> None:
     where = f"{weight_format.path}: tensor '{weight_format.name}'"
     dtype, shape = weight_format.dtype, list(weight_format.shape)
-    if dtype not in _INTEGER_DTYPES or math.prod(shape) != 1:
+    if dtype not in DTYPES or dtype[0] not in "IU" or math.prod(shape) != 1:
         raise CheckpointError(f"{where} should be one integer, not {dtype} of shape {shape}")
     value = int(reader.tensor(weight_format).reshape(()).item())
     if value != ROW_MAJOR:
@@ -153,7 +152,7 @@ def dequantize(weight: torch.Tensor, scb: torch.Tensor, out_dtype: torch.dtype) 
         raise ValueError(f"8-bit dequantize takes a weight [rows, in] and scales [rows], not {shapes}")
     if weight.device != scb.device:
         raise ValueError(f"8-bit dequantize: weight on {weight.device}, scales on {scb.device}")
-    if out_dtype not in tuple(getattr(torch, name) for name in _OUT_DTYPES):
+    if out_dtype not in tuple(dtype.torch for dtype in OUTPUT_DTYPES.values()):
         raise ValueError(f"8-bit dequantize writes float16, bfloat16 or float32, not {out_dtype}")
     # int8 * fp32 promotes to fp32 exactly; then the second multiply in place (same rounding, one buffer).
     scaled = weight * scb.view(-1, 1)

@@ -26,7 +26,7 @@ from typing import NamedTuple
 
 from .dtypes import OUTPUT_DTYPES
 from .hub import looks_like_repo_id
-from .hub_errors import _first_line
+from .hub_errors import first_line as error_line
 
 # Tags that describe quantized weights; compared lowercased. Tags about the model itself (unsloth, llama,
 # text-generation, conversational...) are kept.
@@ -117,7 +117,7 @@ def _split(text: str | None) -> tuple[dict, str, str | None]:
 
 
 def _yaml_problem(error: Exception, first_line: int) -> str:
-    problem = getattr(error, "problem", None) or _first_line(error)
+    problem = getattr(error, "problem", None) or error_line(error)
     mark = getattr(error, "problem_mark", None)
     return f"{problem}, line {first_line + mark.line}" if mark is not None else problem
 

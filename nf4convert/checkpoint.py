@@ -57,7 +57,7 @@ def _itemsize(code: str) -> int:
     return DTYPES[code].itemsize
 
 
-def _shown(value) -> str:
+def shown(value) -> str:
     """``value`` for a one-line message: quoted if a printable name, else its ascii() repr; shortened."""
     text = f"'{value}'" if isinstance(value, str) and value.isprintable() else ascii(value)
     return text if len(text) <= _SHOWN_CHARS else text[: _SHOWN_CHARS - 5] + "...'"
@@ -85,13 +85,13 @@ def _parse_int(text: str):
     return -0.0 if text == "-0" else int(text)
 
 
-def _strict_json(raw: bytes, where: str):
+def strict_json(raw: bytes, where: str):
     """Parse ``raw`` as serde_json would, and refuse duplicate keys; CheckpointError ``where: ...`` if not."""
     try:
         return json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys, parse_constant=_refuse_constant,
                           parse_int=_parse_int)
     except _DuplicateKey as error:
-        raise CheckpointError(f"{where}: key {_shown(error.args[0])} appears twice") from None
+        raise CheckpointError(f"{where}: key {shown(error.args[0])} appears twice") from None
     except UnicodeDecodeError:
         raise CheckpointError(f"{where}: not UTF-8") from None
     except json.JSONDecodeError as error:
@@ -109,30 +109,30 @@ def _is_size(value) -> bool:
 def _check_tensor_name(name, where: str) -> None:
     # isprintable() is False for control characters, line separators and lone surrogates (serde_json refuses those).
     if not isinstance(name, str) or not name or not name.isprintable():
-        raise CheckpointError(f"{where}: tensor name {_shown(name)} is empty or has control characters")
+        raise CheckpointError(f"{where}: tensor name {shown(name)} is empty or has control characters")
 
 
 def _header_entry(path: Path, name: str, entry) -> tuple[str, tuple, int, int, int]:
     """(dtype, shape, begin, end, nbytes) of one header entry, its types and sizes checked."""
-    where = f"{path}: tensor {_shown(name)}"
+    where = f"{path}: tensor {shown(name)}"
     if not isinstance(entry, dict) or entry.keys() != _ENTRY_KEYS:
         found = sorted(entry) if isinstance(entry, dict) else type(entry).__name__
-        raise CheckpointError(f"{where}: header entry must have exactly dtype, shape and data_offsets, not {_shown(found)}")
+        raise CheckpointError(f"{where}: header entry must have exactly dtype, shape and data_offsets, not {shown(found)}")
     dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
     if not isinstance(dtype, str) or dtype not in DTYPES:
-        raise CheckpointError(f"{where}: unknown dtype {_shown(dtype)}")
+        raise CheckpointError(f"{where}: unknown dtype {shown(dtype)}")
     if not isinstance(shape, list) or not all(_is_size(d) for d in shape):
-        raise CheckpointError(f"{where}: malformed shape {_shown(shape)} (a list of non-negative integers)")
+        raise CheckpointError(f"{where}: malformed shape {shown(shape)} (a list of non-negative integers)")
     if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_size(o) for o in offsets):
-        raise CheckpointError(f"{where}: malformed data_offsets {_shown(offsets)} (two non-negative integers)")
+        raise CheckpointError(f"{where}: malformed data_offsets {shown(offsets)} (two non-negative integers)")
     elements = 1
     for dim in shape:  # stops at the first overflow, as safetensors' checked_mul does (a later 0 does not rescue it)
         elements *= dim
         if elements >= _USIZE_END:
-            raise CheckpointError(f"{where}: shape {_shown(shape)} has more elements than fit in 64 bits")
+            raise CheckpointError(f"{where}: shape {shown(shape)} has more elements than fit in 64 bits")
     nbytes = elements * _itemsize(dtype)
     if nbytes * 8 >= _USIZE_END:  # safetensors counts bits
-        raise CheckpointError(f"{where}: shape {_shown(shape)} of {dtype} has more bits than fit in 64 bits")
+        raise CheckpointError(f"{where}: shape {shown(shape)} of {dtype} has more bits than fit in 64 bits")
     return dtype, tuple(shape), offsets[0], offsets[1], nbytes
 
 
@@ -156,7 +156,7 @@ def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict]:
         raise CheckpointError(f"{path}: cannot read ({error.strerror or error})") from None
     if len(raw) != length:
         raise CheckpointError(f"{path}: truncated while reading its header")
-    header = _strict_json(raw, f"{path}: corrupt safetensors header")
+    header = strict_json(raw, f"{path}: corrupt safetensors header")
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: corrupt safetensors header (not a JSON object)")
     metadata = header.pop("__metadata__", None)
@@ -178,7 +178,7 @@ def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict]:
     tensors = {}
     position = 0
     for name, dtype, shape, begin, end, nbytes in entries:
-        where = f"{path}: tensor {_shown(name)}"
+        where = f"{path}: tensor {shown(name)}"
         if begin != position:
             what = "overlaps the tensor before it" if begin < position else "leaves a gap before it"
             raise CheckpointError(f"{where}: data_offsets {[begin, end]} {what} (the data must begin at {position})")
@@ -190,7 +190,7 @@ def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict]:
         tensors[name] = TensorInfo(name, dtype, shape, data_start + begin, data_start + end, path)
     if data_start + position != size:
         if data_start + position > size:
-            last = _shown(entries[-1][0])
+            last = shown(entries[-1][0])
             raise CheckpointError(f"{path}: truncated: tensor {last} ends at byte {data_start + position}, the file has {size}")
         raise CheckpointError(f"{path}: {size - data_start - position} bytes after the last tensor, which its header does not describe")
     return tensors, metadata
@@ -201,15 +201,15 @@ def _plain_relative(folder: Path, file, where: str) -> str:
     from pathlib import PureWindowsPath
 
     if not isinstance(file, str) or not file:
-        raise CheckpointError(f"{where}: file name {_shown(file)} is not a non-empty string")
+        raise CheckpointError(f"{where}: file name {shown(file)} is not a non-empty string")
     parts = file.split("/")
     if (not file.isprintable() or "\\" in file or PureWindowsPath(file).drive or file.startswith("/")
             or any(part in ("", ".", "..") for part in parts)):  # fmt: skip
-        raise CheckpointError(f"{where}: file name {_shown(file)} is not a plain relative path inside {folder}")
+        raise CheckpointError(f"{where}: file name {shown(file)} is not a plain relative path inside {folder}")
     if any(len(part.encode("utf-8", "surrogatepass")) > 255 for part in parts):  # no file system takes more
-        raise CheckpointError(f"{where}: file name {_shown(file)} is too long")
+        raise CheckpointError(f"{where}: file name {shown(file)} is too long")
     if not file.endswith(".safetensors"):
-        raise CheckpointError(f"{where}: file name {_shown(file)} is not a .safetensors file")
+        raise CheckpointError(f"{where}: file name {shown(file)} is not a .safetensors file")
     return file
 
 
@@ -253,13 +253,13 @@ def read_index(folder: Path) -> dict[str, str] | None:
         raise CheckpointError(f"{path}: cannot read ({error.strerror or error})") from None
     if len(raw) > _INDEX_LIMIT:
         raise CheckpointError(f"{path}: corrupt index (over {_INDEX_LIMIT} bytes)")
-    index = _strict_json(raw, f"{path}: corrupt index")
+    index = strict_json(raw, f"{path}: corrupt index")
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict):
         raise CheckpointError(f"{path}: corrupt index (no 'weight_map' object)")
     for name, file in weight_map.items():
         _check_tensor_name(name, str(path))
-        _plain_relative(folder, file, f"{path}: tensor {_shown(name)}")
+        _plain_relative(folder, file, f"{path}: tensor {shown(name)}")
     return weight_map
 
 
@@ -287,12 +287,12 @@ def read_tensors(folder: Path) -> dict[str, TensorInfo]:
             raise CheckpointError(f"{path}: not a regular file")
         for name, info in read_header(path)[0].items():
             if name in tensors:
-                raise CheckpointError(f"{path}: tensor {_shown(name)} also stands in {tensors[name].path.name}")
+                raise CheckpointError(f"{path}: tensor {shown(name)} also stands in {tensors[name].path.name}")
             tensors[name] = info
     if weight_map is not None:
         for name, file in weight_map.items():
             if name not in tensors:
-                raise CheckpointError(f"{folder / file}: the index lists tensor {_shown(name)} but the file does not hold it")
+                raise CheckpointError(f"{folder / file}: the index lists tensor {shown(name)} but the file does not hold it")
     return tensors
 
 

@@ -167,10 +167,10 @@ def _network_line(chain: list[BaseException]) -> str | None:
         return f"timed out {kind}{at or ' the server'} (slow or no network; try again)"
     connect_failed = bool(names & {"ConnectError", "ConnectionError"})
     if names & {"SSLError", "SSLCertVerificationError"} or (connect_failed and TLS.search(texts)):
-        return f"TLS error with{at or ' the server'}: {_first_line(chain[-1])}"
+        return f"TLS error with{at or ' the server'}: {first_line(chain[-1])}"
     if connect_failed or names & {"NetworkError", "TransportError", "RemoteProtocolError", "ProtocolError",
                                   "ReadError", "WriteError", "ChunkedEncodingError", "ConnectionResetError"}:
-        return f"network error with{at or ' the server'}: {_first_line(chain[-1])}"
+        return f"network error with{at or ' the server'}: {first_line(chain[-1])}"
     return None
 
 
@@ -222,6 +222,6 @@ def _shorten(text: str) -> str:
     return text if len(text) <= MAX_MESSAGE else text[: MAX_MESSAGE - 3] + "..."
 
 
-def _first_line(error: BaseException) -> str:
+def first_line(error: BaseException) -> str:
     lines = [" ".join(line.split()) for line in _text(error).splitlines() if line.strip()]
     return lines[0] if lines else type(error).__name__

@@ -12,14 +12,13 @@ written.
 from __future__ import annotations
 
 import fnmatch
-import json
 import math
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import ClassVar
 from pathlib import Path
 
-from .checkpoint import TensorInfo, TensorReader, inside, read_tensors
+from .checkpoint import TensorInfo, TensorReader, inside, read_tensors, strict_json
 from .dtypes import DTYPES, OUTPUT_DTYPES, DType, output_dtype
 from .errors import ArgumentError, CheckpointError
 from .formats import bnb4, bnb8, peft_lora
@@ -179,9 +178,10 @@ def read_config(folder: Path) -> dict | None:
         return None
     inside(folder, "config.json")
     try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError, RecursionError):
-        raise CheckpointError(f"{path}: not valid JSON") from None
+        raw = path.read_bytes()
+    except OSError as error:
+        raise CheckpointError(f"{path}: cannot be read ({error.strerror or error})") from None
+    config = strict_json(raw, str(path))
     if not isinstance(config, dict):
         raise CheckpointError(f"{path}: not a JSON object")
     return config

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Callable, NamedTuple
 
 from .checkpoint import TensorInfo, TensorReader, read_tensors
-from .dtypes import DTYPES
+from .dtypes import DTYPES, OUTPUT_DTYPES
 from .errors import ArgumentError, CheckpointError, SourceNotFoundError
 from .formats import bnb4, bnb8
 from .plan import Copy, Dequantize4bit, Dequantize8bit, MergeLora, PlannedTensor, make_plan
@@ -198,7 +198,8 @@ def _leftovers(produced: dict[str, TensorInfo], output: Path) -> list[str]:
 
 def _output_dtype(produced: dict[str, TensorInfo]) -> str:
     """The output's dtype: that of most of its floating tensors (those of another are named one by one)."""
-    counts = Counter(info.dtype for info in produced.values() if info.dtype in ("F16", "BF16", "F32"))
+    codes = {dtype.code for dtype in OUTPUT_DTYPES.values()}
+    counts = Counter(info.dtype for info in produced.values() if info.dtype in codes)
     if not counts:
         raise CheckpointError("no fp16, bf16 or fp32 tensors in the output")
     return DTYPES[counts.most_common(1)[0][0]].name

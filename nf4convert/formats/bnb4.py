@@ -11,13 +11,13 @@ tensors), builds the in-memory :class:`QuantState4bit`, and cuts a weight into c
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import struct
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator
 
+from ..checkpoint import shown, strict_json
 from ..dtypes import DTYPES, OUTPUT_DTYPES
 from ..errors import ArgumentError, CheckpointError
 
@@ -123,7 +123,7 @@ def check_state(packed_bytes: int, quant_state: Any) -> None:
 
     if quant_state.quant_type not in CODES:
         raise ArgumentError(f"quant_type must be 'nf4' or 'fp4', not {quant_state.quant_type!r}")
-    if quant_state.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+    if quant_state.dtype not in tuple(dtype.torch for dtype in OUTPUT_DTYPES.values()):
         raise ArgumentError(f"dtype must be float16, bfloat16 or float32, not {quant_state.dtype}")
     if quant_state.blocksize not in BLOCKSIZES:
         raise ArgumentError(f"blocksize must be one of {BLOCKSIZES}, not {quant_state.blocksize!r}")
@@ -143,10 +143,7 @@ def check_state(packed_bytes: int, quant_state: Any) -> None:
 
 def parse_meta(raw: bytes, *, where: str) -> dict:
     """The quant state's JSON (``where`` names file and weight in messages), checked; CheckpointError if bad."""
-    try:
-        meta = json.loads(bytes(raw).decode("utf-8"), parse_constant=_no_constant)
-    except (UnicodeDecodeError, ValueError, RecursionError):
-        raise CheckpointError(f"{where}: quant state is not valid JSON") from None
+    meta = strict_json(bytes(raw), f"{where}: quant state is not valid JSON")
     if not isinstance(meta, dict):
         raise CheckpointError(f"{where}: quant state JSON is not an object")
     for key in ("quant_type", "blocksize", "dtype", "shape"):
@@ -154,22 +151,22 @@ def parse_meta(raw: bytes, *, where: str) -> dict:
             raise CheckpointError(f"{where}: quant state has no '{key}'")
     unknown = sorted(set(meta) - set(META_KEYS))
     if unknown:  # bitsandbytes' QuantState.from_dict refuses them too
-        raise CheckpointError(f"{where}: quant state has unknown key {_shown(unknown[0])}")
+        raise CheckpointError(f"{where}: quant state has unknown key {shown(unknown[0])}")
     if not isinstance(meta["quant_type"], str) or meta["quant_type"] not in CODES:
-        raise CheckpointError(f"{where}: quant_type {_shown(meta['quant_type'])} is not nf4 or fp4")
+        raise CheckpointError(f"{where}: quant_type {shown(meta['quant_type'])} is not nf4 or fp4")
     if not _integer(meta["blocksize"]) or meta["blocksize"] not in BLOCKSIZES:
-        raise CheckpointError(f"{where}: blocksize {_shown(meta['blocksize'])} is not one of {BLOCKSIZES}")
+        raise CheckpointError(f"{where}: blocksize {shown(meta['blocksize'])} is not one of {BLOCKSIZES}")
     if not isinstance(meta["dtype"], str) or meta["dtype"] not in OUTPUT_DTYPES:
-        raise CheckpointError(f"{where}: dtype {_shown(meta['dtype'])} is not float16, bfloat16 or float32")
+        raise CheckpointError(f"{where}: dtype {shown(meta['dtype'])} is not float16, bfloat16 or float32")
     shape = meta["shape"]
     if not isinstance(shape, list) or not shape or not all(_integer(d) and 0 < d < 2**63 for d in shape):
-        raise CheckpointError(f"{where}: shape {_shown(shape)} is not a list of positive integers")
+        raise CheckpointError(f"{where}: shape {shown(shape)} is not a list of positive integers")
     if any(key in meta for key in NESTED_KEYS):
         blocksize2 = meta.get("nested_blocksize")
         if not _integer(blocksize2) or blocksize2 <= 0 or blocksize2 & (blocksize2 - 1):
-            raise CheckpointError(f"{where}: nested_blocksize {_shown(blocksize2)} is not a power of two")
+            raise CheckpointError(f"{where}: nested_blocksize {shown(blocksize2)} is not a power of two")
         if meta.get("nested_dtype") != "float32":  # what bitsandbytes writes: its nested absmax is fp32
-            raise CheckpointError(f"{where}: nested_dtype {_shown(meta.get('nested_dtype'))} is not 'float32'")
+            raise CheckpointError(f"{where}: nested_dtype {shown(meta.get('nested_dtype'))} is not 'float32'")
         offset = meta.get("nested_offset")
         if not (_integer(offset) or isinstance(offset, float)) or not _finite_fp32(offset):
             raise CheckpointError(f"{where}: quant state has no nested_offset that is a finite fp32 number")
@@ -185,16 +182,6 @@ def _finite_fp32(value) -> bool:
         return math.isfinite(struct.unpack("<f", struct.pack("<f", value))[0])
     except (OverflowError, struct.error):
         return False
-
-
-def _shown(value) -> str:
-    """A JSON value for a one-line message, shortened (a hostile checkpoint can hold anything)."""
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _no_constant(name):
-    raise ValueError(f"{name} is not JSON")
 
 
 @dataclass(frozen=True, eq=False)

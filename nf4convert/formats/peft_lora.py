@@ -33,13 +33,12 @@ so reductions (the matmul, the norm) run in the same order: the merge is bit for
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..checkpoint import ADAPTER_WEIGHTS, TensorInfo, read_header
+from ..checkpoint import ADAPTER_WEIGHTS, TensorInfo, read_header, strict_json
 from ..dtypes import DTYPES
 from ..errors import CheckpointError
 
@@ -136,13 +135,12 @@ def _number(value, config_path: Path, what: str, *, integer: bool):
 def _read_config(folder: Path) -> tuple[Path, dict]:
     config_path = folder / CONFIG_NAME
     try:
-        config = json.loads(config_path.read_text())
+        raw = config_path.read_bytes()
     except FileNotFoundError:
         raise CheckpointError(f"{config_path}: missing (not a peft adapter folder)") from None
-    except (OSError, UnicodeDecodeError, ValueError) as error:
-        raise CheckpointError(f"{config_path}: unreadable or not JSON ({str(error)[:200]})") from None
-    except RecursionError:
-        raise CheckpointError(f"{config_path}: not JSON this program reads (nested too deeply)") from None
+    except OSError as error:
+        raise CheckpointError(f"{config_path}: cannot be read ({error.strerror or error})") from None
+    config = strict_json(raw, str(config_path))
     if not isinstance(config, dict):
         raise CheckpointError(f"{config_path}: not a JSON object")
     peft_type = config.get("peft_type")

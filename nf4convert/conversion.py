@@ -178,6 +178,6 @@ def convert(
                              tensor_done=lambda done: bar.set_postfix_str(f"{done}/{n_tensors} tensors", refresh=False))  # fmt: skip
             card = model_card(prepared)
             lifecycle.write_side_files(plan, temporary, card.text)
-            lifecycle.move_into_place(temporary, output)
+            lifecycle.move_into_place(temporary, output, overwrite=overwrite)
     return ConvertResult(output, plan.dtype.name, len(plan.tensors), plan.n_dequantized, plan.tensor_bytes,
                          time.perf_counter() - started, tuple(w for w in [card.warning] if w))  # fmt: skip

@@ -25,8 +25,11 @@ def looks_like_repo_id(source: str) -> bool:
 
 
 def model_name(source: str) -> str:
-    """The last part of a repo id or folder, for the default output name."""
-    return Path(source.rstrip("/")).name or "model"
+    """The last part of a repo id or folder, for the default output name ("." is the current folder's name)."""
+    path = Path(source.rstrip("/") or "/").expanduser()
+    if path.name in ("", ".", "..") and path.exists():
+        path = path.resolve()
+    return path.name or "model"
 
 
 def resolve(source: str, *, revision: str | None = None, token: str | None = None, cache_dir: str | None = None) -> Path:

@@ -27,8 +27,9 @@ def check_destination(output: Path, *, overwrite: bool) -> None:
     """OutputError if OUT is a file, or a non-empty folder and ``overwrite`` is off."""
     if output.is_symlink():
         raise OutputError(f"{output}: is a symbolic link; give the folder it points to, or a new name")
-    if output.name in ("", ".", "..") or output.resolve() == Path.cwd().resolve():
-        raise OutputError(f"{output}: is the current folder; give the output a folder name of its own")
+    cwd = Path.cwd().resolve()
+    if output.name in ("", ".", "..") or output.resolve() == cwd or output.resolve() in cwd.parents:
+        raise OutputError(f"{output}: is the current folder or holds it; give the output a folder name of its own")
     try:
         if output.exists() and not output.is_dir():
             raise OutputError(f"{output}: exists and is not a folder")
@@ -39,10 +40,12 @@ def check_destination(output: Path, *, overwrite: bool) -> None:
 
 
 def check_not_source(output: Path, source: Path) -> None:
-    """OutputError if OUT is the source folder or holds it (even with ``overwrite``)."""
-    resolved = output.resolve()
-    if resolved == source.resolve() or resolved in source.resolve().parents:
+    """OutputError if OUT is the source folder, holds it, or is inside it (even with ``overwrite``)."""
+    resolved, source = output.resolve(), source.resolve()
+    if resolved == source or resolved in source.parents:
         raise OutputError(f"{output}: is the source checkpoint's folder (or holds it); choose another output")
+    if source in resolved.parents:
+        raise OutputError(f"{output}: is inside the source checkpoint's folder {source}; choose another output")
 
 
 def free_space(output: Path) -> int:
@@ -65,10 +68,15 @@ def check_free_space(output: Path, needed: int) -> None:
 
 @contextlib.contextmanager
 def staging(output: Path):
-    """A fresh temporary folder beside OUT; removed if the block fails in any way (Ctrl-C too)."""
-    temporary = output.parent / f".{output.name}{PARTIAL_SUFFIX}"
+    """A fresh temporary folder beside OUT, this run's own (two runs to one OUT never share one); removed if the
+    block fails in any way (Ctrl-C too). Those of runs that were killed outright are removed first."""
+    import os
+
+    temporary = output.parent / f".{output.name}{PARTIAL_SUFFIX}-{os.getpid()}"
     try:
-        shutil.rmtree(temporary, ignore_errors=True)  # left by a run that was killed outright
+        for stale in output.parent.glob(f".{output.name}{PARTIAL_SUFFIX}-*"):
+            if not _alive(stale.name.rpartition("-")[2]):
+                shutil.rmtree(stale, ignore_errors=True)
         temporary.mkdir(parents=True)
     except OSError as error:
         raise OutputError(f"{output}: cannot be written ({_reason(error)})") from None
@@ -80,6 +88,18 @@ def staging(output: Path):
     except BaseException:
         shutil.rmtree(temporary, ignore_errors=True)
         raise
+
+
+def _alive(pid: str) -> bool:
+    import os
+
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except (ValueError, OSError):  # not a pid of ours to judge (or not ours to signal): leave its folder alone
+        return True
+    return True
 
 
 def index_json(plan) -> dict:
@@ -102,9 +122,13 @@ def write_side_files(plan, folder: Path, card: str | None = None) -> None:
         (folder / "model.safetensors.index.json").write_text(json.dumps(index_json(plan), indent=2) + "\n")
 
 
-def move_into_place(temporary: Path, output: Path) -> None:
-    """Rename the finished folder to OUT; an old OUT (overwrite) is removed only after that."""
+def move_into_place(temporary: Path, output: Path, *, overwrite: bool = False) -> None:
+    """Rename the finished folder to OUT; an old OUT (overwrite) is removed only after that. An OUT that another
+    run wrote meanwhile is not replaced unless ``overwrite``."""
     old = None
+    if output.exists() and not overwrite and (not output.is_dir() or any(output.iterdir())):
+        raise OutputError(f"{output}: appeared while converting (another run?); nothing of this run was kept",
+                          option="overwrite")  # fmt: skip
     if output.exists():
         old = output.parent / f".{output.name}{OLD_SUFFIX}"
         shutil.rmtree(old, ignore_errors=True)

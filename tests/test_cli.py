@@ -122,8 +122,9 @@ def test_default_output_name_and_overwrite(checkpoints, tmp_path, monkeypatch):
     assert not marker.exists() and (out / "config.json").exists()
     # Never the source itself, even with --overwrite.
     assert "is the source checkpoint's folder" in run(source, "-o", source, "-q", "--overwrite", code=1)
-    assert "is the source checkpoint's folder" in run(source, "-o", tmp_path.parent, "-q", "--overwrite", code=1)
+    assert "is the current folder or holds it" in run(source, "-o", tmp_path.parent, "-q", "--overwrite", code=1)
     assert "is the current folder" in run(source, "-o", tmp_path, "-q", "--overwrite", code=1)  # which holds it too
+    assert "is inside the source checkpoint's folder" in run(source, "-o", source / "dense", "-q", code=1)
     assert (source / "config.json").exists()
     assert not list(tmp_path.glob(".*nf4convert*"))
 

@@ -213,3 +213,20 @@ def test_conventions_help_typos_aliases_and_quiet_summary(tmp_path):
     output = run(EXAMPLE, "-o", tmp_path / "out", "--dtype", "bfloat16", "-q", "--device", "cpu")
     assert output.strip().startswith(f"{tmp_path / 'out'}: 39 tensors (28 dequantized)") and "GB bfloat16" in output
     assert len(output.strip().splitlines()) == 1
+
+
+def test_runs_to_one_output_never_share_or_replace_each_other(tmp_path):
+    from nf4convert import output
+    from nf4convert.errors import OutputError
+
+    out = tmp_path / "out"
+    stale = tmp_path / ".out.nf4convert-partial-999999999"  # a run killed outright (no such process)
+    stale.mkdir()
+    (stale / "model.safetensors").write_bytes(b"half")
+    with pytest.raises(OutputError, match="appeared while converting"), output.staging(out) as mine:
+        assert mine.name == f".out.nf4convert-partial-{os.getpid()}" and not stale.exists()
+        (mine / "model.safetensors").write_bytes(b"mine")
+        out.mkdir()  # another run finished first
+        (out / "model.safetensors").write_bytes(b"theirs")
+        output.move_into_place(mine, out)
+    assert (out / "model.safetensors").read_bytes() == b"theirs" and not list(tmp_path.glob(".*nf4convert*"))

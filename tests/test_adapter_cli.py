@@ -27,6 +27,7 @@ KINDS = {  # kind -> LoraConfig arguments
     "rslora-dora": dict(r=4, lora_alpha=16, use_dora=True, use_rslora=True, target_modules=["q_proj", "down_proj"]),
     "embedding": dict(r=5, lora_alpha=9, target_modules=["embed_tokens", "o_proj"]),
     "modules_to_save": dict(r=2, lora_alpha=3, target_modules=["v_proj"], modules_to_save=["lm_head", "norm"]),
+    "pattern": dict(r=4, lora_alpha=8, target_modules=r".*\.(q_proj|v_proj|up_proj)"),
     # only square weights, and a config that says fan_in_fan_out: peft still merges them as nn.Linear
     "square-fan-in-fan-out": dict(r=3, lora_alpha=5, target_modules=["q_proj", "o_proj"], fan_in_fan_out=True),
 }  # fmt: skip
@@ -131,15 +132,28 @@ def test_adapter_as_source_and_verify_catches_a_wrong_merge(base, tmp_path):
     assert "q_proj.weight: " in output and "differ from bitsandbytes + peft" in output
 
 
-@pytest.mark.parametrize("case", ["ia3", "shape", "missing-target", "truncated"])
+@pytest.mark.parametrize("case", ["ia3", "shape", "missing-target", "truncated", "layers-to-transform", "exclude",
+                                  "pattern-misses", "pattern-invalid", "no-targets"])  # fmt: skip
 def test_bad_adapters_are_one_line_and_write_nothing(case, base, tmp_path):
     source, _ = base
     adapter = make_adapter(tmp_path / "adapter", "linear", seed=5)
     config = json.loads((adapter / "adapter_config.json").read_text())
     expected = {"ia3": "IA3", "shape": "do not fit the base's", "missing-target": "which the base checkpoint does not have",
-                "truncated": "adapter_model.safetensors"}[case]  # fmt: skip
+                "truncated": "adapter_model.safetensors", "layers-to-transform": "layers_to_transform is set",
+                "exclude": "exclude_modules is set", "pattern-misses": "which target_modules",
+                "pattern-invalid": "is not a valid pattern", "no-targets": "target_modules is None"}[case]  # fmt: skip
     if case == "ia3":
         config["peft_type"] = "IA3"
+    elif case == "layers-to-transform":  # peft would give LoRA layers to layer 0 only and ignore the others' tensors
+        config["layers_to_transform"] = [0]
+    elif case == "exclude":
+        config["exclude_modules"] = ["q_proj"]
+    elif case == "pattern-misses":
+        config["target_modules"] = r".*\.(k_proj|v_proj)"
+    elif case == "pattern-invalid":
+        config["target_modules"] = "([unclosed"
+    elif case == "no-targets":
+        config["target_modules"] = None
     elif case in ("shape", "missing-target"):
         from safetensors.torch import load_file, save_file
 

@@ -65,6 +65,8 @@ CONFIG_DEFAULTS = {
 UNSUPPORTED_VARIANTS = (
     "velora_config", "alora_invocation_tokens", "monteclora_config", "use_bdlora", "arrow_config", "kasa_config",
     "use_qalora", "layer_replication", "target_parameters", "trainable_token_indices", "megatron_config",
+    # which modules get LoRA beyond target_modules: peft would leave some saved tensors unused
+    "exclude_modules", "layers_to_transform", "layers_pattern",
 )  # fmt: skip
 # init_lora_weights values after which the adapter only fits a base model that the init rewrote (PiSSA, OLoRA,
 # CorDA, LoftQ and LoRA-GA subtract their initial delta from the base weights), or that select another variant.
@@ -164,7 +166,28 @@ def _read_config(folder: Path) -> tuple[Path, dict]:
     for name in ("fan_in_fan_out", "use_rslora", "use_dora", "lora_bias"):
         if not isinstance(config[name], bool):
             raise CheckpointError(f"{config_path}: {name} is {config[name]!r}, not true or false")
+    targets = config.get("target_modules")
+    if not (isinstance(targets, str) or (isinstance(targets, list) and targets and all(isinstance(t, str) for t in targets))):
+        raise CheckpointError(f"{config_path}: target_modules is {targets!r}, not a module name list or pattern "
+                              "(peft's per-architecture defaults are not read here)")  # fmt: skip
+    if isinstance(targets, str):
+        try:
+            re.compile(targets)
+        except re.error as error:
+            raise CheckpointError(f"{config_path}: target_modules {targets!r} is not a valid pattern ({error})") from None
     return config_path, config
+
+
+def _targeted(config: dict, module: str) -> bool:
+    """Whether peft gives ``module`` (a dotted path) LoRA layers under ``target_modules``
+    (``tuners_utils.check_target_module_exists``): a string is a full-match pattern, except "all-linear"
+    (every linear layer but the output layer); a list names module path suffixes."""
+    targets = config["target_modules"]
+    if targets == "all-linear":
+        return module.rpartition(".")[2] != "lm_head"
+    if isinstance(targets, str):
+        return re.fullmatch(targets, module) is not None
+    return any(module == key or module.endswith("." + key) for key in targets)
 
 
 def load_adapter(folder: Path) -> Adapter:
@@ -204,6 +227,10 @@ def load_adapter(folder: Path) -> Adapter:
             # peft's load_state_dict puts these into the base parameters: "x.base_layer.weight" is x's own weight.
             replacements[rest.replace(".base_layer.", ".")] = (info, ".base_layer." in rest)
 
+    for module, roles in lora_modules.items():
+        if not _targeted(config, module):  # peft would create no LoRA layer there and leave these tensors unused
+            raise CheckpointError(f"{path}: tensor '{next(iter(roles.values())).name}' is for '{module}', which "
+                                  f"target_modules {config['target_modules']!r} does not name")  # fmt: skip
     targets: dict[str, LoraTarget] = {}
     for module, roles in lora_modules.items():
         for target in _module_targets(path, config_path, config, module, roles):

@@ -102,7 +102,9 @@ def _run(action):
     except Terminated:
         _fail("terminated; nothing was written", TERMINATED)
     except Nf4ConvertError as error:
-        _fail(message(error))
+        from .errors import ArgumentError
+
+        _fail(message(error), 2 if isinstance(error, ArgumentError) else 1)  # a bad option value is a usage error
 
 
 @click.group(cls=DefaultGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -180,6 +182,11 @@ def convert_command(source, output, adapter, dtype, device, max_shard_size, over
         _fail("--private and --push-branch go with --push-to-hub REPO_ID", 2)
     if dry_run and (then_verify or push_to):
         _fail("--dry-run writes nothing, so there is nothing to --verify or --push-to-hub", 2)
+    if push_to:
+        from .hub import looks_like_repo_id
+
+        if not looks_like_repo_id(push_to):
+            _fail(f"--push-to-hub {push_to!r} is not a Hub repo id like 'me/model-bf16'", 2)
     options = dict(dtype=dtype, adapter=adapter, revision=revision, token=token, cache_dir=cache_dir, max_shard_size=max_shard_size,
                    overwrite=overwrite)  # fmt: skip
 

@@ -9,6 +9,7 @@ bitsandbytes' own parts, because its native CPU op differs from its CUDA kernels
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -186,13 +187,28 @@ REFERENCES = {
 }
 
 
-def _leftovers(produced: dict[str, TensorInfo], output: Path) -> list[str]:
+def _leftovers(produced: dict[str, TensorInfo], output: Path, expected_config: dict | None) -> list[str]:
+    """Quantization keys left in the output, and a config.json that is not the source's made dense (no
+    quantization_config, the output's dtype recorded): what transformers would load the weights with."""
+    from .checkpoint import strict_json
+
     suffixes = tuple("." + part for part in (*bnb4.PARTS, *bnb8.PARTS))
     problems = [f"{name}: a quantization key remains in the output" for name in sorted(produced)
                 if bnb4.STATE_KEY.match(name) or name.endswith(suffixes)]  # fmt: skip
     config_path = output / "config.json"
-    if config_path.exists() and "quantization_config" in config_path.read_text(encoding="utf-8", errors="replace"):
+    if expected_config is None:
+        return problems
+    if not config_path.is_file():
+        return [*problems, "config.json: missing from the output"]
+    try:
+        config = strict_json(config_path.read_bytes(), "config.json")
+    except (CheckpointError, OSError) as error:
+        return [*problems, f"config.json: {error}"]
+    if "quantization_config" in json.dumps(config):
         problems.append("config.json: quantization_config remains")
+    elif config != expected_config:
+        keys = sorted(k for k in set(config) | set(expected_config) if config.get(k) != expected_config.get(k))
+        problems.append(f"config.json: differs from the source's made dense (in {', '.join(keys[:5])})")
     return problems
 
 
@@ -252,7 +268,7 @@ def verify(output: str | Path, source: str, *, device: str = "auto", adapter: st
     with TensorReader() as source_reader, TensorReader() as output_reader:
         produced = read_tensors(output)
         plan = _plan_source(folder, output, _output_dtype(produced), source_reader, adapter_folder)
-        report.problems += _leftovers(produced, output)
+        report.problems += _leftovers(produced, output, plan.config)
         expected = {tensor.name: tensor for tensor in plan.tensors}
         report.problems += [f"{name}: in the source, missing from the output" for name in sorted(set(expected) - set(produced))]
         report.problems += [f"{name}: in the output, not in the source" for name in sorted(set(produced) - set(expected))]

@@ -66,7 +66,7 @@ def test_read_only_file_system_is_one_line(tmp_path, monkeypatch, where):
 
 @pytest.mark.parametrize("size", ["inf", "1e400", "-5GB", "nan"])
 def test_absurd_shard_sizes_are_one_line(tmp_path, size):
-    line = one_error_line(run(EXAMPLE, "-o", tmp_path / "out", "--max-shard-size", size, code=1))
+    line = one_error_line(run(EXAMPLE, "-o", tmp_path / "out", "--max-shard-size", size, code=2))
     assert f"size '{size}'" in line and "--max-shard-size" in line
 
 
@@ -121,7 +121,7 @@ def test_batch_collisions_are_made_distinct_or_refused(tmp_path):
         assert str(root / name) in output and (root / name / "model.safetensors").exists()
     # The same source twice: refused before anything is converted.
     shutil.rmtree(root)
-    line = one_error_line(run("batch", first, str(first) + "/", "-o", root, "-q", code=1))
+    line = one_error_line(run("batch", first, str(first) + "/", "-o", root, "-q", code=2))
     assert "given twice" in line and not root.exists()
 
 
@@ -185,7 +185,7 @@ def test_verify_blames_the_source_for_a_plain_tensor(converted, tmp_path):
 
 
 def test_verify_recognises_swapped_arguments(converted):
-    line = one_error_line(run("verify", EXAMPLE, converted, code=1))
+    line = one_error_line(run("verify", EXAMPLE, converted, code=2))
     assert "is a bitsandbytes checkpoint" in line and "the order is OUT, then SOURCE" in line
 
 
@@ -230,3 +230,20 @@ def test_runs_to_one_output_never_share_or_replace_each_other(tmp_path):
         (out / "model.safetensors").write_bytes(b"theirs")
         output.move_into_place(mine, out)
     assert (out / "model.safetensors").read_bytes() == b"theirs" and not list(tmp_path.glob(".*nf4convert*"))
+
+
+@pytest.mark.parametrize("case", ["garbage", "missing", "wrong-dtype", "duplicate-key"])
+def test_verify_checks_the_output_config(converted, tmp_path, case):
+    out = tmp_path / "out"
+    shutil.copytree(converted, out)
+    config = out / "config.json"
+    if case == "garbage":
+        config.write_text("garbage")
+    elif case == "missing":
+        config.unlink()
+    elif case == "wrong-dtype":
+        config.write_text(config.read_text().replace('"bfloat16"', '"float16"'))
+    else:
+        config.write_text('{"a": 1, "a": 2}')
+    output = run("verify", out, EXAMPLE, code=1)
+    assert "MISMATCH config.json: " in output and "FAILED: 1 problem\n" in output

@@ -58,10 +58,10 @@ model.save_pretrained(sys.argv[2], save_original_format=False)
 """
 
 
-def _weights(layers: int):
+def _weights(layers: int, vocab_size: int = LLAMA_8B["vocab_size"]):
     """(name, shape, quantized) in the order transformers saves a Llama."""
     hidden, inter, kv = LLAMA_8B["hidden_size"], LLAMA_8B["intermediate_size"], LLAMA_8B["num_key_value_heads"] * 128
-    yield "model.embed_tokens.weight", (LLAMA_8B["vocab_size"], hidden), False
+    yield "model.embed_tokens.weight", (vocab_size, hidden), False
     for i in range(layers):
         prefix = f"model.layers.{i}"
         for name, shape in (("self_attn.q_proj", (hidden, hidden)), ("self_attn.k_proj", (kv, hidden)),
@@ -72,10 +72,10 @@ def _weights(layers: int):
         yield f"{prefix}.input_layernorm.weight", (hidden,), False
         yield f"{prefix}.post_attention_layernorm.weight", (hidden,), False
     yield "model.norm.weight", (hidden,), False
-    yield "lm_head.weight", (LLAMA_8B["vocab_size"], hidden), False
+    yield "lm_head.weight", (vocab_size, hidden), False
 
 
-def build_source(folder: Path, layers: int, shard_bytes: int = 5 * 10**9) -> int:
+def build_source(folder: Path, layers: int, shard_bytes: int = 5 * 10**9, vocab_size: int = LLAMA_8B["vocab_size"]) -> int:
     """Write the synthesized checkpoint; returns the bytes of its dense bf16 output."""
     import torch
     from bitsandbytes.functional import create_dynamic_map
@@ -98,7 +98,7 @@ def build_source(folder: Path, layers: int, shard_bytes: int = 5 * 10**9) -> int
             save_file(current, folder / f"part-{len(shards)}.safetensors", metadata={"format": "pt"})
             current, size = {}, 0
 
-    for name, shape, quantized in _weights(layers):
+    for name, shape, quantized in _weights(layers, vocab_size):
         n = math.prod(shape)
         dense += 2 * n
         if quantized:
@@ -128,7 +128,7 @@ def build_source(folder: Path, layers: int, shard_bytes: int = 5 * 10**9) -> int
         path.rename(target)
         weight_map.update({key: target.name for key in shards[index - 1]})
     (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    config = LlamaConfig(**LLAMA_8B, num_hidden_layers=layers, tie_word_embeddings=False, torch_dtype="bfloat16").to_dict()
+    config = LlamaConfig(**{**LLAMA_8B, "vocab_size": vocab_size}, num_hidden_layers=layers, tie_word_embeddings=False, torch_dtype="bfloat16").to_dict()
     config["quantization_config"] = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                                                        bnb_4bit_compute_dtype=torch.bfloat16).to_dict()  # fmt: skip
     (folder / "config.json").write_text(json.dumps(config, indent=2, default=str))
@@ -152,12 +152,13 @@ def build_adapter(folder: Path, layers: int, rank: int = 16) -> None:
     save_file(tensors, folder / "adapter_model.safetensors", metadata={"format": "pt"})
 
 
-def measure(command: list[str], env: dict | None = None) -> dict:
+def measure(command: list[str], env: dict | None = None, cwd: str | None = None) -> dict:
     """Run ``command``; its wall time and the peak of its RssAnon and VmRSS, sampled every 5 ms; nf4convert's
     pipeline profile (NF4CONVERT_PROFILE=1) when it printed one."""
     with tempfile.TemporaryFile() as stderr:  # a file, not a pipe: a chatty route cannot block on it
         started = time.perf_counter()
-        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr, env={**os.environ, **(env or {})})
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr, env={**os.environ, **(env or {})},
+                                   cwd=cwd)
         peak_anon = peak_rss = 0
         status = Path(f"/proc/{process.pid}/status")
         while process.poll() is None:
@@ -174,19 +175,25 @@ def measure(command: list[str], env: dict | None = None) -> dict:
         if process.returncode != 0:
             raise SystemExit(f"{command[0]} failed:\n{text[-3000:]}")
     run = {"seconds": seconds, "peak_anon_mb": peak_anon / 1024, "peak_rss_mb": peak_rss / 1024}
-    profiles = [line for line in text.splitlines() if line.startswith('{"pipeline_seconds"')]
-    if profiles:
-        run["profile"] = json.loads(profiles[-1])
+    profiles = [json.loads(line) for line in text.splitlines() if line.startswith(('{"profile"', '{"pipeline_seconds"'))]
+    if profiles:  # this code's report, or the older one-line pipeline figures (a route run @ older code)
+        old = profiles[-1].get("profile") is None
+        run["profile"] = profiles[-1]["profile"] if not old else {
+            "marks": {"reported": profiles[-1]["process_seconds"]}, "pipeline": {
+                "seconds": profiles[-1]["pipeline_seconds"], **{k: profiles[-1][k] for k in ("pieces", "busy", "waited")}}}
     return run
 
 
 def _profile(run: dict) -> str:
     profile = run.get("profile")
     if not profile:
-        return "- | - | - |"
-    busy = "/".join(f"{profile['busy'][s]:.1f}" for s in ("read", "make", "write"))
-    waited = "/".join(f"{profile['waited'][s]:.1f}" for s in ("read", "make", "write"))
-    return f"{profile['pipeline_seconds']:.1f} of {profile['process_seconds']:.1f} | {busy} | {waited} |"
+        return "- | - | - | - | - |"
+    pipeline, marks = profile["pipeline"], profile["marks"]
+    busy = "/".join(f"{pipeline['busy'][s]:.1f}" for s in ("read", "make", "write"))
+    waited = "/".join(f"{pipeline['waited'][s]:.1f}" for s in ("read", "make", "write"))
+    first = marks.get("first piece written")
+    return (f"{first:.1f} | " if first is not None else "- | ") + (
+        f"{pipeline['seconds']:.1f} | {marks['reported']:.1f} | {busy} | {waited} |")
 
 
 def sync_seconds() -> float:
@@ -201,7 +208,11 @@ def main():
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--no-transformers", action="store_true")
     parser.add_argument("--routes", default="dd,cuda,cpu,transformers,adapter,peft",
-                        help="dd, cuda, cpu, transformers, adapter, peft; cuda:w4 / cpu:w4 run with NF4CONVERT_WRITERS=4")
+                        help="dd, cuda, cpu, transformers, adapter, peft; a route may add environment variables "
+                             "(cuda+NF4CONVERT_SHARDS_AT_ONCE=1) and other code to run (cuda@DIR: nf4convert from DIR)")
+    parser.add_argument("--warm", action="store_true", help="first convert a one-layer checkpoint of the same shapes "
+                        "once on each nf4convert route, untimed: Triton's cache filled, as after a user's first run (a route given its own "
+                        "TRITON_CACHE_DIR is not: cuda+TRITON_CACHE_DIR=/tmp/empty is a fresh machine's first run)")
     parser.add_argument("--json")
     options = parser.parse_args()
     import torch
@@ -232,17 +243,34 @@ def main():
               "adapter": "nf4convert cuda + adapter", "peft": "transformers + peft"}  # fmt: skip
     chosen = []
     for route in options.routes.split(","):
-        base, _, writers = route.partition(":w")
+        route, _, code = route.partition("@")
+        base, *settings = route.split("+")
         if not (base in ("transformers", "peft") and options.no_transformers):
-            chosen.append((wanted[base] + (f" ({writers} writers)" if writers else ""), wanted[base], writers))
+            env = dict(setting.split("=", 1) for setting in settings)
+            if code:  # run from there too: `python -m` puts the current folder first on the path
+                env["PYTHONPATH"] = f"{Path(code).resolve()}:{os.environ.get('PYTHONPATH', '')}"
+                env["CWD"] = str(Path(code).resolve())
+            label = wanted[base] + "".join(f" {k.removeprefix('NF4CONVERT_').lower()}={v}" for k, v in env.items()
+                                            if k not in ("PYTHONPATH", "CWD")) + (f" ({Path(code).name})" if code else "")  # fmt: skip
+            chosen.append((label, wanted[base], env))
+    if options.warm:
+        example = workdir / "warm-source"
+        build_source(example, 1, vocab_size=1024)
+        for label, base, env in chosen:
+            if base.startswith("nf4convert") and "TRITON_CACHE_DIR" not in env:  # its own cache: a fresh machine's first run
+                device = "cuda" if "cuda" in base else "cpu"
+                subprocess.run([*cli[:-4], str(example), "-q", "--overwrite", "-o", str(workdir / "warm"), "--device", device],
+                               check=True, env={**os.environ, **env}, cwd=env.get("CWD"))  # fmt: skip
+        shutil.rmtree(workdir / "warm", ignore_errors=True)
+        shutil.rmtree(example, ignore_errors=True)
     results = {}
-    for name, base, writers in chosen:
+    for name, base, env in chosen:
         out = workdir / ("out-" + name.replace(" ", "-").replace("(", "").replace(")", ""))
         shutil.rmtree(out, ignore_errors=True)
         subprocess.run(["sync"], check=True)
-        env = {"NF4CONVERT_PROFILE": "1", **({"NF4CONVERT_WRITERS": writers} if writers else {})}
+        env = {"NF4CONVERT_PROFILE": "1", **env}
         try:
-            run = measure(routes[base](out), env)
+            run = measure(routes[base](out), env, cwd=env.get("CWD"))
         except SystemExit as error:
             print(f"{name}: failed: {str(error)[-800:]}", flush=True)
             continue
@@ -266,8 +294,9 @@ def main():
     print(f"\n{gpu}, {os.cpu_count()} CPU cores, torch {torch.__version__}, transformers {transformers.__version__}, "
           f"Python {platform.python_version()}, {datetime.date.today().isoformat()}; {options.layers} layers, "
           f"{dense / 1e9:.2f} GB of bf16 out")  # fmt: skip
-    print("| route | s (exit) | GB/s | x dd | s (+sync) | GB/s | x dd | peak RssAnon | pipeline s | busy r/m/w s | waited r/m/w s |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| route | s (exit) | GB/s | x dd | s (+sync) | GB/s | x dd | peak RssAnon | first write at s | pipeline s | done at s "
+          "| busy r/m/w s | waited r/m/w s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     dd = results.get("dd")
     for name, r in results.items():
         ratio = f"{r['seconds'] / dd['seconds']:.2f}" if dd else "-"

@@ -40,6 +40,9 @@ VARIANTS = {
     "sel.t1k.w4": dict(tile_bytes=1024, num_warps=4, evict=False, lut_select=True),
     "pers4.t2k": dict(tile_bytes=2048, num_warps=4, evict=False, programs_per_sm=4, stages=1),
 }
+# --variants grid: every tile size and warp count (plain and streaming stores), for choosing a GPU's table.
+GRID = {f"t{tile // 1024 or 0.5}k.w{warps}{'.cs' if cs else ''}": dict(tile_bytes=tile, num_warps=warps, evict=False, streaming_stores=cs)
+        for tile in (1024, 2048, 4096, 8192) for warps in (2, 4, 8) for cs in (False, True)}  # fmt: skip
 HARNESS = [(2, 3333, 2048, 8192, torch.float16), (5, 777, 1024, 4096, torch.bfloat16), (3, 2048, 4096, 14336, torch.bfloat16)]
 
 
@@ -126,6 +129,27 @@ def _touch_kernel(out_ptr):
     tl.store(out_ptr + tl.arange(0, 128), tl.zeros([128], dtype=tl.float32))
 
 
+@triton.jit
+def _expand_kernel(source, target, BLOCK: tl.constexpr):
+    # The dequantize kernel's traffic with no decode: each packed byte read, OUT_PER_BYTE bytes written.
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    byte = tl.load(source + offsets)
+    tl.store(target + offsets, byte.to(target.dtype.element_ty) * 0x01010101)
+
+
+def expand_us(packed, out_bytes):
+    """do_bench of a kernel that moves what dequantize moves (packed in, 4 bytes per packed byte out) and decodes
+    nothing: how close to the copy floor this mix of reads and writes gets (fp16/bf16 outputs)."""
+    source = packed.view(-1)
+    target = torch.empty(out_bytes // 4, dtype=torch.int32, device="cuda")
+    block = 2048
+    grid = (triton.cdiv(source.numel(), block),)
+    if source.numel() % block or target.numel() != source.numel():
+        return None
+    return do_bench(lambda: _expand_kernel[grid](source, target, BLOCK=block, num_warps=4), warmup=25, rep=100,
+                    return_mode="median") * 1e3  # fmt: skip
+
+
 def launch_floor_us():
     """do_bench of a one-program kernel that stores 512 bytes: what any launch costs in this harness."""
     out = torch.empty(128, dtype=torch.float32, device="cuda")
@@ -167,6 +191,8 @@ def main():
     parser.add_argument("--shapes", help="e.g. 1024x1024,28672x8192 (default: all)")
     parser.add_argument("--dtypes", help="e.g. bf16,fp16 (default: all)")
     parser.add_argument("--no-harness", action="store_true")
+    parser.add_argument("--variants", choices=("default", "grid", "none"), default="default",
+                        help="the launch variants measured beside ours: a few (default), every tile x warps (grid), none")
     options = parser.parse_args()
 
     env = {
@@ -184,7 +210,7 @@ def main():
     print(f"one-program kernel under do_bench: {env['launch_floor_us']:.1f} us", flush=True)
 
     methods = make_methods()
-    for name, config in VARIANTS.items():
+    for name, config in {"default": VARIANTS, "grid": GRID, "none": {}}[options.variants].items():
         methods[f"ours[{name}]"] = with_variant(config, methods["ours"])
     shapes = SHAPES[::2] if options.quick else SHAPES
     if options.shapes:
@@ -197,6 +223,8 @@ def main():
             reference = F.dequantize_4bit(packed, state)
             floor_us = moved_bytes(packed, state) / bandwidth * 1e6
             row = {"shape": f"{shape[0]}x{shape[1]}", "dtype": dtype_name, "floor_us": floor_us}
+            if dtype != torch.float32:
+                row["expand_us"] = expand_us(packed, state.shape.numel() * 2)
             set_compiled(methods)
             for name, fn in methods.items():
                 is_exact = exact(fn(packed, state), reference)
@@ -242,11 +270,11 @@ def print_table(env, bandwidth, rows, harness):
     print(f"\n{env['gpu']}, torch {env['torch']}, Triton {env['triton']}, bitsandbytes {env['bitsandbytes']}, "
           f"{env['date']}; copy bandwidth {bandwidth / 1e9:.0f} GB/s; one-program kernel {env['launch_floor_us']:.1f} us; "
           "median us (do_bench); * = not bit-exact")  # fmt: skip
-    header = ["shape", "dtype", "floor"] + names + [f"ours/{p}" for p in peers] + ["ours %floor"]
+    header = ["shape", "dtype", "floor", "expand"] + names + [f"ours/{p}" for p in peers] + ["ours %floor"]
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for row in rows:
-        cells = [row["shape"], row["dtype"], f"{row['floor_us']:.1f}"]
+        cells = [row["shape"], row["dtype"], f"{row['floor_us']:.1f}", f"{row['expand_us']:.1f}" if row.get("expand_us") else "-"]
         for name in names:
             cells.append(f"{row[name]['us']:.1f}" + ("" if row[name]["exact"] else "*"))
         ours = row["ours"]["us"]

@@ -43,6 +43,7 @@ class DefaultGroup(click.Group):
 
     def main(self, args=None, *rest, **kwargs):
         kwargs.pop("standalone_mode", None)
+        process = args is None  # the process's own command line (not a test's CliRunner)
         args = sys.argv[1:] if args is None else list(args)
         if not args:
             args = ["--help"]
@@ -57,13 +58,26 @@ class DefaultGroup(click.Group):
             sys.exit(1)
         finally:
             signal.signal(signal.SIGTERM, previous)
-        sys.exit(code if isinstance(code, int) else 0)
+        code = code if isinstance(code, int) else 0
+        if process and "torch" in sys.modules:
+            _exit_now(code)
+        sys.exit(code)
 
     def parse_args(self, ctx, args):
         if args and args[0] not in self.commands and not args[0].startswith("-"):
             _refuse_mistyped_command(args[0], list(self.commands))
             args = ["convert", *args]
         return super().parse_args(ctx, args)
+
+
+def _exit_now(code: int) -> None:
+    """End a finished run without the interpreter's teardown: with torch (and CUDA) loaded, destructors, the CUDA
+    context and pinned memory take ~0.5 s to unwind, for nothing: every file is closed and in place by now."""
+    import os
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _refuse_mistyped_command(word: str, commands: list[str]) -> None:

@@ -155,29 +155,40 @@ def convert(
     Example:
         >>> convert("unsloth/Llama-3.2-1B-Instruct-bnb-4bit", "llama-1b-bf16", dtype="bf16")
     """
+    from concurrent.futures import ThreadPoolExecutor
+
     from tqdm.auto import tqdm
 
     from . import output as lifecycle
+    from . import profile
     from .checkpoint import TensorReader
     from .devices import pick_device
-    from .stream import write_shards
+    from .stream import route_for, write_shards
 
     started = time.perf_counter()
+    profile.mark("convert called")
     chosen_device = pick_device(device)
-    with TensorReader() as reader:
+    profile.mark("device picked")
+    # The route starts now (a CUDA context takes a while) and the card is written on the side while the tensors are.
+    with route_for(chosen_device) as route, TensorReader() as reader, ThreadPoolExecutor(1) as side:
         prepared = prepare(source, output, dtype=dtype, adapter=adapter, revision=revision, token=token, cache_dir=cache_dir,
                            max_shard_size=max_shard_size, overwrite=overwrite, output_dir=output_dir, stem=stem,
                            reader=reader)  # fmt: skip
         plan, output = prepared.plan, prepared.output
+        profile.mark("planned")
         lifecycle.check_free_space(output, plan.tensor_bytes + plan.side_bytes)
+        card = side.submit(model_card, prepared)
         with lifecycle.staging(output) as temporary:
             n_tensors = len(plan.tensors)
             with tqdm(total=plan.tensor_bytes, unit="B", unit_scale=True, unit_divisor=1000, disable=not progress,
                       desc=f"{model_name(source)} -> {plan.dtype.name}", dynamic_ncols=True) as bar:  # fmt: skip
-                write_shards(plan, temporary, reader, chosen_device, progress=bar.update,
+                write_shards(plan, temporary, reader, chosen_device, progress=bar.update, route=route,
                              tensor_done=lambda done: bar.set_postfix_str(f"{done}/{n_tensors} tensors", refresh=False))  # fmt: skip
-            card = model_card(prepared)
+            profile.mark("tensors written")
+            card = card.result()
             lifecycle.write_side_files(plan, temporary, card.text)
             lifecycle.move_into_place(temporary, output, overwrite=overwrite)
+    profile.mark("in place")
+    profile.report()
     return ConvertResult(output, plan.dtype.name, len(plan.tensors), plan.n_dequantized, plan.tensor_bytes,
                          time.perf_counter() - started, tuple(w for w in [card.warning] if w))  # fmt: skip

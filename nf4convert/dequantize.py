@@ -75,7 +75,7 @@ def _pick_backend(backend: str, device: torch.device) -> str:
 
 def _compiled(packed, quant_state, fields, out):
     """Under torch.compile: the registered triton_op, whose tables and offset travel as tensors."""
-    from .kernels import launch  # noqa: F401, PLC0415  (registers the op)
+    from .kernels import compiled  # noqa: F401, PLC0415  (registers the op)
 
     absmax, code2, absmax2, offset, code, nested_blocksize = fields
     shape = tuple(quant_state.shape)

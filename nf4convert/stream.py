@@ -17,8 +17,16 @@ from the very buffer they were read into: they never reach the GPU. Casts stay o
 (so NaN payloads are the CPU's, the same on both).
 
 Memory is bounded by the pieces in flight (``read_ahead + makers + write_ahead``, each at most
-``piece_bytes`` in and out), whatever the model; buffers are reused, pinned on the CUDA route.
-Every shard's header is written first (the plan fixed every offset), so pieces land in any order.
+``piece_bytes`` in and out), whatever the model; buffers are reused, pinned on the CUDA route for the
+pieces the GPU makes (a piece made on the CPU never takes pinned memory).
+
+Every shard's header is written first (the plan fixed every offset), so pieces land in any order. Two
+orders follow from that:
+
+- shards are written ``SHARDS_AT_ONCE`` at a time, their pieces interleaved: buffered writes to one file
+  serialize on its lock, writes to several run side by side;
+- within a shard, plain tensors come first: they need no GPU, so they are written while the CUDA route
+  starts (its context, buffers and a warm-up launch of the kernel run on a thread of their own).
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
+from . import profile
 from .checkpoint import ShardWriter, TensorInfo, TensorReader
 from .dtypes import DTYPES
 from .formats import bnb4, bnb8, peft_lora
@@ -39,11 +48,16 @@ CPU_PIECE_BYTES = 1 << 22  # output bytes per piece on the CPU: small, as every 
 CUDA_PIECE_BYTES = 1 << 24  # on CUDA: large copies and writes, a few pinned buffers of it
 READ_AHEAD = 3  # pieces read before their make begins
 WRITE_AHEAD = 3  # pieces made and waiting for (or being written by) the writers; more than one write in flight
-_writers = os.environ.get("NF4CONVERT_WRITERS", "2")
-WRITERS = int(_writers) if _writers.isdigit() and int(_writers) > 0 else 2  # threads writing at once (a benchmark knob)
-# NF4CONVERT_PROFILE=1: at the end, one JSON line on stderr: each stage's busy seconds (summed over its threads) and
-# how long the caller waited on it, the pipeline's wall time and the process's age (benchmarks/bench_convert.py).
-PROFILE = os.environ.get("NF4CONVERT_PROFILE", "0") == "1"
+
+
+def _knob(name: str, default: int) -> int:
+    """A positive integer from the environment (benchmark knobs), else ``default``."""
+    value = os.environ.get(name, "")
+    return int(value) if value.isdigit() and int(value) > 0 else default
+
+
+SHARDS_AT_ONCE = _knob("NF4CONVERT_SHARDS_AT_ONCE", 4)  # shards whose pieces are interleaved
+WRITERS = _knob("NF4CONVERT_WRITERS", 4)  # threads writing at once: one per shard written at once
 
 
 @dataclass
@@ -57,6 +71,7 @@ class Piece:
     first: int
     count: int
     make: Optional[Callable] = None
+    on_device: bool = False  # made on the route's device (its buffers pinned on CUDA), not on the CPU
 
 
 # --- producers: what each kind of recipe reads and makes ----------------------------------------------------
@@ -80,7 +95,7 @@ def _dequantize_4bit(tensor: PlannedTensor, reader: TensorReader, route) -> Iter
     state = bnb4.load_state(weight, reader, route.device)
     for first, count, piece in bnb4.chunks(state, route.piece_bytes // out_type.itemsize, out_type.torch):
         yield Piece(first * out_type.itemsize, count * out_type.itemsize, weight.packed, first // 2, (count + 1) // 2,
-                    route.dequantize_4bit(piece))  # fmt: skip
+                    route.dequantize_4bit(piece), on_device=True)  # fmt: skip
 
 
 def _dequantize_8bit(tensor: PlannedTensor, reader: TensorReader, route) -> Iterator[Piece]:
@@ -92,7 +107,8 @@ def _dequantize_8bit(tensor: PlannedTensor, reader: TensorReader, route) -> Iter
     for first in range(0, rows, step):
         count = min(step, rows - first)
         yield Piece(first * columns * out_type.itemsize, count * columns * out_type.itemsize, weight.weight,
-                    first * columns, count * columns, route.dequantize_8bit(scb[first : first + count], columns, out_type.torch))  # fmt: skip
+                    first * columns, count * columns, route.dequantize_8bit(scb[first : first + count], columns, out_type.torch),
+                    on_device=True)  # fmt: skip
 
 
 def _merge_lora(tensor: PlannedTensor, reader: TensorReader, route) -> Iterator[Piece]:
@@ -147,7 +163,7 @@ def _cast(source_type, target_type):
 
 class _Buffers:
     """Reused host buffers (pinned for CUDA). A buffer given back with an event is taken again only once
-    that event has passed (a copy may still be reading it)."""
+    that event has passed (a copy may still be reading it); one whose event has passed is taken first."""
 
     def __init__(self, size: int, pinned: bool):
         self._size, self._pinned = size, pinned
@@ -158,7 +174,9 @@ class _Buffers:
         import torch
 
         with self._lock:
-            index = next((i for i, (buffer, _) in enumerate(self._free) if buffer.numel() >= nbytes), None)
+            fitting = [i for i, (buffer, _) in enumerate(self._free) if buffer.numel() >= nbytes]
+            ready = [i for i in fitting if self._free[i][1] is None or self._free[i][1].query()]
+            index = (ready or fitting or [None])[0]
             buffer, event = self._free.pop(index) if index is not None else (None, None)
         if buffer is None:
             buffer = torch.empty(max(nbytes, self._size), dtype=torch.uint8, pin_memory=self._pinned)
@@ -183,7 +201,7 @@ class CpuRoute:
         self.device = torch.device("cpu")
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         self.makers = workers or cores
-        self.buffers = _Buffers(self.piece_bytes, pinned=False)
+        self._buffers = _Buffers(self.piece_bytes, pinned=False)
         self._threads = torch.get_num_threads()
 
     def __enter__(self):
@@ -193,6 +211,12 @@ class CpuRoute:
         import torch
 
         torch.set_num_threads(self._threads)  # the makers set one thread each
+
+    def pool(self, piece: Piece) -> _Buffers:
+        return self._buffers
+
+    def warm(self, plan: Plan, reader: TensorReader) -> None:
+        pass  # nothing to start
 
     def maker_started(self) -> None:
         import torch
@@ -235,22 +259,38 @@ class _Slot:
 
 class CudaRoute:
     """Pieces made on one GPU: one maker thread enqueues copies and kernels, nothing waits on the host but
-    the writer (for its piece's event) and a reused pinned buffer (for the copy that last read it)."""
+    the writer (for its piece's event) and a reused pinned buffer (for the copy that last read it).
+
+    The route starts on a thread of its own (CUDA's context, streams, device buffers, then a warm-up launch
+    of the kernel for the plan's first 4-bit piece, which loads or compiles it), so plain tensors are read
+    and written meanwhile; the first piece the GPU makes waits for it."""
 
     piece_bytes = CUDA_PIECE_BYTES
     makers = 1  # enqueues only; one thread keeps the streams' order simple
     slots = 3  # pieces on the device at once: one copied in, one made, one copied out
 
     def __init__(self, device):
+        from concurrent.futures import ThreadPoolExecutor
+
         import torch
 
         self.device = device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
-        self.buffers = _Buffers(self.piece_bytes, pinned=True)
-        with torch.cuda.device(self.device):
-            self._upload, self._download = torch.cuda.Stream(), torch.cuda.Stream()
-        self._slots = [_Slot(self.piece_bytes, self.device) for _ in range(self.slots)]
+        self._pinned = _Buffers(self.piece_bytes, pinned=True)  # pieces the GPU makes
+        self._host = _Buffers(self.piece_bytes, pinned=False)  # pieces made (or only copied) on the CPU
+        self._slots: list = []
         self._turn = 0
         self._lock = threading.Lock()  # the maker thread enqueues, and so may a producer (an adapter merge)
+        self._starter = ThreadPoolExecutor(1, thread_name_prefix="nf4convert-cuda-start")
+        self._ready = self._starter.submit(self._start)
+        self._warmed = None
+
+    def _start(self) -> None:
+        import torch
+
+        torch.cuda.set_device(self.device)
+        self._upload, self._download = torch.cuda.Stream(), torch.cuda.Stream()
+        self._slots = [_Slot(self.piece_bytes, self.device) for _ in range(self.slots)]
+        profile.mark("cuda started")
 
     def __enter__(self):
         return self
@@ -258,8 +298,31 @@ class CudaRoute:
     def __exit__(self, *exc_info):
         import torch
 
-        torch.cuda.synchronize(self.device)  # no copy may still read or write a buffer after this
+        self._starter.shutdown(wait=True, cancel_futures=True)
+        if self._ready.done() and self._ready.exception() is None:
+            torch.cuda.synchronize(self.device)  # no copy may still read or write a buffer after this
         self._slots.clear()
+
+    def pool(self, piece: Piece) -> _Buffers:
+        return self._pinned if piece.on_device else self._host
+
+    def warm(self, plan: Plan, reader: TensorReader) -> None:
+        """Launch the kernel once, on the start thread, as the plan's first 4-bit piece will (its output thrown away)."""
+        import dataclasses
+
+        first = next((tensor for tensor in plan.tensors if isinstance(tensor.recipe, Dequantize4bit)), None)
+        if first is not None:
+            self._warmed = self._starter.submit(self._warm, dataclasses.replace(first), reader)
+
+    def _warm(self, tensor: PlannedTensor, reader: TensorReader) -> None:
+        import torch
+
+        self._ready.result()
+        piece = next(_dequantize_4bit(tensor, reader, self))
+        read = torch.zeros(piece.count, dtype=torch.uint8, pin_memory=True)
+        out = torch.empty(piece.nbytes, dtype=torch.uint8, pin_memory=True)
+        piece.make(read, out).synchronize()
+        profile.mark("kernel warmed")
 
     def maker_started(self) -> None:
         import torch
@@ -271,6 +334,7 @@ class CudaRoute:
 
     def _run(self, read, out, compute):
         """Copy ``read`` in, ``compute(device bytes in, device bytes out) -> device result``, copy the result out."""
+        self._ready.result()
         with self._lock:
             return self._enqueue(read, out, compute)
 
@@ -320,7 +384,7 @@ class CudaRoute:
 
 
 def route_for(device):
-    """The route that makes pieces on ``device`` (a torch.device)."""
+    """The route that makes pieces on ``device`` (a torch.device); a CUDA route starts at once, in the background."""
     return CudaRoute(device) if device.type == "cuda" else CpuRoute()
 
 
@@ -357,29 +421,27 @@ class _Pipeline:
     def close(self) -> None:
         for pool in (self._readers, self._makers, self._writers):
             pool.shutdown(wait=True, cancel_futures=True)  # nothing runs on after a failure
-        if PROFILE and self._started is not None:
-            import json
-            import sys
-
-            wall, self._started = _now() - self._started, None
-            print(json.dumps({"pipeline_seconds": wall, "process_seconds": _process_age(), "pieces": self._pieces,
-                              "busy": self._busy, "waited": self._waited}), file=sys.stderr)  # fmt: skip
+        if self._started is not None:
+            profile.record(pipeline={"seconds": _now() - self._started, "pieces": self._pieces, "busy": self._busy,
+                                     "waited": self._waited})  # fmt: skip
+            self._started = None
 
     def _timed(self, stage: str, started: float) -> None:
         self._busy[stage] += _now() - started  # += on a float under the GIL: a lost update only blurs a profile
 
     def _read(self, piece: Piece):
         started = _now()
-        buffer = self.route.buffers.take(piece.count)
+        buffer = self.route.pool(piece).take(piece.count)
         read = self.reader.read(piece.source, piece.first, piece.count, out=buffer)
         self._timed("read", started)
         return read, buffer
 
     def _make(self, piece: Piece, read, read_buffer):
         started = _now()
-        buffer = self.route.buffers.take(piece.nbytes)
+        pool = self.route.pool(piece)
+        buffer = pool.take(piece.nbytes)
         event = piece.make(read, buffer[: piece.nbytes])
-        self.route.buffers.give(read_buffer, event)
+        pool.give(read_buffer, event)
         self._timed("make", started)
         return buffer[: piece.nbytes], event, buffer
 
@@ -388,8 +450,9 @@ class _Pipeline:
         if event is not None:
             event.synchronize()
         writer.write(name, made, offset=piece.offset)
-        self.route.buffers.give(buffer)
+        self.route.pool(piece).give(buffer)
         self._timed("write", started)
+        profile.mark("first piece written")
 
     def _result(self, stage: str, future):
         started = _now()
@@ -441,32 +504,57 @@ def _now() -> float:
     return time.perf_counter()
 
 
-def _process_age() -> float:
-    """Seconds since this process started (Linux), or -1."""
-    try:
-        start_ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
-        return float(Path("/proc/uptime").read_text().split()[0]) - start_ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return -1.0
+def _shard_pieces(writer: ShardWriter, shard, reader: TensorReader, route, tensor_done: Callable[[], None]):
+    """(writer, tensor name, piece) for every piece of one shard, its plain tensors first."""
+    plain = [tensor for tensor in shard.tensors if isinstance(tensor.recipe, Copy)]
+    made = [tensor for tensor in shard.tensors if not isinstance(tensor.recipe, Copy)]
+    for tensor in plain + made:
+        for piece in PRODUCERS[type(tensor.recipe)](tensor, reader, route):
+            yield writer, tensor.name, piece
+        tensor_done()
+
+
+def _interleaved(streams: list) -> Iterator:
+    """One item of each stream in turn until all are done."""
+    streams = list(streams)
+    while streams:
+        for stream in list(streams):
+            item = next(stream, None)
+            if item is None:
+                streams.remove(stream)
+            else:
+                yield item
 
 
 def write_shards(plan: Plan, folder: Path, reader: TensorReader, device, *, progress: Callable[[int], None],
                  tensor_done: Callable[[int], None] = lambda done: None, route=None) -> None:  # fmt: skip
     """Write every shard of ``plan`` into ``folder``, making each tensor by its recipe on ``device``
-    (through ``route`` when given: tests use small pieces)."""
+    (through ``route`` when given, closed here as one made here would be)."""
     done = 0
+
+    def one_done() -> None:
+        nonlocal done
+        done += 1
+        tensor_done(done)
+
     with route or route_for(device) as route, _Pipeline(route, reader, progress) as pipeline:
-        for shard in plan.shards:
-            writer = ShardWriter(folder / shard.filename, shard.tensors)
-            try:
-                for tensor in shard.tensors:
-                    for piece in PRODUCERS[type(tensor.recipe)](tensor, reader, route):
-                        pipeline.push(writer, tensor.name, piece)
-                    done += 1
-                    tensor_done(done)
+        route.warm(plan, reader)
+        writers: list[ShardWriter] = []
+        try:
+            for start in range(0, len(plan.shards), SHARDS_AT_ONCE):
+                group = plan.shards[start : start + SHARDS_AT_ONCE]
+                opened = []
+                for shard in group:
+                    opened.append(ShardWriter(folder / shard.filename, shard.tensors))
+                    writers.append(opened[-1])
+                streams = [_shard_pieces(writer, shard, reader, route, one_done) for writer, shard in zip(opened, group)]
+                for writer, name, piece in _interleaved(streams):
+                    pipeline.push(writer, name, piece)
                 pipeline.drain()
-            except BaseException:
-                pipeline.close()  # no write may still be running when its file closes
+                for writer in opened:
+                    writer.close()
+        except BaseException:
+            pipeline.close()  # no write may still be running when its file closes
+            for writer in writers:
                 writer.discard()
-                raise
-            writer.close()
+            raise

@@ -80,3 +80,14 @@ def test_compiled_weight_is_bit_exact():
         for packed, state in _layers(shape, 2, torch.bfloat16, True, seed=21):
             # Doubling is exact: the compiled bits are the eager bits, doubled.
             assert torch.equal(bits(compiled(packed, state)), bits(nf4convert.dequantize_4bit(packed, state) * 2))
+
+
+def test_eager_launches_do_not_import_the_compiler():
+    """Registering the compile op imports torch._dynamo and Inductor (seconds): only a trace may pay that."""
+    import subprocess
+    import sys
+
+    code = ("import sys, torch, nf4convert.dequantize, nf4convert.kernels.launch; "
+            "print(sorted(m for m in ('torch._dynamo', 'torch._inductor') if m in sys.modules))")  # fmt: skip
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and result.stdout.strip() == "[]", result.stdout + result.stderr

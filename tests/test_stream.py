@@ -95,6 +95,83 @@ def test_pieces_on_every_thread_give_the_reference_bytes(tmp_path, seed):
     assert _files(tmp_path / "one") == _files(tmp_path / "small")
 
 
+@pytest.mark.parametrize("at_once", [1, 2, 16])
+def test_shards_written_at_once_give_the_same_bytes(tmp_path, monkeypatch, at_once):
+    source, _ = _checkpoint(tmp_path / "src", 8)
+    plan = _convert(source, tmp_path / "sequential", SmallPieces(workers=2), shard_size=60_000)
+    assert len(plan.shards) > 2
+    monkeypatch.setattr(stream, "SHARDS_AT_ONCE", at_once)
+    _convert(source, tmp_path / "at-once", SmallPieces(workers=2), shard_size=60_000)
+    assert _files(tmp_path / "at-once") == _files(tmp_path / "sequential")
+
+
+def test_pieces_come_plain_tensors_first_and_shards_interleaved(tmp_path, monkeypatch):
+    source, _ = _checkpoint(tmp_path / "src", 9)
+    plan = make_plan(source, dtype="bf16", max_shard_size=60_000)
+    pushed = []
+    original = stream._Pipeline.push
+
+    def push(self, writer, name, piece):
+        pushed.append((writer.path.name, name))
+        return original(self, writer, name, piece)
+
+    monkeypatch.setattr(stream._Pipeline, "push", push)
+    monkeypatch.setattr(stream, "SHARDS_AT_ONCE", 2)
+    (tmp_path / "out").mkdir()
+    with TensorReader() as reader:
+        stream.write_shards(plan, tmp_path / "out", reader, torch.device("cpu"), progress=lambda n: None, route=SmallPieces())
+    recipes = {tensor.name: type(tensor.recipe).__name__ for tensor in plan.tensors}
+    first_two = {shard.filename for shard in plan.shards[:2]}
+    for shard in plan.shards:  # within each shard, every plain tensor's pieces before any made tensor's
+        kinds = [recipes[name] for file, name in pushed if file == shard.filename]
+        assert kinds == sorted(kinds, key=lambda kind: kind != "Copy"), shard.filename
+    files = [file for file, _ in pushed]
+    assert set(files[:2]) == first_two and files.index(plan.shards[2].filename) > max(
+        i for i, file in enumerate(files) if file in first_two)  # two shards side by side, then the next ones
+
+
+class _Event:
+    def __init__(self, done):
+        self.done, self.waited = done, False
+
+    def query(self):
+        return self.done
+
+    def synchronize(self):
+        self.waited = True
+
+
+def test_a_buffer_whose_copy_is_done_is_taken_before_one_still_copying():
+    buffers = stream._Buffers(64, pinned=False)
+    busy, idle = torch.empty(64, dtype=torch.uint8), torch.empty(64, dtype=torch.uint8)
+    busy_event, idle_event = _Event(False), _Event(True)
+    buffers.give(busy, busy_event)
+    buffers.give(idle, idle_event)
+    assert buffers.take(64) is idle and not busy_event.waited
+    assert buffers.take(64) is busy and busy_event.waited  # the last one left: waited for
+    fresh = buffers.take(64)
+    assert fresh is not busy and fresh is not idle  # none free: a new one
+
+
+def test_profile_reports_where_the_time_went(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    source, _ = _checkpoint(tmp_path / "src", 10)
+    env = {**os.environ, "NF4CONVERT_PROFILE": "1"}
+    result = subprocess.run([sys.executable, "-m", "nf4convert", str(source), "-o", str(tmp_path / "out"), "-q",
+                             "--device", "cpu", "--dtype", "bf16"], capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "tensors" in result.stdout  # the summary line survives the fast exit
+    report = json.loads([line for line in result.stderr.splitlines() if line.startswith('{"profile"')][-1])["profile"]
+    marks = report["marks"]
+    assert list(marks) == ["convert called", "device picked", "planned", "first piece written", "tensors written",
+                           "in place", "reported"]  # fmt: skip
+    assert all(a <= b for a, b in zip(marks.values(), list(marks.values())[1:]))
+    assert report["pipeline"]["pieces"] > 0 and set(report["pipeline"]["busy"]) == {"read", "make", "write"}
+
+
 def test_a_failing_piece_stops_every_stage(tmp_path, monkeypatch):
     source, _ = _checkpoint(tmp_path / "src", 3)
     calls = {"n": 0}

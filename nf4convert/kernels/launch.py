@@ -1,4 +1,5 @@
-"""The launcher of the dequantize kernel: argument layout, fast repeat launches, and the torch.compile op.
+"""The eager launcher of the dequantize kernel: argument layout and fast repeat launches (the torch.compile op is
+in ``compiled.py``: registering it imports torch's compiler, seconds that an eager launch need not pay).
 
 Inputs here are trusted (``nf4convert.dequantize`` checked them).
 """
@@ -7,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import List, Optional
 
 import torch
 import triton
@@ -135,33 +135,3 @@ def _replayer(compiled, n_programs, device_index, args, constexpr_values):
         return True
 
     return replay
-
-
-# --- torch.compile ---------------------------------------------------------------------------------
-# A triton_op lets Inductor see the kernel and schedule it inside the graph; offset and the tables travel as
-# tensors, so one compiled graph serves every layer of a model. Measured on an H200 (issue 10,
-# benchmarks/results-h200-dequant-2026-11-23.log): the kernel time under compile equals eager's (148.5 vs
-# 148.4 us at 28672x8192); what is slower is the host's time per compiled call (78 us against eager's 15 us),
-# which do_bench shows on small weights. An opaque torch.library.custom_op calling the eager launcher was
-# tried in its place and cost more (124 us per call), so the triton_op stays.
-
-
-@torch.library.triton_op("nf4convert::dequantize_4bit", mutates_args=())
-def dequantize_4bit_op(
-    packed: torch.Tensor,
-    absmax: torch.Tensor,
-    code2: Optional[torch.Tensor],
-    absmax2: Optional[torch.Tensor],
-    offset: Optional[torch.Tensor],
-    code: torch.Tensor,
-    blocksize: int,
-    nested_blocksize: int,
-    shape: List[int],
-    dtype: torch.dtype,
-) -> torch.Tensor:
-    out = torch.empty(shape, dtype=dtype, device=packed.device)
-    grid, args, constexprs, num_warps = _plan(
-        packed, absmax, code2, absmax2, offset, code, out, blocksize, nested_blocksize
-    )
-    torch.library.wrap_triton(dequantize_4bit_kernel)[grid](*args, **constexprs, num_warps=num_warps)
-    return out

@@ -1,0 +1,237 @@
+"""torch.compile against eager, weight shape by weight shape: the op alone, and Linear4bit-style layers.
+
+    python benchmarks/bench_compile.py [--layers 16] [--shapes 1024x1024,...] [--json FILE]
+
+Weights: bitsandbytes-quantized NF4, double quantization, blocksize 64, in fp16 and bf16. For each shape:
+
+  op       one ``dequantize_4bit(packed, state)``: eager, and compiled (fullgraph, static shapes, compiled
+           afresh for the shape). do_bench median (L2 flushed before each call), and host us per call.
+  layers   LAYERS Linear4bit-style modules (weight = the packed Params4bit data, ``quant_state`` beside it,
+           ``forward(x) = F.linear(x, dequantize_4bit(weight, quant_state))``, x one token), called in turn by
+           one forward: eager, and ``torch.compile(model, fullgraph=True)``. Seconds per forward until the GPU is
+           done (synchronized), median of 30; per layer in the table. The compiled forward must be one graph:
+           the graphs Inductor compiled are counted, and every call runs with ``error_on_recompile``.
+  weights  the same layers' forward returning the dequantized weights only (no matmul): the op's own cost.
+  *_graphs the same two compiled with CUDA graphs (Inductor's triton.cudagraphs, what mode="reduce-overhead" sets).
+
+Compiled weights are checked bit for bit against eager (the layers' outputs only for closeness: Inductor may pick
+another matmul). Then, on the smallest shape, where a
+compiled op call's host time goes: the call with Dynamo's guards filtered out (what the guards cost), and a
+cProfile of compiled calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import datetime
+import io
+import json
+import pstats
+import statistics
+import time
+
+import torch
+import triton
+from triton.testing import do_bench
+
+import nf4convert
+
+SHAPES = [(1024, 1024), (4096, 1024), (4096, 4096), (14336, 4096), (28672, 8192)]
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+class Layer(torch.nn.Module):
+    """What bitsandbytes' Linear4bit holds (packed weight, quant state) with our dequantize in its forward."""
+
+    def __init__(self, packed, state):
+        super().__init__()
+        self.weight = torch.nn.Parameter(packed, requires_grad=False)
+        self.quant_state = state
+
+    def forward(self, x):
+        return torch.nn.functional.linear(x, nf4convert.dequantize_4bit(self.weight, self.quant_state))
+
+
+class Layers(torch.nn.Module):
+    def __init__(self, layers, weights_only=False):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(layers)
+        self.weights_only = weights_only
+
+    def forward(self, x):
+        if self.weights_only:
+            return tuple(nf4convert.dequantize_4bit(layer.weight, layer.quant_state) for layer in self.layers)
+        return tuple(layer(x) for layer in self.layers)
+
+
+def quantized(shape, dtype, seed):
+    import bitsandbytes.functional as F
+
+    generator = torch.Generator("cuda").manual_seed(seed)
+    weight = torch.randn(shape, dtype=dtype, device="cuda", generator=generator) * 0.02
+    return F.quantize_4bit(weight, blocksize=64, quant_type="nf4", compress_statistics=True)
+
+
+def seconds_per_call(fn, reps=30):
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        started = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def host_us(fn, calls=2000):
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - started
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
+
+
+def same_bits(a, b):
+    return all(torch.equal(x.view(torch.int16), y.view(torch.int16)) for x, y in zip(a, b))
+
+
+def close(a, b):
+    return all(torch.allclose(x.float(), y.float(), rtol=1e-2, atol=1e-3) for x, y in zip(a, b))
+
+
+class _Counted:
+    """The graphs Dynamo handed to Inductor (in any mode): more than one for a layer stack means a recompile."""
+
+    def __init__(self):
+        self.frame_count = 0
+
+    def __call__(self, graph, example_inputs, mode=None, options=None):
+        from torch._inductor.compile_fx import compile_fx
+
+        self.frame_count += 1
+        return compile_fx(graph, example_inputs, config_patches=options)
+
+
+def compile_counted(module_or_fn, mode=None, options=None):
+    """torch.compile(fullgraph, static shapes) with Inductor, in ``mode`` (None, or reduce-overhead: CUDA graphs)."""
+    counter = _Counted()
+    patches = dict(options or {})
+    if mode == "reduce-overhead":
+        patches["triton.cudagraphs"] = True
+    guard_filter = patches.pop("guard_filter_fn", None)
+
+    def backend(graph, example_inputs):
+        return counter(graph, example_inputs, options=patches)
+
+    extra = {"options": {"guard_filter_fn": guard_filter}} if guard_filter else {}
+    return torch.compile(module_or_fn, fullgraph=True, dynamic=False, backend=backend, **extra), counter
+
+
+def main():
+    import bitsandbytes
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--shapes", help="e.g. 1024x1024,28672x8192 (default: all)")
+    parser.add_argument("--json")
+    options = parser.parse_args()
+    shapes = [tuple(int(n) for n in s.split("x")) for s in options.shapes.split(",")] if options.shapes else SHAPES
+    env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+           "bitsandbytes": bitsandbytes.__version__, "date": datetime.date.today().isoformat(), "layers": options.layers}  # fmt: skip
+    print(" ".join(f"{k}={v}" for k, v in env.items()), flush=True)
+    rows = []
+    for shape in shapes:
+        for dtype_name, dtype in DTYPES.items():
+            torch._dynamo.reset()
+            weights = [quantized(shape, dtype, seed) for seed in range(options.layers)]
+            packed, state = weights[0]
+            row = {"shape": f"{shape[0]}x{shape[1]}", "dtype": dtype_name}
+
+            def eager_op():
+                return nf4convert.dequantize_4bit(packed, state)
+
+            compiled_op, counter = compile_counted(lambda p, s: nf4convert.dequantize_4bit(p, s))
+            compiled_op(packed, state)
+            row["op"] = {
+                "exact": same_bits([compiled_op(packed, state)], [eager_op()]),
+                "eager_us": do_bench(eager_op, warmup=25, rep=100, return_mode="median") * 1e3,
+                "compiled_us": do_bench(lambda: compiled_op(packed, state), warmup=25, rep=100, return_mode="median") * 1e3,
+                "eager_host_us": host_us(eager_op),
+                "compiled_host_us": host_us(lambda: compiled_op(packed, state)),
+            }
+            x = torch.randn(1, shape[1], dtype=dtype, device="cuda")
+            for kind, weights_only, mode in (("layers", False, None), ("weights", True, None),
+                                             ("layers_graphs", False, "reduce-overhead"), ("weights_graphs", True, "reduce-overhead")):  # fmt: skip
+                torch._dynamo.reset()
+                model = Layers([Layer(p, s) for p, s in weights], weights_only=weights_only)
+                compiled, counter = compile_counted(model, mode=mode)
+                with torch._dynamo.config.patch(error_on_recompile=True):
+                    exact = (close if kind.startswith("layers") else same_bits)(compiled(x), model(x))
+                    eager_s = seconds_per_call(lambda: model(x))
+                    compiled_s = seconds_per_call(lambda: compiled(x))
+                row[kind] = {"exact": exact, "graphs": counter.frame_count, "eager_us_per_layer": eager_s / options.layers * 1e6,
+                             "compiled_us_per_layer": compiled_s / options.layers * 1e6}  # fmt: skip
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            del weights, packed, state
+
+    # Where a compiled op call's host time goes, on the first shape.
+    torch._dynamo.reset()
+    packed, state = quantized(shapes[0], torch.float16, 0)
+    diagnostics = {}
+    compiled_op, _ = compile_counted(lambda p, s: nf4convert.dequantize_4bit(p, s))
+    diagnostics["compiled_host_us"] = host_us(lambda: compiled_op(packed, state))
+    try:
+        torch._dynamo.reset()
+        unguarded, _ = compile_counted(lambda p, s: nf4convert.dequantize_4bit(p, s),
+                                       options={"guard_filter_fn": lambda entries: [False] * len(entries)})  # fmt: skip
+        diagnostics["compiled_no_guards_host_us"] = host_us(lambda: unguarded(packed, state))
+    except Exception as error:  # noqa: BLE001  (a torch without guard_filter_fn: reported)
+        diagnostics["compiled_no_guards_host_us"] = f"{type(error).__name__}: {error}"[:200]
+    identity = torch.compile(lambda p, s: p, fullgraph=True, dynamic=False)
+    diagnostics["compiled_identity_host_us"] = host_us(lambda: identity(packed, state))
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(2000):
+        compiled_op(packed, state)
+    profiler.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(15)
+    diagnostics["profile"] = text.getvalue()[-3500:]
+    print(json.dumps({k: v for k, v in diagnostics.items() if k != "profile"}), flush=True)
+    print(diagnostics["profile"], flush=True)
+
+    if options.json:
+        with open(options.json, "w") as file:
+            json.dump({"env": env, "rows": rows, "diagnostics": diagnostics}, file, indent=1)
+    print(f"\n{env['gpu']}, torch {env['torch']}, Triton {env['triton']}, {env['date']}; {options.layers} layers per forward; "
+          "us (op: do_bench median / host per call; layers and weights: per layer of a synchronized forward)")  # fmt: skip
+    print("| shape | dtype | op eager | op compiled | op host eager | op host compiled | layers eager | layers compiled "
+          "| x | weights eager | weights compiled | x | graphs | exact |")
+    print("|" + "---|" * 14)
+    for row in rows:
+        for suffix in ("", "_graphs"):
+            _row(row, suffix)
+
+
+def _row(row, suffix):
+    if True:
+        op, layers, weights = row["op"], row["layers" + suffix], row["weights" + suffix]
+        if suffix:
+            op = {**op, **row["op" + suffix]}
+        print(f"| {row['shape']}{suffix} | {row['dtype']} | {op['eager_us']:.1f} | {op['compiled_us']:.1f} | {op['eager_host_us']:.1f} | "
+              f"{op['compiled_host_us']:.1f} | {layers['eager_us_per_layer']:.1f} | {layers['compiled_us_per_layer']:.1f} | "
+              f"{layers['compiled_us_per_layer'] / layers['eager_us_per_layer']:.2f} | {weights['eager_us_per_layer']:.1f} | "
+              f"{weights['compiled_us_per_layer']:.1f} | {weights['compiled_us_per_layer'] / weights['eager_us_per_layer']:.2f} | "
+              f"{layers['graphs']}/{weights['graphs']} | {op['exact'] and layers['exact'] and weights['exact']} |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

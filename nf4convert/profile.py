@@ -1,0 +1,48 @@
+"""NF4CONVERT_PROFILE=1: where a conversion's time goes, for benchmarks/bench_convert.py.
+
+At the end of a conversion, one JSON line on stderr: the process's age (seconds since it started) at each
+marked moment of the run, and the pipeline's stages (each stage's busy seconds summed over its threads, and
+how long the pipeline's caller waited on it). Off, every call here is a no-op.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+ENABLED = os.environ.get("NF4CONVERT_PROFILE", "0") == "1"
+_marks: dict[str, float] = {}
+_fields: dict = {}
+
+
+def process_age() -> float:
+    """Seconds since this process started (Linux; 10 ms resolution), or -1."""
+    try:
+        start_ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        return float(Path("/proc/uptime").read_text().split()[0]) - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return -1.0
+
+
+def mark(moment: str) -> None:
+    """Note the process's age now, under ``moment`` (the first time it is reached)."""
+    if ENABLED and moment not in _marks:
+        _marks[moment] = round(process_age(), 3)
+
+
+def record(**fields) -> None:
+    """Fields of the report (the pipeline's stage figures)."""
+    if ENABLED:
+        _fields.update(fields)
+
+
+def report() -> None:
+    """Print the report (once) on stderr."""
+    if ENABLED and _marks:
+        import json
+        import sys
+
+        mark("reported")
+        print(json.dumps({"profile": {"marks": dict(_marks), **_fields}}), file=sys.stderr, flush=True)
+        _marks.clear()
+        _fields.clear()

@@ -140,7 +140,11 @@ def main():
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--shapes", help="e.g. 1024x1024,28672x8192 (default: all)")
     parser.add_argument("--json")
+    parser.add_argument("--table", help="print the table of an earlier --json file and stop")
     options = parser.parse_args()
+    if options.table:
+        saved = json.load(open(options.table))
+        return print_table(saved["env"], saved["rows"])
     shapes = [tuple(int(n) for n in s.split("x")) for s in options.shapes.split(",")] if options.shapes else SHAPES
     env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
            "bitsandbytes": bitsandbytes.__version__, "date": datetime.date.today().isoformat(), "layers": options.layers}  # fmt: skip
@@ -211,7 +215,11 @@ def main():
     if options.json:
         with open(options.json, "w") as file:
             json.dump({"env": env, "rows": rows, "diagnostics": diagnostics}, file, indent=1)
-    print(f"\n{env['gpu']}, torch {env['torch']}, Triton {env['triton']}, {env['date']}; {options.layers} layers per forward; "
+    print_table(env, rows)
+
+
+def print_table(env, rows):
+    print(f"\n{env['gpu']}, torch {env['torch']}, Triton {env['triton']}, {env['date']}; {env['layers']} layers per forward; "
           "us (op: do_bench median / host per call; layers and weights: per layer of a synchronized forward)")  # fmt: skip
     print("| shape | dtype | op eager | op compiled | op host eager | op host compiled | layers eager | layers compiled "
           "| x | weights eager | weights compiled | x | graphs | exact |")
@@ -224,8 +232,8 @@ def main():
 def _row(row, suffix):
     if True:
         op, layers, weights = row["op"], row["layers" + suffix], row["weights" + suffix]
-        if suffix:
-            op = {**op, **row["op" + suffix]}
+        if suffix:  # CUDA graphs apply to the layer stacks; the op columns repeat the plain compile's
+            op = {**op, **row.get("op" + suffix, {})}
         print(f"| {row['shape']}{suffix} | {row['dtype']} | {op['eager_us']:.1f} | {op['compiled_us']:.1f} | {op['eager_host_us']:.1f} | "
               f"{op['compiled_host_us']:.1f} | {layers['eager_us_per_layer']:.1f} | {layers['compiled_us_per_layer']:.1f} | "
               f"{layers['compiled_us_per_layer'] / layers['eager_us_per_layer']:.2f} | {weights['eager_us_per_layer']:.1f} | "

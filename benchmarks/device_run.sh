@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# The GPU machine, one call: the GPU tests, then the whole-model conversion benchmark, then the kernel benchmark.
+# The GPU machine: the GPU tests, the whole-model conversion benchmark, the kernel benchmark, torch.compile against eager.
 # Expects bitsandbytes unpacked under .carry/site, peft 0.21 under .carry/peft and Unsloth's kernel copy under
-# .carry/peers (README, "GPU tests and benchmark"). STAGES picks parts (tests,convert,dequant); logs go to $OUT.
+# .carry/peers (README, "GPU tests and benchmark"). STAGES picks parts (tests,convert,dequant,compile); logs go to $OUT.
 set -o pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 carry=$(cd "$root/.." && pwd)  # .carry when run from .carry/perf
 export PYTHONPATH="$root:$root/.carry/peft:$root/.carry/site:$root/.carry/peers:$carry/site:$carry/peers:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 out=${OUT:-$root/.device-out}
-stages=${STAGES:-tests,convert,dequant}
+stages=${STAGES:-tests,convert,dequant,compile}
 mkdir -p "$out"
 cd "$root"
 { date -u; nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader; nproc; free -g | head -2; df -h /tmp "$root" | tail -2
@@ -19,10 +19,16 @@ if [[ $stages == *tests* ]]; then
     -q -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee "$out/gpu_tests.log" | tail -25
 fi
 if [[ $stages == *convert* ]]; then
-  timeout ${CONVERT_TIMEOUT:-280} python3 benchmarks/bench_convert.py --workdir /tmp/bench-convert --json "$out/convert.json" ${CONVERT_ARGS:-} 2>&1 \
+  # Warmed (Triton's cache filled by a one-layer run, as after a user's first conversion), and once more on an empty
+  # Triton cache: a fresh machine's first run.
+  timeout ${CONVERT_TIMEOUT:-330} python3 benchmarks/bench_convert.py --workdir /tmp/bench-convert --warm --json "$out/convert.json" \
+    --routes ${ROUTES:-dd,cuda,cpu,transformers,adapter,peft,cuda+TRITON_CACHE_DIR=/tmp/nf4convert-empty-triton-cache} ${CONVERT_ARGS:-} 2>&1 \
     | tee "$out/convert.log" | grep -v '^ *$'
   rm -rf /tmp/bench-convert
 fi
 if [[ $stages == *dequant* ]]; then
   timeout ${DEQUANT_TIMEOUT:-200} python3 benchmarks/bench_dequant.py --json "$out/dequant.json" ${DEQUANT_ARGS:-} 2>&1 | tee "$out/dequant.log" | grep -v '^{'
+fi
+if [[ $stages == *compile* ]]; then
+  timeout ${COMPILE_TIMEOUT:-280} python3 benchmarks/bench_compile.py --json "$out/compile.json" 2>&1 | tee "$out/compile.log" | grep -v '^{'
 fi

@@ -133,6 +133,25 @@ def compile_counted(module_or_fn, mode=None, options=None):
     return torch.compile(module_or_fn, fullgraph=True, dynamic=False, backend=backend, **extra), counter
 
 
+def list_kernels(shape):
+    """What a compiled weights forward runs on the GPU beside eager's, kernel by kernel."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model = Layers([Layer(*quantized(shape, torch.float16, seed)) for seed in range(4)], weights_only=True)
+    compiled, _ = compile_counted(model)
+    x = torch.randn(1, shape[1], dtype=torch.float16, device="cuda")
+    for _ in range(3):
+        model(x), compiled(x)
+    torch.cuda.synchronize()
+    for name, forward in (("eager", model), ("compiled", compiled)):
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
+            for _ in range(5):
+                forward(x)
+            torch.cuda.synchronize()
+        print(f"===== {name}: 5 forwards of 4 weights")
+        print(profiler.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
+
+
 def main():
     import bitsandbytes
 
@@ -141,10 +160,14 @@ def main():
     parser.add_argument("--shapes", help="e.g. 1024x1024,28672x8192 (default: all)")
     parser.add_argument("--json")
     parser.add_argument("--table", help="print the table of an earlier --json file and stop")
+    parser.add_argument("--kernels", metavar="SHAPE", help="only list the GPU kernels (torch.profiler) of an eager and a "
+                        "compiled 4-layer weights forward of SHAPE, e.g. 14336x4096 (with TORCH_LOGS=output_code: the code)")
     options = parser.parse_args()
     if options.table:
         saved = json.load(open(options.table))
         return print_table(saved["env"], saved["rows"])
+    if options.kernels:
+        return list_kernels(tuple(int(n) for n in options.kernels.split("x")))
     shapes = [tuple(int(n) for n in s.split("x")) for s in options.shapes.split(",")] if options.shapes else SHAPES
     env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
            "bitsandbytes": bitsandbytes.__version__, "date": datetime.date.today().isoformat(), "layers": options.layers}  # fmt: skip

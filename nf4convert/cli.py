@@ -51,10 +51,10 @@ class DefaultGroup(click.Group):
         try:
             code = super().main(args, *rest, standalone_mode=False, **kwargs)
         except click.ClickException as error:  # a bad option or argument: one line, not the usage text
-            click.echo(f"Error: {error.format_message()} (see 'nf4convert --help')", err=True)
+            error_line(f"{error.format_message()} (see 'nf4convert --help')")
             sys.exit(error.exit_code)
         except click.exceptions.Abort:
-            click.echo("Error: aborted", err=True)
+            error_line("aborted")
             sys.exit(1)
         finally:
             signal.signal(signal.SIGTERM, previous)
@@ -94,8 +94,15 @@ def _refuse_mistyped_command(word: str, commands: list[str]) -> None:
         raise click.UsageError(f"no such command '{word}'; did you mean {close[0]}?")
 
 
+def error_line(text: str) -> None:
+    """The one way an error reaches the terminal: ``Error: ...`` on one line, whatever the text holds (a path
+    or tensor name with a newline or carriage return in it is shown escaped)."""
+    one_line = text.replace("\r", "\\r").replace("\n", "\\n")
+    click.echo(f"Error: {one_line}", err=True)
+
+
 def _fail(text: str, code: int = 1):
-    click.echo(f"Error: {text}", err=True)
+    error_line(text)
     sys.exit(code)
 
 
@@ -220,7 +227,7 @@ def convert_command(source, output, adapter, dtype, device, max_shard_size, over
         if then_verify and not _verify(result.output, source, device=device, adapter=adapter, quiet=quiet, revision=revision,
                                        token=token, cache_dir=cache_dir):  # fmt: skip
             if push_to:
-                click.echo(f"Error: verification failed; {result.output} was not pushed to {push_to}", err=True)
+                error_line(f"verification failed; {result.output} was not pushed to {push_to}")
             return False
         if push_to:
             from .upload import push_to_hub
@@ -336,7 +343,7 @@ def batch_command(sources, output_root, from_file, adapter, dtype, device, max_s
 
             row["error"] = message(error) if isinstance(error, Nf4ConvertError) else f"internal error: {type(error).__name__}: {error}"
             if not as_json:
-                click.echo(f"Error: {row['error']}", err=True)
+                error_line(row["error"])
         row["seconds"] = round(time.perf_counter() - started, 1)
         rows.append(row)
         if stopped is not None:

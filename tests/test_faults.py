@@ -36,6 +36,18 @@ def one_error_line(output: str) -> str:
     return lines[0]
 
 
+def test_names_with_newlines_still_give_one_line(tmp_path):
+    odd = tmp_path / "two\nlines\rhere"
+    line = one_error_line(run(odd, "-o", tmp_path / "out", code=1))
+    assert "two\\nlines\\rhere" in line  # shown escaped
+    odd.mkdir()
+    (odd / "config.json").write_text("{}")
+    line = one_error_line(run(odd, "-o", tmp_path / "out", code=1))
+    assert "two\\nlines" in line
+    line = one_error_line(run(EXAMPLE, "-o", tmp_path / "out\nput", "--device", "cu\nda", code=2))
+    assert "cu\\nda" in line and not (tmp_path / "out\nput").exists()
+
+
 def test_output_under_a_file_or_unwritable_place_is_one_line(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("user data")

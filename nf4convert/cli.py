@@ -75,8 +75,11 @@ def _exit_now(code: int) -> None:
     context and pinned memory take ~0.5 s to unwind, for nothing: every file is closed and in place by now."""
     import os
 
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe (| head) or stream: nothing more can reach it
+            pass
     os._exit(code)
 
 

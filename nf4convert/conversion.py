@@ -166,7 +166,7 @@ def convert(
     from .stream import route_for, write_shards
 
     started = time.perf_counter()
-    profile.mark("convert called")
+    profile.start("convert called")
     chosen_device = pick_device(device)
     profile.mark("device picked")
     # The route starts now (a CUDA context takes a while) and the card is written on the side while the tensors are.

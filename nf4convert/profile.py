@@ -24,6 +24,13 @@ def process_age() -> float:
         return -1.0
 
 
+def start(moment: str) -> None:
+    """A new report (what an earlier run that failed before reporting left is dropped), its first mark ``moment``."""
+    _marks.clear()
+    _fields.clear()
+    mark(moment)
+
+
 def mark(moment: str) -> None:
     """Note the process's age now, under ``moment`` (the first time it is reached)."""
     if ENABLED and moment not in _marks:

@@ -283,7 +283,6 @@ class CudaRoute:
         self._lock = threading.Lock()  # the maker thread enqueues, and so may a producer (an adapter merge)
         self._starter = ThreadPoolExecutor(1, thread_name_prefix="nf4convert-cuda-start")
         self._ready = self._starter.submit(self._start)
-        self._warmed = None
 
     def _start(self) -> None:
         import torch
@@ -299,8 +298,8 @@ class CudaRoute:
     def __exit__(self, *exc_info):
         import torch
 
-        self._starter.shutdown(wait=True, cancel_futures=True)
-        if self._ready.done() and self._ready.exception() is None:
+        self._starter.shutdown(wait=True, cancel_futures=True)  # a start not begun yet is cancelled
+        if self._ready.done() and not self._ready.cancelled() and self._ready.exception() is None:
             torch.cuda.synchronize(self.device)  # no copy may still read or write a buffer after this
         self._slots.clear()
 
@@ -308,12 +307,11 @@ class CudaRoute:
         return self._pinned if piece.on_device else self._host
 
     def warm(self, plan: Plan, reader: TensorReader) -> None:
-        """Launch the kernel once, on the start thread, as the plan's first 4-bit piece will (its output thrown away)."""
-        import dataclasses
-
+        """Launch the kernel once, on the start thread, as the plan's first 4-bit piece will (its output thrown away;
+        a failure here is the first real piece's to report)."""
         first = next((tensor for tensor in plan.tensors if isinstance(tensor.recipe, Dequantize4bit)), None)
         if first is not None:
-            self._warmed = self._starter.submit(self._warm, dataclasses.replace(first), reader)
+            self._starter.submit(self._warm, first, reader)
 
     def _warm(self, tensor: PlannedTensor, reader: TensorReader) -> None:
         import torch

@@ -95,19 +95,25 @@ def test_pieces_on_every_thread_give_the_reference_bytes(tmp_path, seed):
     assert _files(tmp_path / "one") == _files(tmp_path / "small")
 
 
-@pytest.mark.parametrize("at_once", [1, 2, 16])
+@pytest.mark.parametrize("at_once", [2, 4, 16])
 def test_shards_written_at_once_give_the_same_bytes(tmp_path, monkeypatch, at_once):
     source, _ = _checkpoint(tmp_path / "src", 8)
-    plan = _convert(source, tmp_path / "sequential", SmallPieces(workers=2), shard_size=60_000)
+    monkeypatch.setattr(stream, "SHARDS_AT_ONCE", 1)
+    plan = _convert(source, tmp_path / "one-by-one", SmallPieces(workers=2), shard_size=60_000)
     assert len(plan.shards) > 2
     monkeypatch.setattr(stream, "SHARDS_AT_ONCE", at_once)
     _convert(source, tmp_path / "at-once", SmallPieces(workers=2), shard_size=60_000)
-    assert _files(tmp_path / "at-once") == _files(tmp_path / "sequential")
+    assert _files(tmp_path / "at-once") == _files(tmp_path / "one-by-one")
 
 
 def test_pieces_come_plain_tensors_first_and_shards_interleaved(tmp_path, monkeypatch):
     source, _ = _checkpoint(tmp_path / "src", 9)
-    plan = make_plan(source, dtype="bf16", max_shard_size=60_000)
+    plan = make_plan(source, dtype="bf16", max_shard_size=100_000)
+    recipes = {tensor.name: type(tensor.recipe).__name__ for tensor in plan.tensors}
+    # A shard whose plan puts a made tensor before a plain one: the order below must change that.
+    contrary = [shard for shard in plan.shards if [recipes[t.name] for t in shard.tensors][:1] != ["Copy"]
+                and "Copy" in [recipes[t.name] for t in shard.tensors]]  # fmt: skip
+    assert contrary and len(plan.shards) > 2
     pushed = []
     original = stream._Pipeline.push
 
@@ -120,12 +126,11 @@ def test_pieces_come_plain_tensors_first_and_shards_interleaved(tmp_path, monkey
     (tmp_path / "out").mkdir()
     with TensorReader() as reader:
         stream.write_shards(plan, tmp_path / "out", reader, torch.device("cpu"), progress=lambda n: None, route=SmallPieces())
-    recipes = {tensor.name: type(tensor.recipe).__name__ for tensor in plan.tensors}
-    first_two = {shard.filename for shard in plan.shards[:2]}
     for shard in plan.shards:  # within each shard, every plain tensor's pieces before any made tensor's
         kinds = [recipes[name] for file, name in pushed if file == shard.filename]
         assert kinds == sorted(kinds, key=lambda kind: kind != "Copy"), shard.filename
     files = [file for file, _ in pushed]
+    first_two = {shard.filename for shard in plan.shards[:2]}
     assert set(files[:2]) == first_two and files.index(plan.shards[2].filename) > max(
         i for i, file in enumerate(files) if file in first_two)  # two shards side by side, then the next ones
 
@@ -151,6 +156,21 @@ def test_a_buffer_whose_copy_is_done_is_taken_before_one_still_copying():
     assert buffers.take(64) is busy and busy_event.waited  # the last one left: waited for
     fresh = buffers.take(64)
     assert fresh is not busy and fresh is not idle  # none free: a new one
+
+
+def test_a_new_profile_report_drops_what_a_failed_run_left(monkeypatch, capsys):
+    from nf4convert import profile
+
+    monkeypatch.setattr(profile, "ENABLED", True)
+    monkeypatch.setattr(profile, "process_age", iter([1.0, 2.0, 5.0, 6.0, 7.0]).__next__)
+    profile.start("convert called")
+    profile.mark("device picked")  # a run that fails here never reports
+    profile.start("convert called")
+    profile.mark("device picked")
+    profile.mark("device picked")  # the first time a moment is reached counts
+    profile.report()
+    report = json.loads(capsys.readouterr().err)["profile"]
+    assert report == {"marks": {"convert called": 5.0, "device picked": 6.0, "reported": 7.0}}
 
 
 def test_profile_reports_where_the_time_went(tmp_path):

@@ -150,6 +150,15 @@ def list_kernels(shape):
             torch.cuda.synchronize()
         print(f"===== {name}: 5 forwards of 4 weights")
         print(profiler.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
+    for name, forward in (("eager", model), ("compiled", compiled)):
+        print(f"===== {name}: host time of a 4-weight forward, {host_us(lambda: forward(x), calls=500):.1f} us; cProfile:")
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(500):
+            forward(x)
+        profiler.disable()
+        torch.cuda.synchronize()
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
 
 
 def main():

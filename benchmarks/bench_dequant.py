@@ -6,8 +6,10 @@ Methods: bitsandbytes' dequantize_4bit; Unsloth's original path (bitsandbytes' C
 ctypes); Unsloth's current fused Triton kernel (when importable); ours eager; ours under
 torch.compile; and our launch-config variants (bytes per program, warps, eviction hints).
 Weights: double-quantized NF4, blocksize 64, quantized by bitsandbytes. Times: median of
-triton.testing.do_bench. Floor: bytes that must move (packed + absmax + nested absmax + output)
-over the device-to-device copy bandwidth measured in the same run.
+triton.testing.do_bench (with --rounds R: the median of R rounds, the methods' order rotated each round).
+Floor: bytes that must move (packed + absmax + nested absmax + output) over the device-to-device copy bandwidth
+measured in the same run. Expand: the best of a few launch configs of a kernel that moves the same bytes (one
+packed byte in, four out) and decodes nothing; writes: the same kernel's writes alone.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import ctypes
 import datetime
 import json
 import platform
+import statistics
 import time
 
 import torch
@@ -131,23 +134,40 @@ def _touch_kernel(out_ptr):
 
 @triton.jit
 def _expand_kernel(source, target, BLOCK: tl.constexpr):
-    # The dequantize kernel's traffic with no decode: each packed byte read, OUT_PER_BYTE bytes written.
+    # The dequantize kernel's traffic with no decode: each packed byte read, 4 bytes written.
     offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     byte = tl.load(source + offsets)
     tl.store(target + offsets, byte.to(target.dtype.element_ty) * 0x01010101)
 
 
-def expand_us(packed, out_bytes):
-    """do_bench of a kernel that moves what dequantize moves (packed in, 4 bytes per packed byte out) and decodes
-    nothing: how close to the copy floor this mix of reads and writes gets (fp16/bf16 outputs)."""
+@triton.jit
+def _write_kernel(target, BLOCK: tl.constexpr):
+    # Only the output's writes: what the dequantize kernel's stores alone cost.
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(target + offsets, tl.zeros([BLOCK], dtype=target.dtype.element_ty))
+
+
+SAME_TRAFFIC_CONFIGS = [(block, warps) for block in (1024, 2048, 4096, 8192) for warps in (4, 8)]
+
+
+def expand_us(packed, out_bytes, write_only=False):
+    """The best do_bench over launch configs of a kernel that moves what dequantize moves (packed in, 4 bytes per
+    packed byte out) and decodes nothing: how close to the copy floor this mix of reads and writes can get
+    (fp16/bf16 outputs). ``write_only``: the output's writes alone, no reads."""
     source = packed.view(-1)
     target = torch.empty(out_bytes // 4, dtype=torch.int32, device="cuda")
-    block = 2048
-    grid = (triton.cdiv(source.numel(), block),)
-    if source.numel() % block or target.numel() != source.numel():
-        return None
-    return do_bench(lambda: _expand_kernel[grid](source, target, BLOCK=block, num_warps=4), warmup=25, rep=100,
-                    return_mode="median") * 1e3  # fmt: skip
+    best = None
+    for block, warps in SAME_TRAFFIC_CONFIGS:
+        if source.numel() % block or target.numel() != source.numel():
+            return None
+        grid = (source.numel() // block,)
+        if write_only:
+            call = lambda: _write_kernel[grid](target, BLOCK=block, num_warps=warps)  # noqa: E731
+        else:
+            call = lambda: _expand_kernel[grid](source, target, BLOCK=block, num_warps=warps)  # noqa: E731
+        us = do_bench(call, warmup=25, rep=100, return_mode="median") * 1e3
+        best = us if best is None else min(best, us)
+    return best
 
 
 def launch_floor_us():
@@ -191,6 +211,7 @@ def main():
     parser.add_argument("--shapes", help="e.g. 1024x1024,28672x8192 (default: all)")
     parser.add_argument("--dtypes", help="e.g. bf16,fp16 (default: all)")
     parser.add_argument("--no-harness", action="store_true")
+    parser.add_argument("--rounds", type=int, default=1, help="time every method this many times, interleaved; report the median")
     parser.add_argument("--variants", choices=("default", "grid", "none"), default="default",
                         help="the launch variants measured beside ours: a few (default), every tile x warps (grid), none")
     options = parser.parse_args()
@@ -207,6 +228,7 @@ def main():
     bandwidth = copy_bandwidth()
     print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s (read + write)", flush=True)
     env["launch_floor_us"] = launch_floor_us()
+    env["rounds"] = options.rounds
     print(f"one-program kernel under do_bench: {env['launch_floor_us']:.1f} us", flush=True)
 
     methods = make_methods()
@@ -225,13 +247,19 @@ def main():
             row = {"shape": f"{shape[0]}x{shape[1]}", "dtype": dtype_name, "floor_us": floor_us}
             if dtype != torch.float32:
                 row["expand_us"] = expand_us(packed, state.shape.numel() * 2)
+                row["write_us"] = expand_us(packed, state.shape.numel() * 2, write_only=True)
             set_compiled(methods)
+            names = list(methods)
             for name, fn in methods.items():
-                is_exact = exact(fn(packed, state), reference)
-                us = do_bench(lambda: fn(packed, state), warmup=25, rep=100, return_mode="median") * 1e3
-                row[name] = {"us": us, "exact": is_exact}
+                row[name] = {"exact": exact(fn(packed, state), reference), "rounds": []}
                 if shape == shapes[0] and not name.startswith("ours["):
                     row[name]["host_us"] = host_us(fn, packed, state)
+            for round_ in range(options.rounds):
+                for name in names[round_ % len(names):] + names[: round_ % len(names)]:
+                    fn = methods[name]
+                    row[name]["rounds"].append(do_bench(lambda: fn(packed, state), warmup=25, rep=100, return_mode="median") * 1e3)
+            for name in names:
+                row[name]["us"] = statistics.median(row[name]["rounds"])
             rows.append(row)
             print(json.dumps(row), flush=True)
             del packed, state, reference
@@ -269,12 +297,13 @@ def print_table(env, bandwidth, rows, harness):
     peers = [n for n in ("bnb", "bnb_ctypes", "unsloth_fused") if n in names]
     print(f"\n{env['gpu']}, torch {env['torch']}, Triton {env['triton']}, bitsandbytes {env['bitsandbytes']}, "
           f"{env['date']}; copy bandwidth {bandwidth / 1e9:.0f} GB/s; one-program kernel {env['launch_floor_us']:.1f} us; "
-          "median us (do_bench); * = not bit-exact")  # fmt: skip
-    header = ["shape", "dtype", "floor", "expand"] + names + [f"ours/{p}" for p in peers] + ["ours %floor"]
+          f"median us (do_bench, {env.get('rounds', 1)} round(s)); * = not bit-exact")  # fmt: skip
+    header = ["shape", "dtype", "floor", "expand", "writes"] + names + [f"ours/{p}" for p in peers] + ["ours %floor"]
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for row in rows:
-        cells = [row["shape"], row["dtype"], f"{row['floor_us']:.1f}", f"{row['expand_us']:.1f}" if row.get("expand_us") else "-"]
+        cells = [row["shape"], row["dtype"], f"{row['floor_us']:.1f}", f"{row['expand_us']:.1f}" if row.get("expand_us") else "-",
+                 f"{row['write_us']:.1f}" if row.get("write_us") else "-"]
         for name in names:
             cells.append(f"{row[name]['us']:.1f}" + ("" if row[name]["exact"] else "*"))
         ours = row["ours"]["us"]

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU machine: the GPU tests, the whole-model conversion benchmark, the kernel benchmark, torch.compile against eager.
 # Expects bitsandbytes unpacked under .carry/site, peft 0.21 under .carry/peft and Unsloth's kernel copy under
-# .carry/peers (README, "GPU tests and benchmark"). STAGES picks parts (tests,convert,dequant,compile); logs go to $OUT.
+# .carry/peers (README, "GPU tests and benchmark"). STAGES picks parts (tests,convert,dequant,compile,kernels); logs go to $OUT.
 set -o pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 carry=$(cd "$root/.." && pwd)  # .carry when run from .carry/perf
@@ -30,5 +30,10 @@ if [[ $stages == *dequant* ]]; then
   timeout ${DEQUANT_TIMEOUT:-200} python3 benchmarks/bench_dequant.py --json "$out/dequant.json" ${DEQUANT_ARGS:-} 2>&1 | tee "$out/dequant.log" | grep -v '^{'
 fi
 if [[ $stages == *compile* ]]; then
-  timeout ${COMPILE_TIMEOUT:-280} python3 benchmarks/bench_compile.py --json "$out/compile.json" 2>&1 | tee "$out/compile.log" | grep -v '^{'
+  timeout ${COMPILE_TIMEOUT:-280} python3 benchmarks/bench_compile.py --json "$out/compile.json" ${COMPILE_ARGS:-} 2>&1 | tee "$out/compile.log" | grep -v '^{'
+fi
+if [[ $stages == *kernels* ]]; then
+  # What a compiled forward runs beside eager: GPU kernels, host profile, and Inductor's code and guards.
+  TORCH_LOGS=output_code,guards,recompiles timeout ${KERNELS_TIMEOUT:-120} python3 benchmarks/bench_compile.py \
+    --kernels ${KERNELS_SHAPE:-14336x4096} > "$out/kernels.log" 2>&1; tail -5 "$out/kernels.log"
 fi

@@ -9,10 +9,11 @@ Weights: bitsandbytes-quantized NF4, double quantization, blocksize 64, in fp16 
   layers   LAYERS Linear4bit-style modules (weight = the packed Params4bit data, ``quant_state`` beside it,
            ``forward(x) = F.linear(x, dequantize_4bit(weight, quant_state))``, x one token), called in turn by
            one forward: eager, and ``torch.compile(model, fullgraph=True)``. Seconds per forward until the GPU is
-           done (synchronized), median of 30; per layer in the table. The compiled forward must be one graph:
+           done (synchronized), median of 90, eager and compiled timed in alternating rounds; per layer in the table. The compiled forward must be one graph:
            the graphs Inductor compiled are counted, and every call runs with ``error_on_recompile``.
   weights  the same layers' forward returning the dequantized weights only (no matmul): the op's own cost.
-  *_graphs the same two compiled with CUDA graphs (Inductor's triton.cudagraphs, what mode="reduce-overhead" sets).
+  *_graphs the same two compiled with CUDA graphs (Inductor's triton.cudagraphs, what mode="reduce-overhead" sets),
+           after nf4convert.mark_static(model) (else each replay copies every quant state's absmax).
 
 Compiled weights are checked bit for bit against eager (the layers' outputs only for closeness: Inductor may pick
 another matmul). Then, on the smallest shape, where a
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import datetime
 import io
 import json
@@ -73,16 +75,27 @@ def quantized(shape, dtype, seed):
     return F.quantize_4bit(weight, blocksize=64, quant_type="nf4", compress_statistics=True)
 
 
-def seconds_per_call(fn, reps=30):
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        started = time.perf_counter()
+def paired_seconds(first, second, rounds=6, reps=15):
+    """Median seconds per synchronized call of each of two functions, timed in alternating rounds (with the garbage
+    collector off) so that a noisy stretch of the host hits both alike."""
+    times = ([], [])
+    for fn in (first, second):
         fn()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
+    torch.cuda.synchronize()
+    gc.collect()
+    gc.disable()
+    try:
+        for round_ in range(rounds):
+            for index in ((0, 1) if round_ % 2 == 0 else (1, 0)):
+                fn = (first, second)[index]
+                for _ in range(reps):
+                    started = time.perf_counter()
+                    fn()
+                    torch.cuda.synchronize()
+                    times[index].append(time.perf_counter() - started)
+    finally:
+        gc.enable()
+    return statistics.median(times[0]), statistics.median(times[1])
 
 
 def host_us(fn, calls=2000):
@@ -206,11 +219,12 @@ def main():
                                              ("layers_graphs", False, "reduce-overhead"), ("weights_graphs", True, "reduce-overhead")):  # fmt: skip
                 torch._dynamo.reset()
                 model = Layers([Layer(p, s) for p, s in weights], weights_only=weights_only)
+                if mode == "reduce-overhead":
+                    nf4convert.mark_static(model)  # quant states read in place, not copied at each replay
                 compiled, counter = compile_counted(model, mode=mode)
                 with torch._dynamo.config.patch(error_on_recompile=True):
                     exact = (close if kind.startswith("layers") else same_bits)(compiled(x), model(x))
-                    eager_s = seconds_per_call(lambda: model(x))
-                    compiled_s = seconds_per_call(lambda: compiled(x))
+                    eager_s, compiled_s = paired_seconds(lambda: model(x), lambda: compiled(x))
                 row[kind] = {"exact": exact, "graphs": counter.frame_count, "eager_us_per_layer": eager_s / options.layers * 1e6,
                              "compiled_us_per_layer": compiled_s / options.layers * 1e6}  # fmt: skip
             rows.append(row)

@@ -152,3 +152,46 @@ def dequantize_4bit(
         ):  # fmt: skip
             _replays.remember(packed, quant_state, replay)
     return out.view(shape)
+
+
+def _quant_states(model: Any):
+    """Every 4-bit quant state a module tree holds: on its parameters (bitsandbytes' Params4bit) or modules."""
+    seen = set()
+    for module in model.modules():
+        holders = [module, *module.parameters(recurse=False)]
+        for holder in holders:
+            state = getattr(holder, "quant_state", None)
+            if state is not None and id(state) not in seen and hasattr(state, "absmax") and hasattr(state, "quant_type"):
+                seen.add(id(state))
+                yield state
+
+
+def mark_static(model: Any) -> int:
+    """Mark the tensors of every 4-bit quant state in ``model`` as static inputs for ``torch.compile``.
+
+    Under ``torch.compile(mode="reduce-overhead")`` (CUDA graphs), a tensor that is neither a parameter nor a
+    buffer is copied into the graph's own memory at every replay. bitsandbytes keeps absmax, the nested state
+    and offset on a ``QuantState`` beside the weight, so each dequantized weight would pay a copy of its absmax
+    (about 1 MB for a 14336x4096 weight) on every forward. Marked (``torch._dynamo.mark_static_address`` with
+    ``guard=False``: no guard per tensor, so no recompile across layers), they are read where they are; were one
+    replaced later, CUDA graphs re-record. Call once, before the first compiled call. Returns how many tensors
+    were marked.
+    """
+    import torch._dynamo  # noqa: PLC0415  (the caller is about to compile)
+
+    from .formats.bnb4 import canonical_code  # noqa: PLC0415
+
+    marked = 0
+    for state in _quant_states(model):
+        nested = getattr(state, "state2", None) if getattr(state, "nested", False) else None
+        tensors = [state.absmax, getattr(state, "offset", None)]
+        if nested is not None:
+            tensors += [nested.absmax, nested.code]
+        if isinstance(state.absmax, torch.Tensor) and state.quant_type in ("nf4", "fp4"):
+            tensors.append(canonical_code(state.quant_type, state.absmax.device))  # the kernel's table: an input too
+        for tensor in tensors:
+            if isinstance(tensor, torch.Tensor):
+                torch._dynamo.mark_static_address(tensor, guard=False)
+                marked += 1
+    return marked
+

@@ -91,3 +91,69 @@ def test_eager_launches_do_not_import_the_compiler():
             "print(sorted(m for m in ('torch._dynamo', 'torch._inductor') if m in sys.modules))")  # fmt: skip
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and result.stdout.strip() == "[]", result.stdout + result.stderr
+
+
+class _Linear4bit(torch.nn.Module):
+    """bitsandbytes' layout: the packed weight a parameter, its quant state an attribute of that parameter."""
+
+    def __init__(self, packed, state):
+        super().__init__()
+        self.weight = torch.nn.Parameter(packed, requires_grad=False)
+        self.weight.quant_state = state
+
+    def forward(self, x):
+        return x @ nf4convert.dequantize_4bit(self.weight, self.weight.quant_state).t()
+
+
+def test_mark_static_marks_every_quant_state_tensor_once():
+    from nf4convert.formats import bnb4
+
+    nested_layers = [_Linear4bit(*pair) for pair in _layers((64, 96), 2, torch.bfloat16, True, seed=31)]
+    flat = _Linear4bit(*_layers((32, 64), 1, torch.float16, False, seed=41)[0])
+    holder = torch.nn.Module()
+    holder.quant_state = nested_layers[0].weight.quant_state  # the same state twice: marked once
+    model = torch.nn.Sequential(*nested_layers, flat, holder)
+    # Nested: absmax, offset, nested absmax, nested code, the code table; flat: absmax, the code table.
+    assert nf4convert.mark_static(model) == 2 * 5 + 2
+    for layer in nested_layers:
+        state = layer.weight.quant_state
+        for tensor in (state.absmax, state.offset, state.state2.absmax, state.state2.code):
+            assert getattr(tensor, "_dynamo_static_input_type", None) == "unguarded"
+    assert flat.weight.quant_state.absmax._dynamo_static_input_type == "unguarded"
+    assert bnb4.canonical_code("nf4", DEVICE)._dynamo_static_input_type == "unguarded"
+    assert not hasattr(nested_layers[0].weight, "_dynamo_static_input_type")  # parameters are static already
+
+
+def _graph_copies(model, x):
+    """CUDA kernels that copy memory in three replays of ``model`` compiled with CUDA graphs (reduce-overhead)."""
+    import torch._dynamo
+    from torch.profiler import ProfilerActivity, profile
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, mode="reduce-overhead")
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for _ in range(3):  # warm-up, record, replay
+            compiled(x)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as profiler:
+            for _ in range(3):
+                out = compiled(x)
+            torch.cuda.synchronize()
+    names = [event.name for event in profiler.events() if event.device_type == torch.autograd.DeviceType.CUDA]
+    return out, [name for name in names if "copy" in name.lower() or "memcpy" in name.lower()]
+
+
+@needs_cuda
+def test_marked_quant_states_are_not_copied_at_cuda_graph_replays():
+    import torch._dynamo
+
+    x = torch.randn(1, 1024, device="cuda", dtype=torch.bfloat16)
+    torch._dynamo.mark_static_address(x)  # the input too, so that any copy left is a quant state's
+    model = torch.nn.Sequential(*[_Linear4bit(*pair) for pair in _layers((2048, 1024), 3, torch.bfloat16, True, seed=51)])
+    want = model(x)
+    _, copies = _graph_copies(model, x)
+    assert copies, "unmarked quant states are copied into the graph's inputs at each replay"
+    assert nf4convert.mark_static(model) == 3 * 5
+    got, copies = _graph_copies(model, x)
+    assert copies == []
+    assert torch.allclose(got.float(), want.float(), rtol=2e-2, atol=1e-2)

@@ -12,8 +12,8 @@ Weights: bitsandbytes-quantized NF4, double quantization, blocksize 64, in fp16 
            done (synchronized), median of 90, eager and compiled timed in alternating rounds; per layer in the table. The compiled forward must be one graph:
            the graphs Inductor compiled are counted, and every call runs with ``error_on_recompile``.
   weights  the same layers' forward returning the dequantized weights only (no matmul): the op's own cost.
-  *_graphs the same two compiled with CUDA graphs (Inductor's triton.cudagraphs, what mode="reduce-overhead" sets),
-           after nf4convert.mark_static(model) (else each replay copies every quant state's absmax).
+  *_graphs the same two compiled with CUDA graphs (Inductor's triton.cudagraphs, what mode="reduce-overhead" sets).
+           Dynamo marks tensors reached through a module static (the quant state's too), so replays copy none of them.
 
 Compiled weights are checked bit for bit against eager (the layers' outputs only for closeness: Inductor may pick
 another matmul). Then, on the smallest shape, where a
@@ -219,8 +219,6 @@ def main():
                                              ("layers_graphs", False, "reduce-overhead"), ("weights_graphs", True, "reduce-overhead")):  # fmt: skip
                 torch._dynamo.reset()
                 model = Layers([Layer(p, s) for p, s in weights], weights_only=weights_only)
-                if mode == "reduce-overhead":
-                    nf4convert.mark_static(model)  # quant states read in place, not copied at each replay
                 compiled, counter = compile_counted(model, mode=mode)
                 with torch._dynamo.config.patch(error_on_recompile=True):
                     exact = (close if kind.startswith("layers") else same_bits)(compiled(x), model(x))

@@ -3,7 +3,6 @@
 Public API (imported lazily, so the CLI starts without torch):
 
     dequantize_4bit(packed, quant_state, *, out=None, backend="auto") -> torch.Tensor
-    mark_static(model) -> int   (before torch.compile with CUDA graphs: quant states read in place)
     convert(source, output=None, *, dtype="auto", device="auto", ...) -> ConvertResult
     verify(output, source, *, device="auto", ...) -> VerifyReport
     QuantState4bit, ConvertResult, VerifyReport
@@ -16,7 +15,6 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "dequantize_4bit": ("nf4convert.dequantize", "dequantize_4bit"),
-    "mark_static": ("nf4convert.dequantize", "mark_static"),
     "QuantState4bit": ("nf4convert.formats.bnb4", "QuantState4bit"),
     "convert": ("nf4convert.conversion", "convert"),
     "ConvertResult": ("nf4convert.conversion", "ConvertResult"),

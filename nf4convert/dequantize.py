@@ -152,4 +152,3 @@ def dequantize_4bit(
         ):  # fmt: skip
             _replays.remember(packed, quant_state, replay)
     return out.view(shape)
-

@@ -91,4 +91,3 @@ def test_eager_launches_do_not_import_the_compiler():
             "print(sorted(m for m in ('torch._dynamo', 'torch._inductor') if m in sys.modules))")  # fmt: skip
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and result.stdout.strip() == "[]", result.stdout + result.stderr
-

@@ -12,6 +12,8 @@ Weights: bitsandbytes-quantized NF4, double quantization, blocksize 64, in fp16 
            done (synchronized), median of 90, eager and compiled timed in alternating rounds; per layer in the table. The compiled forward must be one graph:
            the graphs Inductor compiled are counted, and every call runs with ``error_on_recompile``.
   weights  the same layers' forward returning the dequantized weights only (no matmul): the op's own cost.
+  dense    the control: the same stack with plain dense weights (F.linear only, the dequantized weights as
+           parameters): what torch.compile costs or saves on a forward with none of our op in it.
   *_graphs the same two compiled with CUDA graphs (Inductor's triton.cudagraphs, what mode="reduce-overhead" sets).
            Dynamo marks tensors reached through a module static (the quant state's too), so replays copy none of them.
 
@@ -53,6 +55,15 @@ class Layer(torch.nn.Module):
 
     def forward(self, x):
         return torch.nn.functional.linear(x, nf4convert.dequantize_4bit(self.weight, self.quant_state))
+
+
+class Dense(torch.nn.Module):
+    def __init__(self, weights):
+        super().__init__()
+        self.weights = torch.nn.ParameterList(torch.nn.Parameter(w, requires_grad=False) for w in weights)
+
+    def forward(self, x):
+        return tuple(torch.nn.functional.linear(x, w) for w in self.weights)
 
 
 class Layers(torch.nn.Module):
@@ -146,13 +157,13 @@ def compile_counted(module_or_fn, mode=None, options=None):
     return torch.compile(module_or_fn, fullgraph=True, dynamic=False, backend=backend, **extra), counter
 
 
-def list_kernels(shape):
-    """What a compiled weights forward runs on the GPU beside eager's, kernel by kernel."""
+def list_kernels(shape, dtype=torch.float16, weights_only=True):
+    """What a compiled weights (or layers) forward runs on the GPU beside eager's, kernel by kernel."""
     from torch.profiler import ProfilerActivity, profile
 
-    model = Layers([Layer(*quantized(shape, torch.float16, seed)) for seed in range(4)], weights_only=True)
+    model = Layers([Layer(*quantized(shape, dtype, seed)) for seed in range(4)], weights_only=weights_only)
     compiled, _ = compile_counted(model)
-    x = torch.randn(1, shape[1], dtype=torch.float16, device="cuda")
+    x = torch.randn(1, shape[1], dtype=dtype, device="cuda")
     for _ in range(3):
         model(x), compiled(x)
     torch.cuda.synchronize()
@@ -184,12 +195,15 @@ def main():
     parser.add_argument("--table", help="print the table of an earlier --json file and stop")
     parser.add_argument("--kernels", metavar="SHAPE", help="only list the GPU kernels (torch.profiler) of an eager and a "
                         "compiled 4-layer weights forward of SHAPE, e.g. 14336x4096 (with TORCH_LOGS=output_code: the code)")
+    parser.add_argument("--kernels-dtype", choices=DTYPES, default="fp16")
+    parser.add_argument("--kernels-forward", choices=("weights", "layers"), default="weights")
     options = parser.parse_args()
     if options.table:
         saved = json.load(open(options.table))
         return print_table(saved["env"], saved["rows"])
     if options.kernels:
-        return list_kernels(tuple(int(n) for n in options.kernels.split("x")))
+        return list_kernels(tuple(int(n) for n in options.kernels.split("x")), DTYPES[options.kernels_dtype],
+                            options.kernels_forward == "weights")  # fmt: skip
     shapes = [tuple(int(n) for n in s.split("x")) for s in options.shapes.split(",")] if options.shapes else SHAPES
     env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
            "bitsandbytes": bitsandbytes.__version__, "date": datetime.date.today().isoformat(), "layers": options.layers}  # fmt: skip
@@ -225,9 +239,17 @@ def main():
                     eager_s, compiled_s = paired_seconds(lambda: model(x), lambda: compiled(x))
                 row[kind] = {"exact": exact, "graphs": counter.frame_count, "eager_us_per_layer": eager_s / options.layers * 1e6,
                              "compiled_us_per_layer": compiled_s / options.layers * 1e6}  # fmt: skip
+            torch._dynamo.reset()
+            dense = Dense([nf4convert.dequantize_4bit(p, s) for p, s in weights])
+            compiled, counter = compile_counted(dense)
+            with torch._dynamo.config.patch(error_on_recompile=True):
+                exact = close(compiled(x), dense(x))
+                eager_s, compiled_s = paired_seconds(lambda: dense(x), lambda: compiled(x))
+            row["dense"] = {"exact": exact, "graphs": counter.frame_count, "eager_us_per_layer": eager_s / options.layers * 1e6,
+                            "compiled_us_per_layer": compiled_s / options.layers * 1e6}  # fmt: skip
             rows.append(row)
             print(json.dumps(row), flush=True)
-            del weights, packed, state
+            del weights, packed, state, dense
 
     # Where a compiled op call's host time goes, on the first shape.
     torch._dynamo.reset()
@@ -266,8 +288,8 @@ def print_table(env, rows):
     print(f"\n{env['gpu']}, torch {env['torch']}, Triton {env['triton']}, {env['date']}; {env['layers']} layers per forward; "
           "us (op: do_bench median / host per call; layers and weights: per layer of a synchronized forward)")  # fmt: skip
     print("| shape | dtype | op eager | op compiled | op host eager | op host compiled | layers eager | layers compiled "
-          "| x | weights eager | weights compiled | x | graphs | exact |")
-    print("|" + "---|" * 14)
+          "| x | weights eager | weights compiled | x | dense eager | dense compiled | x | graphs | exact |")
+    print("|" + "---|" * 17)
     for row in rows:
         for suffix in ("", "_graphs"):
             _row(row, suffix)
@@ -282,7 +304,15 @@ def _row(row, suffix):
               f"{op['compiled_host_us']:.1f} | {layers['eager_us_per_layer']:.1f} | {layers['compiled_us_per_layer']:.1f} | "
               f"{layers['compiled_us_per_layer'] / layers['eager_us_per_layer']:.2f} | {weights['eager_us_per_layer']:.1f} | "
               f"{weights['compiled_us_per_layer']:.1f} | {weights['compiled_us_per_layer'] / weights['eager_us_per_layer']:.2f} | "
-              f"{layers['graphs']}/{weights['graphs']} | {op['exact'] and layers['exact'] and weights['exact']} |")  # fmt: skip
+              f"{_dense(row, suffix)}{layers['graphs']}/{weights['graphs']} | {op['exact'] and layers['exact'] and weights['exact'] and row.get('dense', {}).get('exact', True)} |")  # fmt: skip
+
+
+def _dense(row, suffix):
+    dense = row.get("dense")
+    if suffix or dense is None:  # the control is compiled without CUDA graphs only
+        return "- | - | - | "
+    ratio = dense["compiled_us_per_layer"] / dense["eager_us_per_layer"]
+    return f"{dense['eager_us_per_layer']:.1f} | {dense['compiled_us_per_layer']:.1f} | {ratio:.2f} | "
 
 
 if __name__ == "__main__":

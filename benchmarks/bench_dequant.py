@@ -7,6 +7,10 @@ ctypes); Unsloth's current fused Triton kernel (when importable); ours eager; ou
 torch.compile; and our launch-config variants (bytes per program, warps, eviction hints).
 Weights: double-quantized NF4, blocksize 64, quantized by bitsandbytes. Times: median of
 triton.testing.do_bench (with --rounds R: the median of R rounds, the methods' order rotated each round).
+With --timer graph, each method's calls are instead captured in one CUDA graph, over enough distinct copies of the
+weight (inputs and outputs) that they span three times the L2 cache, and the graph's replay timed with CUDA events:
+the time per call with no launch cost and no timer step (do_bench's events resolve ~0.6 us, a few % of a middle
+weight), every method alike.
 Floor: bytes that must move (packed + absmax + nested absmax + output) over the device-to-device copy bandwidth
 measured in the same run. Expand: the best of a few launch configs of a kernel that moves the same bytes (one
 packed byte in, four out) and decodes nothing; writes: the same kernel's writes alone.
@@ -15,6 +19,7 @@ packed byte in, four out) and decodes nothing; writes: the same kernel's writes 
 from __future__ import annotations
 
 import argparse
+import copy
 import ctypes
 import datetime
 import json
@@ -42,6 +47,8 @@ VARIANTS = {
     "t512.w2": dict(tile_bytes=512, num_warps=2, evict=False),
     "sel.t1k.w4": dict(tile_bytes=1024, num_warps=4, evict=False, lut_select=True),
     "pers4.t2k": dict(tile_bytes=2048, num_warps=4, evict=False, programs_per_sm=4, stages=1),
+    "t4k.w4.ev": dict(tile_bytes=4096, num_warps=4, evict=True),
+    "t2k.w8.ev": dict(tile_bytes=2048, num_warps=8, evict=True),
 }
 # --variants grid: every tile size and warp count (plain and streaming stores), for choosing a GPU's table.
 GRID = {f"t{tile // 1024 or 0.5}k.w{warps}{'.cs' if cs else ''}": dict(tile_bytes=tile, num_warps=warps, evict=False, streaming_stores=cs)
@@ -172,6 +179,51 @@ def expand_us(packed, out_bytes, write_only=False):
     return best
 
 
+def weight_copies(packed, state, count):
+    """``count`` independent copies of a quantized weight (packed bytes and every quant-state tensor)."""
+    copies = []
+    for _ in range(count):
+        state2 = copy.copy(state.state2)
+        state2.absmax, state2.code = state.state2.absmax.clone(), state.state2.code.clone()
+        twin = copy.copy(state)
+        twin.absmax, twin.code, twin.offset, twin.state2 = state.absmax.clone(), state.code.clone(), state.offset.clone(), state2
+        copies.append((packed.clone(), twin))
+    return copies
+
+
+def copies_needed(packed, state):
+    """Copies of a weight whose bytes (packed in, output out) span three times the L2 cache: cold for every call."""
+    out_bytes = state.shape.numel() * torch.empty((), dtype=state.dtype).element_size()
+    l2 = torch.cuda.get_device_properties(packed.device).L2_cache_size
+    return max(4, min(256, -(-3 * l2 // (out_bytes + packed.numel()))))
+
+
+def graph_us(fn, copies, replays=15):
+    """Microseconds per call of ``fn`` over ``copies``, captured in one CUDA graph (every output kept, so each call
+    writes fresh memory) and replayed; median over replays. None when the method cannot be captured."""
+    for packed, state in copies:
+        fn(packed, state)  # compile, and fill any launch cache, before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            outputs = [fn(packed, state) for packed, state in copies]
+    except Exception as error:  # noqa: BLE001  (a method that cannot be captured: no figure, said so)
+        print(f"  not capturable: {type(error).__name__}: {str(error)[:120]}", flush=True)
+        return None
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for replay in range(replays + 2):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        if replay >= 2:
+            times.append(start.elapsed_time(end) * 1e3 / len(copies))
+    del outputs, graph
+    return statistics.median(times)
+
+
 def launch_floor_us():
     """do_bench of a one-program kernel that stores 512 bytes: what any launch costs in this harness."""
     out = torch.empty(128, dtype=torch.float32, device="cuda")
@@ -214,6 +266,8 @@ def main():
     parser.add_argument("--dtypes", help="e.g. bf16,fp16 (default: all)")
     parser.add_argument("--no-harness", action="store_true")
     parser.add_argument("--rounds", type=int, default=1, help="time every method this many times, interleaved; report the median")
+    parser.add_argument("--timer", choices=("do_bench", "graph"), default="do_bench",
+                        help="do_bench per call (L2 flushed), or calls captured in a CUDA graph over cold copies")
     parser.add_argument("--variants", choices=("default", "grid", "none"), default="default",
                         help="the launch variants measured beside ours: a few (default), every tile x warps (grid), none")
     options = parser.parse_args()
@@ -231,6 +285,7 @@ def main():
     print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s (read + write)", flush=True)
     env["launch_floor_us"] = launch_floor_us()
     env["rounds"] = options.rounds
+    env["timer"] = options.timer
     print(f"one-program kernel under do_bench: {env['launch_floor_us']:.1f} us", flush=True)
 
     methods = make_methods()
@@ -252,6 +307,9 @@ def main():
                 row["write_us"] = expand_us(packed, state.shape.numel() * 2, write_only=True)
             set_compiled(methods)
             names = list(methods)
+            copies = weight_copies(packed, state, copies_needed(packed, state)) if options.timer == "graph" else None
+            if copies:
+                row["copies"] = len(copies)
             for name, fn in methods.items():
                 row[name] = {"exact": exact(fn(packed, state), reference), "rounds": []}
                 if shape == shapes[0] and not name.startswith("ours["):
@@ -259,12 +317,17 @@ def main():
             for round_ in range(options.rounds):
                 for name in names[round_ % len(names):] + names[: round_ % len(names)]:
                     fn = methods[name]
-                    row[name]["rounds"].append(do_bench(lambda: fn(packed, state), warmup=25, rep=100, return_mode="median") * 1e3)
+                    if copies:
+                        us = graph_us(fn, copies)
+                    else:
+                        us = do_bench(lambda: fn(packed, state), warmup=25, rep=100, return_mode="median") * 1e3
+                    if us is not None:
+                        row[name]["rounds"].append(us)
             for name in names:
-                row[name]["us"] = statistics.median(row[name]["rounds"])
+                row[name]["us"] = statistics.median(row[name]["rounds"]) if row[name]["rounds"] else None
             rows.append(row)
             print(json.dumps(row), flush=True)
-            del packed, state, reference
+            del packed, state, reference, copies
 
     harness = {}
     if not options.quick and not options.no_harness:
@@ -299,7 +362,7 @@ def print_table(env, bandwidth, rows, harness):
     peers = [n for n in ("bnb", "bnb_ctypes", "unsloth_fused") if n in names]
     print(f"\n{env['gpu']}, torch {env['torch']}, Triton {env['triton']}, bitsandbytes {env['bitsandbytes']}, "
           f"{env['date']}; copy bandwidth {bandwidth / 1e9:.0f} GB/s; one-program kernel {env['launch_floor_us']:.1f} us; "
-          f"median us (do_bench, {env.get('rounds', 1)} round(s)); * = not bit-exact")  # fmt: skip
+          f"median us ({env.get('timer', 'do_bench')}, {env.get('rounds', 1)} round(s)); * = not bit-exact")  # fmt: skip
     header = ["shape", "dtype", "floor", "expand", "writes"] + names + [f"ours/{p}" for p in peers] + ["ours %floor"]
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
@@ -307,9 +370,11 @@ def print_table(env, bandwidth, rows, harness):
         cells = [row["shape"], row["dtype"], f"{row['floor_us']:.1f}", f"{row['expand_us']:.1f}" if row.get("expand_us") else "-",
                  f"{row['write_us']:.1f}" if row.get("write_us") else "-"]
         for name in names:
-            cells.append(f"{row[name]['us']:.1f}" + ("" if row[name]["exact"] else "*"))
+            us = row[name]["us"]
+            cells.append(("-" if us is None else f"{us:.2f}" if env.get("timer") == "graph" else f"{us:.1f}")
+                         + ("" if row[name]["exact"] else "*"))  # fmt: skip
         ours = row["ours"]["us"]
-        cells += [f"{row[p]['us'] / ours:.2f}x" for p in peers]
+        cells += [f"{row[p]['us'] / ours:.3f}x" if row[p]["us"] else "-" for p in peers]
         cells.append(f"{100 * row['floor_us'] / ours:.0f}%")
         print("| " + " | ".join(cells) + " |")
     host = {n: v["host_us"] for n, v in rows[0].items() if isinstance(v, dict) and "host_us" in v}

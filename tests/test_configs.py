@@ -3,18 +3,24 @@
 from nf4convert.kernels import configs
 
 
-def test_tables_by_gpu_name_then_capability():
-    h200 = configs.table_for((9, 0), "NVIDIA H200")
-    assert h200 is configs.GPU_CONFIGS["H200"]
-    assert configs.table_for((9, 0), "NVIDIA H100 80GB HBM3") is configs.CONFIGS[()]  # same capability, own table
+def test_tables_by_gpu_name_then_capability(monkeypatch):
+    own = ((None, configs.Config(4096, 8, False)),)
+    monkeypatch.setitem(configs.GPU_CONFIGS, "H999", own)
+    assert configs.table_for((9, 0), "NVIDIA H999 141GB") is own  # same capability as the H100, own table
+    assert configs.table_for((9, 0), "NVIDIA H100 80GB HBM3") is configs.CONFIGS[()]
+    assert configs.table_for((9, 0), "NVIDIA H200") is configs.CONFIGS[()]
     assert configs.table_for((7, 5), "Tesla T4") is configs.CONFIGS[(7, 5)]
     assert configs.table_for((8, 6)) is configs.CONFIGS[()]
     large = 28672 * 8192 // 2
-    assert configs.choose_config(large, (9, 0), "NVIDIA H200").num_warps == 4
-    assert configs.choose_config(large, (9, 0), "NVIDIA H100 80GB HBM3").num_warps == 8
+    assert configs.choose_config(large, (9, 0), "NVIDIA H999 141GB") == configs.Config(4096, 8, False)
+    # Measured best on the H100 and the H200 from 2 MiB packed up: 4 warps per 2 KiB tile, evict_first hints.
+    for gpu in ("NVIDIA H100 80GB HBM3", "NVIDIA H200"):
+        assert configs.choose_config(large, (9, 0), gpu) == configs.Config(2048, 4, True)
+        assert configs.choose_config(1 << 21, (9, 0), gpu) == configs.Config(1024, 4, True)
     grid, constexprs, num_warps = configs.launch_config(28672 * 8192, 64, 256, True, configs.torch.bfloat16, (9, 0), 132,
                                                         "NVIDIA H200")  # fmt: skip
     assert num_warps == 4 and grid == (-(-large // 2048),) and constexprs["BLOCKS_PER_PROGRAM"] == 2048 // 32
+    assert constexprs["EVICT"] == "evict_first"
     # Every table ends with a row for any size.
     for table in (*configs.CONFIGS.values(), *configs.GPU_CONFIGS.values()):
         assert table[-1][0] is None

@@ -3,7 +3,7 @@
 Speed only: every config is bit-exact (the tests run each variant). ``GPU_CONFIGS`` holds tables measured on a
 named GPU (matched in ``torch.cuda.get_device_name``: an H100 and an H200 share compute capability 9.0 and 132
 SMs, yet differ in memory, and so in the best config); ``CONFIGS`` is by compute capability (prefix match; ``()``
-is the default, measured on an H100) for every other GPU. Rows ``(largest packed size in bytes, Config)``.
+is the default, measured on an H100 and an H200) for every other GPU. Rows ``(largest packed size in bytes, Config)``.
 """
 
 from __future__ import annotations
@@ -30,27 +30,23 @@ class Config:
 
 
 CONFIGS = {
-    # Measured on an H100 (benchmarks/bench_dequant.py, README): evict_first hints help small
-    # weights and cost ~1% on large ones; 8 warps per 2 KiB tile edge ahead past 16 MiB packed.
+    # Measured on an H100 and an H200 with CUDA-graph timing (bench_dequant.py --timer graph: no launch cost, no
+    # timer step; benchmarks/results-h100-dequant-graph-2026-11-23.log, results-h200-dequant-graph-2026-11-23.log):
+    # on both, evict_first hints with 4 warps per 2 KiB tile are the fastest config from 2 MiB packed up, ahead
+    # of Unsloth's fused kernel at every shape; 8 warps, the H100's earlier choice past 16 MiB, tie there on the
+    # H100 and are 15% slower on the H200 (170.8 vs 148.5 us at 28672x8192 fp16).
     (): (
         (1 << 16, Config(512, 2, False)),
         (1 << 21, Config(1024, 4, True)),
-        (1 << 24, Config(2048, 4, False)),
-        (None, Config(2048, 8, False)),
+        (None, Config(2048, 4, True)),
     ),
     # T4: only L1 eviction hints exist there; keep the plain loads.
     (7, 5): ((None, Config(1024, 4, False)),),
 }
-GPU_CONFIGS = {
-    # Measured on an H200 (benchmarks/results-h200-dequant-2026-11-23.log, variant columns): with its faster
-    # HBM3e, 4 warps per 2 KiB tile beat 8 on large weights: 148.6 vs 174.3 us at 28672x8192 bf16 (Unsloth's
-    # fused kernel 149.6), 40.8 vs 46.8 at 14336x4096 (41.5); below 2 MiB packed the H100's rows hold.
-    "H200": (
-        (1 << 16, Config(512, 2, False)),
-        (1 << 21, Config(1024, 4, True)),
-        (None, Config(2048, 4, False)),
-    ),
-}
+# Tables for a GPU model whose best configs differ from its compute capability's (matched in the device name;
+# an H100 and an H200 share compute capability 9.0 and 132 SMs yet differ in memory). None is needed today:
+# the H200, which once had its own table, now measures best with the default one.
+GPU_CONFIGS: dict = {}
 _override: Optional[Config] = None
 
 

@@ -53,6 +53,9 @@ VARIANTS = {
 # --variants grid: every tile size and warp count (plain and streaming stores), for choosing a GPU's table.
 GRID = {f"t{tile // 1024 or 0.5}k.w{warps}{'.cs' if cs else ''}": dict(tile_bytes=tile, num_warps=warps, evict=False, streaming_stores=cs)
         for tile in (1024, 2048, 4096, 8192) for warps in (2, 4, 8) for cs in (False, True)}  # fmt: skip
+# --variants evgrid: the same with evict_first hints (what the default table uses from 2 MiB packed up).
+EV_GRID = {f"t{tile // 1024}k.w{warps}.ev": dict(tile_bytes=tile, num_warps=warps, evict=True)
+           for tile in (1024, 2048, 4096, 8192) for warps in (2, 4, 8)}  # fmt: skip
 HARNESS = [(2, 3333, 2048, 8192, torch.float16), (5, 777, 1024, 4096, torch.bfloat16), (3, 2048, 4096, 14336, torch.bfloat16)]
 
 
@@ -157,10 +160,11 @@ def _write_kernel(target, BLOCK: tl.constexpr):
 SAME_TRAFFIC_CONFIGS = [(block, warps) for block in (1024, 2048, 4096, 8192) for warps in (4, 8)]
 
 
-def expand_us(packed, out_bytes, write_only=False):
+def expand_us(packed, out_bytes, write_only=False, copies=0):
     """The best do_bench over launch configs of a kernel that moves what dequantize moves (packed in, 4 bytes per
     packed byte out) and decodes nothing: how close to the copy floor this mix of reads and writes can get
-    (fp16/bf16 outputs). ``write_only``: the output's writes alone, no reads."""
+    (fp16/bf16 outputs). ``write_only``: the output's writes alone, no reads. ``copies``: timed as ``graph_us`` over
+    that many copies of its input and output instead of by do_bench."""
     source = packed.view(-1)
     target = torch.empty(out_bytes // 4, dtype=torch.int32, device="cuda")
     if target.numel() != source.numel():
@@ -170,11 +174,22 @@ def expand_us(packed, out_bytes, write_only=False):
         if source.numel() % block:
             continue  # this config would need masks: not the plain traffic
         grid = (source.numel() // block,)
-        if write_only:
-            call = lambda: _write_kernel[grid](target, BLOCK=block, num_warps=warps)  # noqa: E731
+
+        def call(source=source, target=target, block=block, warps=warps):
+            if write_only:
+                _write_kernel[grid](target, BLOCK=block, num_warps=warps)
+            else:
+                _expand_kernel[grid](source, target, BLOCK=block, num_warps=warps)
+            return target
+
+        if copies:
+            pairs = [(source.clone(), torch.empty_like(target)) for _ in range(copies)]
+            us = graph_us([lambda pair=pair: call(*pair) for pair in pairs])
+            del pairs
         else:
-            call = lambda: _expand_kernel[grid](source, target, BLOCK=block, num_warps=warps)  # noqa: E731
-        us = do_bench(call, warmup=25, rep=100, return_mode="median") * 1e3
+            us = do_bench(call, warmup=25, rep=100, return_mode="median") * 1e3
+        if us is None:
+            continue
         best = us if best is None else min(best, us)
     return best
 
@@ -198,16 +213,16 @@ def copies_needed(packed, state):
     return max(4, min(256, -(-3 * l2 // (out_bytes + packed.numel()))))
 
 
-def graph_us(fn, copies, replays=15):
-    """Microseconds per call of ``fn`` over ``copies``, captured in one CUDA graph (every output kept, so each call
-    writes fresh memory) and replayed; median over replays. None when the method cannot be captured."""
-    for packed, state in copies:
-        fn(packed, state)  # compile, and fill any launch cache, before capture
+def graph_us(calls, replays=15):
+    """Microseconds per call of the zero-argument ``calls``, captured in one CUDA graph (every output kept, so each
+    call writes fresh memory) and replayed; median over replays. None when they cannot be captured."""
+    for call in calls:
+        call()  # compile, and fill any launch cache, before capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     try:
         with torch.cuda.graph(graph):
-            outputs = [fn(packed, state) for packed, state in copies]
+            outputs = [call() for call in calls]
     except Exception as error:  # noqa: BLE001  (a method that cannot be captured: no figure, said so)
         print(f"  not capturable: {type(error).__name__}: {str(error)[:120]}", flush=True)
         return None
@@ -219,7 +234,7 @@ def graph_us(fn, copies, replays=15):
         end.record()
         end.synchronize()
         if replay >= 2:
-            times.append(start.elapsed_time(end) * 1e3 / len(copies))
+            times.append(start.elapsed_time(end) * 1e3 / len(calls))
     del outputs, graph
     return statistics.median(times)
 
@@ -268,8 +283,9 @@ def main():
     parser.add_argument("--rounds", type=int, default=1, help="time every method this many times, interleaved; report the median")
     parser.add_argument("--timer", choices=("do_bench", "graph"), default="do_bench",
                         help="do_bench per call (L2 flushed), or calls captured in a CUDA graph over cold copies")
-    parser.add_argument("--variants", choices=("default", "grid", "none"), default="default",
-                        help="the launch variants measured beside ours: a few (default), every tile x warps (grid), none")
+    parser.add_argument("--variants", choices=("default", "grid", "evgrid", "none"), default="default",
+                        help="the launch variants measured beside ours: a few (default), every tile x warps (grid; "
+                        "evgrid: with evict_first hints), none")  # fmt: skip
     options = parser.parse_args()
 
     env = {
@@ -289,7 +305,7 @@ def main():
     print(f"one-program kernel under do_bench: {env['launch_floor_us']:.1f} us", flush=True)
 
     methods = make_methods()
-    for name, config in {"default": VARIANTS, "grid": GRID, "none": {}}[options.variants].items():
+    for name, config in {"default": VARIANTS, "grid": GRID, "evgrid": EV_GRID, "none": {}}[options.variants].items():
         methods[f"ours[{name}]"] = with_variant(config, methods["ours"])
     shapes = SHAPES[::2] if options.quick else SHAPES
     if options.shapes:
@@ -302,12 +318,13 @@ def main():
             reference = F.dequantize_4bit(packed, state)
             floor_us = moved_bytes(packed, state) / bandwidth * 1e6
             row = {"shape": f"{shape[0]}x{shape[1]}", "dtype": dtype_name, "floor_us": floor_us}
+            n_copies = copies_needed(packed, state) if options.timer == "graph" else 0
             if dtype != torch.float32:
-                row["expand_us"] = expand_us(packed, state.shape.numel() * 2)
-                row["write_us"] = expand_us(packed, state.shape.numel() * 2, write_only=True)
+                row["expand_us"] = expand_us(packed, state.shape.numel() * 2, copies=n_copies)
+                row["write_us"] = expand_us(packed, state.shape.numel() * 2, write_only=True, copies=n_copies)
             set_compiled(methods)
             names = list(methods)
-            copies = weight_copies(packed, state, copies_needed(packed, state)) if options.timer == "graph" else None
+            copies = weight_copies(packed, state, n_copies) if n_copies else None
             if copies:
                 row["copies"] = len(copies)
             for name, fn in methods.items():
@@ -318,7 +335,7 @@ def main():
                 for name in names[round_ % len(names):] + names[: round_ % len(names)]:
                     fn = methods[name]
                     if copies:
-                        us = graph_us(fn, copies)
+                        us = graph_us([lambda p=p, s=s: fn(p, s) for p, s in copies])
                     else:
                         us = do_bench(lambda: fn(packed, state), warmup=25, rep=100, return_mode="median") * 1e3
                     if us is not None:

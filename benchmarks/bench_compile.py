@@ -249,7 +249,7 @@ def main():
                             "compiled_us_per_layer": compiled_s / options.layers * 1e6}  # fmt: skip
             rows.append(row)
             print(json.dumps(row), flush=True)
-            del weights, packed, state, dense
+            del weights, packed, state, dense, compiled, model
 
     # Where a compiled op call's host time goes, on the first shape.
     torch._dynamo.reset()

@@ -9,8 +9,8 @@ Weights: double-quantized NF4, blocksize 64, quantized by bitsandbytes. Times: m
 triton.testing.do_bench (with --rounds R: the median of R rounds, the methods' order rotated each round).
 With --timer graph, each method's calls are instead captured in one CUDA graph, over enough distinct copies of the
 weight (inputs and outputs) that they span three times the L2 cache, and the graph's replay timed with CUDA events:
-the time per call with no launch cost and no timer step (do_bench's events resolve ~0.6 us, a few % of a middle
-weight), every method alike.
+the time per call with no launch cost (replays are queued behind a running one) and no timer step (do_bench's
+events resolve ~0.6 us, a few % of a middle weight), every method alike.
 Floor: bytes that must move (packed + absmax + nested absmax + output) over the device-to-device copy bandwidth
 measured in the same run. Expand: the best of a few launch configs of a kernel that moves the same bytes (one
 packed byte in, four out) and decodes nothing; writes: the same kernel's writes alone.
@@ -213,9 +213,11 @@ def copies_needed(packed, state):
     return max(4, min(256, -(-3 * l2 // (out_bytes + packed.numel()))))
 
 
-def graph_us(calls, replays=15):
+def graph_us(calls, replays=15, per_timing=3):
     """Microseconds per call of the zero-argument ``calls``, captured in one CUDA graph (every output kept, so each
-    call writes fresh memory) and replayed; median over replays. None when they cannot be captured."""
+    call writes fresh memory) and replayed; median over ``replays`` timings. Each timing spans ``per_timing`` replays
+    queued behind one untimed replay, so the GPU never waits for a launch inside it. None when they cannot be
+    captured."""
     for call in calls:
         call()  # compile, and fill any launch cache, before capture
     torch.cuda.synchronize()
@@ -228,13 +230,15 @@ def graph_us(calls, replays=15):
         return None
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
-    for replay in range(replays + 2):
+    for timing in range(replays + 2):
+        graph.replay()  # the GPU works on this one while the timed replays are queued behind it
         start.record()
-        graph.replay()
+        for _ in range(per_timing):
+            graph.replay()
         end.record()
         end.synchronize()
-        if replay >= 2:
-            times.append(start.elapsed_time(end) * 1e3 / len(calls))
+        if timing >= 2:
+            times.append(start.elapsed_time(end) * 1e3 / (per_timing * len(calls)))
     del outputs, graph
     return statistics.median(times)
 
@@ -391,8 +395,8 @@ def print_table(env, bandwidth, rows, harness):
             cells.append(("-" if us is None else f"{us:.2f}" if env.get("timer") == "graph" else f"{us:.1f}")
                          + ("" if row[name]["exact"] else "*"))  # fmt: skip
         ours = row["ours"]["us"]
-        cells += [f"{row[p]['us'] / ours:.3f}x" if row[p]["us"] else "-" for p in peers]
-        cells.append(f"{100 * row['floor_us'] / ours:.0f}%")
+        cells += [f"{row[p]['us'] / ours:.3f}x" if row[p]["us"] and ours else "-" for p in peers]
+        cells.append(f"{100 * row['floor_us'] / ours:.1f}%" if ours else "-")
         print("| " + " | ".join(cells) + " |")
     host = {n: v["host_us"] for n, v in rows[0].items() if isinstance(v, dict) and "host_us" in v}
     if host:

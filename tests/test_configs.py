@@ -13,10 +13,14 @@ def test_tables_by_gpu_name_then_capability(monkeypatch):
     assert configs.table_for((8, 6)) is configs.CONFIGS[()]
     large = 28672 * 8192 // 2
     assert configs.choose_config(large, (9, 0), "NVIDIA H999 141GB") == configs.Config(4096, 8, False)
-    # Measured best on the H100 and the H200 from 2 MiB packed up: 4 warps per 2 KiB tile, evict_first hints.
+    # The rows measured on the H100 and the H200 (README, Figures), and where each one ends.
     for gpu in ("NVIDIA H100 80GB HBM3", "NVIDIA H200"):
-        assert configs.choose_config(large, (9, 0), gpu) == configs.Config(2048, 4, True)
+        assert configs.choose_config(1, (9, 0), gpu) == configs.Config(512, 2, False)
+        assert configs.choose_config(1 << 16, (9, 0), gpu) == configs.Config(512, 2, False)
+        assert configs.choose_config((1 << 16) + 1, (9, 0), gpu) == configs.Config(1024, 4, True)
         assert configs.choose_config(1 << 21, (9, 0), gpu) == configs.Config(1024, 4, True)
+        assert configs.choose_config((1 << 21) + 1, (9, 0), gpu) == configs.Config(2048, 4, True)
+        assert configs.choose_config(large, (9, 0), gpu) == configs.Config(2048, 4, True)
     grid, constexprs, num_warps = configs.launch_config(28672 * 8192, 64, 256, True, configs.torch.bfloat16, (9, 0), 132,
                                                         "NVIDIA H200")  # fmt: skip
     assert num_warps == 4 and grid == (-(-large // 2048),) and constexprs["BLOCKS_PER_PROGRAM"] == 2048 // 32

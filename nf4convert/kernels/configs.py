@@ -30,11 +30,12 @@ class Config:
 
 
 CONFIGS = {
-    # Measured on an H100 and an H200 with CUDA-graph timing (bench_dequant.py --timer graph: no launch cost, no
-    # timer step; benchmarks/results-h100-dequant-graph-2026-11-23.log, results-h200-dequant-graph-2026-11-23.log):
-    # on both, evict_first hints with 4 warps per 2 KiB tile are the fastest config from 2 MiB packed up, ahead
-    # of Unsloth's fused kernel at every shape; 8 warps, the H100's earlier choice past 16 MiB, tie there on the
-    # H100 and are 15% slower on the H200 (170.8 vs 148.5 us at 28672x8192 fp16).
+    # Measured on an H100 and an H200 with CUDA-graph timing (bench_dequant.py --timer graph: kernels back to back,
+    # no timer step; benchmarks/results-h100-dequant-graph-2026-11-23.log, results-h200-dequant-graph-2026-11-23.log).
+    # Above 2 MiB packed, evict_first hints with 4 warps per 2 KiB tile are the fastest config on the H100 or within
+    # 0.4% of it, and within 1.5% of each H200 run's best, ahead of Unsloth's fused kernel at every shape on both;
+    # 8 warps, the H100's earlier choice past 16 MiB, tie there on the H100 and are 15% slower on the H200 for
+    # 16-bit outputs (170.9 vs 148.5 us at 28672x8192 fp16).
     (): (
         (1 << 16, Config(512, 2, False)),
         (1 << 21, Config(1024, 4, True)),
@@ -45,7 +46,7 @@ CONFIGS = {
 }
 # Tables for a GPU model whose best configs differ from its compute capability's (matched in the device name;
 # an H100 and an H200 share compute capability 9.0 and 132 SMs yet differ in memory). None is needed today:
-# the H200, which once had its own table, now measures best with the default one.
+# the H200, which once had its own table, now does as well with the default one (README, Figures).
 GPU_CONFIGS: dict = {}
 _override: Optional[Config] = None
 

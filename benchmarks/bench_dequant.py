@@ -53,7 +53,7 @@ VARIANTS = {
 # --variants grid: every tile size and warp count (plain and streaming stores), for choosing a GPU's table.
 GRID = {f"t{tile // 1024 or 0.5}k.w{warps}{'.cs' if cs else ''}": dict(tile_bytes=tile, num_warps=warps, evict=False, streaming_stores=cs)
         for tile in (1024, 2048, 4096, 8192) for warps in (2, 4, 8) for cs in (False, True)}  # fmt: skip
-# --variants evgrid: the same with evict_first hints (what the default table uses from 2 MiB packed up).
+# --variants evgrid: the same with evict_first hints (what the default table uses above 2 MiB packed).
 EV_GRID = {f"t{tile // 1024}k.w{warps}.ev": dict(tile_bytes=tile, num_warps=warps, evict=True)
            for tile in (1024, 2048, 4096, 8192) for warps in (2, 4, 8)}  # fmt: skip
 HARNESS = [(2, 3333, 2048, 8192, torch.float16), (5, 777, 1024, 4096, torch.bfloat16), (3, 2048, 4096, 14336, torch.bfloat16)]
@@ -161,7 +161,7 @@ SAME_TRAFFIC_CONFIGS = [(block, warps) for block in (1024, 2048, 4096, 8192) for
 
 
 def expand_us(packed, out_bytes, write_only=False, copies=0):
-    """The best do_bench over launch configs of a kernel that moves what dequantize moves (packed in, 4 bytes per
+    """The best time over launch configs of a kernel that moves what dequantize moves (packed in, 4 bytes per
     packed byte out) and decodes nothing: how close to the copy floor this mix of reads and writes can get
     (fp16/bf16 outputs). ``write_only``: the output's writes alone, no reads. ``copies``: timed as ``graph_us`` over
     that many copies of its input and output instead of by do_bench."""

@@ -27,7 +27,7 @@ if [[ $stages == *convert* ]]; then
   rm -rf /tmp/bench-convert
 fi
 if [[ $stages == *dequant* ]]; then
-  timeout ${DEQUANT_TIMEOUT:-200} python3 benchmarks/bench_dequant.py --json "$out/dequant.json" ${DEQUANT_ARGS:-} 2>&1 | tee "$out/dequant.log" | grep -v '^{'
+  timeout ${DEQUANT_TIMEOUT:-200} python3 benchmarks/bench_dequant.py --json "$out/dequant.json" ${DEQUANT_ARGS:---timer graph --rounds 3} 2>&1 | tee "$out/dequant.log" | grep -v '^{'
 fi
 if [[ $stages == *compile* ]]; then
   timeout ${COMPILE_TIMEOUT:-280} python3 benchmarks/bench_compile.py --json "$out/compile.json" ${COMPILE_ARGS:-} 2>&1 | tee "$out/compile.log" | grep -v '^{'

@@ -1,16 +1,20 @@
 """torch.compile against eager, weight shape by weight shape: the op alone, and Linear4bit-style layers.
 
-    python benchmarks/bench_compile.py [--layers 16] [--shapes 1024x1024,...] [--json FILE]
+    python benchmarks/bench_compile.py [--layers 16,48] [--shapes 1024x1024,...] [--json FILE]
 
 Weights: bitsandbytes-quantized NF4, double quantization, blocksize 64, in fp16 and bf16. For each shape:
 
   op       one ``dequantize_4bit(packed, state)``: eager, and compiled (fullgraph, static shapes, compiled
            afresh for the shape). do_bench median (L2 flushed before each call), and host us per call.
-  layers   LAYERS Linear4bit-style modules (weight = the packed Params4bit data, ``quant_state`` beside it,
+  layers   N Linear4bit-style modules (weight = the packed Params4bit data, ``quant_state`` beside it,
            ``forward(x) = F.linear(x, dequantize_4bit(weight, quant_state))``, x one token), called in turn by
            one forward: eager, and ``torch.compile(model, fullgraph=True)``. Seconds per forward until the GPU is
-           done (synchronized), median of 90, eager and compiled timed in alternating rounds; per layer in the table. The compiled forward must be one graph:
-           the graphs Inductor compiled are counted, and every call runs with ``error_on_recompile``.
+           done (synchronized), median of 90, eager and compiled timed in alternating rounds, for each N of
+           --layers. The table splits a forward's time in two: per layer, the slope between the smallest and the
+           largest stack (what one more layer costs, as in a model of many), and fixed, what remains (what a
+           forward pays once: Dynamo's guards and wrappers, the first launch, the synchronize). The compiled
+           forward must be one graph: the graphs Inductor compiled are counted, and every call runs with
+           ``error_on_recompile``.
   weights  the same layers' forward returning the dequantized weights only (no matmul): the op's own cost.
   dense    the control: the same stack with plain dense weights (F.linear only, the dequantized weights as
            parameters): what torch.compile costs or saves on a forward with none of our op in it.
@@ -109,6 +113,41 @@ def paired_seconds(first, second, rounds=6, reps=15):
     return statistics.median(times[0]), statistics.median(times[1])
 
 
+def fresh():
+    """Forget every compiled graph, and the CUDA graph trees (torch 2.11's Dynamo reset keeps them: a stack recorded
+    beside the earlier ones ran up to 1.4x slower than the same stack alone)."""
+    torch._dynamo.reset()
+    if torch.cuda.is_available():
+        from torch._inductor.cudagraph_trees import reset_cudagraph_trees
+
+        reset_cudagraph_trees()
+    gc.collect()
+
+
+def stack_times(make_model, weights, counts, x, mode, check):
+    """Synchronized forward times of ``make_model(weights[:n])`` eager and compiled (in ``mode``), for each n in
+    ``counts``: per layer, the slope between the smallest and largest n (what each more layer costs); fixed, what a
+    forward costs beyond its layers (the intercept: Dynamo's guards, the wrappers, the first launch, the sync)."""
+    forwards, exact, graphs = {}, True, 0
+    for n in counts:
+        fresh()
+        model = make_model(weights[:n])
+        compiled, counter = compile_counted(model, mode=mode)
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            exact = exact and check(compiled(x), model(x))
+            forwards[n] = [seconds * 1e6 for seconds in paired_seconds(lambda: model(x), lambda: compiled(x))]
+        graphs = max(graphs, counter.frame_count)
+        del model, compiled
+    fresh()
+    low, high = min(counts), max(counts)
+    result = {"exact": exact, "graphs": graphs, "forward_us": {str(n): forwards[n] for n in counts}}
+    for index, name in enumerate(("eager", "compiled")):
+        per_layer = (forwards[high][index] - forwards[low][index]) / (high - low) if high > low else forwards[low][index] / low
+        result[f"{name}_us_per_layer"] = per_layer
+        result[f"{name}_fixed_us"] = forwards[low][index] - low * per_layer
+    return result
+
+
 def host_us(fn, calls=2000):
     for _ in range(20):
         fn()
@@ -157,25 +196,29 @@ def compile_counted(module_or_fn, mode=None, options=None):
     return torch.compile(module_or_fn, fullgraph=True, dynamic=False, backend=backend, **extra), counter
 
 
-def list_kernels(shape, dtype=torch.float16, weights_only=True):
-    """What a compiled weights (or layers) forward runs on the GPU beside eager's, kernel by kernel."""
+def list_kernels(shape, dtype=torch.float16, weights_only=True, mode=None, layers=4):
+    """What a compiled weights (or layers) forward runs on the GPU beside eager's, kernel by kernel (``mode``
+    reduce-overhead: the compiled forward with CUDA graphs), after both forwards' synchronized times."""
     from torch.profiler import ProfilerActivity, profile
 
-    model = Layers([Layer(*quantized(shape, dtype, seed)) for seed in range(4)], weights_only=weights_only)
-    compiled, _ = compile_counted(model)
+    model = Layers([Layer(*quantized(shape, dtype, seed)) for seed in range(layers)], weights_only=weights_only)
+    compiled, _ = compile_counted(model, mode=mode)
     x = torch.randn(1, shape[1], dtype=dtype, device="cuda")
     for _ in range(3):
         model(x), compiled(x)
     torch.cuda.synchronize()
+    eager_s, compiled_s = paired_seconds(lambda: model(x), lambda: compiled(x))
+    print(f"===== {layers} layers, mode {mode}: per layer of a synchronized forward, eager {eager_s / layers * 1e6:.1f} us, "
+          f"compiled {compiled_s / layers * 1e6:.1f} us")  # fmt: skip
     for name, forward in (("eager", model), ("compiled", compiled)):
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
             for _ in range(5):
                 forward(x)
             torch.cuda.synchronize()
-        print(f"===== {name}: 5 forwards of 4 weights")
+        print(f"===== {name}: 5 forwards of {layers} weights")
         print(profiler.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
     for name, forward in (("eager", model), ("compiled", compiled)):
-        print(f"===== {name}: host time of a 4-weight forward, {host_us(lambda: forward(x), calls=500):.1f} us; cProfile:")
+        print(f"===== {name}: host time of a {layers}-weight forward, {host_us(lambda: forward(x), calls=500):.1f} us; cProfile:")
         profiler = cProfile.Profile()
         profiler.enable()
         for _ in range(500):
@@ -189,7 +232,8 @@ def main():
     import bitsandbytes
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--layers", default="16,48", help="layer counts of the stacks, comma-separated: the per-layer "
+                        "cost is the slope between the smallest and largest, the fixed cost per forward what remains")
     parser.add_argument("--shapes", help="e.g. 1024x1024,28672x8192 (default: all)")
     parser.add_argument("--json")
     parser.add_argument("--table", help="print the table of an earlier --json file and stop")
@@ -197,22 +241,27 @@ def main():
                         "compiled 4-layer weights forward of SHAPE, e.g. 14336x4096 (with TORCH_LOGS=output_code: the code)")
     parser.add_argument("--kernels-dtype", choices=DTYPES, default="fp16")
     parser.add_argument("--kernels-forward", choices=("weights", "layers"), default="weights")
+    parser.add_argument("--kernels-mode", choices=("default", "reduce-overhead"), default="default",
+                        help="compile the listed forward plainly or with CUDA graphs")
+    parser.add_argument("--kernels-layers", type=int, default=4)
     options = parser.parse_args()
     if options.table:
         saved = json.load(open(options.table))
         return print_table(saved["env"], saved["rows"])
     if options.kernels:
         return list_kernels(tuple(int(n) for n in options.kernels.split("x")), DTYPES[options.kernels_dtype],
-                            options.kernels_forward == "weights")  # fmt: skip
+                            options.kernels_forward == "weights", None if options.kernels_mode == "default" else
+                            options.kernels_mode, options.kernels_layers)  # fmt: skip
     shapes = [tuple(int(n) for n in s.split("x")) for s in options.shapes.split(",")] if options.shapes else SHAPES
+    counts = sorted({int(n) for n in options.layers.split(",")})
     env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-           "bitsandbytes": bitsandbytes.__version__, "date": datetime.date.today().isoformat(), "layers": options.layers}  # fmt: skip
+           "bitsandbytes": bitsandbytes.__version__, "date": datetime.date.today().isoformat(), "layers": counts}  # fmt: skip
     print(" ".join(f"{k}={v}" for k, v in env.items()), flush=True)
     rows = []
     for shape in shapes:
         for dtype_name, dtype in DTYPES.items():
-            torch._dynamo.reset()
-            weights = [quantized(shape, dtype, seed) for seed in range(options.layers)]
+            fresh()
+            weights = [quantized(shape, dtype, seed) for seed in range(max(counts))]
             packed, state = weights[0]
             row = {"shape": f"{shape[0]}x{shape[1]}", "dtype": dtype_name}
 
@@ -231,34 +280,22 @@ def main():
             x = torch.randn(1, shape[1], dtype=dtype, device="cuda")
             for kind, weights_only, mode in (("layers", False, None), ("weights", True, None),
                                              ("layers_graphs", False, "reduce-overhead"), ("weights_graphs", True, "reduce-overhead")):  # fmt: skip
-                torch._dynamo.reset()
-                model = Layers([Layer(p, s) for p, s in weights], weights_only=weights_only)
-                compiled, counter = compile_counted(model, mode=mode)
-                with torch._dynamo.config.patch(error_on_recompile=True):
-                    exact = (close if kind.startswith("layers") else same_bits)(compiled(x), model(x))
-                    eager_s, compiled_s = paired_seconds(lambda: model(x), lambda: compiled(x))
-                row[kind] = {"exact": exact, "graphs": counter.frame_count, "eager_us_per_layer": eager_s / options.layers * 1e6,
-                             "compiled_us_per_layer": compiled_s / options.layers * 1e6}  # fmt: skip
-            torch._dynamo.reset()
-            dense = Dense([nf4convert.dequantize_4bit(p, s) for p, s in weights])
-            compiled, counter = compile_counted(dense)
-            with torch._dynamo.config.patch(error_on_recompile=True):
-                exact = close(compiled(x), dense(x))
-                eager_s, compiled_s = paired_seconds(lambda: dense(x), lambda: compiled(x))
-            row["dense"] = {"exact": exact, "graphs": counter.frame_count, "eager_us_per_layer": eager_s / options.layers * 1e6,
-                            "compiled_us_per_layer": compiled_s / options.layers * 1e6}  # fmt: skip
+                row[kind] = stack_times(lambda ws, w=weights_only: Layers([Layer(p, s) for p, s in ws], weights_only=w),
+                                        weights, counts, x, mode, close if kind.startswith("layers") else same_bits)  # fmt: skip
+            dense_weights = [nf4convert.dequantize_4bit(p, s) for p, s in weights]
+            row["dense"] = stack_times(Dense, dense_weights, counts, x, None, close)
             rows.append(row)
             print(json.dumps(row), flush=True)
-            del weights, packed, state, dense, compiled, model
+            del weights, packed, state, dense_weights
 
     # Where a compiled op call's host time goes, on the first shape.
-    torch._dynamo.reset()
+    fresh()
     packed, state = quantized(shapes[0], torch.float16, 0)
     diagnostics = {}
     compiled_op, _ = compile_counted(lambda p, s: nf4convert.dequantize_4bit(p, s))
     diagnostics["compiled_host_us"] = host_us(lambda: compiled_op(packed, state))
     try:
-        torch._dynamo.reset()
+        fresh()
         unguarded, _ = compile_counted(lambda p, s: nf4convert.dequantize_4bit(p, s),
                                        options={"guard_filter_fn": lambda entries: [False] * len(entries)})  # fmt: skip
         diagnostics["compiled_no_guards_host_us"] = host_us(lambda: unguarded(packed, state))
@@ -285,34 +322,39 @@ def main():
 
 
 def print_table(env, rows):
-    print(f"\n{env['gpu']}, torch {env['torch']}, Triton {env['triton']}, {env['date']}; {env['layers']} layers per forward; "
-          "us (op: do_bench median / host per call; layers and weights: per layer of a synchronized forward)")  # fmt: skip
-    print("| shape | dtype | op eager | op compiled | op host eager | op host compiled | layers eager | layers compiled "
-          "| x | weights eager | weights compiled | x | dense eager | dense compiled | x | graphs | exact |")
-    print("|" + "---|" * 17)
+    counts = env["layers"] if isinstance(env["layers"], list) else [env["layers"]]
+    print(f"\n{env['gpu']}, torch {env['torch']}, Triton {env['triton']}, {env['date']}; stacks of {counts} layers; us. "
+          "op: do_bench median / host per call. layers, weights, dense: per layer (the slope between the stacks), "
+          f"fixed: per forward beyond its layers, eager/compiled; forward x: a {counts[0]}-layer forward, compiled over eager "
+          "(layers/weights/dense)")  # fmt: skip
+    header = ["shape", "dtype", "op eager", "op compiled", "op host eager", "op host compiled", "layers eager", "layers compiled",
+              "x", "weights eager", "weights compiled", "x", "dense eager", "dense compiled", "x", "fixed layers",
+              "fixed weights", "forward x", "graphs", "exact"]  # fmt: skip
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
     for row in rows:
         for suffix in ("", "_graphs"):
-            _row(row, suffix)
+            print("| " + " | ".join(_cells(row, suffix, counts[0])) + " |")
 
 
-def _row(row, suffix):
-    if True:
-        op, layers, weights = row["op"], row["layers" + suffix], row["weights" + suffix]
-        if suffix:  # CUDA graphs apply to the layer stacks; the op columns repeat the plain compile's
-            op = {**op, **row.get("op" + suffix, {})}
-        print(f"| {row['shape']}{suffix} | {row['dtype']} | {op['eager_us']:.1f} | {op['compiled_us']:.1f} | {op['eager_host_us']:.1f} | "
-              f"{op['compiled_host_us']:.1f} | {layers['eager_us_per_layer']:.1f} | {layers['compiled_us_per_layer']:.1f} | "
-              f"{layers['compiled_us_per_layer'] / layers['eager_us_per_layer']:.2f} | {weights['eager_us_per_layer']:.1f} | "
-              f"{weights['compiled_us_per_layer']:.1f} | {weights['compiled_us_per_layer'] / weights['eager_us_per_layer']:.2f} | "
-              f"{_dense(row, suffix)}{layers['graphs']}/{weights['graphs']} | {op['exact'] and layers['exact'] and weights['exact'] and row.get('dense', {}).get('exact', True)} |")  # fmt: skip
-
-
-def _dense(row, suffix):
-    dense = row.get("dense")
-    if suffix or dense is None:  # the control is compiled without CUDA graphs only
-        return "- | - | - | "
-    ratio = dense["compiled_us_per_layer"] / dense["eager_us_per_layer"]
-    return f"{dense['eager_us_per_layer']:.1f} | {dense['compiled_us_per_layer']:.1f} | {ratio:.2f} | "
+def _cells(row, suffix, first):
+    op, layers, weights = row["op"], row["layers" + suffix], row["weights" + suffix]
+    dense = None if suffix else row.get("dense")  # the control is compiled without CUDA graphs only
+    cells = [row["shape"] + suffix, row["dtype"]] + [f"{op[k]:.1f}" for k in ("eager_us", "compiled_us", "eager_host_us", "compiled_host_us")]
+    for stack in (layers, weights, dense):
+        if stack is None:
+            cells += ["-"] * 3
+            continue
+        eager, compiled = stack["eager_us_per_layer"], stack["compiled_us_per_layer"]
+        cells += [f"{eager:.1f}", f"{compiled:.1f}", f"{compiled / eager:.2f}"]
+    for stack in (layers, weights):
+        cells.append(f"{stack['eager_fixed_us']:.0f}/{stack['compiled_fixed_us']:.0f}" if "eager_fixed_us" in stack else "-")
+    ratios = [f"{s['forward_us'][str(first)][1] / s['forward_us'][str(first)][0]:.2f}" if s and "forward_us" in s else "-"
+              for s in (layers, weights, dense)]  # fmt: skip
+    cells.append("/".join(ratios))
+    cells.append(f"{layers['graphs']}/{weights['graphs']}")
+    cells.append(str(op["exact"] and layers["exact"] and weights["exact"] and (dense or {}).get("exact", True)))
+    return cells
 
 
 if __name__ == "__main__":

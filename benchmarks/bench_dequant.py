@@ -13,7 +13,7 @@ the time per call with no launch cost (replays are queued behind a running one) 
 events resolve ~0.6 us, a few % of a middle weight), every method alike.
 Floor: bytes that must move (packed + absmax + nested absmax + output) over the device-to-device copy bandwidth
 measured in the same run. Expand: the best of a few launch configs of a kernel that moves the same bytes (one
-packed byte in, four out) and decodes nothing; writes: the same kernel's writes alone.
+packed byte in, four out, eight for fp32) and decodes nothing; writes: the same kernel's writes alone.
 """
 
 from __future__ import annotations
@@ -57,6 +57,19 @@ GRID = {f"t{tile // 1024 or 0.5}k.w{warps}{'.cs' if cs else ''}": dict(tile_byte
 EV_GRID = {f"t{tile // 1024}k.w{warps}.ev": dict(tile_bytes=tile, num_warps=warps, evict=True)
            for tile in (1024, 2048, 4096, 8192) for warps in (2, 4, 8)}  # fmt: skip
 HARNESS = [(2, 3333, 2048, 8192, torch.float16), (5, 777, 1024, 4096, torch.bfloat16), (3, 2048, 4096, 14336, torch.bfloat16)]
+
+
+def variant_set(text):
+    """--variants: a named set, or variant names from every set, comma-separated."""
+    sets = {"default": VARIANTS, "grid": GRID, "evgrid": EV_GRID, "none": {}}
+    if text in sets:
+        return sets[text]
+    known = {**VARIANTS, **GRID, **EV_GRID}
+    unknown = [name for name in text.split(",") if name not in known]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown variant {unknown[0]!r}: one of {', '.join(sets)} or names such as "
+                                         f"{', '.join(list(EV_GRID)[:3])}")  # fmt: skip
+    return {name: known[name] for name in text.split(",")}
 
 
 def _ptr(tensor):
@@ -144,7 +157,7 @@ def _touch_kernel(out_ptr):
 
 @triton.jit
 def _expand_kernel(source, target, BLOCK: tl.constexpr):
-    # The dequantize kernel's traffic with no decode: each packed byte read, 4 bytes written.
+    # The dequantize kernel's traffic with no decode: each packed byte read, 4 (or 8) bytes written.
     offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     byte = tl.load(source + offsets)
     tl.store(target + offsets, byte.to(target.dtype.element_ty) * 0x01010101)
@@ -161,14 +174,15 @@ SAME_TRAFFIC_CONFIGS = [(block, warps) for block in (1024, 2048, 4096, 8192) for
 
 
 def expand_us(packed, out_bytes, write_only=False, copies=0):
-    """The best time over launch configs of a kernel that moves what dequantize moves (packed in, 4 bytes per
-    packed byte out) and decodes nothing: how close to the copy floor this mix of reads and writes can get
-    (fp16/bf16 outputs). ``write_only``: the output's writes alone, no reads. ``copies``: timed as ``graph_us`` over
+    """The best time over launch configs of a kernel that moves what dequantize moves (packed in; 4 bytes per
+    packed byte out for 16-bit outputs, 8 for fp32) and decodes nothing: how close to the copy floor this mix of reads
+    and writes can get. ``write_only``: the output's writes alone, no reads. ``copies``: timed as ``graph_us`` over
     that many copies of its input and output instead of by do_bench."""
     source = packed.view(-1)
-    target = torch.empty(out_bytes // 4, dtype=torch.int32, device="cuda")
-    if target.numel() != source.numel():
+    per_byte = out_bytes // source.numel()
+    if per_byte not in (4, 8) or out_bytes != per_byte * source.numel():
         return None
+    target = torch.empty(source.numel(), dtype=torch.int32 if per_byte == 4 else torch.int64, device="cuda")
     best = None
     for block, warps in SAME_TRAFFIC_CONFIGS:
         if source.numel() % block:
@@ -287,9 +301,9 @@ def main():
     parser.add_argument("--rounds", type=int, default=1, help="time every method this many times, interleaved; report the median")
     parser.add_argument("--timer", choices=("do_bench", "graph"), default="do_bench",
                         help="do_bench per call (L2 flushed), or calls captured in a CUDA graph over cold copies")
-    parser.add_argument("--variants", choices=("default", "grid", "evgrid", "none"), default="default",
+    parser.add_argument("--variants", default="default", type=variant_set,
                         help="the launch variants measured beside ours: a few (default), every tile x warps (grid; "
-                        "evgrid: with evict_first hints), none")  # fmt: skip
+                        "evgrid: with evict_first hints), none, or names from those, comma-separated (t4k.w8.ev,t2k.w8)")  # fmt: skip
     options = parser.parse_args()
 
     env = {
@@ -309,7 +323,7 @@ def main():
     print(f"one-program kernel under do_bench: {env['launch_floor_us']:.1f} us", flush=True)
 
     methods = make_methods()
-    for name, config in {"default": VARIANTS, "grid": GRID, "evgrid": EV_GRID, "none": {}}[options.variants].items():
+    for name, config in options.variants.items():
         methods[f"ours[{name}]"] = with_variant(config, methods["ours"])
     shapes = SHAPES[::2] if options.quick else SHAPES
     if options.shapes:
@@ -323,9 +337,9 @@ def main():
             floor_us = moved_bytes(packed, state) / bandwidth * 1e6
             row = {"shape": f"{shape[0]}x{shape[1]}", "dtype": dtype_name, "floor_us": floor_us}
             n_copies = copies_needed(packed, state) if options.timer == "graph" else 0
-            if dtype != torch.float32:
-                row["expand_us"] = expand_us(packed, state.shape.numel() * 2, copies=n_copies)
-                row["write_us"] = expand_us(packed, state.shape.numel() * 2, write_only=True, copies=n_copies)
+            out_bytes = state.shape.numel() * torch.empty((), dtype=dtype).element_size()
+            row["expand_us"] = expand_us(packed, out_bytes, copies=n_copies)
+            row["write_us"] = expand_us(packed, out_bytes, write_only=True, copies=n_copies)
             set_compiled(methods)
             names = list(methods)
             copies = weight_copies(packed, state, n_copies) if n_copies else None

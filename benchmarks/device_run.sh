@@ -34,6 +34,6 @@ if [[ $stages == *compile* ]]; then
 fi
 if [[ $stages == *kernels* ]]; then
   # What a compiled forward runs beside eager: GPU kernels, host profile, and Inductor's code and guards.
-  TORCH_LOGS=output_code,guards,recompiles timeout ${KERNELS_TIMEOUT:-120} python3 benchmarks/bench_compile.py \
-    --kernels ${KERNELS_SHAPE:-14336x4096} > "$out/kernels.log" 2>&1; tail -5 "$out/kernels.log"
+  TORCH_LOGS=${KERNELS_LOGS:-output_code,guards,recompiles} timeout ${KERNELS_TIMEOUT:-120} python3 benchmarks/bench_compile.py \
+    --kernels ${KERNELS_SHAPE:-14336x4096} ${KERNELS_ARGS:-} > "$out/kernels.log" 2>&1; grep "^=====" "$out/kernels.log"; tail -5 "$out/kernels.log"
 fi

@@ -21,10 +21,20 @@ def test_tables_by_gpu_name_then_capability(monkeypatch):
         assert configs.choose_config(1 << 21, (9, 0), gpu) == configs.Config(1024, 4, True)
         assert configs.choose_config((1 << 21) + 1, (9, 0), gpu) == configs.Config(2048, 4, True)
         assert configs.choose_config(large, (9, 0), gpu) == configs.Config(2048, 4, True)
+        # fp32 outputs: the same rows up to 64 MiB packed, then 4 KiB tiles over 8 warps.
+        assert configs.choose_config(1 << 16, (9, 0), gpu, 4) == configs.Config(512, 2, False)
+        assert configs.choose_config(1 << 21, (9, 0), gpu, 4) == configs.Config(1024, 4, True)
+        assert configs.choose_config(1 << 26, (9, 0), gpu, 4) == configs.Config(2048, 4, True)
+        assert configs.choose_config((1 << 26) + 1, (9, 0), gpu, 4) == configs.Config(4096, 8, True)
+        assert configs.choose_config((1 << 26) + 1, (9, 0), gpu, 2) == configs.Config(2048, 4, True)
     grid, constexprs, num_warps = configs.launch_config(28672 * 8192, 64, 256, True, configs.torch.bfloat16, (9, 0), 132,
                                                         "NVIDIA H200")  # fmt: skip
     assert num_warps == 4 and grid == (-(-large // 2048),) and constexprs["BLOCKS_PER_PROGRAM"] == 2048 // 32
     assert constexprs["EVICT"] == "evict_first"
-    # Every table ends with a row for any size.
+    grid, constexprs, num_warps = configs.launch_config(28672 * 8192, 64, 256, True, configs.torch.float32, (9, 0), 132,
+                                                        "NVIDIA H200")  # fmt: skip
+    assert num_warps == 8 and grid == (-(-large // 4096),) and constexprs["BLOCKS_PER_PROGRAM"] == 4096 // 32
+    assert constexprs["PAIR_TYPE"] == configs.tl.uint64
+    # Every table ends with a row for any size and any output width.
     for table in (*configs.CONFIGS.values(), *configs.GPU_CONFIGS.values()):
-        assert table[-1][0] is None
+        assert table[-1][0] is None and len(table[-1]) == 2

@@ -187,12 +187,25 @@ def test_cli_convert_on_cuda_matches_cpu_and_bnb_cuda(builder, variant, tmp_path
     ("persistent", dict(tile_bytes=2048, num_warps=4, evict=True, programs_per_sm=4, stages=2)),
     ("select", dict(tile_bytes=1024, num_warps=4, evict=False, lut_select=True)),
     ("big-tiles", dict(tile_bytes=8192, num_warps=8, evict=True)),
+    ("fp32-large", dict(tile_bytes=4096, num_warps=8, evict=True)),
 ])  # fmt: skip
 def test_launch_variants_bit_exact(name, config):
     from nf4convert.kernels import configs
 
     with configs.override(configs.Config(**config)):
         _check_shapes()
+
+
+def test_large_fp32_weight_takes_its_own_row_bit_exact():
+    # Past 64 MiB packed, fp32 outputs have their own row in the default launch table.
+    from nf4convert.kernels import configs
+
+    shape = (16400, 8192)  # 67.2 MB packed
+    packed, state = quantize(shape, quant_type="nf4", blocksize=64, nested=True, dtype=torch.float32, device="cuda")
+    capability = torch.cuda.get_device_capability()
+    if configs.table_for(capability) is configs.CONFIGS[()]:
+        assert configs.choose_config(packed.numel() * packed.element_size(), capability, "", 4).num_warps == 8
+    _assert_same(nf4convert.dequantize_4bit(packed, state), F.dequantize_4bit(packed, state))
 
 
 def _check_shapes():

@@ -3,7 +3,9 @@
 Speed only: every config is bit-exact (the tests run each variant). ``GPU_CONFIGS`` holds tables measured on a
 named GPU (matched in ``torch.cuda.get_device_name``: an H100 and an H200 share compute capability 9.0 and 132
 SMs, yet differ in memory, and so in the best config); ``CONFIGS`` is by compute capability (prefix match; ``()``
-is the default, measured on an H100 and an H200) for every other GPU. Rows ``(largest packed size in bytes, Config)``.
+is the default, measured on an H100 and an H200) for every other GPU. Rows ``(largest packed size in bytes, Config)``,
+or ``(largest packed size, Config, output element size)`` for a row that applies to one output width only; the first
+row that fits is taken.
 """
 
 from __future__ import annotations
@@ -36,9 +38,15 @@ CONFIGS = {
     # 0.4% of it, and within 1.5% of each H200 run's best, ahead of Unsloth's fused kernel at every shape on both;
     # 8 warps, the H100's earlier choice past 16 MiB, tie there on the H100 and are 15% slower on the H200 for
     # 16-bit outputs (170.9 vs 148.5 us at 28672x8192 fp16).
+    # fp32 outputs past 64 MiB packed (8x the bytes out): 4 KiB tiles over 8 warps, with the hints. At 28672x8192
+    # 1.2% faster on the H200 (261.7 vs 264.8 us, 95.4% of the copy floor against 94.3%) and 0.2% on the H100
+    # (366.7 vs 367.4); at 28 MiB (14336x4096) +0.3% on the H200 but -0.35% on the H100, at 8 MiB slower on both
+    # (results-h200-dequant-fp32-2026-11-23.log, results-h100-dequant-graph-v2-2026-11-23.log).
     (): (
         (1 << 16, Config(512, 2, False)),
         (1 << 21, Config(1024, 4, True)),
+        (1 << 26, Config(2048, 4, True)),
+        (None, Config(4096, 8, True), 4),
         (None, Config(2048, 4, True)),
     ),
     # T4: only L1 eviction hints exist there; keep the plain loads.
@@ -74,13 +82,14 @@ def table_for(capability: tuple, gpu_name: str = "") -> tuple:
     return CONFIGS.get(tuple(capability)) or CONFIGS.get(tuple(capability[:1])) or CONFIGS[()]
 
 
-def choose_config(n_bytes: int, capability: tuple, gpu_name: str = "") -> Config:
-    """The launch config for a weight of ``n_bytes`` packed bytes on a GPU of ``capability`` (named ``gpu_name``)."""
+def choose_config(n_bytes: int, capability: tuple, gpu_name: str = "", out_size: int = 2) -> Config:
+    """The launch config for a weight of ``n_bytes`` packed bytes decoded to ``out_size``-byte elements on a GPU of
+    ``capability`` (named ``gpu_name``)."""
     if _override is not None:
         return _override
     table = table_for(capability, gpu_name)
-    for limit, config in table:
-        if limit is None or n_bytes <= limit:
+    for limit, config, *only in table:
+        if (limit is None or n_bytes <= limit) and (not only or only[0] == out_size):
             return config
     return table[-1][1]
 
@@ -92,7 +101,7 @@ def launch_config(n_elements, blocksize, nested_blocksize, nested, out_dtype, ca
     if capability is None and _override is None:
         config = Config(max(half_block, 4096), 4, False)  # the interpreter: few, large programs
     else:
-        config = choose_config(n_bytes, capability, gpu_name)
+        config = choose_config(n_bytes, capability, gpu_name, out_dtype.itemsize)
     blocks = max(1, config.tile_bytes // half_block)
     n_tiles = -(-n_bytes // (half_block * blocks))
     persistent = config.programs_per_sm > 0 and n_tiles > sm_count * config.programs_per_sm

@@ -45,6 +45,8 @@ from triton.testing import do_bench
 
 import nf4convert
 
+GUARD_FILTERS = {"all": None, "skip-nn-modules": "skip_guard_on_all_nn_modules_unsafe"}
+guard_filter = None  # --guards: a torch.compiler guard filter for every compiled stack, or None (Dynamo's own guards)
 SHAPES = [(1024, 1024), (4096, 1024), (4096, 4096), (14336, 4096), (28672, 8192)]
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -132,7 +134,7 @@ def stack_times(make_model, weights, counts, x, mode, check):
     for n in counts:
         fresh()
         model = make_model(weights[:n])
-        compiled, counter = compile_counted(model, mode=mode)
+        compiled, counter = compile_counted(model, mode=mode, options={"guard_filter_fn": guard_filter} if guard_filter else None)
         with torch._dynamo.config.patch(error_on_recompile=True):
             exact = exact and check(compiled(x), model(x))
             forwards[n] = [seconds * 1e6 for seconds in paired_seconds(lambda: model(x), lambda: compiled(x))]
@@ -235,6 +237,10 @@ def main():
     parser.add_argument("--layers", default="16,48", help="layer counts of the stacks, comma-separated: the per-layer "
                         "cost is the slope between the smallest and largest, the fixed cost per forward what remains")
     parser.add_argument("--shapes", help="e.g. 1024x1024,28672x8192 (default: all)")
+    parser.add_argument("--dtypes", help="e.g. fp16 (default: fp16,bf16)")
+    parser.add_argument("--guards", choices=GUARD_FILTERS, default="all", help="compile the stacks with Dynamo's guards "
+                        "(all), or without those on module state, the quant states' included (torch's "
+                        "skip_guard_on_all_nn_modules_unsafe: what the guards cost per layer)")
     parser.add_argument("--json")
     parser.add_argument("--table", help="print the table of an earlier --json file and stop")
     parser.add_argument("--kernels", metavar="SHAPE", help="only list the GPU kernels (torch.profiler) of an eager and a "
@@ -253,13 +259,17 @@ def main():
                             options.kernels_forward == "weights", None if options.kernels_mode == "default" else
                             options.kernels_mode, options.kernels_layers)  # fmt: skip
     shapes = [tuple(int(n) for n in s.split("x")) for s in options.shapes.split(",")] if options.shapes else SHAPES
+    global guard_filter
+    guard_filter = GUARD_FILTERS[options.guards] and getattr(torch.compiler, GUARD_FILTERS[options.guards])
     counts = sorted({int(n) for n in options.layers.split(",")})
+    dtypes = {name: DTYPES[name] for name in options.dtypes.split(",")} if options.dtypes else DTYPES
     env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-           "bitsandbytes": bitsandbytes.__version__, "date": datetime.date.today().isoformat(), "layers": counts}  # fmt: skip
+           "bitsandbytes": bitsandbytes.__version__, "date": datetime.date.today().isoformat(), "layers": counts,
+           "guards": options.guards}  # fmt: skip
     print(" ".join(f"{k}={v}" for k, v in env.items()), flush=True)
     rows = []
     for shape in shapes:
-        for dtype_name, dtype in DTYPES.items():
+        for dtype_name, dtype in dtypes.items():
             fresh()
             weights = [quantized(shape, dtype, seed) for seed in range(max(counts))]
             packed, state = weights[0]

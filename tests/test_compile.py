@@ -91,3 +91,39 @@ def test_eager_launches_do_not_import_the_compiler():
             "print(sorted(m for m in ('torch._dynamo', 'torch._inductor') if m in sys.modules))")  # fmt: skip
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and result.stdout.strip() == "[]", result.stdout + result.stderr
+
+
+@needs_cuda
+def test_module_stack_under_cuda_graphs_and_torchs_module_guard_filter_is_bit_exact():
+    # README's advice for a compiled model of many layers: CUDA graphs, and torch's filter that drops Dynamo's
+    # guards on module state (the quant states included), which otherwise run before each forward's first kernel.
+    import torch._dynamo
+
+    torch._dynamo.reset()
+
+    class Layer(torch.nn.Module):
+        def __init__(self, packed, state):
+            super().__init__()
+            self.weight = torch.nn.Parameter(packed, requires_grad=False)
+            self.quant_state = state
+
+        def forward(self, x):
+            return nf4convert.dequantize_4bit(self.weight, self.quant_state) * x
+
+    class Stack(torch.nn.Module):
+        def __init__(self, layers):
+            super().__init__()
+            self.layers = torch.nn.ModuleList(Layer(p, s) for p, s in layers)
+
+        def forward(self, x):
+            return tuple(layer(x) for layer in self.layers)
+
+    stack = Stack(_layers((1536, 1000), 3, torch.bfloat16, True, seed=31))
+    options = {"triton.cudagraphs": True, "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+    compiled = torch.compile(stack, fullgraph=True, options=options)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for scale in (1.0, 2.0, 4.0, 0.5):  # warm-up, recording, replays; scaling by a power of two is exact
+            x = torch.full((1,), scale, dtype=torch.bfloat16, device=DEVICE)
+            got = [out.clone() for out in compiled(x)]
+            want = [nf4convert.dequantize_4bit(layer.weight, layer.quant_state) * x for layer in stack.layers]
+            assert all(torch.equal(bits(g), bits(w)) for g, w in zip(got, want))

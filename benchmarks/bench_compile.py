@@ -45,8 +45,8 @@ from triton.testing import do_bench
 
 import nf4convert
 
+# --guards: Dynamo's own guards, or a torch.compiler guard filter (by name) for every compiled stack.
 GUARD_FILTERS = {"all": None, "skip-nn-modules": "skip_guard_on_all_nn_modules_unsafe"}
-guard_filter = None  # --guards: a torch.compiler guard filter for every compiled stack, or None (Dynamo's own guards)
 SHAPES = [(1024, 1024), (4096, 1024), (4096, 4096), (14336, 4096), (28672, 8192)]
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -127,20 +127,21 @@ def fresh():
     gc.collect()
 
 
-def stack_times(make_model, weights, counts, x, mode, check):
-    """Synchronized forward times of ``make_model(weights[:n])`` eager and compiled (in ``mode``), for each n in
-    ``counts``: per layer, the slope between the smallest and largest n (what each more layer costs); fixed, what a
-    forward costs beyond its layers (the intercept: Dynamo's guards, the wrappers, the first launch, the sync)."""
+def stack_times(make_model, weights, counts, x, mode, check, options=None):
+    """Synchronized forward times of ``make_model(weights[:n])`` eager and compiled (in ``mode``, with ``options``),
+    for each n in ``counts``: per layer, the slope between the smallest and largest n (what each more layer costs);
+    fixed, what a forward costs beyond its layers (the intercept: Dynamo's guards, the wrappers, the first launch,
+    the sync)."""
     forwards, exact, graphs = {}, True, 0
     for n in counts:
         fresh()
         model = make_model(weights[:n])
-        compiled, counter = compile_counted(model, mode=mode, options={"guard_filter_fn": guard_filter} if guard_filter else None)
+        compiled, counter = compile_counted(model, mode=mode, options=options)
         with torch._dynamo.config.patch(error_on_recompile=True):
             exact = exact and check(compiled(x), model(x))
             forwards[n] = [seconds * 1e6 for seconds in paired_seconds(lambda: model(x), lambda: compiled(x))]
         graphs = max(graphs, counter.frame_count)
-        del model, compiled
+        model = compiled = None  # free this stack before the next is built
     fresh()
     low, high = min(counts), max(counts)
     result = {"exact": exact, "graphs": graphs, "forward_us": {str(n): forwards[n] for n in counts}}
@@ -260,8 +261,8 @@ def main():
                             options.kernels_forward == "weights", None if options.kernels_mode == "default" else
                             options.kernels_mode, options.kernels_layers)  # fmt: skip
     shapes = [tuple(int(n) for n in s.split("x")) for s in options.shapes.split(",")] if options.shapes else SHAPES
-    global guard_filter
-    guard_filter = GUARD_FILTERS[options.guards] and getattr(torch.compiler, GUARD_FILTERS[options.guards])
+    guard_filter = GUARD_FILTERS[options.guards]
+    stack_options = {"guard_filter_fn": getattr(torch.compiler, guard_filter)} if guard_filter else None
     counts = sorted({int(n) for n in options.layers.split(",")})
     dtypes = {name: DTYPES[name] for name in options.dtypes.split(",")} if options.dtypes else DTYPES
     env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
@@ -292,9 +293,10 @@ def main():
             for kind, weights_only, mode in (("layers", False, None), ("weights", True, None),
                                              ("layers_graphs", False, "reduce-overhead"), ("weights_graphs", True, "reduce-overhead")):  # fmt: skip
                 row[kind] = stack_times(lambda ws, w=weights_only: Layers([Layer(p, s) for p, s in ws], weights_only=w),
-                                        weights, counts, x, mode, close if kind.startswith("layers") else same_bits)  # fmt: skip
+                                        weights, counts, x, mode, close if kind.startswith("layers") else same_bits,
+                                        stack_options)  # fmt: skip
             dense_weights = [nf4convert.dequantize_4bit(p, s) for p, s in weights]
-            row["dense"] = stack_times(Dense, dense_weights, counts, x, None, close)
+            row["dense"] = stack_times(Dense, dense_weights, counts, x, None, close, stack_options)
             rows.append(row)
             print(json.dumps(row), flush=True)
             del weights, packed, state, dense_weights

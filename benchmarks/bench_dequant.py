@@ -337,7 +337,7 @@ def main():
             floor_us = moved_bytes(packed, state) / bandwidth * 1e6
             row = {"shape": f"{shape[0]}x{shape[1]}", "dtype": dtype_name, "floor_us": floor_us}
             n_copies = copies_needed(packed, state) if options.timer == "graph" else 0
-            out_bytes = state.shape.numel() * torch.empty((), dtype=dtype).element_size()
+            out_bytes = state.shape.numel() * dtype.itemsize
             row["expand_us"] = expand_us(packed, out_bytes, copies=n_copies)
             row["write_us"] = expand_us(packed, out_bytes, write_only=True, copies=n_copies)
             set_compiled(methods)

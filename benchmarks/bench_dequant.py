@@ -222,7 +222,7 @@ def weight_copies(packed, state, count):
 
 def copies_needed(packed, state):
     """Copies of a weight whose bytes (packed in, output out) span three times the L2 cache: cold for every call."""
-    out_bytes = state.shape.numel() * torch.empty((), dtype=state.dtype).element_size()
+    out_bytes = state.shape.numel() * state.dtype.itemsize
     l2 = torch.cuda.get_device_properties(packed.device).L2_cache_size
     return max(4, min(256, -(-3 * l2 // (out_bytes + packed.numel()))))
 
@@ -278,7 +278,7 @@ def quantized(shape, dtype):
 
 
 def moved_bytes(packed, state):
-    out_bytes = state.shape.numel() * torch.empty((), dtype=state.dtype).element_size()
+    out_bytes = state.shape.numel() * state.dtype.itemsize
     return packed.numel() * packed.element_size() + state.absmax.numel() + 4 * state.state2.absmax.numel() + out_bytes
 
 

@@ -1,6 +1,7 @@
 """torch.compile against eager, weight shape by weight shape: the op alone, and Linear4bit-style layers.
 
     python benchmarks/bench_compile.py [--layers 16,48] [--shapes 1024x1024,...] [--json FILE]
+        [--guards skip-nn-modules] [--inductor size_asserts=0 ...] [--host-only]
 
 Weights: bitsandbytes-quantized NF4, double quantization, blocksize 64, in fp16 and bf16. For each shape:
 
@@ -22,9 +23,11 @@ Weights: bitsandbytes-quantized NF4, double quantization, blocksize 64, in fp16 
            Dynamo marks tensors reached through a module static (the quant state's too), so replays copy none of them.
 
 Compiled weights are checked bit for bit against eager (the layers' outputs only for closeness: Inductor may pick
-another matmul). Then, on the smallest shape, where a
-compiled op call's host time goes: the call with Dynamo's guards filtered out (what the guards cost), and a
-cProfile of compiled calls.
+another matmul). Then, on the first shape, where a compiled op call's host time goes: the call with Dynamo's guards
+filtered out (what the guards cost), a compiled function that returns its input, a cProfile of compiled calls, and
+bench_dequant's seed harness eager and compiled. --guards and --inductor settings apply to every compile of the run
+(README's settings for compiled models: --guards skip-nn-modules --inductor size_asserts=0
+--inductor static_launch_user_defined_triton_kernels=1).
 """
 
 from __future__ import annotations
@@ -49,6 +52,8 @@ import nf4convert
 GUARD_FILTERS = {"all": None, "skip-nn-modules": "skip_guard_on_all_nn_modules_unsafe"}
 SHAPES = [(1024, 1024), (4096, 1024), (4096, 4096), (14336, 4096), (28672, 8192)]
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+# Inductor settings that change how a compiled call launches our kernel: printed with every run.
+INDUCTOR_KEYS = ("use_static_cuda_launcher", "static_launch_user_defined_triton_kernels", "cpp_wrapper")
 
 
 class Layer(torch.nn.Module):
@@ -232,6 +237,58 @@ def list_kernels(shape, dtype=torch.float16, weights_only=True, mode=None, layer
         pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
 
 
+def host_diagnostics(shape, harness_iterations, inductor):
+    """Where a compiled op call's host time goes, on one shape (Dynamo's guards dropped, a compiled function that
+    returns its input, a cProfile), and bench_dequant's seed harness (9 weights, each called and synchronized
+    alone) eager and compiled."""
+    from bench_dequant import HARNESS  # noqa: PLC0415  (benchmarks/ is the script's folder)
+
+    fresh()
+    packed, state = quantized(shape, torch.float16, 0)
+    diagnostics = {"eager_host_us": host_us(lambda: nf4convert.dequantize_4bit(packed, state))}
+    compiled_op, _ = compile_counted(lambda p, s: nf4convert.dequantize_4bit(p, s), options=inductor)
+    diagnostics["compiled_host_us"] = host_us(lambda: compiled_op(packed, state))
+    try:
+        fresh()
+        unguarded, _ = compile_counted(lambda p, s: nf4convert.dequantize_4bit(p, s),
+                                       options={**inductor, "guard_filter_fn": lambda entries: [False] * len(entries)})  # fmt: skip
+        diagnostics["compiled_no_guards_host_us"] = host_us(lambda: unguarded(packed, state))
+    except Exception as error:  # noqa: BLE001  (a torch without guard_filter_fn: reported)
+        diagnostics["compiled_no_guards_host_us"] = f"{type(error).__name__}: {error}"[:200]
+    identity = torch.compile(lambda p, s: p, fullgraph=True, dynamic=False)
+    diagnostics["compiled_identity_host_us"] = host_us(lambda: identity(packed, state))
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(2000):
+        compiled_op(packed, state)
+    profiler.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(15)
+    diagnostics["profile"] = text.getvalue()[-3500:]
+    if harness_iterations:
+        fresh()
+        weights = [quantized(s, dtype, seed) for seed, (_, _, hidden, intermediate, dtype) in enumerate(HARNESS)
+                   for s in ((intermediate, hidden), (intermediate, hidden), (hidden, intermediate))]  # fmt: skip
+        compiled_op, _ = compile_counted(lambda p, s: nf4convert.dequantize_4bit(p, s), options=inductor)
+        harness = {}
+        with torch._dynamo.config.patch(recompile_limit=64):  # one graph per weight shape
+            for name, fn in (("eager", nf4convert.dequantize_4bit), ("compiled", compiled_op)):
+                for packed, state in weights:
+                    fn(packed, state)
+                torch.cuda.synchronize()
+                started = time.perf_counter()
+                for _ in range(harness_iterations):
+                    for packed, state in weights:
+                        fn(packed, state)
+                        torch.cuda.synchronize()
+                harness[name] = time.perf_counter() - started
+        diagnostics["harness_seconds"] = harness
+    print(json.dumps({k: v for k, v in diagnostics.items() if k != "profile"}), flush=True)
+    print(diagnostics["profile"], flush=True)
+    return diagnostics
+
+
 def main():
     import bitsandbytes
 
@@ -252,7 +309,20 @@ def main():
     parser.add_argument("--kernels-mode", choices=("default", "reduce-overhead"), default="default",
                         help="compile the listed forward plainly or with CUDA graphs")
     parser.add_argument("--kernels-layers", type=int, default=4)
+    parser.add_argument("--host-only", action="store_true", help="only where a compiled call's host time goes and the "
+                        "seed harness, on the first of --shapes")
+    parser.add_argument("--harness-iterations", type=int, default=1000, help="rounds of the seed harness (0: none)")
+    parser.add_argument("--inductor", action="append", default=[], metavar="KEY=VALUE", help="an Inductor option for "
+                        "every compile of this run, as torch.compile(options=...) gives it, e.g. size_asserts=0 (repeatable)")
     options = parser.parse_args()
+    import torch._inductor.config  # noqa: PLC0415
+
+    inductor = {}  # --inductor: passed as torch.compile(options=...) would pass them
+    for setting in options.inductor:
+        key, _, value = setting.partition("=")
+        if not hasattr(torch._inductor.config, key):
+            parser.error(f"--inductor {setting}: this torch's Inductor has no setting {key!r}")
+        inductor[key] = {"1": True, "true": True, "0": False, "false": False}.get(value.lower(), value)
     if options.table:
         saved = json.load(open(options.table))
         return print_table(saved["env"], saved["rows"])
@@ -262,15 +332,15 @@ def main():
                             options.kernels_mode, options.kernels_layers)  # fmt: skip
     shapes = [tuple(int(n) for n in s.split("x")) for s in options.shapes.split(",")] if options.shapes else SHAPES
     guard_filter = GUARD_FILTERS[options.guards]
-    stack_options = {"guard_filter_fn": getattr(torch.compiler, guard_filter)} if guard_filter else None
+    stack_options = {**inductor, **({"guard_filter_fn": getattr(torch.compiler, guard_filter)} if guard_filter else {})}
     counts = sorted({int(n) for n in options.layers.split(",")})
     dtypes = {name: DTYPES[name] for name in options.dtypes.split(",")} if options.dtypes else DTYPES
     env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
            "bitsandbytes": bitsandbytes.__version__, "date": datetime.date.today().isoformat(), "layers": counts,
-           "guards": options.guards}  # fmt: skip
+           "guards": options.guards, "inductor": {key: inductor.get(key, getattr(torch._inductor.config, key, None)) for key in INDUCTOR_KEYS}}  # fmt: skip
     print(" ".join(f"{k}={v}" for k, v in env.items()), flush=True)
     rows = []
-    for shape in shapes:
+    for shape in [] if options.host_only else shapes:
         for dtype_name, dtype in dtypes.items():
             fresh()
             weights = [quantized(shape, dtype, seed) for seed in range(max(counts))]
@@ -280,7 +350,7 @@ def main():
             def eager_op():
                 return nf4convert.dequantize_4bit(packed, state)
 
-            compiled_op, counter = compile_counted(lambda p, s: nf4convert.dequantize_4bit(p, s))
+            compiled_op, counter = compile_counted(lambda p, s: nf4convert.dequantize_4bit(p, s), options=inductor)
             compiled_op(packed, state)
             row["op"] = {
                 "exact": same_bits([compiled_op(packed, state)], [eager_op()]),
@@ -299,46 +369,22 @@ def main():
             row["dense"] = stack_times(Dense, dense_weights, counts, x, None, close, stack_options)
             rows.append(row)
             print(json.dumps(row), flush=True)
-            del weights, packed, state, dense_weights
+            weights = packed = state = dense_weights = None  # free this shape's tensors
 
-    # Where a compiled op call's host time goes, on the first shape.
-    fresh()
-    packed, state = quantized(shapes[0], torch.float16, 0)
-    diagnostics = {}
-    compiled_op, _ = compile_counted(lambda p, s: nf4convert.dequantize_4bit(p, s))
-    diagnostics["compiled_host_us"] = host_us(lambda: compiled_op(packed, state))
-    try:
-        fresh()
-        unguarded, _ = compile_counted(lambda p, s: nf4convert.dequantize_4bit(p, s),
-                                       options={"guard_filter_fn": lambda entries: [False] * len(entries)})  # fmt: skip
-        diagnostics["compiled_no_guards_host_us"] = host_us(lambda: unguarded(packed, state))
-    except Exception as error:  # noqa: BLE001  (a torch without guard_filter_fn: reported)
-        diagnostics["compiled_no_guards_host_us"] = f"{type(error).__name__}: {error}"[:200]
-    identity = torch.compile(lambda p, s: p, fullgraph=True, dynamic=False)
-    diagnostics["compiled_identity_host_us"] = host_us(lambda: identity(packed, state))
-    profiler = cProfile.Profile()
-    profiler.enable()
-    for _ in range(2000):
-        compiled_op(packed, state)
-    profiler.disable()
-    torch.cuda.synchronize()
-    text = io.StringIO()
-    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(15)
-    diagnostics["profile"] = text.getvalue()[-3500:]
-    print(json.dumps({k: v for k, v in diagnostics.items() if k != "profile"}), flush=True)
-    print(diagnostics["profile"], flush=True)
+    diagnostics = host_diagnostics(shapes[0], options.harness_iterations, inductor)
 
     if options.json:
         with open(options.json, "w") as file:
             json.dump({"env": env, "rows": rows, "diagnostics": diagnostics}, file, indent=1)
-    print_table(env, rows)
+    if rows:
+        print_table(env, rows)
 
 
 def print_table(env, rows):
     counts = env["layers"] if isinstance(env["layers"], list) else [env["layers"]]
     print(f"\n{env['gpu']}, torch {env['torch']}, Triton {env['triton']}, {env['date']}; stacks of {counts} layers; us. "
           "op: do_bench median / host per call. layers, weights, dense: per layer (the slope between the stacks), "
-          f"fixed: per forward beyond its layers, eager/compiled; forward x: a {counts[0]}-layer forward, compiled over eager "
+          f"fixed: per forward beyond its layers, eager/compiled; forward x: a {counts[-1]}-layer forward, compiled over eager "
           "(layers/weights/dense)")  # fmt: skip
     header = ["shape", "dtype", "op eager", "op compiled", "op host eager", "op host compiled", "layers eager", "layers compiled",
               "x", "weights eager", "weights compiled", "x", "dense eager", "dense compiled", "x", "fixed layers",
@@ -347,10 +393,10 @@ def print_table(env, rows):
     print("|" + "---|" * len(header))
     for row in rows:
         for suffix in ("", "_graphs"):
-            print("| " + " | ".join(_cells(row, suffix, counts[0])) + " |")
+            print("| " + " | ".join(_cells(row, suffix, counts[-1])) + " |")
 
 
-def _cells(row, suffix, first):
+def _cells(row, suffix, count):
     op, layers, weights = row["op"], row["layers" + suffix], row["weights" + suffix]
     dense = None if suffix else row.get("dense")  # the control is compiled without CUDA graphs only
     cells = [row["shape"] + suffix, row["dtype"]] + [f"{op[k]:.1f}" for k in ("eager_us", "compiled_us", "eager_host_us", "compiled_host_us")]
@@ -362,7 +408,7 @@ def _cells(row, suffix, first):
         cells += [f"{eager:.1f}", f"{compiled:.1f}", f"{compiled / eager:.2f}"]
     for stack in (layers, weights):
         cells.append(f"{stack['eager_fixed_us']:.0f}/{stack['compiled_fixed_us']:.0f}" if "eager_fixed_us" in stack else "-")
-    ratios = [f"{s['forward_us'][str(first)][1] / s['forward_us'][str(first)][0]:.2f}" if s and "forward_us" in s else "-"
+    ratios = [f"{s['forward_us'][str(count)][1] / s['forward_us'][str(count)][0]:.2f}" if s and "forward_us" in s else "-"
               for s in (layers, weights, dense)]  # fmt: skip
     cells.append("/".join(ratios))
     cells.append(f"{layers['graphs']}/{weights['graphs']}")

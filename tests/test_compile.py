@@ -93,12 +93,24 @@ def test_eager_launches_do_not_import_the_compiler():
     assert result.returncode == 0 and result.stdout.strip() == "[]", result.stdout + result.stderr
 
 
-@needs_cuda
-def test_module_stack_under_cuda_graphs_and_torchs_module_guard_filter_is_bit_exact():
-    # README's advice for a compiled model of many layers: CUDA graphs, and torch's filter that drops Dynamo's
-    # guards on module state (the quant states included), which otherwise run before each forward's first kernel.
-    import torch._dynamo
+# README's settings for a compiled model of many layers: torch's filter that drops Dynamo's guards on module state
+# (the quant states included), with CUDA graphs, or without them Inductor's size asserts off (they repeat what Dynamo's
+# guards check) and our kernel launched by torch's own launcher. Guards and asserts run before a forward's first kernel.
+FOR_MODELS = {
+    "cuda-graphs": {"triton.cudagraphs": True},
+    "plain": {"size_asserts": False, "static_launch_user_defined_triton_kernels": True},
+}
 
+
+@needs_cuda
+@pytest.mark.parametrize("settings", FOR_MODELS)
+def test_module_stack_with_readmes_settings_for_models_is_bit_exact(settings):
+    import torch._dynamo
+    import torch._inductor.config
+
+    missing = [key for key in FOR_MODELS[settings] if not hasattr(torch._inductor.config, key)]
+    if missing:
+        pytest.skip(f"this torch's Inductor has no {missing[0]}")
     torch._dynamo.reset()
 
     class Layer(torch.nn.Module):
@@ -119,7 +131,7 @@ def test_module_stack_under_cuda_graphs_and_torchs_module_guard_filter_is_bit_ex
             return tuple(layer(x) for layer in self.layers)
 
     stack = Stack(_layers((1536, 1000), 3, torch.bfloat16, True, seed=31))
-    options = {"triton.cudagraphs": True, "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+    options = {**FOR_MODELS[settings], "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
     compiled = torch.compile(stack, fullgraph=True, options=options)
     with torch._dynamo.config.patch(error_on_recompile=True):
         for scale in (1.0, 2.0, 4.0, 0.5):  # warm-up, recording, replays; scaling by a power of two is exact

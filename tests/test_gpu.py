@@ -188,6 +188,7 @@ def test_cli_convert_on_cuda_matches_cpu_and_bnb_cuda(builder, variant, tmp_path
     ("select", dict(tile_bytes=1024, num_warps=4, evict=False, lut_select=True)),
     ("big-tiles", dict(tile_bytes=8192, num_warps=8, evict=True)),
     ("fp32-large", dict(tile_bytes=4096, num_warps=8, evict=True)),
+    ("h200-16bit-large", dict(tile_bytes=4096, num_warps=4, evict=True)),
 ])  # fmt: skip
 def test_launch_variants_bit_exact(name, config):
     from nf4convert.kernels import configs
@@ -205,6 +206,18 @@ def test_large_fp32_weight_takes_its_own_row_bit_exact():
     capability = torch.cuda.get_device_capability()
     if configs.table_for(capability) is configs.CONFIGS[()]:
         assert configs.choose_config(packed.numel() * packed.element_size(), capability, "", 4).num_warps == 8
+    _assert_same(nf4convert.dequantize_4bit(packed, state), F.dequantize_4bit(packed, state))
+
+
+def test_large_16bit_weight_takes_this_gpus_row_bit_exact():
+    # Past 64 MiB packed, 16-bit outputs on an H200 take its own row (4 KiB tiles over 4 warps).
+    from nf4convert.kernels import configs
+
+    packed, state = quantize((16400, 8192), quant_type="nf4", blocksize=64, nested=True, dtype=torch.bfloat16, device="cuda")
+    name = torch.cuda.get_device_name()
+    config = configs.choose_config(packed.numel() * packed.element_size(), torch.cuda.get_device_capability(), name, 2)
+    if "H200" in name:
+        assert config == configs.Config(4096, 4, True)
     _assert_same(nf4convert.dequantize_4bit(packed, state), F.dequantize_4bit(packed, state))
 
 

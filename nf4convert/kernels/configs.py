@@ -57,9 +57,9 @@ CONFIGS = {
 # an H100 and an H200 share compute capability 9.0 and 132 SMs yet differ in memory).
 GPU_CONFIGS: dict = {
     # H200: the default table, and for 16-bit outputs past 64 MiB packed 4 KiB tiles over 4 warps with the hints.
-    # At 28672x8192 faster than the default row in all 8 comparisons of four graph-timed runs, fp16 and bf16: by 0.2
-    # to 1.0% (145.1-148.5 us against 145.4-150.1), and 5.8% in one run whose default-row fp16 rounds were disturbed
-    # (results-h200-dequant-evgrid, -graph-final and -variants-2026-11-23.log). Not measured on the H100.
+    # At 28672x8192 faster than the default row in all 10 comparisons of five graph-timed runs, fp16 and bf16: by 0.2
+    # to 2.1% (144.6-148.5 us against 145.4-150.1), and 6.2% in one run whose default-row fp16 rounds were disturbed
+    # (results-h200-dequant-evgrid, -graph-final, -variants and -graph-v4-2026-11-23.log). Not measured on the H100.
     "H200": (*CONFIGS[()][:4], (None, Config(4096, 4, True), 2), CONFIGS[()][4]),
 }
 _override: Optional[Config] = None

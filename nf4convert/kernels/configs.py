@@ -36,7 +36,7 @@ CONFIGS = {
     # no timer step; benchmarks/results-h100-dequant-graph-2026-11-23.log, results-h200-dequant-graph-2026-11-23.log).
     # Above 2 MiB packed, evict_first hints with 4 warps per 2 KiB tile are the fastest config on the H100 or within
     # 0.4% of it (0.6% in results-h100-dequant-graph-v2, where 8 warps with hints led at 28672x8192 16-bit), and
-    # within 1.5% of each H200 run's best, ahead of Unsloth's fused kernel at every shape on both;
+    # within 1.6% of each H200 run's best, ahead of Unsloth's fused kernel at every shape on both;
     # 8 warps, the H100's earlier choice past 16 MiB, tie there on the H100 and are 15% slower on the H200 for
     # 16-bit outputs (170.9 vs 148.5 us at 28672x8192 fp16).
     # fp32 outputs past 64 MiB packed (8x the bytes out): 4 KiB tiles over 8 warps, with the hints. At 28672x8192

@@ -247,3 +247,44 @@ def test_products_just_below_flt_min_flush_like_cuda(backend, case):
     expected = bnb_reference_cpu(packed, state)
     got = nf4convert.dequantize_4bit(packed, state, backend=backend)
     assert torch.equal(bits(got), bits(expected))
+
+
+@pytest.mark.parametrize("chunk_bytes", [16, 48, 100, 4096])
+def test_cpu_path_chunks_bit_exact(chunk_bytes, monkeypatch):
+    # The CPU path decodes in chunks through a per-thread scratch: a fast loop over whole chunks, then the rest
+    # (a partial last block, an odd byte, tiny scales) one chunk at a time. Small chunks put many boundaries
+    # inside each weight, between blocks of every size.
+    from nf4convert.kernels import cpu
+
+    monkeypatch.setattr(cpu, "CHUNK_BYTES", chunk_bytes)
+    for index in range(12):
+        shape = _random_shape(30_000)
+        blocksize = BLOCKSIZES[index % 4]  # 32 to 256: chunks of a few blocks
+        nested, dtype = bool(index % 2), OUT_DTYPES[index % 3]
+        packed, state = quantize(shape, quant_type=("nf4", "fp4")[index // 2 % 2], blocksize=blocksize, nested=nested,
+                                 dtype=dtype, seed=index)  # fmt: skip
+        expected = bnb_reference_cpu(packed, state)
+        got = nf4convert.dequantize_4bit(packed, state, backend="cpu")
+        assert torch.equal(bits(got), bits(expected)), (shape, blocksize, nested, dtype)
+
+
+@pytest.mark.parametrize("nan", [False, True])
+def test_cpu_path_tiny_scales_in_some_chunks(nan, monkeypatch):
+    # Scales near 1e-38 in a few blocks only (and a NaN scale beside them): every chunk must still flush
+    # products like CUDA, whichever chunk the tiny scales fall in.
+    from nf4convert.kernels import cpu
+
+    monkeypatch.setattr(cpu, "CHUNK_BYTES", 64)
+    packed, state = quantize((16, 256), quant_type="nf4", blocksize=64, nested=False, dtype=torch.float32, seed=31)
+    absmax = state.absmax.clone()
+    absmax[5:9] *= 1e-38
+    if nan:
+        absmax[7] = float("nan")
+    state.absmax = absmax
+    for dtype in OUT_DTYPES:
+        state.dtype = dtype
+        expected = bnb_reference_cpu(packed, state)
+        got = nf4convert.dequantize_4bit(packed, state, backend="cpu")
+        assert torch.equal(bits(got), bits(expected))
+        if not nan:
+            assert (got.view(-1)[5 * 64 : 9 * 64] == 0).any()  # some products were flushed

@@ -1,0 +1,112 @@
+"""How the CPU route's 4-bit decode scales over cores: the pieces the route makes (1 MiB packed, 4 MiB of bf16
+out), taken by N threads from one weight, as CpuRoute's makers take them; aggregate GB/s of output.
+
+    python3 benchmarks/bench_cpu_scaling.py [--threads 1,4,8,16] [--chunks 4194304,131072] [--packed-mib 512]
+
+Rows: the route's whole make (argument checks, nested absmax decode, kernel) at each kernel chunk size, the
+kernel alone, the route with a fresh scratch buffer per piece (as before the per-thread scratch), and a cast of
+fp32 to the same bf16 bytes (the kernel's last pass alone).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import threading
+import time
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", default=None, help="comma-separated thread counts (default 1, half, all cores)")
+    parser.add_argument("--chunks", default="4194304,131072,32768", help="kernel chunk sizes, packed bytes")
+    parser.add_argument("--packed-mib", type=int, default=512, help="the weight's packed size")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+
+    import torch
+
+    from nf4convert.formats import bnb4
+    from nf4convert.kernels import cpu
+    from nf4convert.stream import CPU_PIECE_BYTES, CpuRoute
+
+    cores = len(os.sched_getaffinity(0))
+    counts = [int(x) for x in args.threads.split(",")] if args.threads else sorted({1, max(1, cores // 2), cores})
+    generator = torch.Generator().manual_seed(0)
+    n_packed = args.packed_mib << 20
+    n = 2 * n_packed
+    blocksize, nested_blocksize = 64, 256
+    packed = torch.randint(0, 256, (n_packed,), dtype=torch.uint8, generator=generator)
+    absmax = torch.randint(0, 256, (n // blocksize,), dtype=torch.uint8, generator=generator)
+    state = bnb4.QuantState4bit(absmax=absmax, shape=torch.Size([n]), dtype=torch.bfloat16, blocksize=blocksize,
+                                quant_type="nf4", offset=torch.tensor(0.03),
+                                state2=bnb4.NestedState(torch.rand(-(-absmax.numel() // nested_blocksize)) + 0.5,
+                                                        torch.linspace(-1, 1, 256), nested_blocksize))  # fmt: skip
+    pieces = list(bnb4.chunks(state, CPU_PIECE_BYTES // 2, torch.bfloat16))
+    route = CpuRoute()
+    code = bnb4.canonical_code("nf4")
+
+    def run(threads: int, work) -> float:
+        turn = iter(range(len(pieces)))
+        lock = threading.Lock()
+
+        def maker():
+            torch.set_num_threads(1)
+            out = torch.empty(CPU_PIECE_BYTES, dtype=torch.uint8)
+            while True:
+                with lock:
+                    index = next(turn, None)
+                if index is None:
+                    return
+                work(index, out)
+
+        workers = [threading.Thread(target=maker) for _ in range(threads)]
+        started = time.perf_counter()
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+        return time.perf_counter() - started
+
+    def route_make(index, out):
+        first, count, piece = pieces[index]
+        route.dequantize_4bit(piece)(packed[first // 2 : first // 2 + (count + 1) // 2], out[: 2 * count])
+
+    def route_fresh(index, out):  # the route as of 0ea45a5: a fresh fp32 scratch for every piece
+        cpu._scratch.values = None
+        route_make(index, out)
+
+    def kernel_only(index, out):
+        first, count, piece = pieces[index]
+        scale_state = piece.state2
+        cpu.dequantize(packed[first // 2 : first // 2 + (count + 1) // 2], piece.absmax, scale_state.code,
+                       scale_state.absmax, piece.offset, code, out[: 2 * count].view(torch.bfloat16),
+                       blocksize, nested_blocksize)  # fmt: skip
+
+    source = torch.empty(CPU_PIECE_BYTES // 2, dtype=torch.float32)
+
+    def copy_only(index, out):  # read 4 bytes, write 2, per element: the kernel's last pass alone
+        out.view(torch.bfloat16).copy_(source)
+
+    results = []
+    print(f"cores={cores} torch={torch.__version__} pieces={len(pieces)} out_gb={2 * n / 1e9:.2f}")
+    for threads in counts:
+        rows = [("copy", None, copy_only), ("route, fresh scratch", 1 << 22, route_fresh)]
+        for chunk in [int(x) for x in args.chunks.split(",")]:
+            rows += [("route", chunk, route_make), ("kernel", chunk, kernel_only)]
+        for name, chunk, work in rows:
+            if chunk is not None:
+                cpu.CHUNK_BYTES = chunk
+            best = min(run(threads, work) for _ in range(args.repeats))
+            row = {"threads": threads, "what": name, "chunk": chunk, "seconds": best, "out_gbps": 2 * n / best / 1e9}
+            results.append(row)
+            print(json.dumps(row), flush=True)
+    print("| threads | what | chunk (packed bytes) | s | GB/s out |")
+    print("|---|---|---|---|---|")
+    for row in results:
+        print(f"| {row['threads']} | {row['what']} | {row['chunk'] or '-'} | {row['seconds']:.3f} | {row['out_gbps']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -8,7 +8,7 @@ each on its own threads, so reading, making and writing overlap:
     make   the output bytes from them: a cast on the CPU, or a dequantization     (the route's makers)
     write  positional writes at the piece's planned offset in its shard           (writer threads)
 
-A *route* says how pieces are made on its device. The CPU route spreads makes over every core (torch
+A *route* says how pieces are made on its device. The CPU route spreads makes over the cores (torch
 and numpy release the GIL; the CPU kernel works on whole blocks, so any piece stands alone). The CUDA
 route keeps one maker thread that only enqueues: host-to-device copies on their own stream, the kernel
 on the current stream, device-to-host copies into pinned buffers on a third stream, ordered by events;
@@ -27,6 +27,9 @@ orders follow from that:
   serialize on its lock, writes to several run side by side;
 - within a shard, plain tensors come first: they need no GPU, so they are written while the CUDA route
   starts (its context, buffers and a warm-up launch of the kernel run on a thread of their own).
+
+Each range written has its writeback started at once (``checkpoint.Writeback``, on a thread of its own), so
+the disk works from the first byte rather than from when the page cache's dirty threshold is reached.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 from . import profile
-from .checkpoint import ShardWriter, TensorInfo, TensorReader
+from .checkpoint import ShardWriter, TensorInfo, TensorReader, Writeback
 from .dtypes import DTYPES
 from .formats import bnb4, bnb8, peft_lora
 from .plan import Copy, Dequantize4bit, Dequantize8bit, MergeLora, Plan, PlannedTensor
@@ -58,6 +61,12 @@ def _knob(name: str, default: int) -> int:
 
 SHARDS_AT_ONCE = _knob("NF4CONVERT_SHARDS_AT_ONCE", 4)  # shards whose pieces are interleaved
 WRITERS = _knob("NF4CONVERT_WRITERS", 4)  # threads writing at once: one per shard written at once
+# Threads making pieces on the CPU route: one per core, at most 8. On the H200 machine's 16 cores 8 made more
+# than 16 (benchmarks/bench_cpu_scaling.py: 4.1-5.1 GB/s of bf16 against 3.6-4.1, three runs; the 8B conversion's
+# pipeline 6.3 s against 6.8, with 515 MB of memory against 682): the decode is bound by memory and the
+# interpreter's lock well before 16 cores, and the readers and writers need cores too.
+MAX_MAKERS = _knob("NF4CONVERT_MAKERS", 8)
+WRITEBACK = os.environ.get("NF4CONVERT_WRITEBACK", "1") != "0"  # start each range's writeback once written
 
 
 @dataclass
@@ -191,8 +200,8 @@ class _Buffers:
 
 
 class CpuRoute:
-    """Pieces made on the CPU, spread over every core; torch runs one thread per maker (the makers are
-    the parallelism; more would oversubscribe the cores)."""
+    """Pieces made on the CPU, spread over the cores (``MAX_MAKERS`` at most); torch runs one thread per maker
+    (the makers are the parallelism; more would oversubscribe the cores)."""
 
     piece_bytes = CPU_PIECE_BYTES
 
@@ -201,7 +210,7 @@ class CpuRoute:
 
         self.device = torch.device("cpu")
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        self.makers = workers or cores
+        self.makers = workers or min(cores, MAX_MAKERS)
         self._buffers = _Buffers(self.piece_bytes, pinned=False)
         self._threads = torch.get_num_threads()
 
@@ -536,24 +545,29 @@ def write_shards(plan: Plan, folder: Path, reader: TensorReader, device, *, prog
         done += 1
         tensor_done(done)
 
-    with route or route_for(device) as route, _Pipeline(route, reader, progress) as pipeline:
-        route.warm(plan, reader)
-        writers: list[ShardWriter] = []
-        try:
-            for start in range(0, len(plan.shards), SHARDS_AT_ONCE):
-                group = plan.shards[start : start + SHARDS_AT_ONCE]
-                opened = []
-                for shard in group:
-                    opened.append(ShardWriter(folder / shard.filename, shard.tensors))
-                    writers.append(opened[-1])
-                streams = [_shard_pieces(writer, shard, reader, route, one_done) for writer, shard in zip(opened, group)]
-                for writer, name, piece in _interleaved(streams):
-                    pipeline.push(writer, name, piece)
-                pipeline.drain()
-                for writer in opened:
-                    writer.close()
-        except BaseException:
-            pipeline.close()  # no write may still be running when its file closes
-            for writer in writers:
-                writer.discard()
-            raise
+    writeback = Writeback() if WRITEBACK else None
+    try:
+        with route or route_for(device) as route, _Pipeline(route, reader, progress) as pipeline:
+            route.warm(plan, reader)
+            writers: list[ShardWriter] = []
+            try:
+                for start in range(0, len(plan.shards), SHARDS_AT_ONCE):
+                    group = plan.shards[start : start + SHARDS_AT_ONCE]
+                    opened = []
+                    for shard in group:
+                        opened.append(ShardWriter(folder / shard.filename, shard.tensors, writeback))
+                        writers.append(opened[-1])
+                    streams = [_shard_pieces(writer, shard, reader, route, one_done) for writer, shard in zip(opened, group)]
+                    for writer, name, piece in _interleaved(streams):
+                        pipeline.push(writer, name, piece)
+                    pipeline.drain()
+                    for writer in opened:
+                        writer.close()
+            except BaseException:
+                pipeline.close()  # no write may still be running when its file closes
+                for writer in writers:
+                    writer.discard()
+                raise
+    finally:
+        if writeback is not None:
+            writeback.close()

@@ -4,7 +4,9 @@ reference libraries give; failures stop every stage; positional shard writes in 
 from __future__ import annotations
 
 import json
+import os
 import random
+import sys
 import threading
 
 import pytest
@@ -212,6 +214,123 @@ def test_a_failing_piece_stops_every_stage(tmp_path, monkeypatch):
     with pytest.raises(MemoryError, match="piece 5"):
         _convert(source, tmp_path / "out", SmallPieces(workers=2))
     assert not [t for t in threading.enumerate() if t.name.startswith("nf4convert-")]
+
+
+def _recording_sync_file_range(monkeypatch, result=0, pause=0.0):
+    """Replace libc's sync_file_range with a recorder: (path, position, length) of each call."""
+    import time
+
+    from nf4convert import checkpoint
+
+    calls = []
+
+    def record(descriptor, position, length, flags):
+        assert flags == checkpoint.Writeback.SYNC_FILE_RANGE_WRITE
+        calls.append((os.path.basename(os.readlink(f"/proc/self/fd/{descriptor}")), position, length))
+        time.sleep(pause)
+        return result
+
+    monkeypatch.setattr(checkpoint, "_sync_file_range", lambda: record)
+    return calls
+
+
+needs_proc = pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc (Linux)")
+
+
+@needs_proc
+def test_writeback_is_asked_for_every_range_written(tmp_path, monkeypatch):
+    from nf4convert import checkpoint
+
+    source, _ = _checkpoint(tmp_path / "src", 10)
+    _recording_sync_file_range(monkeypatch)
+    asked = []
+    original = checkpoint.Writeback.request
+
+    def request(self, descriptor, position, length):
+        asked.append((os.path.basename(os.readlink(f"/proc/self/fd/{descriptor}")), position, length))
+        original(self, descriptor, position, length)
+
+    monkeypatch.setattr(checkpoint.Writeback, "request", request)
+    descriptors = len(os.listdir("/proc/self/fd"))
+    plan = _convert(source, tmp_path / "out", SmallPieces(workers=2), shard_size=60_000)
+    assert len(os.listdir("/proc/self/fd")) == descriptors  # the writeback's own descriptors are closed
+    assert not [t for t in threading.enumerate() if t.name == "nf4convert-writeback"]
+    for shard in plan.shards:
+        ranges = sorted((position, position + length) for name, position, length in asked if name == shard.filename)
+        covered = 0
+        for begin, end in ranges:  # every byte of the file asked for once, the header included
+            assert begin == covered, shard.filename
+            covered = end
+        assert covered == (tmp_path / "out" / shard.filename).stat().st_size
+
+
+def _closed(descriptor):
+    try:
+        os.fstat(descriptor)
+    except OSError:
+        return True
+    return False
+
+
+@needs_proc
+def test_writeback_stops_at_its_first_failure_and_close_drops_the_queue(tmp_path, monkeypatch):
+    import time
+
+    from nf4convert import checkpoint
+
+    path = tmp_path / "f"
+    path.write_bytes(b"x" * 4096)
+    calls = _recording_sync_file_range(monkeypatch, result=-1)
+    with open(path, "rb") as file:
+        writeback = checkpoint.Writeback()
+        own = writeback.open(file.fileno())
+        for position in range(0, 4096, 1024):
+            writeback.request(own, position, 1024)
+        writeback.release(own)
+        deadline = time.monotonic() + 10
+        while not _closed(own) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        writeback.close()
+    assert _closed(own) and len(calls) == 1  # one failure, then no more calls
+
+    calls = _recording_sync_file_range(monkeypatch, pause=0.05)  # a disk that keeps each call waiting
+    with open(path, "rb") as file:
+        writeback = checkpoint.Writeback()
+        own = writeback.open(file.fileno())
+        for position in range(200):
+            writeback.request(own, position, 1)
+        writeback.release(own)
+        started = time.monotonic()
+        writeback.close()
+        assert time.monotonic() - started < 2  # 200 calls would take 10 s: the queue is dropped, not waited for
+        made = len(calls)
+        time.sleep(0.2)
+        assert made == len(calls) < 200 and _closed(own)
+
+
+def test_writeback_off_or_failing_changes_no_byte(tmp_path, monkeypatch):
+    source, _ = _checkpoint(tmp_path / "src", 11)
+    _convert(source, tmp_path / "on", SmallPieces(workers=2), shard_size=60_000)
+    _recording_sync_file_range(monkeypatch, result=-1)
+    _convert(source, tmp_path / "failing", SmallPieces(workers=2), shard_size=60_000)
+    monkeypatch.setattr(stream, "WRITEBACK", False)
+    calls = _recording_sync_file_range(monkeypatch)
+    _convert(source, tmp_path / "off", SmallPieces(workers=2), shard_size=60_000)
+    assert not calls
+    assert _files(tmp_path / "on") == _files(tmp_path / "failing") == _files(tmp_path / "off")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux's call")
+def test_sync_file_range_is_found_and_queues_a_range(tmp_path):
+    from nf4convert import checkpoint
+
+    call = checkpoint._sync_file_range()
+    assert call is not None
+    path = tmp_path / "f"
+    path.write_bytes(b"x" * 10_000)
+    with open(path, "rb+") as file:
+        assert call(file.fileno(), 0, 10_000, checkpoint.Writeback.SYNC_FILE_RANGE_WRITE) == 0
+        assert call(-1, 0, 1, checkpoint.Writeback.SYNC_FILE_RANGE_WRITE) == -1  # a bad descriptor fails, no raise
 
 
 def test_positional_writes_in_any_order(tmp_path):

@@ -4,8 +4,7 @@ out), taken by N threads from one weight, as CpuRoute's makers take them; aggreg
     python3 benchmarks/bench_cpu_scaling.py [--threads 1,4,8,16] [--chunks 4194304,131072] [--packed-mib 512]
 
 Rows: the route's whole make (argument checks, nested absmax decode, kernel) at each kernel chunk size, the
-kernel alone, the route with a fresh scratch buffer per piece (as before the per-thread scratch), and a cast of
-fp32 to the same bf16 bytes (the kernel's last pass alone).
+kernel alone, and a cast of fp32 to the same bf16 bytes (the kernel's last pass alone).
 """
 
 from __future__ import annotations
@@ -73,10 +72,6 @@ def main() -> None:
         first, count, piece = pieces[index]
         route.dequantize_4bit(piece)(packed[first // 2 : first // 2 + (count + 1) // 2], out[: 2 * count])
 
-    def route_fresh(index, out):  # the route as of 0ea45a5: a fresh fp32 scratch for every piece
-        cpu._scratch.values = None
-        route_make(index, out)
-
     def kernel_only(index, out):
         first, count, piece = pieces[index]
         scale_state = piece.state2
@@ -92,7 +87,7 @@ def main() -> None:
     results = []
     print(f"cores={cores} torch={torch.__version__} pieces={len(pieces)} out_gb={2 * n / 1e9:.2f}")
     for threads in counts:
-        rows = [("copy", None, copy_only), ("route, fresh scratch", 1 << 22, route_fresh)]
+        rows = [("copy", None, copy_only)]
         for chunk in [int(x) for x in args.chunks.split(",")]:
             rows += [("route", chunk, route_make), ("kernel", chunk, kernel_only)]
         for name, chunk, work in rows:

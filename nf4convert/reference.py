@@ -260,7 +260,7 @@ def _dequantize_cpu(raw: torch.Tensor, quant_state: Any, dtype: torch.dtype) -> 
         values[2 * count_bytes :] = 0.0  # the rest of a partial last block: computed, never written out
         blocks = values.view(last_block - first_block, blocksize)
         scale = _block_scales(quant_state, first_block, last_block, operands)
-        if scale.abs().min() < no_flush_scale:
+        if (scale.abs() < no_flush_scale).any():  # not min(): a NaN scale would hide a tiny one
             _multiply_ftz(blocks, scale[:, None])
         else:
             blocks.mul_(scale[:, None])

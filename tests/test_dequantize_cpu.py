@@ -270,21 +270,27 @@ def test_cpu_path_chunks_bit_exact(chunk_bytes, monkeypatch):
 
 @pytest.mark.parametrize("nan", [False, True])
 def test_cpu_path_tiny_scales_in_some_chunks(nan, monkeypatch):
-    # Scales near 1e-38 in a few blocks only (and a NaN scale beside them): every chunk must still flush
-    # products like CUDA, whichever chunk the tiny scales fall in.
+    # Scales near 1e-38 in some blocks only (and NaN scales beside them, in the same chunks): every chunk must
+    # still flush its subnormal products like CUDA, whichever chunk the tiny scales fall in.
+    import bitsandbytes.functional as F
+
     from nf4convert.kernels import cpu
 
-    monkeypatch.setattr(cpu, "CHUNK_BYTES", 64)
-    packed, state = quantize((16, 256), quant_type="nf4", blocksize=64, nested=False, dtype=torch.float32, seed=31)
+    monkeypatch.setattr(cpu, "CHUNK_BYTES", 64)  # two blocks of 64 per chunk
+    packed, state = quantize((24, 200), quant_type="nf4", blocksize=64, nested=False, dtype=torch.float32, seed=8128)
+    n_blocks = state.absmax.numel()
     absmax = state.absmax.clone()
-    absmax[5:9] *= 1e-38
+    absmax[8:40] *= torch.logspace(-40, -30, 32)
     if nan:
-        absmax[7] = float("nan")
+        absmax[9:40:4] = float("nan")  # the odd block of every other chunk of tiny ones
     state.absmax = absmax
+    code = F.get_4bit_type("nf4", device="cpu").double()
+    exact = code[nibbles(packed, 24 * 200)] * absmax.double().repeat_interleave(64)[: 24 * 200]
+    subnormal = (exact != 0) & (exact.abs() < FLT_MIN / 2)
+    assert subnormal.sum() > 100 and n_blocks > 40
     for dtype in OUT_DTYPES:
         state.dtype = dtype
         expected = bnb_reference_cpu(packed, state)
+        assert (expected.view(-1)[subnormal] == 0).all()
         got = nf4convert.dequantize_4bit(packed, state, backend="cpu")
         assert torch.equal(bits(got), bits(expected))
-        if not nan:
-            assert (got.view(-1)[5 * 64 : 9 * 64] == 0).any()  # some products were flushed

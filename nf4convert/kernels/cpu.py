@@ -12,21 +12,18 @@ so the products are flushed the same way here: :func:`ftz_multiply`. Each torch 
 blocksize >= 2048 on AVX512 machines, and for an odd last dimension, it falls back to a pure-torch path
 that decodes FP4 nibble 8 as +0.0 where its CUDA kernel (the truth) gives -0.0.
 
-Work goes in chunks of whole quant blocks through one fp32 scratch buffer per thread, kept between calls (at
-most 32 MiB; with 16 threads a fresh one per piece was as fast in one run and 13% slower in another), so the
-scratch is bounded by the chunk, not the weight.
-The chunk is large: each chunk releases and retakes the interpreter's lock a few times, and with every core
+Work goes in chunks of whole quant blocks, so the fp32 scratch is bounded by the chunk, not the weight.
+The chunk is large: each chunk releases and retakes the interpreter's lock a few times, and with many cores
 decoding, chunks small enough for a core's L2 cache were slower, not faster (benchmarks/bench_cpu_scaling.py
-on the H200 machine's 16 cores: 3.6-4.1 GB/s of bf16 at 4 MiB chunks, 1.4-2.3 at 128 KiB).
+on the H200 machine's 16 cores: 3.6-4.1 GB/s of bf16 at 4 MiB chunks, 1.4-2.3 at 128 KiB). A scratch kept
+per thread instead of a fresh one per chunk made no clear difference there (three runs), so there is none.
 """
 
 from __future__ import annotations
 
-import threading
-
 import torch
 
-CHUNK_BYTES = 1 << 22  # packed bytes per chunk: up to 32 MiB of fp32 scratch per thread
+CHUNK_BYTES = 1 << 22  # packed bytes per chunk: 32 MiB of fp32 scratch
 FLT_MIN = 1.1754943508222875e-38  # smallest normal fp32
 LIFT = 2.0**24  # x * 2^24 is normal wherever round24(x) could be, so fp32 rounds it with the unbounded exponent
 # |code| >= 0.0052 for every non-zero entry (NF4 0.0796, FP4 1/192 and up): a product can only be
@@ -34,17 +31,6 @@ LIFT = 2.0**24  # x * 2^24 is normal wherever round24(x) could be, so fp32 round
 TINY_SCALE = FLT_MIN / 0.005
 
 _quad_tables: dict = {}
-_scratch = threading.local()
-
-
-def _scratch_values(count: int):
-    """This thread's fp32 numpy scratch, ``count`` elements of it (kept: the next chunk reuses it warm)."""
-    import numpy as np
-
-    values = getattr(_scratch, "values", None)
-    if values is None or values.size < count:
-        values = _scratch.values = np.empty(count, dtype=np.float32)
-    return values[:count]
 
 
 def _quad_table(code: torch.Tensor):
@@ -71,7 +57,7 @@ def _decode_nibbles(table, packed: torch.Tensor) -> torch.Tensor:
 
     raw = packed.numpy()
     even = raw.size // 2 * 2
-    values = _scratch_values(2 * raw.size)
+    values = np.empty(2 * raw.size, dtype=np.float32)
     # mode="clip": every uint16 is a valid index, and "raise" would buffer the output (a copy)
     np.take(table, raw[:even].view(np.uint16), axis=0, out=values[: 2 * even].reshape(-1, 4), mode="clip")
     if even < raw.size:  # an odd byte count: the last byte alone, paired with a zero byte
@@ -112,7 +98,6 @@ def dequantize(packed, absmax, code2, absmax2, offset, code, out, blocksize, nes
     half_block = blocksize // 2
     chunk = max(half_block, CHUNK_BYTES // half_block * half_block)
     n_bytes = packed.numel()
-    tiny = bool((scale.abs() < TINY_SCALE).any())  # once per call; NaN-safe, unlike a min (a NaN hid tiny scales)
     for first_byte in range(0, n_bytes, chunk):
         last_byte = min(first_byte + chunk, n_bytes)
         values = _decode_nibbles(table, packed[first_byte:last_byte])  # [2 * bytes] fp32
@@ -125,7 +110,7 @@ def dequantize(packed, absmax, code2, absmax2, offset, code, out, blocksize, nes
             full = full_blocks * blocksize
             block_values = values[:full].view(full_blocks, blocksize)
             block_scale = scale[first_block : first_block + full_blocks]
-            if tiny:
+            if (block_scale.abs() < TINY_SCALE).any():  # not min(): a NaN scale would hide a tiny one
                 ftz_multiply(block_values, block_scale[:, None])
             else:
                 block_values *= block_scale[:, None]

@@ -389,19 +389,27 @@ class Writeback:
         """A descriptor of the same file for this thread to use (closed by :meth:`release`), or None when off."""
         if self._call is None:
             return None
+        try:
+            own = os.dup(descriptor)
+        except OSError:  # out of descriptors: no writeback for this file
+            return None
         if self._thread is None:
             self._stop.clear()
             self._thread = threading.Thread(target=self._run, name="nf4convert-writeback", daemon=True)
             self._thread.start()
-        return os.dup(descriptor)
+        return own
 
     def request(self, descriptor: int | None, position: int, length: int) -> None:
         if descriptor is not None:
             self._requests.put((descriptor, position, length))
 
     def release(self, descriptor: int | None) -> None:
-        """Close ``descriptor`` once the requests before it have run."""
-        if descriptor is not None:
+        """Close ``descriptor`` once the requests before it have run (at once when stopped)."""
+        if descriptor is None:
+            return
+        if self._thread is None:
+            os.close(descriptor)
+        else:
             self._requests.put((descriptor, None, None))
 
     def close(self) -> None:

@@ -12,6 +12,7 @@ mkdir -p "$out"
 cd "$root"
 { date -u; nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader; nproc; free -g | head -2; df -h /tmp "$root" | tail -2
   lscpu | grep -E "Model name|avx512fp16" | cut -c1-120
+  echo "vm.dirty_background_ratio=$(cat /proc/sys/vm/dirty_background_ratio) vm.dirty_ratio=$(cat /proc/sys/vm/dirty_ratio)"
   python3 -c "import torch, triton, transformers, bitsandbytes, peft; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'bnb', bitsandbytes.__version__, 'peft', peft.__version__)"; } 2>&1 | tee "$out/env.log"
 if [[ $stages == *tests* ]]; then
   timeout ${TESTS_TIMEOUT:-400} python3 -m pytest ${TEST_FILES:-tests/test_gpu.py tests/test_reference.py tests/test_stream.py tests/test_compile.py \

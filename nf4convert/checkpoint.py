@@ -375,7 +375,8 @@ class Writeback:
     while the run does. ``sync_file_range(SYNC_FILE_RANGE_WRITE)`` queues a range's writeback and returns (it keeps
     the pages cached; ``posix_fadvise(DONTNEED)`` would start it too but drop them, and a ``--verify`` reads them
     back); it can still wait for the device's queue, so it runs on a thread of its own and no writer waits on the
-    disk. Advisory only: where the call is missing (not Linux) or fails, nothing happens, and no error is raised."""
+    disk. Advisory only: where the call is missing (not Linux) or fails, nothing happens, and no error is raised.
+    One run owns one, from one thread (``stream.write_shards``); once closed it starts nothing more."""
 
     SYNC_FILE_RANGE_WRITE = 2
 
@@ -387,16 +388,21 @@ class Writeback:
 
     def open(self, descriptor: int) -> int | None:
         """A descriptor of the same file for this thread to use (closed by :meth:`release`), or None when off."""
-        if self._call is None:
+        if self._call is None or self._stop.is_set():
             return None
         try:
             own = os.dup(descriptor)
         except OSError:  # out of descriptors: no writeback for this file
             return None
         if self._thread is None:
-            self._stop.clear()
-            self._thread = threading.Thread(target=self._run, name="nf4convert-writeback", daemon=True)
-            self._thread.start()
+            try:
+                thread = threading.Thread(target=self._run, name="nf4convert-writeback", daemon=True)
+                thread.start()
+            except RuntimeError:  # no thread to be had: no writeback at all
+                os.close(own)
+                self._call = None
+                return None
+            self._thread = thread
         return own
 
     def request(self, descriptor: int | None, position: int, length: int) -> None:
@@ -415,9 +421,9 @@ class Writeback:
     def close(self) -> None:
         """Stop without waiting on the disk: the call running ends, the requests still queued are dropped (their
         ranges are written back as the kernel would anyway; a ``sync`` waits for them). Waiting for every request
-        instead made a run's exit wait for the disk (the 8B benchmark: its last write at 6.3 s, its exit at 11.0)."""
+        instead made a run's exit wait for the disk (the 8B benchmark: its pipeline done by ~6.3 s, its exit at 11.0)."""
+        self._stop.set()
         if self._thread is not None:
-            self._stop.set()
             self._requests.put(None)
             self._thread.join()
             self._thread = None
@@ -426,10 +432,13 @@ class Writeback:
         working = True
         while (request := self._requests.get()) is not None:
             descriptor, position, length = request
-            if position is None:
-                os.close(descriptor)
-            elif working and not self._stop.is_set():
-                working = self._call(descriptor, position, length, self.SYNC_FILE_RANGE_WRITE) == 0
+            try:
+                if position is None:
+                    os.close(descriptor)
+                elif working and not self._stop.is_set():
+                    working = self._call(descriptor, position, length, self.SYNC_FILE_RANGE_WRITE) == 0
+            except OSError:  # a close that fails: the descriptor is gone all the same; go on
+                pass
 
 
 def _sync_file_range():
@@ -458,9 +467,6 @@ class ShardWriter:
         self.path = path
         self.tensors = tensors
         header = shard_header(tensors)
-        self._descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
-        self._writeback = writeback
-        self._flush_descriptor = writeback.open(self._descriptor) if writeback is not None else None
         self._begin: dict[str, int] = {}
         position = len(header)
         for tensor in tensors:
@@ -470,7 +476,15 @@ class ShardWriter:
         self._written = dict.fromkeys(self._begin, 0)
         self._lock = threading.Lock()
         self._next = 0  # the tensor appended to next (header order)
-        self._pwrite(header, 0)
+        self._writeback = writeback
+        self._flush_descriptor = None
+        self._descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+        try:
+            self._flush_descriptor = writeback.open(self._descriptor) if writeback is not None else None
+            self._pwrite(header, 0)
+        except BaseException:  # not yet the caller's to discard
+            self.discard()
+            raise
 
     def _pwrite(self, view, position: int) -> None:
         view = memoryview(view)
@@ -506,12 +520,14 @@ class ShardWriter:
                 self._next += 1
 
     def discard(self) -> None:
-        """Close the file, written or not (the run failed; its folder goes)."""
-        if self._descriptor is not None:
-            os.close(self._descriptor)
-            self._descriptor = None
-            if self._writeback is not None:
-                self._writeback.release(self._flush_descriptor)
+        """Close the file, written or not (the run failed; its folder goes). Once only, even if closing fails."""
+        descriptor, self._descriptor = self._descriptor, None
+        if descriptor is not None:
+            try:
+                os.close(descriptor)
+            finally:
+                if self._writeback is not None:
+                    self._writeback.release(self._flush_descriptor)
 
     def close(self) -> None:
         # No fsync: the folder only gets its final name once every shard is closed, so an

@@ -62,11 +62,12 @@ def _knob(name: str, default: int) -> int:
 SHARDS_AT_ONCE = _knob("NF4CONVERT_SHARDS_AT_ONCE", 4)  # shards whose pieces are interleaved
 WRITERS = _knob("NF4CONVERT_WRITERS", 4)  # threads writing at once: one per shard written at once
 # Threads making pieces on the CPU route: one per core, at most 8. On the H200 machine's 16 cores 8 made more
-# than 16 (benchmarks/bench_cpu_scaling.py: 4.1-5.1 GB/s of bf16 against 3.6-4.1, three runs; the 8B conversion's
-# pipeline 6.3 s against 6.8, with 515 MB of memory against 682): the decode is bound by memory and the
-# interpreter's lock well before 16 cores, and the readers and writers need cores too.
+# than 16 (benchmarks/bench_cpu_scaling.py: 4.2-5.1 GB/s of bf16 against 3.8-4.1, the two runs of this code; the
+# 8B conversion's pipeline 6.0 s against 6.4, with 517 MB of memory against 678): the decode is bound by memory
+# and the interpreter's lock well before 16 cores, and the readers and writers need cores too.
 MAX_MAKERS = _knob("NF4CONVERT_MAKERS", 8)
-WRITEBACK = os.environ.get("NF4CONVERT_WRITEBACK", "1") != "0"  # start each range's writeback once written
+# Start each range's writeback once written (checkpoint.Writeback); NF4CONVERT_WRITEBACK=0 (or off/false/no) not.
+WRITEBACK = os.environ.get("NF4CONVERT_WRITEBACK", "1").strip().lower() not in ("0", "off", "false", "no")
 
 
 @dataclass

@@ -251,9 +251,8 @@ def test_products_just_below_flt_min_flush_like_cuda(backend, case):
 
 @pytest.mark.parametrize("chunk_bytes", [16, 48, 100, 4096])
 def test_cpu_path_chunks_bit_exact(chunk_bytes, monkeypatch):
-    # The CPU path decodes in chunks through a per-thread scratch: a fast loop over whole chunks, then the rest
-    # (a partial last block, an odd byte, tiny scales) one chunk at a time. Small chunks put many boundaries
-    # inside each weight, between blocks of every size.
+    # The CPU path decodes in chunks of whole blocks (a partial last block, an odd byte and tiny scales in
+    # some of them). Small chunks put many boundaries inside each weight, between blocks of every size.
     from nf4convert.kernels import cpu
 
     monkeypatch.setattr(cpu, "CHUNK_BYTES", chunk_bytes)

@@ -211,9 +211,15 @@ def test_a_failing_piece_stops_every_stage(tmp_path, monkeypatch):
         return make_or_fail
 
     monkeypatch.setattr(SmallPieces, "dequantize_4bit", failing)
+    descriptors = len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else None
     with pytest.raises(MemoryError, match="piece 5"):
         _convert(source, tmp_path / "out", SmallPieces(workers=2))
     assert not [t for t in threading.enumerate() if t.name.startswith("nf4convert-")]
+    if descriptors is not None:  # every shard's file and the writeback's own descriptors closed
+        assert len(os.listdir("/proc/self/fd")) == descriptors
+
+
+needs_proc = pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc (Linux)")
 
 
 def _recording_sync_file_range(monkeypatch, result=0, pause=0.0):
@@ -224,9 +230,8 @@ def _recording_sync_file_range(monkeypatch, result=0, pause=0.0):
 
     calls = []
 
-    def record(descriptor, position, length, flags):
-        assert flags == checkpoint.Writeback.SYNC_FILE_RANGE_WRITE
-        calls.append((os.path.basename(os.readlink(f"/proc/self/fd/{descriptor}")), position, length))
+    def record(descriptor, position, length, flags):  # on the writeback's thread: asserts go in the test
+        calls.append((os.path.basename(os.readlink(f"/proc/self/fd/{descriptor}")), position, length, flags))
         time.sleep(pause)
         return result
 
@@ -234,15 +239,12 @@ def _recording_sync_file_range(monkeypatch, result=0, pause=0.0):
     return calls
 
 
-needs_proc = pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc (Linux)")
-
-
 @needs_proc
 def test_writeback_is_asked_for_every_range_written(tmp_path, monkeypatch):
     from nf4convert import checkpoint
 
     source, _ = _checkpoint(tmp_path / "src", 10)
-    _recording_sync_file_range(monkeypatch)
+    calls = _recording_sync_file_range(monkeypatch)
     asked = []
     original = checkpoint.Writeback.request
 
@@ -255,6 +257,8 @@ def test_writeback_is_asked_for_every_range_written(tmp_path, monkeypatch):
     plan = _convert(source, tmp_path / "out", SmallPieces(workers=2), shard_size=60_000)
     assert len(os.listdir("/proc/self/fd")) == descriptors  # the writeback's own descriptors are closed
     assert not [t for t in threading.enumerate() if t.name == "nf4convert-writeback"]
+    assert calls and all(flags == checkpoint.Writeback.SYNC_FILE_RANGE_WRITE for *_, flags in calls)
+    assert {call[:3] for call in calls} <= set(asked)  # the calls made are ranges asked for
     for shard in plan.shards:
         ranges = sorted((position, position + length) for name, position, length in asked if name == shard.filename)
         covered = 0
@@ -300,14 +304,19 @@ def test_writeback_stops_at_its_first_failure_and_close_drops_the_queue(tmp_path
         for position in range(200):
             writeback.request(own, position, 1)
         writeback.release(own)
+        deadline = time.monotonic() + 10
+        while not calls and time.monotonic() < deadline:  # the thread is at work
+            time.sleep(0.001)
         started = time.monotonic()
         writeback.close()
         assert time.monotonic() - started < 2  # 200 calls would take 10 s: the queue is dropped, not waited for
         made = len(calls)
         time.sleep(0.2)
-        assert made == len(calls) < 200 and _closed(own)
+        assert 1 <= made == len(calls) < 200 and _closed(own)
+        assert writeback.open(file.fileno()) is None  # closed: it starts nothing more
 
 
+@needs_proc
 def test_writeback_off_or_failing_changes_no_byte(tmp_path, monkeypatch):
     source, _ = _checkpoint(tmp_path / "src", 11)
     _convert(source, tmp_path / "on", SmallPieces(workers=2), shard_size=60_000)
@@ -331,6 +340,26 @@ def test_sync_file_range_is_found_and_queues_a_range(tmp_path):
     with open(path, "rb+") as file:
         assert call(file.fileno(), 0, 10_000, checkpoint.Writeback.SYNC_FILE_RANGE_WRITE) == 0
         assert call(-1, 0, 1, checkpoint.Writeback.SYNC_FILE_RANGE_WRITE) == -1  # a bad descriptor fails, no raise
+
+
+@needs_proc
+def test_a_shard_writer_that_fails_to_start_closes_what_it_opened(tmp_path, monkeypatch):
+    from nf4convert import checkpoint
+
+    source, _ = _checkpoint(tmp_path / "src", 12)
+    tensors = make_plan(source, dtype="bf16").shards[0].tensors
+    _recording_sync_file_range(monkeypatch)
+    writeback = checkpoint.Writeback()
+    descriptors = len(os.listdir("/proc/self/fd"))
+
+    def full_disk(self, view, position):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ShardWriter, "_pwrite", full_disk)
+    with pytest.raises(OSError, match="No space"):
+        ShardWriter(tmp_path / "x.safetensors", tensors, writeback)
+    writeback.close()
+    assert len(os.listdir("/proc/self/fd")) == descriptors  # the file's and the writeback's descriptors
 
 
 def test_positional_writes_in_any_order(tmp_path):

@@ -15,8 +15,8 @@ that decodes FP4 nibble 8 as +0.0 where its CUDA kernel (the truth) gives -0.0.
 Work goes in chunks of whole quant blocks, so the fp32 scratch is bounded by the chunk, not the weight.
 The chunk is large: each chunk releases and retakes the interpreter's lock a few times, and with many cores
 decoding, chunks small enough for a core's L2 cache were slower, not faster (benchmarks/bench_cpu_scaling.py
-on the H200 machine's 16 cores: 3.6-4.1 GB/s of bf16 at 4 MiB chunks, 1.4-2.3 at 128 KiB). A scratch kept
-per thread instead of a fresh one per chunk made no clear difference there (three runs), so there is none.
+on the H200 machine's 16 cores: 3.8-4.1 GB/s of bf16 at 4 MiB chunks, 1.4 at 128 KiB). A scratch kept per
+thread instead of a fresh one per chunk made no clear difference there (three runs), so there is none.
 """
 
 from __future__ import annotations

@@ -404,3 +404,15 @@ def test_cuda_route_writes_the_cpu_route_bytes(tmp_path, piece_bytes):
         stream.write_shards(plan, tmp_path / "cuda", reader, torch.device("cuda"), progress=lambda n: None,
                             route=Route(torch.device("cuda")))  # fmt: skip
     assert _files(tmp_path / "cuda") == _files(tmp_path / "cpu")
+
+
+@pytest.mark.parametrize("env,writeback,makers", [({}, True, 8), ({"NF4CONVERT_WRITEBACK": "Off", "NF4CONVERT_MAKERS": "3"}, False, 3),
+                                                  ({"NF4CONVERT_WRITEBACK": "0", "NF4CONVERT_MAKERS": "x"}, False, 8),
+                                                  ({"NF4CONVERT_WRITEBACK": "1", "NF4CONVERT_MAKERS": "0"}, True, 8)])  # fmt: skip
+def test_environment_knobs(env, writeback, makers):
+    import subprocess
+
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("NF4CONVERT_")}
+    code = "from nf4convert import stream; print(stream.WRITEBACK, stream.MAX_MAKERS)"
+    result = subprocess.run([sys.executable, "-c", code], env={**clean, **env}, capture_output=True, text=True, check=True)
+    assert result.stdout.split() == [str(writeback), str(makers)]

@@ -56,15 +56,18 @@ GRID = {f"t{tile // 1024 or 0.5}k.w{warps}{'.cs' if cs else ''}": dict(tile_byte
 # --variants evgrid: the same with evict_first hints (what the default table uses above 2 MiB packed).
 EV_GRID = {f"t{tile // 1024}k.w{warps}.ev": dict(tile_bytes=tile, num_warps=warps, evict=True)
            for tile in (1024, 2048, 4096, 8192) for warps in (2, 4, 8)}  # fmt: skip
+# --variants persistent: fixed grids of 2-16 programs per SM looping over tiles, with the hints.
+PERSISTENT = {f"pers{per_sm}.t{tile // 1024}k.w4.ev": dict(tile_bytes=tile, num_warps=4, evict=True, programs_per_sm=per_sm)
+              for per_sm in (2, 4, 8, 16) for tile in (2048, 4096)}  # fmt: skip
 HARNESS = [(2, 3333, 2048, 8192, torch.float16), (5, 777, 1024, 4096, torch.bfloat16), (3, 2048, 4096, 14336, torch.bfloat16)]
 
 
 def variant_set(text):
     """--variants: a named set, or variant names from every set, comma-separated."""
-    sets = {"default": VARIANTS, "grid": GRID, "evgrid": EV_GRID, "none": {}}
+    sets = {"default": VARIANTS, "grid": GRID, "evgrid": EV_GRID, "persistent": PERSISTENT, "none": {}}
     if text in sets:
         return sets[text]
-    known = {**VARIANTS, **GRID, **EV_GRID}
+    known = {**VARIANTS, **GRID, **EV_GRID, **PERSISTENT}
     unknown = [name for name in text.split(",") if name not in known]
     if unknown:
         raise argparse.ArgumentTypeError(f"unknown variant {unknown[0]!r}: one of {', '.join(sets)} or names such as "
@@ -303,7 +306,7 @@ def main():
                         help="do_bench per call (L2 flushed), or calls captured in a CUDA graph over cold copies")
     parser.add_argument("--variants", default="default", type=variant_set,
                         help="the launch variants measured beside ours: a few (default), every tile x warps (grid; "
-                        "evgrid: with evict_first hints), none, or names from those, comma-separated (t4k.w8.ev,t2k.w8)")  # fmt: skip
+                        "evgrid: with evict_first hints; persistent: fixed grids), none, or names from those, comma-separated (t4k.w8.ev,t2k.w8)")  # fmt: skip
     options = parser.parse_args()
 
     env = {

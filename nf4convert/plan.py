@@ -2,7 +2,9 @@
 
 A plan is plain data. Each output tensor has a *recipe*: the source tensors it reads and the
 operation that makes it (:class:`Copy` a tensor, cast to the output dtype where it is floating;
-:class:`Dequantize4bit` a bitsandbytes 4-bit weight; :class:`Dequantize8bit` an LLM.int8 weight).
+:class:`Dequantize4bit` a bitsandbytes 4-bit weight; :class:`Dequantize8bit` an LLM.int8 weight;
+:class:`Transpose` such a weight of a Conv1D layer, which transformers quantized transposed; :class:`MergeLora`
+a LoRA adapter's change merged into another recipe's tensor).
 ``stream`` executes recipes, ``verification`` recomputes them with the reference libraries. The only
 tensor data read while planning are the quant states' tiny JSON, code tables and 8-bit format flags,
 so a plan for a 70B checkpoint takes a moment, and it knows the exact output size before anything is
@@ -21,7 +23,7 @@ from pathlib import Path
 from .checkpoint import TensorInfo, TensorReader, inside, read_tensors, strict_json
 from .dtypes import DTYPES, OUTPUT_DTYPES, DType, output_dtype
 from .errors import ArgumentError, CheckpointError
-from .formats import bnb4, bnb8, peft_lora
+from .formats import bnb4, bnb8, conv1d, peft_lora
 
 # Files a converted checkpoint must not carry over: the old weights, their indexes, caches, VCS data, and a peft
 # adapter's own files (an adapter beside the weights is not part of the dense model).
@@ -69,11 +71,24 @@ class Dequantize8bit:
 
 
 @dataclass(frozen=True)
+class Transpose:
+    """A quantized weight of a transformers ``Conv1D`` layer (GPT-2 and its kin): transformers quantized it
+    transposed, (out, in), and the dense model holds it (in, out) (``formats/conv1d.py``)."""
+
+    label: ClassVar[str] = "dequantized and transposed (Conv1D)"
+    base: "Dequantize4bit | Dequantize8bit"
+
+    @property
+    def sources(self) -> tuple:
+        return self.base.sources
+
+
+@dataclass(frozen=True)
 class MergeLora:
     """Another recipe's tensor with a peft LoRA adapter's change merged in, bit for bit as peft merges it."""
 
     label: ClassVar[str] = "merged with the adapter"
-    base: "Copy | Dequantize4bit | Dequantize8bit"
+    base: "Copy | Dequantize4bit | Dequantize8bit | Transpose"
     target: peft_lora.LoraTarget
     adapter: peft_lora.Adapter = field(compare=False, repr=False)  # the whole adapter (verify rebuilds its module)
 
@@ -82,8 +97,15 @@ class MergeLora:
         return (*self.base.sources, *self.target.tensors.values())
 
 
-Recipe = Copy | Dequantize4bit | Dequantize8bit | MergeLora
+Recipe = Copy | Dequantize4bit | Dequantize8bit | Transpose | MergeLora
 QUANTIZED = (Dequantize4bit, Dequantize8bit)
+
+
+def innermost(recipe: Recipe) -> "Copy | Dequantize4bit | Dequantize8bit":
+    """What a recipe starts from: a copied or dequantized tensor, under any transpose or merge."""
+    while isinstance(recipe, (Transpose, MergeLora)):
+        recipe = recipe.base
+    return recipe
 
 
 @dataclass(frozen=True)
@@ -141,7 +163,7 @@ class Plan:
         """The bitsandbytes formats the weights came in, as the model card names them."""
         formats = set()
         for tensor in self.tensors:
-            recipe = tensor.recipe.base if isinstance(tensor.recipe, MergeLora) else tensor.recipe
+            recipe = innermost(tensor.recipe)
             if isinstance(recipe, Dequantize4bit):
                 formats.add(f"bnb-4bit {recipe.weight.quant_type}")
             elif isinstance(recipe, Dequantize8bit):
@@ -218,10 +240,13 @@ def side_files(folder: Path) -> list[Path]:
     return kept
 
 
-def _recipes(folder: Path, tensors: dict[str, TensorInfo], reader: TensorReader) -> list[Recipe]:
+def _recipes(folder: Path, tensors: dict[str, TensorInfo], reader: TensorReader, config: dict | None) -> list[Recipe]:
     """One recipe per output tensor, in the order of the source files (so reads stay sequential)."""
     quantized = {weight.packed.name: Dequantize4bit(weight) for weight in bnb4.find_weights(tensors, reader)}
     quantized.update({weight.weight.name: Dequantize8bit(weight) for weight in bnb8.find_weights(tensors, reader)})
+    for name, recipe in quantized.items():
+        if conv1d.is_conv1d_weight(recipe.weight.name, config):
+            quantized[name] = Transpose(recipe)
     if not quantized:
         raise CheckpointError(f"{folder}: no bitsandbytes weights (no '*.quant_state.bitsandbytes__nf4/fp4' "
                               "or 8-bit '*.SCB' tensors): nothing to convert")  # fmt: skip
@@ -238,7 +263,7 @@ def _recipes(folder: Path, tensors: dict[str, TensorInfo], reader: TensorReader)
 def _auto_dtype(recipes: list[Recipe], config: dict | None) -> DType:
     """``--dtype auto``: the dtype most 4-bit weights were quantized from (their quant state says), else the
     config's (8-bit checkpoints), else that of most plain floating tensors."""
-    quantized_from = [r.weight.meta["dtype"] for r in recipes if isinstance(r, Dequantize4bit)]
+    quantized_from = [innermost(r).weight.meta["dtype"] for r in recipes if isinstance(innermost(r), Dequantize4bit)]
     if quantized_from:
         return OUTPUT_DTYPES[Counter(quantized_from).most_common(1)[0][0]]
     for key in ("dtype", "torch_dtype"):
@@ -254,10 +279,18 @@ def _tied(config: dict) -> bool:
     return bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", True)))
 
 
+def _vocab_size(config: dict):
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    return config.get("vocab_size", text.get("vocab_size"))
+
+
 def _output(recipe: Recipe, dtype: DType) -> tuple[str, str, tuple]:
     """(name, safetensors dtype, shape) of the tensor a recipe makes."""
     if isinstance(recipe, MergeLora):
         return _output(recipe.base, dtype)
+    if isinstance(recipe, Transpose):
+        name, code, shape = _output(recipe.base, dtype)
+        return name, code, tuple(reversed(shape))
     if isinstance(recipe, QUANTIZED):
         return recipe.weight.name, dtype.code, recipe.weight.shape
     source = recipe.source
@@ -271,11 +304,23 @@ def _merge_adapter(recipes: list[Recipe], adapter_folder: Path, dtype: DType,
     adapter = peft_lora.load_adapter(adapter_folder)
     shapes = {name: shape for name, _, shape in (_output(recipe, dtype) for recipe in recipes)}
     config = config if isinstance(config, dict) else {}
-    peft_lora.validate(adapter, shapes, model_type=config.get("model_type"))
+    peft_lora.validate(adapter, shapes, config=config)
     if _tied(config) and any(name.endswith("lm_head.weight") for name in adapter.targets):
         # peft unties the head to merge it; transformers would tie it again on load and drop the change
         raise CheckpointError(f"{adapter.path}: changes lm_head, which the base ties to its input embeddings "
                               "(tie_word_embeddings): not mergeable into a checkpoint that stays tied")  # fmt: skip
+    if _tied(config):
+        # modules_to_save replacing the input embeddings: peft swaps in the saved copy, the head keeps the old one,
+        # and merge_and_unload unties them; a checkpoint that stays tied would give the head the new one
+        vocab = _vocab_size(config)
+        for name, target in adapter.targets.items():
+            shape = shapes.get(name, ())
+            if target.kind != "replace" or len(shape) != 2:
+                continue
+            if shape[0] == vocab if vocab else name.endswith(("embed_tokens.weight", "wte.weight", "word_embeddings.weight")):
+                raise CheckpointError(f"{adapter.path}: modules_to_save replaces '{name}', the input embeddings, which the "
+                                      "base ties to lm_head (tie_word_embeddings): peft unties them on merge and keeps "
+                                      "the old head; not mergeable into a checkpoint that stays tied")  # fmt: skip
     merged = []
     for recipe in recipes:
         name = _output(recipe, dtype)[0]
@@ -301,11 +346,11 @@ def make_plan(folder: Path, *, dtype: str = "auto", max_shard_size: str | int = 
     reader = reader or TensorReader()
     try:
         tensors = read_tensors(folder)
-        recipes = _recipes(folder, tensors, reader)
+        config = read_config(folder)
+        recipes = _recipes(folder, tensors, reader, config)
     finally:
         if own_reader:
             reader.close()
-    config = read_config(folder)
     chosen = chosen or _auto_dtype(recipes, config)
     merged_adapter = None
     if adapter is not None:

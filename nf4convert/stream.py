@@ -34,6 +34,7 @@ the disk works from the first byte rather than from when the page cache's dirty 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 from collections import deque
@@ -45,7 +46,7 @@ from . import profile
 from .checkpoint import ShardWriter, TensorInfo, TensorReader, Writeback
 from .dtypes import DTYPES
 from .formats import bnb4, bnb8, peft_lora
-from .plan import Copy, Dequantize4bit, Dequantize8bit, MergeLora, Plan, PlannedTensor
+from .plan import Copy, Dequantize4bit, Dequantize8bit, MergeLora, Plan, PlannedTensor, Transpose, innermost
 
 CPU_PIECE_BYTES = 1 << 22  # output bytes per piece on the CPU: small, as every core holds one (and its fp32 scratch)
 CUDA_PIECE_BYTES = 1 << 24  # on CUDA: large copies and writes, a few pinned buffers of it
@@ -121,29 +122,51 @@ def _dequantize_8bit(tensor: PlannedTensor, reader: TensorReader, route) -> Iter
                     on_device=True)  # fmt: skip
 
 
-def _merge_lora(tensor: PlannedTensor, reader: TensorReader, route) -> Iterator[Piece]:
-    """The base tensor made whole (a merge needs all of it) through the route, merged on its device as peft would
-    there, then written from memory: that weight plus about two fp32 copies of it at most, for each of the
-    ``SHARDS_AT_ONCE`` shards written side by side (1.7 GB of host memory at the peak on the 8B-shaped benchmark)."""
-    import dataclasses
-
+def _whole(tensor: PlannedTensor, reader: TensorReader, route):
+    """A recipe's tensor made whole through the route, in host memory (as raw bytes)."""
     import torch
 
-    recipe = tensor.recipe
     whole = torch.empty(tensor.nbytes, dtype=torch.uint8)
-    for piece in PRODUCERS[type(recipe.base)](dataclasses.replace(tensor, recipe=recipe.base), reader, route):
+    for piece in PRODUCERS[type(tensor.recipe)](tensor, reader, route):
         read = reader.read(piece.source, piece.first, piece.count)
         target = whole[piece.offset : piece.offset + piece.nbytes]
         if piece.make is None:
             target.copy_(read)
         elif (event := piece.make(read, target)) is not None:
             event.synchronize()
+    return whole
+
+
+def _pieces_from_memory(data, source: TensorInfo, piece_bytes: int) -> Iterator[Piece]:
+    """A tensor already made (raw bytes in host memory), handed to the writers piece by piece."""
+    for first in range(0, data.numel(), piece_bytes):
+        count = min(piece_bytes, data.numel() - first)
+        yield Piece(first, count, source, 0, 0, _from_memory(data[first : first + count]))
+
+
+def _transpose(tensor: PlannedTensor, reader: TensorReader, route) -> Iterator[Piece]:
+    """A Conv1D layer's weight: dequantized whole as quantized, (out, in), then written transposed, (in, out).
+    Memory: that weight twice, for each of the ``SHARDS_AT_ONCE`` shards written side by side."""
+    import torch
+
+    base = dataclasses.replace(tensor, recipe=tensor.recipe.base, shape=tuple(reversed(tensor.shape)))
+    whole = _whole(base, reader, route).view(DTYPES[tensor.dtype].torch).view(base.shape)
+    transposed = whole.T.contiguous().view(-1).view(torch.uint8)
+    yield from _pieces_from_memory(transposed, tensor.recipe.sources[0], route.piece_bytes)
+
+
+def _merge_lora(tensor: PlannedTensor, reader: TensorReader, route) -> Iterator[Piece]:
+    """The base tensor made whole (a merge needs all of it) through the route, merged on its device as peft would
+    there, then written from memory: that weight plus about two fp32 copies of it at most, for each of the
+    ``SHARDS_AT_ONCE`` shards written side by side (1.7 GB of host memory at the peak on the 8B-shaped benchmark)."""
+    import torch
+
+    recipe = tensor.recipe
+    whole = _whole(dataclasses.replace(tensor, recipe=recipe.base), reader, route)
     base = whole.view(DTYPES[tensor.dtype].torch).view(tensor.shape).to(route.device)
     merged = peft_lora.merge(recipe.target, base, peft_lora.read_lora(recipe.target, reader), inplace=True)
     merged = merged.contiguous().view(-1).view(torch.uint8).cpu()
-    for first in range(0, tensor.nbytes, route.piece_bytes):
-        count = min(route.piece_bytes, tensor.nbytes - first)
-        yield Piece(first, count, recipe.base.sources[0], 0, 0, _from_memory(merged[first : first + count]))
+    yield from _pieces_from_memory(merged, recipe.sources[0], route.piece_bytes)
 
 
 def _from_memory(data):
@@ -158,6 +181,7 @@ PRODUCERS: dict[type, Callable[[PlannedTensor, TensorReader, object], Iterator[P
     Copy: _copy,
     Dequantize4bit: _dequantize_4bit,
     Dequantize8bit: _dequantize_8bit,
+    Transpose: _transpose,
     MergeLora: _merge_lora,
 }
 
@@ -319,9 +343,9 @@ class CudaRoute:
     def warm(self, plan: Plan, reader: TensorReader) -> None:
         """Launch the kernel once, on the start thread, as the plan's first 4-bit piece will (its output thrown away;
         a failure here is the first real piece's to report)."""
-        first = next((tensor for tensor in plan.tensors if isinstance(tensor.recipe, Dequantize4bit)), None)
+        first = next((tensor for tensor in plan.tensors if isinstance(innermost(tensor.recipe), Dequantize4bit)), None)
         if first is not None:
-            self._starter.submit(self._warm, first, reader)
+            self._starter.submit(self._warm, dataclasses.replace(first, recipe=innermost(first.recipe)), reader)
 
     def _warm(self, tensor: PlannedTensor, reader: TensorReader) -> None:
         import torch

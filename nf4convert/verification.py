@@ -19,7 +19,7 @@ from .checkpoint import TensorInfo, TensorReader, read_tensors
 from .dtypes import DTYPES, OUTPUT_DTYPES
 from .errors import ArgumentError, CheckpointError, SourceNotFoundError
 from .formats import bnb4, bnb8
-from .plan import Copy, Dequantize4bit, Dequantize8bit, MergeLora, PlannedTensor, make_plan
+from .plan import QUANTIZED, Copy, Dequantize4bit, Dequantize8bit, MergeLora, PlannedTensor, Transpose, innermost, make_plan
 
 
 @dataclass
@@ -58,6 +58,14 @@ def _reference_8bit(tensor: PlannedTensor, reader: TensorReader, device, context
     weight = tensor.recipe.weight
     codes, scb = reader.tensor(weight.weight).to(device), reader.tensor(weight.scb).to(device)
     return bnb8.reference_dequantize(codes, scb, DTYPES[tensor.dtype].torch)
+
+
+def _reference_transpose(tensor: PlannedTensor, reader: TensorReader, device, context: "_Context"):
+    """A Conv1D weight: the reference of the weight as quantized, (out, in), transposed."""
+    import dataclasses
+
+    base = dataclasses.replace(tensor, recipe=tensor.recipe.base, shape=tuple(reversed(tensor.shape)))
+    return REFERENCES[type(base.recipe)][0](base, reader, device, context).reshape(base.shape).T.contiguous()
 
 
 def _reference_copy(tensor: PlannedTensor, reader: TensorReader, device, context: "_Context"):
@@ -183,6 +191,7 @@ REFERENCES = {
     Copy: (_reference_copy, "the source tensor"),
     Dequantize4bit: (_reference_4bit, "bitsandbytes"),
     Dequantize8bit: (_reference_8bit, "bitsandbytes"),
+    Transpose: (_reference_transpose, "bitsandbytes"),
     MergeLora: (_reference_merge, "bitsandbytes + peft"),
 }
 
@@ -209,6 +218,27 @@ def _leftovers(produced: dict[str, TensorInfo], output: Path, expected_config: d
     elif config != expected_config:
         keys = sorted(k for k in set(config) | set(expected_config) if config.get(k) != expected_config.get(k))
         problems.append(f"config.json: differs from the source's made dense (in {', '.join(keys[:5])})")
+    return problems
+
+
+def _layout_problems(tensors, context: "_Context") -> list[str]:
+    """Each quantized weight in the orientation of the layer transformers' own model has there: a Conv1D's
+    (in, out), transposed from how it was quantized, any other's as quantized. The plan decides it by the
+    architecture (formats/conv1d.py); this asks transformers."""
+    problems = []
+    for tensor in tensors:
+        if not isinstance(innermost(tensor.recipe), QUANTIZED):
+            continue
+        layer = context.module_class(tensor.name.rpartition(".")[0])
+        if layer is None:
+            continue
+        recipe, transposed = tensor.recipe, False
+        while isinstance(recipe, (Transpose, MergeLora)):
+            transposed |= isinstance(recipe, Transpose)
+            recipe = recipe.base
+        if (layer.__name__ == "Conv1D") != transposed:
+            held = "(in, out), transposed" if transposed else "(out, in), as quantized"
+            problems.append(f"{tensor.name}: transformers' model has a {layer.__name__} there; the output holds it {held}")
     return problems
 
 
@@ -274,6 +304,7 @@ def verify(output: str | Path, source: str, *, device: str = "auto", adapter: st
         report.problems += [f"{name}: in the output, not in the source" for name in sorted(set(produced) - set(expected))]
         names = sorted(set(expected) & set(produced))
         context = _Context(expected, _module_classes(plan.config))
+        report.problems += _layout_problems(plan.tensors, context)
         for name in tqdm(names, desc=f"verifying {output.name}", unit="tensor", disable=not progress, dynamic_ncols=True):
             report.checked += 1
             problem = _compare(expected[name], produced[name], source_reader, output_reader, chosen, report, context)

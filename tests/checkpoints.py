@@ -10,7 +10,7 @@ import torch
 
 
 def _configs():
-    from transformers import BertConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config
+    from transformers import BertConfig, GPT2Config, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config
 
     small = dict(hidden_size=128, intermediate_size=320, num_hidden_layers=2, num_attention_heads=4, vocab_size=512,
                  max_position_embeddings=256)  # fmt: skip
@@ -20,6 +20,9 @@ def _configs():
         "mistral": lambda: MistralConfig(**small, num_key_value_heads=2, tie_word_embeddings=False),
         "phi3": lambda: Phi3Config(**small, num_key_value_heads=4, pad_token_id=0, tie_word_embeddings=False),
         "bert": lambda: BertConfig(**small),
+        # Conv1D layers (weights stored (in, out)), which transformers quantizes transposed
+        "gpt2": lambda: GPT2Config(n_embd=128, n_inner=320, n_layer=2, n_head=4, vocab_size=512, n_positions=256,
+                                   bos_token_id=0, eos_token_id=0),  # fmt: skip
     }
 
 
@@ -31,6 +34,7 @@ VARIANTS = {
     "phi3-fused-fp4-dq": ("phi3", "fp4", True, torch.uint8, torch.bfloat16, None),
     "bert-encoder-nf4": ("bert", "nf4", False, torch.uint8, torch.float32, None),
     "llama-bf16-storage": ("llama", "nf4", True, torch.bfloat16, torch.bfloat16, None),
+    "gpt2-conv1d-nf4-dq": ("gpt2", "nf4", True, torch.uint8, torch.float16, None),
 }
 
 

@@ -23,6 +23,7 @@ VARIANTS = {
     "qwen2-tied-8bit-fp16": ("qwen2", torch.float16, None),
     "mistral-skip-8bit-bf16": ("mistral", torch.bfloat16, ["down_proj", "lm_head"]),
     "phi3-fused-8bit-fp16": ("phi3", torch.float16, None),
+    "gpt2-conv1d-8bit-bf16": ("gpt2", torch.bfloat16, None),
 }
 
 

@@ -27,9 +27,13 @@ KINDS = {  # kind -> LoraConfig arguments
     "rslora-dora": dict(r=4, lora_alpha=16, use_dora=True, use_rslora=True, target_modules=["q_proj", "down_proj"]),
     "embedding": dict(r=5, lora_alpha=9, target_modules=["embed_tokens", "o_proj"]),
     "modules_to_save": dict(r=2, lora_alpha=3, target_modules=["v_proj"], modules_to_save=["lm_head", "norm"]),
+    "embeddings_to_save": dict(r=2, lora_alpha=3, target_modules=["v_proj"], modules_to_save=["embed_tokens"]),
     "pattern": dict(r=4, lora_alpha=8, target_modules=r".*\.(q_proj|v_proj|up_proj)"),
     # only square weights, and a config that says fan_in_fan_out: peft still merges them as nn.Linear
     "square-fan-in-fan-out": dict(r=3, lora_alpha=5, target_modules=["q_proj", "o_proj"], fan_in_fan_out=True),
+    # GPT-2's Conv1D layers (weights (in, out)): peft merges them with fan_in_fan_out
+    "conv1d": dict(r=4, lora_alpha=8, target_modules=["c_attn", "c_proj", "c_fc"], fan_in_fan_out=True),
+    "conv1d-square-only": dict(r=3, lora_alpha=5, target_modules=["attn.c_proj"], fan_in_fan_out=True),
 }  # fmt: skip
 
 
@@ -48,13 +52,13 @@ def base(tmp_path_factory):
     return source, root / "dense"
 
 
-def make_adapter(folder, kind, seed, base_model=None):
+def make_adapter(folder, kind, seed, base_model=None, arch="llama"):
     from peft import LoraConfig, get_peft_model
     from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(_configs()["llama"]())
+    model = AutoModelForCausalLM.from_config(_configs()[arch]())
     get_peft_model(model, LoraConfig(**KINDS[kind])).save_pretrained(folder)
     path = folder / "adapter_model.safetensors"
     generator = torch.Generator().manual_seed(seed)
@@ -80,16 +84,26 @@ def peft_merged(dense_folder, adapter_folder):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(dense_folder, dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(dense_folder)  # in the dtype the conversion wrote
     return PeftModel.from_pretrained(model, adapter_folder).merge_and_unload()
 
 
+@pytest.fixture(scope="module")
+def gpt2_base(tmp_path_factory):
+    """A real 4-bit GPT-2 checkpoint (Conv1D layers, quantized transposed) and its dense conversion."""
+    root = tmp_path_factory.mktemp("adapter-gpt2")
+    source = build(root / "gpt2-bnb-4bit", "gpt2-conv1d-nf4-dq", seed=4)
+    run(source, "-o", root / "dense", "-q", "--device", "cpu")
+    return source, root / "dense"
+
+
 @pytest.mark.parametrize("kind", list(KINDS))
-def test_merge_while_converting_equals_peft(kind, base, tmp_path):
+def test_merge_while_converting_equals_peft(kind, base, gpt2_base, tmp_path):
     from safetensors.torch import load_file
 
-    source, dense = base
-    adapter = make_adapter(tmp_path / "adapter", kind, seed=list(KINDS).index(kind) + 20)
+    arch = "gpt2" if kind.startswith("conv1d") else "llama"
+    source, dense = gpt2_base if arch == "gpt2" else base
+    adapter = make_adapter(tmp_path / "adapter", kind, seed=list(KINDS).index(kind) + 20, arch=arch)
     out = tmp_path / "merged"
     summary = run(source, "--adapter", adapter, "-o", out, "--device", "cpu", "--max-shard-size", "400KB")
     assert "tensors" in summary
@@ -133,7 +147,8 @@ def test_adapter_as_source_and_verify_catches_a_wrong_merge(base, tmp_path):
 
 
 @pytest.mark.parametrize("case", ["ia3", "shape", "missing-target", "truncated", "layers-to-transform", "exclude",
-                                  "pattern-misses", "pattern-invalid", "no-targets"])  # fmt: skip
+                                  "pattern-misses", "pattern-invalid", "no-targets", "olora-any-case", "corda-prefix",
+                                  "dora-lora-bias", "targeted-without-tensors", "lora-and-saved"])  # fmt: skip
 def test_bad_adapters_are_one_line_and_write_nothing(case, base, tmp_path):
     source, _ = base
     adapter = make_adapter(tmp_path / "adapter", "linear", seed=5)
@@ -141,7 +156,10 @@ def test_bad_adapters_are_one_line_and_write_nothing(case, base, tmp_path):
     expected = {"ia3": "IA3", "shape": "do not fit the base's", "missing-target": "which the base checkpoint does not have",
                 "truncated": "adapter_model.safetensors", "layers-to-transform": "layers_to_transform is set",
                 "exclude": "exclude_modules is set", "pattern-misses": "which target_modules",
-                "pattern-invalid": "is not a valid pattern", "no-targets": "target_modules is None"}[case]  # fmt: skip
+                "pattern-invalid": "is not a valid pattern", "no-targets": "target_modules is None",
+                "olora-any-case": "init_lora_weights is 'OLoRA'", "corda-prefix": "init_lora_weights is 'corda_x'",
+                "dora-lora-bias": "lora_bias with use_dora: peft refuses", "lora-and-saved": "in modules_to_save too",
+                "targeted-without-tensors": "names 'model.layers.0.self_attn.v_proj', but the adapter has no LoRA"}[case]  # fmt: skip
     if case == "ia3":
         config["peft_type"] = "IA3"
     elif case == "layers-to-transform":  # peft would give LoRA layers to layer 0 only and ignore the others' tensors
@@ -154,6 +172,19 @@ def test_bad_adapters_are_one_line_and_write_nothing(case, base, tmp_path):
         config["target_modules"] = "([unclosed"
     elif case == "no-targets":
         config["target_modules"] = None
+    elif case == "olora-any-case":  # peft tests "olora" without case
+        config["init_lora_weights"] = "OLoRA"
+    elif case == "corda-prefix":  # and "corda" as a prefix
+        config["init_lora_weights"] = "corda_x"
+    elif case == "dora-lora-bias":  # LoraConfig refuses the pair
+        config["use_dora"] = config["lora_bias"] = True
+    elif case == "lora-and-saved":
+        config["modules_to_save"] = ["q_proj"]
+    elif case == "targeted-without-tensors":  # peft would give v_proj fresh LoRA layers and merge them
+        from safetensors.torch import load_file, save_file
+
+        tensors = load_file(adapter / "adapter_model.safetensors")
+        save_file({k: v for k, v in tensors.items() if ".layers.0.self_attn.v_proj." not in k}, adapter / "adapter_model.safetensors")
     elif case in ("shape", "missing-target"):
         from safetensors.torch import load_file, save_file
 
@@ -208,6 +239,28 @@ def test_tied_lm_head_and_deep_config_are_refused(base, tmp_path):
     line = run(source, "--adapter", adapter, "-o", tmp_path / "out", "-q", code=1).strip()
     assert line.startswith("Error: ") and "adapter_config.json" in line and "\n" not in line
     assert not (tmp_path / "out").exists()
+
+
+def test_modules_to_save_on_tied_embeddings_is_refused(tmp_path):
+    # peft swaps in the saved embeddings, keeps the old head and unties them; a tied output would change the head
+    source = build(tmp_path / "qwen2-tied", "qwen2-tied-fp4", seed=2)
+    adapter = make_adapter(tmp_path / "adapter", "embeddings_to_save", seed=9, arch="qwen2")
+    line = run(source, "--adapter", adapter, "-o", tmp_path / "out", "-q", code=1).strip()
+    assert line.startswith("Error: ") and "'model.embed_tokens.weight', the input embeddings" in line and "\n" not in line
+    assert not (tmp_path / "out").exists()
+
+
+def test_all_linear_in_any_case_merges_as_peft(base, tmp_path):
+    # peft reads target_modules "all-linear" without case; the "linear" kind targets every linear layer but the head
+    source, _ = base
+    adapter = make_adapter(tmp_path / "adapter", "linear", seed=12)
+    run(source, "--adapter", adapter, "-o", tmp_path / "listed", "-q", "--device", "cpu")
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    config["target_modules"] = "ALL-LINEAR"
+    (adapter / "adapter_config.json").write_text(json.dumps(config))
+    run(source, "--adapter", adapter, "-o", tmp_path / "all-linear", "-q", "--device", "cpu")
+    for shard in (tmp_path / "listed").glob("*.safetensors"):
+        assert shard.read_bytes() == (tmp_path / "all-linear" / shard.name).read_bytes()
 
 
 def test_model_card_names_a_local_adapter_as_a_folder(base, tmp_path):

@@ -97,6 +97,20 @@ def test_convert_verify_and_load(variant, checkpoints, tmp_path):
     assert (got - four_bit).abs().max() <= 0.05 * four_bit.abs().max()
 
 
+def test_verify_asks_transformers_which_layers_are_conv1d(checkpoints, tmp_path, monkeypatch):
+    # The plan knows GPT-2's Conv1D layers from a table (formats/conv1d.py); verify asks transformers' own model.
+    # With the table emptied, the weights come out as quantized, (out, in), and verify names each one.
+    from nf4convert.formats import conv1d
+
+    source = checkpoints["gpt2-conv1d-nf4-dq"]
+    monkeypatch.setattr(conv1d, "MODEL_TYPES", ())
+    out = tmp_path / "out"
+    run(source, "-o", out, "-q")
+    output = run("verify", out, source, code=1)
+    assert "transformer.h.0.mlp.c_fc.weight: transformers' model has a Conv1D there; the output holds it (out, in)" in output
+    assert output.count("has a Conv1D there") == 8
+
+
 def test_dtype_choice_and_single_shard(checkpoints, tmp_path):
     out = tmp_path / "fp32"
     run(checkpoints["llama-nf4-dq"], "-o", out, "--dtype", "fp32", "-q")

@@ -41,6 +41,7 @@ from pathlib import Path
 from ..checkpoint import ADAPTER_WEIGHTS, TensorInfo, read_header, strict_json
 from ..dtypes import DTYPES
 from ..errors import CheckpointError
+from . import conv1d
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = ADAPTER_WEIGHTS
@@ -68,9 +69,16 @@ UNSUPPORTED_VARIANTS = (
     # which modules get LoRA beyond target_modules: peft would leave some saved tensors unused
     "exclude_modules", "layers_to_transform", "layers_pattern",
 )  # fmt: skip
-# init_lora_weights values after which the adapter only fits a base model that the init rewrote (PiSSA, OLoRA,
-# CorDA, LoftQ and LoRA-GA subtract their initial delta from the base weights), or that select another variant.
-BASE_MUTATING_INITS = ("olora", "corda", "loftq", "lora_ga")
+
+
+def _base_mutating(init) -> bool:
+    """init_lora_weights values after which the adapter only fits a base model that the init rewrote (PiSSA, OLoRA,
+    CorDA, LoftQ and LoRA-GA subtract their initial delta from the base weights), or that select another variant
+    (MiCA): tested as peft's ``LoraLayer.update_layer`` tests them (prefixes, and some without case)."""
+    if not isinstance(init, str):
+        return False
+    return init.startswith(("pissa", "corda")) or init.lower() in ("olora", "mica") or init in ("loftq", "lora_ga")
+
 
 # Suffixes of saved LoRA parameters (peft removes the adapter name when saving): suffix -> role.
 LINEAR_ROLES = {".lora_A.weight": "lora_A", ".lora_B.weight": "lora_B", ".lora_B.bias": "lora_B.bias"}
@@ -155,7 +163,7 @@ def _read_config(folder: Path) -> tuple[Path, dict]:
         if config.get(name):
             raise CheckpointError(f"{config_path}: {name} is set; only plain LoRA and DoRA adapters can be merged")
     init = config["init_lora_weights"]
-    if isinstance(init, str) and (init.startswith("pissa") or init in BASE_MUTATING_INITS or init == "mica"):
+    if _base_mutating(init):
         raise CheckpointError(
             f"{config_path}: init_lora_weights is {init!r}: the adapter fits a base model rewritten by that init, "
             "not the original one (convert it with peft's path_initial_model_for_weight_conversion first)"
@@ -166,6 +174,9 @@ def _read_config(folder: Path) -> tuple[Path, dict]:
     for name in ("fan_in_fan_out", "use_rslora", "use_dora", "lora_bias"):
         if not isinstance(config[name], bool):
             raise CheckpointError(f"{config_path}: {name} is {config[name]!r}, not true or false")
+    if config["lora_bias"] and (config["use_dora"] or init not in (True, False)):  # as LoraConfig.__post_init__
+        raise CheckpointError(f"{config_path}: lora_bias with {'use_dora' if config['use_dora'] else f'init_lora_weights {init!r}'}: "
+                              "peft refuses this config")  # fmt: skip
     targets = config.get("target_modules")
     if not (isinstance(targets, str) or (isinstance(targets, list) and targets and all(isinstance(t, str) for t in targets))):
         raise CheckpointError(f"{config_path}: target_modules is {targets!r}, not a module name list or pattern "
@@ -178,12 +189,16 @@ def _read_config(folder: Path) -> tuple[Path, dict]:
     return config_path, config
 
 
+def _all_linear(targets) -> bool:
+    return isinstance(targets, str) and targets.lower() == "all-linear"  # peft's INCLUDE_LINEAR_LAYERS_SHORTHAND, any case
+
+
 def _targeted(config: dict, module: str) -> bool:
     """Whether peft gives ``module`` (a dotted path) LoRA layers under ``target_modules``
     (``tuners_utils.check_target_module_exists``): a string is a full-match pattern, except "all-linear"
     (every linear layer but the output layer); a list names module path suffixes."""
     targets = config["target_modules"]
-    if targets == "all-linear":
+    if _all_linear(targets):
         return module.rpartition(".")[2] != "lm_head"
     if isinstance(targets, str):
         return re.fullmatch(targets, module) is not None
@@ -227,10 +242,13 @@ def load_adapter(folder: Path) -> Adapter:
             # peft's load_state_dict puts these into the base parameters: "x.base_layer.weight" is x's own weight.
             replacements[rest.replace(".base_layer.", ".")] = (info, ".base_layer." in rest)
 
+    saved = config.get("modules_to_save") or []
     for module, roles in lora_modules.items():
         if not _targeted(config, module):  # peft would create no LoRA layer there and leave these tensors unused
             raise CheckpointError(f"{path}: tensor '{next(iter(roles.values())).name}' is for '{module}', which "
                                   f"target_modules {config['target_modules']!r} does not name")  # fmt: skip
+        if isinstance(saved, list) and any(isinstance(k, str) and (module == k or module.endswith("." + k)) for k in saved):
+            raise CheckpointError(f"{path}: '{module}' has LoRA tensors and is in modules_to_save too (peft cannot load that)")
     targets: dict[str, LoraTarget] = {}
     for module, roles in lora_modules.items():
         for target in _module_targets(path, config_path, config, module, roles):
@@ -308,12 +326,7 @@ def _shape_of(value) -> tuple:
     return tuple(value)
 
 
-# Architectures whose linear layers are transformers' Conv1D (weight stored (in, out)): peft sets fan_in_fan_out
-# True there and False for nn.Linear, whatever the adapter's config says.
-CONV1D_MODEL_TYPES = ("gpt2", "openai-gpt", "imagegpt", "decision_transformer")
-
-
-def validate(adapter: Adapter, base: dict, *, model_type: str | None = None) -> Adapter:
+def validate(adapter: Adapter, base: dict, *, config: dict | None = None) -> Adapter:
     """Check the adapter against the base checkpoint before anything is written; one-line CheckpointError for
     each problem: a target the base lacks, a LoRA factor, magnitude or replacement whose shape does not fit
     the base tensor's. ``base`` maps every base tensor name to its dense shape (or ``(shape, ...)``, or an
@@ -322,8 +335,9 @@ def validate(adapter: Adapter, base: dict, *, model_type: str | None = None) -> 
 
     peft sets ``fan_in_fan_out`` from the layer's class, whatever the config says: True for a ``Conv1D``
     (GPT-2; weight stored (in, out)), False for ``nn.Linear`` (weight (out, in)). The shapes tell which one a
-    non-square weight is. A square weight takes the orientation that all non-square targets agree on; when they
-    disagree or there are none, the architecture's (``model_type``: Conv1D for GPT-2 and its kin, else Linear).
+    non-square weight is. A square weight is a Conv1D's where ``conv1d`` says so for the model of ``config``
+    (config.json); in another architecture it takes the orientation that all non-square targets agree on, and
+    Linear's when they disagree or there are none.
     """
     path = adapter.path
     orientation: dict[str, bool | None] = {}  # linear target -> fan_in_fan_out, None for a square weight
@@ -379,10 +393,20 @@ def validate(adapter: Adapter, base: dict, *, model_type: str | None = None) -> 
                 f"needs [{out_features}]"
             )
 
+    targets = adapter.config.get("target_modules")
+    if not _all_linear(targets):  # "all-linear" spares embeddings, which shapes alone do not tell from linear layers
+        adapted = {t.module for t in adapter.targets.values() if t.kind in ("linear", "embedding")}
+        for name, value in base.items():
+            module = name.removesuffix(".weight")
+            if module != name and module not in adapted and len(_shape_of(value)) == 2 and _targeted(adapter.config, module):
+                raise CheckpointError(f"{path}: target_modules {targets!r} names '{module}', but the adapter has no LoRA "
+                                      "tensors for it (peft would merge a freshly initialised LoRA layer there)")  # fmt: skip
+
     known = {value for value in orientation.values() if value is not None}
-    square_default = known.pop() if len(known) == 1 else model_type in CONV1D_MODEL_TYPES
+    square_default = known.pop() if len(known) == 1 else False
     for name, fan_in_fan_out in orientation.items():
-        fan_in_fan_out = square_default if fan_in_fan_out is None else fan_in_fan_out
+        if fan_in_fan_out is None:
+            fan_in_fan_out = conv1d.is_conv1d_weight(name, config) if conv1d.uses_conv1d(config) else square_default
         if fan_in_fan_out != adapter.targets[name].fan_in_fan_out:
             adapter.targets[name] = dataclasses.replace(adapter.targets[name], fan_in_fan_out=fan_in_fan_out)
     return adapter

@@ -165,7 +165,8 @@ def test_repeat_calls_replay_and_notice_changes():
 
 @pytest.mark.parametrize("builder,variant", [("checkpoints", "llama-nf4-dq"), ("checkpoints", "phi3-fused-fp4-dq"),
                                              ("checkpoints", "qwen2-tied-fp4"), ("checkpoints8", "llama-8bit-bf16"),
-                                             ("checkpoints8", "phi3-fused-8bit-fp16")])  # fmt: skip
+                                             ("checkpoints8", "phi3-fused-8bit-fp16"), ("checkpoints", "gpt2-conv1d-nf4-dq"),
+                                             ("checkpoints8", "gpt2-conv1d-8bit-bf16")])  # fmt: skip
 def test_cli_convert_on_cuda_matches_cpu_and_bnb_cuda(builder, variant, tmp_path):
     import importlib
 

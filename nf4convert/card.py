@@ -64,14 +64,18 @@ def model_card(
     version: str,
     quant_format: str,
     adapter: str | None = None,
+    revision: str | None = None,
+    commit: str | None = None,
 ) -> Card:
     """The model card (README.md) for a converted checkpoint.
 
     ``source_card_text`` is the source's README.md (None when it has none); ``source_repo`` the Hub repo id of
     SOURCE, None for a local folder; ``dtype`` the output dtype, resolved (``bf16``/``fp16``/``fp32``, not
     ``auto``); ``version`` the nf4convert version; ``quant_format`` the source format (``"bnb-4bit nf4"``,
-    ``"bnb-4bit fp4"``, ``"bnb-8bit"``); ``adapter`` the adapter merged into the weights (a repo id or a folder),
-    if any. Never raises on a malformed card: see the module docstring.
+    ``"bnb-4bit fp4"``, ``"bnb-8bit"``, or several joined by ", "); ``adapter`` the adapter merged into the
+    weights (a repo id or a folder), if any; ``revision`` the source repo's revision as given (None: its default
+    branch) and ``commit`` the commit it resolved to, when known. Never raises on a malformed card: see the module
+    docstring.
 
     Example:
         >>> card = model_card(readme, source_repo="unsloth/Llama-3.2-1B-Instruct-bnb-4bit", dtype="bf16",
@@ -84,7 +88,8 @@ def model_card(
     front_matter, yaml_warning = _front_matter(_dense_fields(fields, source_repo=source_repo))
     body = body.strip("\r\n") if body.strip() else ""
     section = _how_made(source_repo=source_repo, original_base=original_base, dtype=dtype, version=version,
-                        quant_format=quant_format, adapter=adapter, source_body=bool(body))  # fmt: skip
+                        quant_format=quant_format, adapter=adapter, source_body=bool(body), revision=revision,
+                        commit=commit)  # fmt: skip
     parts = [front_matter, section] + ([body] if body else [])
     return Card("\n\n".join(parts) + "\n", warning or yaml_warning)
 
@@ -179,14 +184,19 @@ def _front_matter(fields: dict) -> tuple[str, str | None]:
     return "---\nlibrary_name: transformers\n---", f"{CARD}: its metadata was dropped"
 
 
-def _how_made(*, source_repo, original_base, dtype, version, quant_format, adapter, source_body) -> str:
+def _how_made(*, source_repo, original_base, dtype, version, quant_format, adapter, source_body, revision, commit) -> str:
     dtype_flag = DTYPE_FLAGS.get(dtype, dtype)
     dtype_text = f"{dtype_flag} ({DTYPE_NAMES[dtype_flag]})" if dtype_flag in DTYPE_NAMES else dtype
-    kind, _, detail = quant_format.strip().partition(" ")
-    format_text = " ".join(filter(None, [FORMAT_NAMES.get(kind, kind), detail.upper()]))
+    formats = [part.strip().partition(" ") for part in quant_format.split(",") if part.strip()]  # (kind, _, detail)
+    kinds = {kind for kind, _, _ in formats}
+    format_text = " and ".join(" ".join(filter(None, [FORMAT_NAMES.get(kind, kind), detail.upper()]))
+                               for kind, _, detail in formats) or "bitsandbytes"  # fmt: skip
 
     if source_repo is not None:
         source_text = f"[{source_repo}]({HUB_URL}/{source_repo}), a {format_text} checkpoint"
+        at = ([f"revision `{revision}`"] if revision else []) + ([f"commit `{commit}`"] if commit and commit != revision else [])
+        if at:
+            source_text += f" ({', '.join(at)})"
     else:
         source_text = f"a local {format_text} checkpoint"
     bases = original_base if isinstance(original_base, list) else [original_base]
@@ -199,12 +209,11 @@ def _how_made(*, source_repo, original_base, dtype, version, quant_format, adapt
         "",
         f"These are dense {dtype_text} weights, dequantized from {source_text}, by nf4convert {version}.",
         "",
-        "Every dequantized weight is bit for bit what bitsandbytes itself computes from the quantized checkpoint "
-        "(its CUDA kernels): the model computes with exactly the weights the quantized model computes with, in a "
-        "format that loads without bitsandbytes. Dequantizing does not bring back the precision lost to quantization. "
-        f"The other tensors were cast to {dtype_flag}, and `config.json` no longer has a `quantization_config`.",
+        " ".join(_exactness(kinds, dtype_flag)) + " Dequantizing does not bring back the precision lost to "
+        f"quantization. The other tensors were cast to {dtype_flag}, and `config.json` no longer has a "
+        "`quantization_config`.",
     ]
-    command = ["nf4convert", source_repo or "SOURCE", "--dtype", dtype_flag]
+    command = ["nf4convert", source_repo or "SOURCE", *(["--revision", revision] if revision else []), "--dtype", dtype_flag]
     if adapter:
         adapter_repo = looks_like_repo_id(adapter)
         name = adapter if adapter_repo else adapter.rstrip("/\\").replace("\\", "/").rsplit("/", 1)[-1]
@@ -216,6 +225,25 @@ def _how_made(*, source_repo, original_base, dtype, version, quant_format, adapt
         lines += ["", "The text below is the source model's card, kept as it was: where it says the weights are "
                   "quantized, it describes the source, not these weights."]  # fmt: skip
     return "\n".join(lines)
+
+
+def _exactness(kinds: set[str], dtype_flag: str) -> list[str]:
+    """What the dequantized weights are bit for bit, per source format: 4-bit weights what bitsandbytes' CUDA kernels
+    compute (the weights its 4-bit layers dequantize to); 8-bit ones what its dequantization (plain torch arithmetic)
+    and the cast give, while its 8-bit layers multiply in int8 and never form these weights."""
+    both = "bnb-4bit" in kinds and "bnb-8bit" in kinds
+    sentences = []
+    if "bnb-4bit" in kinds or "bnb-8bit" not in kinds:
+        sentences.append(f"Every weight dequantized{' from 4-bit' if both else ''} is bit for bit what bitsandbytes' "
+                         "`dequantize_4bit` computes from the quantized checkpoint with its CUDA kernels: the weights "
+                         "its 4-bit layers dequantize to, in a format that loads without bitsandbytes.")  # fmt: skip
+    if "bnb-8bit" in kinds:
+        sentences.append(f"Every weight dequantized{' from 8-bit' if both else ''} is bit for bit what bitsandbytes' "
+                         "`int8_vectorwise_dequant` (plain torch arithmetic, the same on CPU and GPU) and the cast to "
+                         f"{dtype_flag} give, as transformers' `dequantize()` does; the 8-bit model itself multiplies "
+                         "in int8 (LLM.int8) and never forms these weights, so its outputs are close to, not equal "
+                         "to, those of a model with these weights.")  # fmt: skip
+    return sentences
 
 
 def _link(repo_id: str) -> str:

@@ -147,7 +147,7 @@ def main():
 
 def _common_source_options(function):
     for option in reversed([
-        click.option("--revision", help="Hub branch, tag or commit (default: main)."),
+        click.option("--revision", help="Hub branch, tag or commit of SOURCE (default: main; not for a local folder)."),
         click.option("--token", envvar="HF_TOKEN", help="Hub token for private or gated repos (default: $HF_TOKEN)."),
         click.option("--cache-dir", type=click.Path(file_okay=False), help="Hub cache folder (default: $HF_HUB_CACHE)."),
     ]):  # fmt: skip
@@ -166,7 +166,7 @@ def _convert_options(function):
         click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N (auto: the GPU if there is one)."),
         click.option("--max-shard-size", default=DEFAULT_SHARD_SIZE, show_default=True, help="Largest output shard, like transformers'."),
         click.option("--overwrite", is_flag=True, help="Replace OUT if it exists (only once the new output is complete)."),
-        click.option("-q", "--quiet", is_flag=True, help="No progress bar; the one-line summary stays."),
+        click.option("-q", "--quiet", is_flag=True, help="No progress bars (downloads and uploads too); the one-line summary stays."),
     ]):  # fmt: skip
         function = option(function)
     return _common_source_options(function)
@@ -181,9 +181,11 @@ def _summary(result) -> str:
 @click.argument("source")
 @click.option("-o", "--output", type=click.Path(), help="Output folder (default: ./<name>-<dtype>).")
 @_convert_options
-@click.option("--dry-run", is_flag=True, help="Print the plan (tensors, dtype, shards, bytes, free space); write nothing.")
+@click.option("--dry-run", is_flag=True, help="Print the plan (tensors, dtype, shards, bytes, free space); write nothing "
+              "(a Hub SOURCE is still downloaded into the Hub cache, which the conversion then reuses).")
 @click.option("--verify", "then_verify", is_flag=True, help="Verify the output against SOURCE right after converting.")
-@click.option("--push-to-hub", "push_to", metavar="REPO_ID", help="Upload the finished output to this Hub repo (after --verify, if asked).")
+@click.option("--push-to-hub", "push_to", metavar="REPO_ID", help="Upload the finished output to this Hub repo (after --verify, if asked); "
+              "weight files at the repo's root that the output lacks are deleted in the same commit.")
 @click.option("--private", is_flag=True, help="With --push-to-hub: create the repo private (an existing public one is refused).")
 @click.option("--push-branch", metavar="BRANCH", help="With --push-to-hub: the branch to upload to (created if missing; default main).")
 def convert_command(source, output, adapter, dtype, device, max_shard_size, overwrite, quiet, revision, token, cache_dir,
@@ -218,7 +220,7 @@ def convert_command(source, output, adapter, dtype, device, max_shard_size, over
         if dry_run:
             from .conversion import prepare
 
-            for line in _plan_lines(prepare(source, output, **options)):
+            for line in _plan_lines(prepare(source, output, progress=not quiet, **options)):
                 click.echo(line)
             return True
         from .conversion import convert
@@ -260,10 +262,12 @@ def _plan_lines(prepared) -> list[str]:
 
 
 def _verify(output, source, *, device, adapter, quiet, revision, token, cache_dir) -> bool:
+    from .hub import progress_bars
     from .verification import report_lines, verify
 
-    report = verify(output, source, device=device, adapter=adapter, revision=revision, token=token, cache_dir=cache_dir,
-                    progress=not quiet)  # fmt: skip
+    with progress_bars(not quiet):  # the downloads' bars too
+        report = verify(output, source, device=device, adapter=adapter, revision=revision, token=token,
+                        cache_dir=cache_dir, progress=not quiet)  # fmt: skip
     for line in report_lines(report):
         click.echo(line)
     return report.ok
@@ -274,7 +278,7 @@ def _verify(output, source, *, device, adapter, quiet, revision, token, cache_di
 @click.argument("source")
 @click.option("--device", default="auto", show_default=True, help="Where bitsandbytes dequantizes: auto, cpu, cuda, cuda:N.")
 @click.option("--adapter", help="The LoRA adapter that was merged (peft merges it again for the check).")
-@click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bars (downloads too).")
 @_common_source_options
 def verify_command(output, source, device, adapter, quiet, revision, token, cache_dir):
     """Check OUTPUT against SOURCE with bitsandbytes' own dequantization, bit for bit.

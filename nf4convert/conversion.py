@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
-from .errors import ArgumentError
-from .hub import looks_like_repo_id, model_name
+from .errors import ArgumentError, CheckpointError
+from .hub import commit_of, looks_like_repo_id, model_name
 from .plan import DEFAULT_SHARD_SIZE
 
 QUANT_SUFFIX = re.compile(r"-(?:bnb-)?(?:4bit|nf4|fp4|8bit|int8)$", re.IGNORECASE)
@@ -35,7 +37,7 @@ def model_card(prepared: "Prepared"):
     text = plan.card.read_bytes().decode("utf-8", errors="replace") if plan.card is not None else None
     return make_card(text, source_repo=base if looks_like_repo_id(base) and not Path(base).exists() else None,
                      dtype=plan.dtype.short, version=__version__, quant_format=", ".join(plan.source_formats) or "bitsandbytes",
-                     adapter=prepared.adapter)  # fmt: skip
+                     adapter=prepared.adapter, revision=prepared.revision, commit=commit_of(plan.folder))  # fmt: skip
 
 
 def output_stem(source: str, *, qualified: bool = False) -> str:
@@ -74,25 +76,90 @@ class Prepared:
     free_bytes: int
     base: str  # the base checkpoint as the user named it (SOURCE, or the base an adapter SOURCE names)
     adapter: str | None  # the adapter as the user named it
+    revision: str | None = None  # the base's revision as the user gave it (None: the default branch)
 
 
-def resolve_source(source: str, adapter: str | None = None, *, revision=None, token=None, cache_dir=None):
+def not_bitsandbytes(config: dict) -> str | None:
+    """Why a checkpoint's config.json says it holds no bitsandbytes weights, or None where it may hold some.
+
+    transformers writes a ``quantization_config`` into config.json when it saves a quantized model; for bitsandbytes
+    its ``quant_method`` is "bitsandbytes" with ``load_in_4bit`` or ``load_in_8bit`` (older versions wrote the
+    flags without a ``quant_method``: not refused). With ``llm_int8_has_fp16_weight`` an 8-bit model keeps and saves
+    its weights in fp16: bitsandbytes never quantized them."""
+    found = []
+
+    def visit(node):
+        if isinstance(node, dict):
+            if isinstance(node.get("quantization_config"), dict):
+                found.append(node["quantization_config"])
+            for value in node.values():
+                visit(value)
+        elif isinstance(node, list):
+            for value in node:
+                visit(value)
+
+    visit(config)
+    if not found:
+        return "config.json has no quantization_config: the weights are not quantized (already dense?)"
+    methods = [q.get("quant_method") for q in found]
+    if not any(not isinstance(m, str) or "bitsandbytes" in m.lower() for m in methods):
+        return f"config.json's quantization_config has quant_method {methods[0]!r}, not bitsandbytes (not convertible here)"
+    dense_int8 = [q for q in found if q.get("load_in_8bit") is True and q.get("llm_int8_has_fp16_weight") is True
+                  and q.get("load_in_4bit") is not True]  # fmt: skip
+    if len(dense_int8) == len(found):
+        return ("saved with llm_int8_has_fp16_weight=True, so its weights are dense fp16 already (bitsandbytes never "
+                "quantized them): remove quantization_config from config.json and load it as a dense model")  # fmt: skip
+    return None
+
+
+def _refuse_early(folder: Path, *, source: str) -> None:
+    """A Hub SOURCE's precheck, on its config files alone: refuse before downloading weights when its config.json
+    says it is not a bitsandbytes checkpoint. An adapter (its base is checked when fetched), a repo without
+    config.json and a config.json that does not parse are left to the weights and the plan, as local folders are."""
+    if (folder / "adapter_config.json").is_file() or not (folder / "config.json").is_file():
+        return
+    try:
+        config = json.loads((folder / "config.json").read_bytes())
+    except (OSError, ValueError):
+        return
+    reason = not_bitsandbytes(config) if isinstance(config, dict) else None
+    if reason is not None:
+        raise CheckpointError(f"{source}: not a bitsandbytes checkpoint: {reason}; its weights were not downloaded")
+
+
+def _reworded(error: CheckpointError, folder: Path) -> CheckpointError:
+    """A plan's refusal of a local checkpoint, with the reason its config.json gives where it gives one (a model saved
+    with ``llm_int8_has_fp16_weight`` has no 8-bit weights: that, not their absence, is what the user needs to know)."""
+    try:
+        config = json.loads((folder / "config.json").read_bytes())
+    except (OSError, ValueError):
+        return error
+    reason = not_bitsandbytes(config) if isinstance(config, dict) else None
+    if reason is None or "llm_int8_has_fp16_weight" not in reason:
+        return error
+    return CheckpointError(f"{folder}: {reason}")
+
+
+def resolve_source(source: str, adapter: str | None = None, *, revision=None, token=None, cache_dir=None, progress=True):
     """(checkpoint folder, adapter folder or None, the base's name, the adapter's name or None): SOURCE resolved,
     and ADAPTER; a SOURCE that is itself a peft adapter (``adapter_config.json``, no ADAPTER given) stands for
-    the base its config names, with it merged (a folder that also holds model weights is a checkpoint)."""
+    the base its config names, with it merged (a folder that also holds model weights is a checkpoint).
+    ``revision`` applies to SOURCE (a local folder has none); a Hub checkpoint whose config.json says it is not
+    bitsandbytes is refused before its weights are downloaded; ``progress=False`` hides download bars."""
     from .errors import SourceNotFoundError
     from .formats import peft_lora
     from .hub import resolve
 
-    folder = resolve(source, revision=revision, token=token, cache_dir=cache_dir)
-    adapter_folder = resolve(adapter, token=token, cache_dir=cache_dir) if adapter is not None else None
+    fetch = dict(token=token, cache_dir=cache_dir, progress=progress)
+    folder = resolve(source, revision=revision, precheck=partial(_refuse_early, source=source), **fetch)
+    adapter_folder = resolve(adapter, **fetch) if adapter is not None else None
     weights = [p for p in folder.glob("*.safetensors") if p.name != peft_lora.WEIGHTS_NAME]
     if adapter_folder is None and (folder / peft_lora.CONFIG_NAME).is_file() and not weights:
         base = peft_lora.load_adapter(folder).base_model_name_or_path
         if not base:
             raise SourceNotFoundError(f"{folder / peft_lora.CONFIG_NAME}: an adapter whose base_model_name_or_path is "
                                       "not set; name the base as SOURCE and this as the adapter", option="adapter")  # fmt: skip
-        adapter_folder, folder = folder, resolve(base, token=token, cache_dir=cache_dir)
+        adapter_folder, folder = folder, resolve(base, precheck=partial(_refuse_early, source=base), **fetch)
         return folder, adapter_folder, base, str(adapter_folder.resolve()) if Path(source).expanduser().exists() else source
     if adapter is not None and Path(adapter).expanduser().exists():
         adapter = str(Path(adapter).expanduser().resolve())  # a folder, never mistaken for a Hub repo id
@@ -100,8 +167,10 @@ def resolve_source(source: str, adapter: str | None = None, *, revision=None, to
 
 
 def prepare(source: str, output=None, *, dtype="auto", adapter=None, revision=None, token=None, cache_dir=None,
-            max_shard_size=DEFAULT_SHARD_SIZE, overwrite=False, output_dir=None, stem=None, reader=None) -> Prepared:  # fmt: skip
-    """Resolve and plan a conversion and check where it goes, writing nothing (what ``convert`` and a dry run do first)."""
+            max_shard_size=DEFAULT_SHARD_SIZE, overwrite=False, output_dir=None, stem=None, reader=None,
+            progress=True) -> Prepared:  # fmt: skip
+    """Resolve and plan a conversion and check where it goes, writing nothing (what ``convert`` and a dry run do
+    first). A Hub SOURCE's weights are downloaded into the Hub cache (the plan reads their quant states)."""
     from . import output as lifecycle
     from .dtypes import output_dtype
     from .plan import make_plan, parse_size
@@ -110,8 +179,15 @@ def prepare(source: str, output=None, *, dtype="auto", adapter=None, revision=No
     output_dtype(dtype)
     if output is not None:  # before any download
         lifecycle.check_destination(Path(output), overwrite=overwrite)
-    folder, adapter_folder, base, adapter = resolve_source(source, adapter, revision=revision, token=token, cache_dir=cache_dir)
-    plan = make_plan(folder, dtype=dtype, max_shard_size=shard_limit, reader=reader, adapter=adapter_folder)
+    folder, adapter_folder, base, adapter = resolve_source(source, adapter, revision=revision, token=token,
+                                                           cache_dir=cache_dir, progress=progress)  # fmt: skip
+    try:
+        plan = make_plan(folder, dtype=dtype, max_shard_size=shard_limit, reader=reader, adapter=adapter_folder)
+    except CheckpointError as error:
+        reworded = _reworded(error, folder)
+        if reworded is error:
+            raise
+        raise reworded from None
     if output is None:
         output = Path(output_dir or ".") / f"{stem or output_stem(source)}-{plan.dtype.short}"
         lifecycle.check_destination(output, overwrite=overwrite)
@@ -119,7 +195,7 @@ def prepare(source: str, output=None, *, dtype="auto", adapter=None, revision=No
     lifecycle.check_not_source(output, folder)
     if adapter_folder is not None:
         lifecycle.check_not_source(output, adapter_folder)
-    return Prepared(plan, output, lifecycle.free_space(output), base, adapter)
+    return Prepared(plan, output, lifecycle.free_space(output), base, adapter, revision if base == source else None)
 
 
 def convert(
@@ -173,7 +249,7 @@ def convert(
     with route_for(chosen_device) as route, TensorReader() as reader, ThreadPoolExecutor(1) as side:
         prepared = prepare(source, output, dtype=dtype, adapter=adapter, revision=revision, token=token, cache_dir=cache_dir,
                            max_shard_size=max_shard_size, overwrite=overwrite, output_dir=output_dir, stem=stem,
-                           reader=reader)  # fmt: skip
+                           reader=reader, progress=progress)  # fmt: skip
         plan, output = prepared.plan, prepared.output
         profile.mark("planned")
         lifecycle.check_free_space(output, plan.tensor_bytes + plan.side_bytes)

@@ -149,6 +149,36 @@ def test_no_source_card_gives_a_small_card_with_an_adapter_from_the_hub():
     assert "source model's card" not in body  # nothing follows
 
 
+@pytest.mark.parametrize("quant_format,says,never", [
+    ("bnb-4bit nf4", ["`dequantize_4bit` computes from the quantized checkpoint with its CUDA kernels"],
+     ["int8_vectorwise_dequant", "multiplies in int8"]),
+    ("bnb-8bit", ["`int8_vectorwise_dequant` (plain torch arithmetic, the same on CPU and GPU) and the cast to fp16",
+                  "multiplies in int8"], ["CUDA kernels", "dequantize_4bit"]),
+    ("bnb-4bit fp4, bnb-8bit", ["a bitsandbytes 4-bit FP4 and bitsandbytes 8-bit (LLM.int8) checkpoint",
+                                "Every weight dequantized from 4-bit", "Every weight dequantized from 8-bit"], []),
+])  # fmt: skip
+def test_what_the_weights_are_bit_for_bit_is_said_per_format(quant_format, says, never):
+    card = model_card(None, source_repo="org/m-bnb", dtype="fp16", version="0.1.0", quant_format=quant_format)
+    section = parse(card.text)[1]
+    assert all(text in section for text in says), section
+    assert not [text for text in never if text in section], section
+
+
+def test_the_revision_and_the_commit_are_recorded():
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    card = model_card(None, source_repo="org/m-bnb-4bit", dtype="bf16", version="0.1.0", quant_format="bnb-4bit nf4",
+                      revision="v2", commit=commit)  # fmt: skip
+    body = parse(card.text)[1]
+    assert f"a bitsandbytes 4-bit NF4 checkpoint (revision `v2`, commit `{commit}`)" in body
+    assert "nf4convert org/m-bnb-4bit --revision v2 --dtype bf16\n" in body
+    body = parse(model_card(None, source_repo="org/m-bnb-4bit", dtype="bf16", version="0.1.0",
+                            quant_format="bnb-4bit nf4", commit=commit).text)[1]  # fmt: skip
+    assert f"checkpoint (commit `{commit}`)" in body and "nf4convert org/m-bnb-4bit --dtype bf16\n" in body
+    body = parse(model_card(None, source_repo="org/m-bnb-4bit", dtype="bf16", version="0.1.0",
+                            quant_format="bnb-4bit nf4", revision=commit, commit=commit).text)[1]  # fmt: skip
+    assert f"checkpoint (revision `{commit}`)" in body  # a commit given as the revision is named once
+
+
 @pytest.mark.parametrize("source,warns,kept_body", [
     ("---\nlicense: mit\ntags: [unclosed\n---\n# Body\n", "front matter is not valid YAML", "# Body"),
     ("---\nlicense: mit\n\tbad: tab\n---\n# Body\n", "front matter is not valid YAML", "# Body"),

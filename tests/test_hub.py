@@ -18,15 +18,16 @@ from urllib.parse import unquote, urlparse
 
 import pytest
 
-from checkpoints import build
+from checkpoints import _configs, build
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 REPO = "test-org/tiny-llama-bnb-4bit"
 GATED = "test-org/gated-bnb-4bit"
+DENSE, GPTQ, FP16_WEIGHTS, ADAPTER = "test-org/dense", "test-org/gptq-4bit", "test-org/fp16w-8bit", "test-org/lora"
 
 
 class FakeHub(BaseHTTPRequestHandler):
-    files: dict[str, bytes] = {}
+    repos: dict[str, dict[str, bytes]] = {}  # repo id -> its files
     requested: list[str] = []
 
     def log_message(self, *args):  # quiet
@@ -47,21 +48,21 @@ class FakeHub(BaseHTTPRequestHandler):
     def _route(self, head):
         path = unquote(urlparse(self.path).path)
         self.requested.append(f"{self.command} {path}")
-        for repo in (REPO, GATED):
-            if path.startswith((f"/api/models/{repo}/", f"/{repo}/")) and repo == GATED:
-                return self._send(401, b"gated", {"X-Error-Code": "GatedRepo", "X-Error-Message": "Access to this repo is restricted"}, head)
-        if path.startswith(f"/api/models/{REPO}/revision/"):
-            return self._json({"id": REPO, "modelId": REPO, "sha": COMMIT, "siblings": [{"rfilename": f} for f in self.files]})
-        if path.startswith(f"/api/models/{REPO}/tree/"):
-            return self._json([{"type": "file", "path": f, "size": len(d), "oid": hashlib.sha1(d).hexdigest()} for f, d in self.files.items()])
-        prefix = f"/{REPO}/resolve/"
-        if path.startswith(prefix):
-            name = path[len(prefix) :].split("/", 1)[1]
-            if name in self.files:
-                data = self.files[name]
-                etag = f'"{hashlib.sha256(data).hexdigest()}"'
-                return self._send(200, data, {"X-Repo-Commit": COMMIT, "ETag": etag, "Content-Type": "application/octet-stream"}, head)
-            return self._send(404, b"no entry", {"X-Error-Code": "EntryNotFound"}, head)
+        if path.startswith((f"/api/models/{GATED}/", f"/{GATED}/")):
+            return self._send(401, b"gated", {"X-Error-Code": "GatedRepo", "X-Error-Message": "Access to this repo is restricted"}, head)
+        for repo, files in self.repos.items():
+            if path.startswith(f"/api/models/{repo}/revision/"):
+                return self._json({"id": repo, "modelId": repo, "sha": COMMIT, "siblings": [{"rfilename": f} for f in files]})
+            if path.startswith(f"/api/models/{repo}/tree/"):
+                return self._json([{"type": "file", "path": f, "size": len(d), "oid": hashlib.sha1(d).hexdigest()} for f, d in files.items()])
+            prefix = f"/{repo}/resolve/"
+            if path.startswith(prefix):
+                name = path[len(prefix) :].split("/", 1)[1]
+                if name in files:
+                    data = files[name]
+                    etag = f'"{hashlib.sha256(data).hexdigest()}"'
+                    return self._send(200, data, {"X-Repo-Commit": COMMIT, "ETag": etag, "Content-Type": "application/octet-stream"}, head)
+                return self._send(404, b"no entry", {"X-Error-Code": "EntryNotFound"}, head)
         return self._send(404, b"not found", {"X-Error-Code": "RepoNotFound", "X-Error-Message": "Repository not found"}, head)
 
     def do_GET(self):
@@ -71,13 +72,44 @@ class FakeHub(BaseHTTPRequestHandler):
         self._route(head=True)
 
 
+def downloaded(repo: str) -> list[str]:
+    """The files of ``repo`` that were downloaded (GET), in order."""
+    prefix = f"GET /{repo}/resolve/"
+    return [r[len(prefix) :].split("/", 1)[1] for r in FakeHub.requested if r.startswith(prefix)]
+
+
+def lora_adapter(folder: Path, base: str) -> dict[str, bytes]:
+    """The files of a peft LoRA adapter for the test Llama whose config names ``base``, plus a config.json of a dense
+    model beside it (some adapter repos carry their base's): an adapter SOURCE all the same."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(_configs()["llama"]())
+    get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"])).save_pretrained(folder)
+    config = json.loads((folder / "adapter_config.json").read_text())
+    (folder / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": base}))
+    files = {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file() and p.suffix in (".json", ".safetensors")}
+    return {**files, "config.json": json.dumps(_configs()["llama"]().to_dict()).encode()}
+
+
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory):
     source = build(tmp_path_factory.mktemp("hubrepo") / "repo", "llama-nf4-dq")
     files = {p.relative_to(source).as_posix(): p.read_bytes() for p in source.rglob("*") if p.is_file()}
     files["pytorch_model.bin"] = b"old weights that must not be downloaded"
     files["original/consolidated.pth"] = b"neither these"
-    FakeHub.files = files
+    config = json.loads(files["config.json"])
+    dense_config = {key: value for key, value in config.items() if key != "quantization_config"}
+    weights = {name: data for name, data in files.items() if name.endswith(".safetensors")}  # stand-ins: never fetched
+    fp16_weights = {**config["quantization_config"], "load_in_4bit": False, "load_in_8bit": True, "_load_in_4bit": False,
+                    "_load_in_8bit": True, "llm_int8_has_fp16_weight": True}  # as transformers writes it  # fmt: skip
+    FakeHub.repos = {
+        REPO: files,
+        DENSE: {"config.json": json.dumps(dense_config).encode(), **weights},
+        GPTQ: {"config.json": json.dumps({**config, "quantization_config": {"quant_method": "gptq", "bits": 4}}).encode(), **weights},
+        FP16_WEIGHTS: {"config.json": json.dumps({**config, "quantization_config": fp16_weights}).encode(), **weights},
+        ADAPTER: lora_adapter(tmp_path_factory.mktemp("adapter"), base=REPO),
+    }
     server = ThreadingHTTPServer(("127.0.0.1", 0), FakeHub)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -101,8 +133,9 @@ def test_download_convert_then_offline(hub, tmp_path):
     assert result.returncode == 0, result.stderr
     out = tmp_path / "tiny-llama-bf16"
     assert (out / "model.safetensors").exists() and (out / "tokenizer_config.json").exists()
-    fetched = [r.split(" ", 1)[1] for r in FakeHub.requested if r.startswith("GET") and "/resolve/" in r]
+    fetched = downloaded(REPO)
     assert fetched and not [f for f in fetched if f.endswith((".bin", ".pth"))]  # only what conversion needs
+    assert "Fetching" not in result.stderr and "%|" not in result.stderr  # -q: huggingface_hub's bars too
 
     # Offline, from the cache alone (the endpoint is not even reachable).
     verify = cli("verify", out, REPO, "--cache-dir", cache, env={"HF_HUB_OFFLINE": "1", "HF_ENDPOINT": "http://127.0.0.1:9"}, cwd=tmp_path)
@@ -123,3 +156,94 @@ def test_hub_errors_are_one_line(hub, tmp_path, repo, env, message):
     assert result.returncode == 1
     lines = [line for line in result.stderr.splitlines() if line.strip() and "kernels-community" not in line]
     assert len(lines) == 1 and lines[0].startswith("Error: ") and message in lines[0], result.stderr
+
+
+def error_lines(result) -> list[str]:
+    return [line for line in result.stderr.splitlines() if line.strip() and "kernels-community" not in line]
+
+
+def test_q_hides_the_download_bars_and_the_library_puts_them_back(hub, tmp_path):
+    endpoint, _ = hub
+    env = {"HF_ENDPOINT": endpoint, "HF_HUB_DISABLE_XET": "1"}
+    shown = cli(REPO, "--dry-run", "--cache-dir", tmp_path / "cache-1", env=env, cwd=tmp_path)
+    assert shown.returncode == 0 and "Fetching" in shown.stderr, shown.stderr  # without -q, huggingface_hub's bar
+    quiet = cli(REPO, "--dry-run", "-q", "--cache-dir", tmp_path / "cache-2", env=env, cwd=tmp_path)
+    assert quiet.returncode == 0 and quiet.stderr.strip() == "", quiet.stderr
+
+    # convert(progress=False) turns huggingface_hub's bars off for the call only
+    script = ("import json, sys; from huggingface_hub.utils import are_progress_bars_disabled; import nf4convert; "
+              "nf4convert.convert(sys.argv[1], 'out', device='cpu', progress=False, cache_dir=sys.argv[2]); "
+              "print(json.dumps(are_progress_bars_disabled()))")  # fmt: skip
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")} | env
+    full_env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), full_env.get("PYTHONPATH", "")])
+    library = subprocess.run([sys.executable, "-c", script, REPO, str(tmp_path / "cache-3")], capture_output=True,
+                             text=True, env=full_env, cwd=tmp_path, timeout=600)  # fmt: skip
+    assert library.returncode == 0, library.stderr
+    assert json.loads(library.stdout) is False and "Fetching" not in library.stderr, library.stderr
+
+
+def test_revision_is_for_hub_repos_and_the_card_records_it(hub, tmp_path):
+    endpoint, source = hub
+    local = tmp_path / "local-bf16"
+    assert cli(source, "-q", "-o", local, env={}, cwd=tmp_path).returncode == 0
+    for args in [(source, "-o", tmp_path / "never"), ("verify", local, source), (source, "--dry-run")]:
+        result = cli(*args, "--revision", "v2", env={}, cwd=tmp_path)
+        lines = error_lines(result)
+        assert result.returncode == 2 and len(lines) == 1, result.stderr
+        assert lines[0].startswith(f"Error: {source}: a local folder has no revisions; revision 'v2'") and "--revision" in lines[0]
+    assert not (tmp_path / "never").exists()
+
+    out = tmp_path / "from-hub"
+    result = cli(REPO, "-q", "--revision", "v2", "-o", out, "--cache-dir", tmp_path / "cache",
+                 env={"HF_ENDPOINT": endpoint, "HF_HUB_DISABLE_XET": "1"}, cwd=tmp_path)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    card = (out / "README.md").read_text()
+    assert f"a bitsandbytes 4-bit NF4 checkpoint (revision `v2`, commit `{COMMIT}`)" in card
+    assert f"nf4convert {REPO} --revision v2 --dtype bf16\n" in card
+
+
+@pytest.mark.parametrize("repo,says", [
+    (DENSE, "config.json has no quantization_config"),
+    (GPTQ, "quant_method 'gptq', not bitsandbytes"),
+    (FP16_WEIGHTS, "saved with llm_int8_has_fp16_weight=True, so its weights are dense fp16 already"),
+])  # fmt: skip
+def test_a_hub_repo_that_is_not_bitsandbytes_is_refused_before_its_weights(hub, tmp_path, repo, says):
+    endpoint, _ = hub
+    FakeHub.requested.clear()
+    result = cli(repo, "-q", "--cache-dir", tmp_path / "cache", env={"HF_ENDPOINT": endpoint, "HF_HUB_DISABLE_XET": "1"},
+                 cwd=tmp_path)  # fmt: skip
+    lines = error_lines(result)
+    assert result.returncode == 1 and len(lines) == 1, result.stderr
+    assert lines[0].startswith(f"Error: {repo}: not a bitsandbytes checkpoint: ") and says in lines[0], lines[0]
+    assert downloaded(repo) == ["config.json"]  # not the weights
+    assert [p.name for p in tmp_path.iterdir()] == ["cache"]
+
+
+def test_a_local_checkpoint_saved_with_fp16_weights_says_why_it_has_nothing_to_convert(hub, tmp_path):
+    """transformers saves a model loaded with llm_int8_has_fp16_weight=True as dense fp16 weights beside a
+    bitsandbytes quantization_config: made here from a dense conversion and that config."""
+    _, source = hub
+    folder = tmp_path / "fp16w-8bit"
+    assert cli(source, "-q", "--dtype", "fp16", "-o", folder, env={}, cwd=tmp_path).returncode == 0
+    config = json.loads(FakeHub.repos[FP16_WEIGHTS]["config.json"])
+    for has_fp16_weight, says in [(True, "saved with llm_int8_has_fp16_weight=True"), (False, "no bitsandbytes weights")]:
+        config["quantization_config"]["llm_int8_has_fp16_weight"] = has_fp16_weight
+        (folder / "config.json").write_text(json.dumps(config))
+        result = cli(folder, "-q", "-o", tmp_path / "out", env={}, cwd=tmp_path)
+        lines = error_lines(result)
+        assert result.returncode == 1 and len(lines) == 1 and lines[0].startswith(f"Error: {folder}: "), result.stderr
+        assert says in lines[0], lines[0]
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_adapter_repo_as_source_is_resolved_to_its_base(hub, tmp_path):
+    """Its config.json (a dense model's) does not make it refused: its adapter_config.json names the base, which is
+    checked and fetched."""
+    endpoint, _ = hub
+    FakeHub.requested.clear()
+    out = tmp_path / "merged"
+    result = cli(ADAPTER, "-q", "-o", out, "--cache-dir", tmp_path / "cache",
+                 env={"HF_ENDPOINT": endpoint, "HF_HUB_DISABLE_XET": "1"}, cwd=tmp_path)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "adapter_model.safetensors" in downloaded(ADAPTER) and "model.safetensors.index.json" in downloaded(REPO)
+    assert f"[{ADAPTER}](https://huggingface.co/{ADAPTER}) was then merged" in (out / "README.md").read_text()

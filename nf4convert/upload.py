@@ -9,18 +9,32 @@ are not sent again). It takes ``revision`` (an existing branch, or ``refs/pr/N``
 Without hf_xet it makes one commit through Git LFS, which skips objects already on the Hub. So
 ``upload_folder`` is used on every version; the repo is created first (``private`` applies to a new repo only)
 and so is the branch, since a commit cannot create one.
+
+A push makes the repo's weights the folder's: the files at the repo's root that loaders take as the model's weights
+without being told a file name, and that the folder does not have, are deleted in the same (first) commit
+(``upload_folder``'s ``delete_patterns``). Otherwise a ``model.safetensors`` left by an earlier push beside new
+``model-0000i-of-0000N.safetensors`` shards is what transformers loads (it prefers the single file to an index).
 """
 
 from __future__ import annotations
 
+import glob
 import re
+from fnmatch import fnmatchcase
 from pathlib import Path
 from urllib.parse import quote
 
 from .errors import UploadError
+from .hub import progress_bars
 from .hub_errors import hub_error_line
 
 COMMIT_SHA = re.compile(r"[0-9a-fA-F]{40}")
+# Root files a loader reads as the weights unasked: safetensors and PyTorch .bin (transformers, vLLM, with their
+# indexes), .pt (vLLM), .pth (Meta's and Mistral's reference code), transformers 4's TF and Flax weights, and
+# adapter_config.json, with which transformers loads the base it names plus the adapter instead of the weights beside
+# it. Files in subfolders, and GGUF or other files that a tool reads only when named, are the owner's and stay.
+REPLACED_FILES = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json", "*.pt", "*.pth",
+                  "*.h5", "*.msgpack", "adapter_config.json")  # fmt: skip
 DEFAULT_COMMIT_MESSAGE = "Upload dense weights dequantized by nf4convert"
 
 
@@ -38,7 +52,9 @@ def push_to_hub(
     ``/tree/<revision>`` when a revision was given).
 
     The repo is created if needed (private when ``private``; an existing public repo is refused rather than
-    filled, since ``private`` cannot change it). A ``revision`` that names a missing branch is created from the
+    filled, since ``private`` cannot change it). Weight files at the repo's root that ``folder`` lacks
+    (``REPLACED_FILES``: an earlier push's shards, a ``.bin`` copy, an adapter's files) are deleted in the same
+    commit, so the repo holds exactly the folder's weights. A ``revision`` that names a missing branch is created from the
     default branch; ``refs/pr/N`` must exist. ``token`` defaults to HF_TOKEN or the saved login; ``progress=False``
     silences huggingface_hub's progress display for this call. Every failure raises ``UploadError`` with one line
     naming the repo and the cause (network, token, HTTP status and the server's message).
@@ -56,26 +72,29 @@ def push_to_hub(
         raise UploadError(f"{repo_id}: revision {revision!r} is a commit; an upload needs a branch (or refs/pr/N)")
 
     from huggingface_hub import HfApi  # noqa: PLC0415  (keeps CLI start-up fast)
-    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
 
     api = HfApi(token=token)
-    silenced = not progress and not are_progress_bars_disabled()
-    if silenced:
-        disable_progress_bars()
     try:
-        url = str(api.create_repo(repo_id, private=private, exist_ok=True))
-        if private and not api.repo_info(repo_id).private:
-            raise UploadError(f"{repo_id}: the repository exists and is public; nothing was uploaded (make it "
-                              "private on the Hub first, or push without --private)")  # fmt: skip
-        if revision is not None and not revision.startswith("refs/"):
-            api.create_branch(repo_id, branch=revision, exist_ok=True)
-        api.upload_folder(repo_id=repo_id, folder_path=folder, revision=revision,
-                          commit_message=commit_message or DEFAULT_COMMIT_MESSAGE)  # fmt: skip
+        with progress_bars(progress):
+            url = str(api.create_repo(repo_id, private=private, exist_ok=True))
+            if private and not api.repo_info(repo_id).private:
+                raise UploadError(f"{repo_id}: the repository exists and is public; nothing was uploaded (make it "
+                                  "private on the Hub first, or push without --private)")  # fmt: skip
+            if revision is not None and not revision.startswith("refs/"):
+                api.create_branch(repo_id, branch=revision, exist_ok=True)
+            stale = stale_weights(api.list_repo_files(repo_id, revision=revision), folder)
+            # upload_folder matches its patterns against the whole path (``*`` crosses ``/``): exact names, escaped
+            api.upload_folder(repo_id=repo_id, folder_path=folder, revision=revision,
+                              commit_message=commit_message or DEFAULT_COMMIT_MESSAGE,
+                              delete_patterns=[glob.escape(name) for name in stale] or None)  # fmt: skip
     except UploadError:
         raise
     except Exception as error:  # noqa: BLE001  (whatever the Hub, the network or hf_xet raise: one line, the cause)
         raise UploadError(f"{repo_id}: upload failed: {hub_error_line(error)}") from error
-    finally:
-        if silenced:
-            enable_progress_bars()
     return url if revision is None else f"{url}/tree/{quote(revision, safe='')}"
+
+
+def stale_weights(repo_files: list[str], folder: Path) -> list[str]:
+    """The repo's root files in ``REPLACED_FILES`` that ``folder`` does not have (a push deletes them)."""
+    return [name for name in repo_files if "/" not in name and not (folder / name).is_file()
+            and any(fnmatchcase(name, pattern) for pattern in REPLACED_FILES)]  # fmt: skip

@@ -1,9 +1,10 @@
 """A local stand-in of the Hub's upload API on 127.0.0.1, for the real huggingface_hub and hf_xet clients.
 
 It speaks as much of the Hub's API as an upload uses (found by logging what the clients ask): repo create and
-info, branch create, README validation, preupload, the Xet write token, the commit; and of the Xet storage (CAS)
-API: the global dedup query (answered "not found"), xorb upload grants (answered "not offered", so the client
-posts xorbs directly), xorbs and shards; and Git LFS's batch API and PUT, for huggingface_hub without hf_xet.
+info, branch create, the file listing, README validation, preupload, the Xet write token, the commit (files added
+and deleted); and of the Xet storage (CAS) API: the global dedup query (answered "not found"), xorb upload grants
+(answered "not offered", so the client posts xorbs directly), xorbs and shards; and Git LFS's batch API and PUT,
+for huggingface_hub without hf_xet.
 It rebuilds every file it is given, from base64 in the commit, from the xorbs' chunks through the shard's file
 segments, or from the LFS object, checks each against the sha256 the commit names, and keeps each branch's
 files, so a test can compare what the server holds with a folder, byte for byte.
@@ -197,6 +198,12 @@ class Handler(BaseHTTPRequestHandler):
             sha = hashlib.sha1(json.dumps(sorted(branch)).encode()).hexdigest()
             return self._send(200, {"id": repo_id, "private": repo["private"], "sha": sha,
                                     "siblings": [{"rfilename": name} for name in branch]})  # fmt: skip
+        if action == "tree":  # /tree/<revision>: the listing that list_repo_files (and delete_patterns) read
+            branch = repo["branches"].get(rest or "main")
+            if branch is None:
+                return self._error(404, f"Invalid rev id: {rest}", "RevisionNotFound")
+            return self._send(200, [{"type": "file", "path": name, "size": len(data), "oid": git_blob_sha1(data)}
+                                    for name, data in sorted(branch.items())])  # fmt: skip
         if action == "branch":
             if rest in repo["branches"]:
                 return self._error(409, "Reference already exists")
@@ -261,10 +268,19 @@ class Handler(BaseHTTPRequestHandler):
                     return self._error(422, f"{value['path']} points to an object that was never uploaded")
                 changes[value["path"]] = data
                 transports[value["path"]] = "object"
+            elif line["key"] == "deletedFile":
+                if value["path"] not in branch:
+                    return self._error(404, f"{value['path']} does not exist in the branch")
+                changes[value["path"]] = None
+                transports[value["path"]] = "deleted"
             else:
                 return self._error(400, f"unexpected commit operation {line['key']}")
         with self.hub.lock:
-            branch.update(changes)
+            for path, data in changes.items():
+                if data is None:
+                    del branch[path]
+                else:
+                    branch[path] = data
             oid = hashlib.sha1(f"{repo_id}{revision}{len(self.hub.commits)}".encode()).hexdigest()
             self.hub.commits.append({"repo": repo_id, "revision": revision, "files": transports})
         commit_url = f"{endpoint}/{repo_id}/commit/{oid}"

@@ -225,3 +225,56 @@ def test_cli_converts_verifies_then_pushes(hub, tmp_path):
     result = subprocess.run([sys.executable, "-m", "nf4convert", str(example), "--private"], capture_output=True, text=True,
                             env=env, timeout=120)  # fmt: skip
     assert result.returncode == 2 and "go with --push-to-hub" in result.stderr
+
+
+@pytest.fixture(scope="module")
+def two_outputs(tmp_path_factory):
+    """The example converted twice: fp32 in one model.safetensors, bf16 in three shards with their index."""
+    from nf4convert import convert
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "tiny-llama-bnb-4bit"
+    root = tmp_path_factory.mktemp("outputs")
+    single = convert(str(example), root / "fp32", dtype="fp32", device="cpu", progress=False).output
+    sharded = convert(str(example), root / "bf16", dtype="bf16", device="cpu", max_shard_size="3MB", progress=False).output
+    assert "model.safetensors" in files_of(single) and "model.safetensors.index.json" in files_of(sharded)
+    return {"fp32": single, "bf16-sharded": sharded}
+
+
+@pytest.mark.parametrize("first,second,xet", [("fp32", "bf16-sharded", True), ("bf16-sharded", "fp32", False)],
+                         ids=["single-then-sharded-xet", "sharded-then-single-lfs"])  # fmt: skip
+def test_a_second_push_leaves_only_the_new_weights(hub, two_outputs, tmp_path, first, second, xet):
+    if xet:
+        pytest.importorskip("hf_xet")
+    endpoint, state = hub
+    state.add_repo("me/tiny", private=False)
+    main = state.repos["me/tiny"]["branches"]["main"]
+    kept = {"original/consolidated.00.pth": b"the owner's, in a subfolder", "tiny.Q4_K_M.gguf": b"read only when named",
+            "notes.txt": b"not weights"}  # fmt: skip
+    stale = {"pytorch_model.bin": b"an old copy", "adapter_config.json": b"{}", "adapter_model.safetensors": b"x",
+             "weights [old].pt": b"a name that is a pattern"}  # fmt: skip
+    main.update(kept | stale)
+
+    for folder in (two_outputs[first], two_outputs[second]):
+        before = len(state.commits)
+        result = push(folder, "me/tiny", endpoint=endpoint, home=tmp_path / "home", xet=xet, token=WRITE_TOKEN)
+        assert result.returncode == 0, result.stderr
+        assert main == {".gitattributes": GITATTRIBUTES, **kept, **files_of(folder)}  # nothing else of the weights
+        deleted = {path for commit in state.commits[before:] for path, how in commit["files"].items() if how == "deleted"}
+        assert deleted == set(stale) if folder == two_outputs[first] else set(files_of(two_outputs[first])) - set(files_of(folder))
+        # the deletions ride the first commit: no commit holds deletions alone, before the new files are there
+        assert all(how != "deleted" for commit in state.commits[before + 1 :] for how in commit["files"].values())
+        assert any(how != "deleted" for how in state.commits[before]["files"].values())
+    loaded = json.loads(main["config.json"])
+    assert loaded["dtype"] == {"fp32": "float32", "bf16-sharded": "bfloat16"}[second]
+
+
+def test_stale_weights_are_the_root_weight_files_the_folder_lacks(tmp_path):
+    from nf4convert.upload import stale_weights
+
+    (tmp_path / "model.safetensors").write_bytes(b"new")
+    repo = ["model.safetensors", "model-00001-of-00002.safetensors", "model.safetensors.index.json", "tf_model.h5",
+            "flax_model.msgpack", "pytorch_model.bin.index.json", "consolidated.pth", "adapter_config.json",
+            "sub/model.safetensors", "model.gguf", "model.ckpt", "config.json", "README.md", "MODEL.SAFETENSORS"]  # fmt: skip
+    assert stale_weights(repo, tmp_path) == ["model-00001-of-00002.safetensors", "model.safetensors.index.json",
+                                             "tf_model.h5", "flax_model.msgpack", "pytorch_model.bin.index.json",
+                                             "consolidated.pth", "adapter_config.json"]  # fmt: skip

@@ -158,9 +158,17 @@ def _common_source_options(function):
 ADAPTER_HELP = "A peft LoRA adapter (folder or Hub repo id) to merge into the weights, bit for bit as peft merges."
 
 
+def _one_adapter(ctx, param, values):
+    """--adapter given once at most: click would keep the last of several and drop the others unsaid."""
+    if len(values) > 1:
+        raise click.BadParameter(f"given {len(values)} times; one adapter per conversion (merge several into one "
+                                 "with peft first)")  # fmt: skip
+    return values[0] if values else None
+
+
 def _convert_options(function):
     for option in reversed([
-        click.option("--adapter", help=ADAPTER_HELP),
+        click.option("--adapter", multiple=True, callback=_one_adapter, help=ADAPTER_HELP),
         click.option("--dtype", type=click.Choice(OUTPUT_CHOICES), default="auto", show_default=True,
                      help="Output dtype; auto keeps the dtype the model was quantized from."),
         click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N (auto: the GPU if there is one)."),
@@ -277,7 +285,8 @@ def _verify(output, source, *, device, adapter, quiet, revision, token, cache_di
 @click.argument("output", type=click.Path())
 @click.argument("source")
 @click.option("--device", default="auto", show_default=True, help="Where bitsandbytes dequantizes: auto, cpu, cuda, cuda:N.")
-@click.option("--adapter", help="The LoRA adapter that was merged (peft merges it again for the check).")
+@click.option("--adapter", multiple=True, callback=_one_adapter,
+              help="The LoRA adapter that was merged (peft merges it again for the check).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bars (downloads too).")
 @_common_source_options
 def verify_command(output, source, device, adapter, quiet, revision, token, cache_dir):

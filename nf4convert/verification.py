@@ -293,7 +293,8 @@ def verify(output: str | Path, source: str, *, device: str = "auto", adapter: st
     if not output.is_dir():
         raise SourceNotFoundError(f"{output}: no such folder")
     chosen = pick_device(device)
-    folder, adapter_folder, _, _ = resolve_source(source, adapter, revision=revision, token=token, cache_dir=cache_dir)
+    folder, adapter_folder, _, _ = resolve_source(source, adapter, revision=revision, token=token, cache_dir=cache_dir,
+                                                  progress=progress)
     report = VerifyReport(output, device=str(chosen))
     with TensorReader() as source_reader, TensorReader() as output_reader:
         produced = read_tensors(output)

@@ -325,6 +325,7 @@ def test_bad_input_is_one_clear_line(case, checkpoints, tmp_path):
     (["--device", "tpu"], "device 'tpu' is not cpu, cuda or cuda:N"),
     (["--device", "cuda:0"] if not torch.cuda.is_available() else ["--device", "nonsense"], "device"),
     (["--no-such-option"], "No such option"),
+    (["--adapter", "a", "--adapter", "b"], "'--adapter': given 2 times; one adapter per conversion"),  # not the last one kept
 ])  # fmt: skip
 def test_bad_options_are_one_line(args, message, checkpoints, tmp_path):
     result = CliRunner().invoke(main, [str(checkpoints["llama-nf4-dq"]), "-o", str(tmp_path / "out"), "-q", *args])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import signal
 import sys
+from functools import partial
 
 import click
 
@@ -28,14 +29,47 @@ HINTS = {
     "adapter": "see --adapter",
 }
 INTERRUPTED, TERMINATED = 130, 143
+# Signals that stop a run: SIGINT (Ctrl-C) as KeyboardInterrupt, SIGTERM (kill, timeout, docker stop) and SIGHUP (a
+# closed terminal or ssh session) as Terminated; each exits 128 + its number once what was partly written is removed.
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
+_received: list = []  # the stop signals this command received
+_process = [False]  # running as the process's own command line (not a test's CliRunner)
 
 
 class Terminated(BaseException):
-    """SIGTERM (kill, timeout, docker stop), raised in the main thread so that cleanup runs as for Ctrl-C."""
+    """SIGTERM or SIGHUP, raised in the main thread so that cleanup runs as for Ctrl-C."""
+
+    def __init__(self, signum: int = signal.SIGTERM):
+        super().__init__(signum)
+        self.signum = signum
 
 
-def _on_sigterm(signum, frame):
-    raise Terminated
+def _inside_import(frame) -> bool:
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _unraisable(previous, unraisable) -> None:
+    """A stop signal raised in a destructor or weakref callback, which Python cannot propagate: not printed as a
+    traceback; ``_run`` reports the signal (``_received``) when the command returns."""
+    if not isinstance(unraisable.exc_value, (KeyboardInterrupt, Terminated)):
+        previous(unraisable)
+
+
+def _on_signal(signum, frame):
+    """Stop the main thread with KeyboardInterrupt (SIGINT) or Terminated, but never inside an import: an exception
+    raised in importlib's own code can leave a module's import lock held, and a thread importing that module then
+    waits forever (the run hung on Ctrl-C that way). There the signal is sent again 50 ms later."""
+    _received.append(signum)
+    if _inside_import(frame) and hasattr(signal, "pthread_kill"):
+        import threading
+
+        threading.Timer(0.05, signal.pthread_kill, (threading.main_thread().ident, signum)).start()
+        return
+    raise KeyboardInterrupt if signum == signal.SIGINT else Terminated(signum)
 
 
 class DefaultGroup(click.Group):
@@ -47,7 +81,10 @@ class DefaultGroup(click.Group):
         args = sys.argv[1:] if args is None else list(args)
         if not args:
             args = ["--help"]
-        previous = signal.signal(signal.SIGTERM, _on_sigterm)
+        previous = {number: signal.signal(number, _on_signal) for number in STOP_SIGNALS}
+        _received.clear()
+        _process[0] = process
+        unraisable_hook, sys.unraisablehook = sys.unraisablehook, partial(_unraisable, sys.unraisablehook)
         try:
             code = super().main(args, *rest, standalone_mode=False, **kwargs)
         except click.ClickException as error:  # a bad option or argument: one line, not the usage text
@@ -57,7 +94,9 @@ class DefaultGroup(click.Group):
             error_line("aborted")
             sys.exit(1)
         finally:
-            signal.signal(signal.SIGTERM, previous)
+            for number, handler in previous.items():
+                signal.signal(number, handler)
+            sys.unraisablehook = unraisable_hook
         code = code if isinstance(code, int) else 0
         if process and "torch" in sys.modules:
             _exit_now(code)
@@ -77,8 +116,9 @@ def _exit_now(code: int) -> None:
 
     for stream in (sys.stdout, sys.stderr):
         try:
-            stream.flush()
-        except (OSError, ValueError):  # a closed pipe (| head) or stream: nothing more can reach it
+            if stream is not None:  # None: the stream was closed when the process started (>&-)
+                stream.flush()
+        except (OSError, ValueError):  # a closed pipe (| head), a full device or a closed stream: nothing more can reach it
             pass
     os._exit(code)
 
@@ -109,6 +149,33 @@ def _fail(text: str, code: int = 1):
     sys.exit(code)
 
 
+def _stopped(stop: BaseException | None, signum: int):
+    """A stop signal's line and exit: what was partly written is gone by now; an OUT that was complete before the
+    signal could act is kept and named. The process ends without the interpreter's teardown, which would wait
+    for any worker thread still running."""
+    word = "interrupted" if signum == signal.SIGINT else "terminated"
+    complete = getattr(stop, "output_complete", None)
+    if stop is None:  # the exception was swallowed where it was raised (a destructor): the work ran to its end
+        error_line(f"{word} as the work finished; what it wrote is complete")
+    else:
+        error_line(f"{word}; {complete} was complete and is kept" if complete else f"{word}; nothing was written")
+    if _process[0]:
+        _exit_now(128 + signum)
+    sys.exit(128 + signum)
+
+
+def say(text: str, *, err: bool = False) -> None:
+    """A line on standard output (or error); one that cannot be printed (a full device, a closed stream) is an
+    error line on the other stream, not a traceback."""
+    try:
+        click.echo(text, err=err)
+    except OSError as error:
+        stream = "standard error" if err else "standard output"
+        if not err:
+            error_line(f"cannot print to {stream} ({error.strerror or error})")
+        sys.exit(1)
+
+
 def message(error) -> str:
     """A library error's line, with the flag that would change the outcome."""
     hint = HINTS.get(getattr(error, "option", None) or "")
@@ -120,15 +187,18 @@ def _run(action):
     from .errors import Nf4ConvertError
 
     try:
-        return action()
-    except KeyboardInterrupt:
-        _fail("interrupted; nothing was written", INTERRUPTED)
-    except Terminated:
-        _fail("terminated; nothing was written", TERMINATED)
+        result = action()
+    except KeyboardInterrupt as stop:
+        _stopped(stop, signal.SIGINT)
+    except Terminated as stop:
+        _stopped(stop, stop.signum)
     except Nf4ConvertError as error:
         from .errors import ArgumentError
 
         _fail(message(error), 2 if isinstance(error, ArgumentError) else 1)  # a bad option value is a usage error
+    if _received:  # a stop signal whose exception a destructor swallowed: still a stopped run
+        _stopped(None, _received[0])
+    return result
 
 
 @click.group(cls=DefaultGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -143,6 +213,10 @@ def main():
       nf4convert verify my-model-fp16 ./my-model-bnb-4bit
       nf4convert batch org/a-bnb-4bit org/b-bnb-4bit -o converted/
     """
+
+
+def _quiet(ctx, param, value) -> bool:
+    return value or sys.stderr is None  # no standard error (closed at start): no bars to draw on it
 
 
 def _common_source_options(function):
@@ -169,12 +243,13 @@ def _one_adapter(ctx, param, values):
 def _convert_options(function):
     for option in reversed([
         click.option("--adapter", multiple=True, callback=_one_adapter, help=ADAPTER_HELP),
-        click.option("--dtype", type=click.Choice(OUTPUT_CHOICES), default="auto", show_default=True,
+        click.option("--dtype", type=click.Choice(OUTPUT_CHOICES, case_sensitive=False), default="auto", show_default=True,
                      help="Output dtype; auto keeps the dtype the model was quantized from."),
         click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N (auto: the GPU if there is one)."),
         click.option("--max-shard-size", default=DEFAULT_SHARD_SIZE, show_default=True, help="Largest output shard, like transformers'."),
         click.option("--overwrite", is_flag=True, help="Replace OUT if it exists (only once the new output is complete)."),
-        click.option("-q", "--quiet", is_flag=True, help="No progress bars (downloads and uploads too); the one-line summary stays."),
+        click.option("-q", "--quiet", is_flag=True, callback=_quiet,
+                     help="No progress bars (downloads and uploads too); the one-line summary stays."),
     ]):  # fmt: skip
         function = option(function)
     return _common_source_options(function)
@@ -229,14 +304,14 @@ def convert_command(source, output, adapter, dtype, device, max_shard_size, over
             from .conversion import prepare
 
             for line in _plan_lines(prepare(source, output, progress=not quiet, **options)):
-                click.echo(line)
+                say(line)
             return True
         from .conversion import convert
 
         result = convert(source, output, device=device, progress=not quiet, **options)
-        click.echo(_summary(result))
+        say(_summary(result))
         for warning in result.warnings:
-            click.echo(f"Warning: {warning}", err=True)
+            say(f"Warning: {warning}", err=True)
         if then_verify and not _verify(result.output, source, device=device, adapter=adapter, quiet=quiet, revision=revision,
                                        token=token, cache_dir=cache_dir):  # fmt: skip
             if push_to:
@@ -246,7 +321,7 @@ def convert_command(source, output, adapter, dtype, device, max_shard_size, over
             from .upload import push_to_hub
 
             url = push_to_hub(result.output, push_to, private=private, token=token, revision=push_branch, progress=not quiet)
-            click.echo(f"pushed to {url}")
+            say(f"pushed to {url}")
         return True
 
     if not _run(action):
@@ -277,7 +352,7 @@ def _verify(output, source, *, device, adapter, quiet, revision, token, cache_di
         report = verify(output, source, device=device, adapter=adapter, revision=revision, token=token,
                         cache_dir=cache_dir, progress=not quiet)  # fmt: skip
     for line in report_lines(report):
-        click.echo(line)
+        say(line)
     return report.ok
 
 
@@ -287,7 +362,7 @@ def _verify(output, source, *, device, adapter, quiet, revision, token, cache_di
 @click.option("--device", default="auto", show_default=True, help="Where bitsandbytes dequantizes: auto, cpu, cuda, cuda:N.")
 @click.option("--adapter", multiple=True, callback=_one_adapter,
               help="The LoRA adapter that was merged (peft merges it again for the check).")
-@click.option("-q", "--quiet", is_flag=True, help="No progress bars (downloads too).")
+@click.option("-q", "--quiet", is_flag=True, callback=_quiet, help="No progress bars (downloads too).")
 @_common_source_options
 def verify_command(output, source, device, adapter, quiet, revision, token, cache_dir):
     """Check OUTPUT against SOURCE with bitsandbytes' own dequantization, bit for bit.
@@ -329,7 +404,11 @@ def batch_command(sources, output_root, from_file, adapter, dtype, device, max_s
 
     sources = list(sources)
     if from_file is not None:
-        sources += [line.split("#")[0].strip() for line in from_file if line.split("#")[0].strip()]
+        try:
+            lines = from_file.read().splitlines()
+        except UnicodeDecodeError as error:
+            _fail(f"--from-file {from_file.name}: not UTF-8 text (byte {error.start}: {error.reason})", 2)
+        sources += [line.split("#")[0].strip() for line in lines if line.split("#")[0].strip()]
     if not sources:
         _fail("no sources given (name them, or pass --from-file)", 2)
 
@@ -354,6 +433,8 @@ def batch_command(sources, output_root, from_file, adapter, dtype, device, max_s
         except (KeyboardInterrupt, Terminated) as stop:
             row.update(status="interrupted", error="interrupted")
             stopped = stop
+            if getattr(stop, "output_complete", None):
+                row.update(output=str(stop.output_complete), status="ok")
         except Exception as error:  # noqa: BLE001  (one source's failure, whatever it is, must not stop the others)
             from .errors import Nf4ConvertError
 
@@ -369,16 +450,19 @@ def batch_command(sources, output_root, from_file, adapter, dtype, device, max_s
              for s in untried]  # fmt: skip
     if as_json:
         for row in rows:
-            click.echo(json.dumps(row))
+            say(json.dumps(row))
     else:
         _table(rows)
     failed = sum(row["status"] != "ok" for row in rows)
     if stopped is not None:
         names = ", ".join(untried) if untried else "none"
-        _fail(f"{'terminated' if isinstance(stopped, Terminated) else 'interrupted'}; not attempted: {names}",
-              TERMINATED if isinstance(stopped, Terminated) else INTERRUPTED)  # fmt: skip
+        signum = stopped.signum if isinstance(stopped, Terminated) else signal.SIGINT
+        error_line(f"{'terminated' if isinstance(stopped, Terminated) else 'interrupted'}; not attempted: {names}")
+        if _process[0]:
+            _exit_now(128 + signum)
+        sys.exit(128 + signum)
     if failed:
-        click.echo(f"{failed} of {len(sources)} failed", err=True)
+        say(f"{failed} of {len(sources)} failed", err=True)
         sys.exit(1)
 
 
@@ -389,7 +473,7 @@ def _table(rows) -> None:
                          f"{row['seconds']:.1f}" if row["seconds"] is not None else "-") for row in rows]  # fmt: skip
     widths = [max(len(cell[i]) for cell in cells) for i in range(len(header))]
     for cell in cells:
-        click.echo("  ".join(value.ljust(width) for value, width in zip(cell, widths)).rstrip())
+        say("  ".join(value.ljust(width) for value, width in zip(cell, widths)).rstrip())
 
 
 if __name__ == "__main__":

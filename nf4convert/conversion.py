@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -231,10 +232,9 @@ def convert(
     Example:
         >>> convert("unsloth/Llama-3.2-1B-Instruct-bnb-4bit", "llama-1b-bf16", dtype="bf16")
     """
-    from concurrent.futures import ThreadPoolExecutor
-
     from tqdm.auto import tqdm
 
+    from . import card as _card  # noqa: F401  (imported here, not first on the side thread: see _side_thread)
     from . import output as lifecycle
     from . import profile
     from .checkpoint import TensorReader
@@ -246,7 +246,9 @@ def convert(
     chosen_device = pick_device(device)
     profile.mark("device picked")
     # The route starts now (a CUDA context takes a while) and the card is written on the side while the tensors are.
-    with route_for(chosen_device) as route, TensorReader() as reader, ThreadPoolExecutor(1) as side:
+    # From the move into place on, stop signals wait for the end (they are delivered marked with the complete OUT).
+    finishing = contextlib.ExitStack()
+    with finishing, route_for(chosen_device) as route, TensorReader() as reader, _side_thread() as side:
         prepared = prepare(source, output, dtype=dtype, adapter=adapter, revision=revision, token=token, cache_dir=cache_dir,
                            max_shard_size=max_shard_size, overwrite=overwrite, output_dir=output_dir, stem=stem,
                            reader=reader, progress=progress)  # fmt: skip
@@ -263,8 +265,26 @@ def convert(
             profile.mark("tensors written")
             card = card.result()
             lifecycle.write_side_files(plan, temporary, card.text)
+            finishing.enter_context(lifecycle.signals_held(output))
             lifecycle.move_into_place(temporary, output, overwrite=overwrite)
-    profile.mark("in place")
-    profile.report()
-    return ConvertResult(output, plan.dtype.name, len(plan.tensors), plan.n_dequantized, plan.tensor_bytes,
-                         time.perf_counter() - started, tuple(w for w in [card.warning] if w))  # fmt: skip
+        profile.mark("in place")
+        profile.report()
+        result = ConvertResult(output, plan.dtype.name, len(plan.tensors), plan.n_dequantized, plan.tensor_bytes,
+                               time.perf_counter() - started, tuple(w for w in [card.warning] if w))  # fmt: skip
+    return result
+
+
+@contextlib.contextmanager
+def _side_thread():
+    """One worker thread (the model card), not waited for when the run fails: a worker that cannot finish must not
+    hold up the failure's report and exit. The modules it needs are imported by the caller first: an import on
+    both threads at once, with the main thread's interrupted inside it (Ctrl-C), left one waiting forever."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    pool = ThreadPoolExecutor(1, thread_name_prefix="nf4convert-side")
+    try:
+        yield pool
+    except BaseException:
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown(wait=True)

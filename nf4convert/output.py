@@ -70,24 +70,62 @@ def check_free_space(output: Path, needed: int) -> None:
 def staging(output: Path):
     """A fresh temporary folder beside OUT, this run's own (two runs to one OUT never share one); removed if the
     block fails in any way (Ctrl-C too). Those of runs that were killed outright are removed first."""
+    import glob
     import os
 
     temporary = output.parent / f".{output.name}{PARTIAL_SUFFIX}-{os.getpid()}"
     try:
-        for stale in output.parent.glob(f".{output.name}{PARTIAL_SUFFIX}-*"):
-            if not _alive(stale.name.rpartition("-")[2]):
+        for stale in output.parent.glob(f".{glob.escape(output.name)}{PARTIAL_SUFFIX}-*"):  # OUT's own, not x*'s
+            if stale.name.rpartition("-")[0] == temporary.name.rpartition("-")[0] and not _alive(stale.name.rpartition("-")[2]):
                 shutil.rmtree(stale, ignore_errors=True)
-        temporary.mkdir(parents=True)
     except OSError as error:
         raise OutputError(f"{output}: cannot be written ({_reason(error)})") from None
-    try:
+    try:  # from the mkdir on: a signal that lands just after it must not leave the folder behind
+        try:
+            temporary.mkdir(parents=True)
+        except OSError as error:
+            raise OutputError(f"{output}: cannot be written ({_reason(error)})") from None
         yield temporary
+    except OutputError:
+        shutil.rmtree(temporary, ignore_errors=True)
+        raise
     except OSError as error:
         shutil.rmtree(temporary, ignore_errors=True)
         raise OutputError(f"{output}: writing failed ({_reason(error)}); nothing was written") from None
     except BaseException:
         shutil.rmtree(temporary, ignore_errors=True)
         raise
+
+
+@contextlib.contextmanager
+def signals_held(output: Path):
+    """SIGINT, SIGTERM and SIGHUP wait while OUT is put in place and the run winds down (main thread only), so that
+    none can leave the user's OUT half-replaced or a complete OUT reported as not written. A signal that came is
+    delivered at the end, its exception marked ``output_complete = OUT`` when the block finished."""
+    import signal
+    import threading
+
+    numbers = [getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name)]
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    came: list[int] = []
+    previous = {number: signal.signal(number, lambda signum, frame: came.append(signum)) for number in numbers}
+    try:
+        yield
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+    if came:
+        handler = previous[came[0]]
+        if handler is signal.SIG_DFL:
+            signal.raise_signal(came[0])  # the default action: the process ends (OUT is complete)
+        elif callable(handler):
+            try:
+                handler(came[0], None)
+            except BaseException as stop:
+                stop.output_complete = output
+                raise
 
 
 def _alive(pid: str) -> bool:

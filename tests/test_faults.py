@@ -97,7 +97,8 @@ main(sys.argv[2:])
 """
 
 
-@pytest.mark.parametrize("signal_name,code,word", [("SIGINT", 130, "interrupted"), ("SIGTERM", 143, "terminated")])
+@pytest.mark.parametrize("signal_name,code,word", [("SIGINT", 130, "interrupted"), ("SIGTERM", 143, "terminated"),
+                                                   ("SIGHUP", 129, "terminated")])  # fmt: skip
 def test_signal_while_writing_leaves_nothing(tmp_path, signal_name, code, word):
     out = tmp_path / "out"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
@@ -106,6 +107,61 @@ def test_signal_while_writing_leaves_nothing(tmp_path, signal_name, code, word):
     assert result.returncode == code, result.stderr
     assert one_error_line(result.stdout + result.stderr) == f"Error: {word}; nothing was written"
     assert not out.exists() and list(tmp_path.iterdir()) == []  # no hidden partial folder either
+
+
+# The signal lands at a chosen moment: just after the staging folder is made, just after OUT is renamed into place,
+# or inside a destructor (where Python cannot raise it: it is reported when the command returns).
+MOMENT_WRAPPER = """
+import os, pathlib, signal, sys
+from nf4convert import output
+sig = getattr(signal, sys.argv[1])
+if sys.argv[2] == "staged":
+    mkdir = pathlib.Path.mkdir
+    def staged(self, *args, **kwargs):
+        mkdir(self, *args, **kwargs)
+        if ".nf4convert-partial-" in self.name:
+            os.kill(os.getpid(), sig)
+    pathlib.Path.mkdir = staged
+elif sys.argv[2] == "in-place":
+    move = output.move_into_place
+    def moved(*args, **kwargs):
+        move(*args, **kwargs)
+        os.kill(os.getpid(), sig)
+    output.move_into_place = moved
+else:
+    from nf4convert import plan, stream
+    original, calls = stream.PRODUCERS[plan.Copy], [0]
+    class Signals:
+        def __del__(self):
+            os.kill(os.getpid(), sig)
+            sum(range(1000))  # the handler runs here, inside __del__
+    def producer(*args):
+        calls[0] += 1
+        if calls[0] == 3:
+            Signals()
+        yield from original(*args)
+    stream.PRODUCERS[plan.Copy] = producer
+from nf4convert.cli import main
+main(sys.argv[3:])
+"""
+
+
+@pytest.mark.parametrize("moment", ["staged", "in-place", "destructor"])
+@pytest.mark.parametrize("signal_name,code,word", [("SIGINT", 130, "interrupted"), ("SIGTERM", 143, "terminated")])
+def test_a_signal_at_any_moment_says_what_was_written(tmp_path, moment, signal_name, code, word):
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run([sys.executable, "-c", MOMENT_WRAPPER, signal_name, moment, str(EXAMPLE), "-o", str(out), "-q",
+                             "--device", "cpu"], capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
+    assert result.returncode == code, result.stderr
+    line = one_error_line(result.stderr)
+    if moment == "staged":  # the folder was just made: it goes
+        assert line == f"Error: {word}; nothing was written" and list(tmp_path.iterdir()) == []
+    else:  # OUT is complete: kept, and said so (no traceback from the destructor)
+        expected = f"was complete and is kept" if moment == "in-place" else "as the work finished; what it wrote is complete"
+        assert line.startswith(f"Error: {word}") and expected in line, line
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+        assert "OK: bit-exact" in run("verify", out, EXAMPLE, "-q", "--device", "cpu")
 
 
 def test_batch_signal_names_sources_not_attempted(tmp_path):
@@ -259,3 +315,42 @@ def test_verify_checks_the_output_config(converted, tmp_path, case):
         config.write_text('{"a": 1, "a": 2}')
     output = run("verify", out, EXAMPLE, code=1)
     assert "MISMATCH config.json: " in output and "FAILED: 1 problem\n" in output
+
+
+def _process(args, **kwargs):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, "-m", "nf4convert", *map(str, args)], env=env, timeout=300, **kwargs)
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+def test_a_full_or_closed_standard_stream_is_no_traceback(tmp_path):
+    # stdout on a full device: the conversion is done, the summary cannot be printed: one line on stderr, exit 1
+    with open("/dev/full", "w") as full:
+        result = _process([EXAMPLE, "-o", tmp_path / "full", "--device", "cpu", "-q"], stdout=full, stderr=subprocess.PIPE, text=True)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.strip() == "Error: cannot print to standard output (No space left on device)"
+    assert "OK: bit-exact" in run("verify", tmp_path / "full", EXAMPLE, "-q", "--device", "cpu")
+    # stdout closed: nothing to print to, the run succeeds; stderr closed: no progress bars, the run succeeds
+    for fd, name in ((1, "no-stdout"), (2, "no-stderr")):
+        result = _process([EXAMPLE, "-o", tmp_path / name, "--device", "cpu"], preexec_fn=lambda fd=fd: os.close(fd),
+                          capture_output=fd == 1)  # fmt: skip
+        assert result.returncode == 0 and (tmp_path / name / "model.safetensors").exists()
+
+
+def test_batch_from_a_file_that_is_not_text_is_one_line(tmp_path):
+    listing = tmp_path / "models.txt"
+    listing.write_bytes(b"org/a\n\xb2\xff\x00 binary")
+    result = CliRunner().invoke(main, ["batch", "--from-file", str(listing), "-o", str(tmp_path / "root")])
+    assert result.exit_code == 2 and "not UTF-8 text" in one_error_line(result.output) and str(listing) in result.output
+
+
+def test_stale_partial_folders_of_other_names_are_left_alone(tmp_path, monkeypatch):
+    # OUT 'x*' cleans only its own killed runs' folders, not those of 'xyz' or 'x-data' that the glob would match
+    monkeypatch.chdir(tmp_path)
+    others = [tmp_path / ".xyz.nf4convert-partial-4000000", tmp_path / ".x-data.nf4convert-partial-4000001"]
+    own = tmp_path / ".x*.nf4convert-partial-4000002"
+    for folder in (*others, own):
+        folder.mkdir()
+        (folder / "file").write_text("precious")
+    run(EXAMPLE, "-o", "x*", "-q", "--device", "cpu")
+    assert all((folder / "file").exists() for folder in others) and not own.exists()

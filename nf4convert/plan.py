@@ -242,8 +242,12 @@ def side_files(folder: Path) -> list[Path]:
 
 def _recipes(folder: Path, tensors: dict[str, TensorInfo], reader: TensorReader, config: dict | None) -> list[Recipe]:
     """One recipe per output tensor, in the order of the source files (so reads stay sequential)."""
-    quantized = {weight.packed.name: Dequantize4bit(weight) for weight in bnb4.find_weights(tensors, reader)}
-    quantized.update({weight.weight.name: Dequantize8bit(weight) for weight in bnb8.find_weights(tensors, reader)})
+    weights4, weights8 = bnb4.find_weights(tensors, reader), bnb8.find_weights(tensors, reader)
+    quantization = _quantization_config(config)
+    bnb4.unclaimed_packed(tensors, weights4, quantization)
+    bnb8.unclaimed_int8(tensors, weights8, quantization)
+    quantized = {weight.packed.name: Dequantize4bit(weight) for weight in weights4}
+    quantized.update({weight.weight.name: Dequantize8bit(weight) for weight in weights8})
     for name, recipe in quantized.items():
         if conv1d.is_conv1d_weight(recipe.weight.name, config):
             quantized[name] = Transpose(recipe)
@@ -258,6 +262,16 @@ def _recipes(folder: Path, tensors: dict[str, TensorInfo], reader: TensorReader,
         elif info.name not in consumed:
             recipes.append(Copy(info))
     return recipes
+
+
+def _quantization_config(config) -> dict | None:
+    """config.json's quantization_config (a nested model config's, for a multimodal model), if any."""
+    if not isinstance(config, dict):
+        return None
+    if isinstance(config.get("quantization_config"), dict):
+        return config["quantization_config"]
+    nested = (_quantization_config(value) for value in config.values() if isinstance(value, dict))
+    return next((found for found in nested if found is not None), None)
 
 
 def _auto_dtype(recipes: list[Recipe], config: dict | None) -> DType:

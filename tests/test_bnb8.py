@@ -250,6 +250,27 @@ def test_malformed_is_one_line_naming_file_and_tensor(case, checkpoints, reader,
     assert message.format(weight=w.name, scb=w.scb.name, rows=rows, columns=columns, rows_less=rows - 1) in text
 
 
+def test_a_weight_whose_scales_are_all_lost_is_refused_not_copied(checkpoints, reader, tmp_path):
+    # Old checkpoints have no weight_format; without its SCB too, an 8-bit weight is a bare I8 matrix that would be
+    # copied as an integer "dense" weight. A layer named like a quantized one, or any when the config says 8-bit.
+    from safetensors.torch import save_file
+
+    tensors = read_tensors(checkpoints["llama-8bit-bf16"])
+    w = bnb8.find_weights(tensors, reader)[3]
+    lost = {k: v for k, v in tensors.items() if k not in (w.scb.name, w.weight_format.name)}
+    weights = bnb8.find_weights(lost, reader)
+    assert w.name not in {x.name for x in weights}
+    with pytest.raises(CheckpointError, match=rf"'{w.name}' is an 8-bit weight \(I8 \[{w.shape[0]}, {w.shape[1]}\]\) with no"):
+        bnb8.unclaimed_int8(lost, weights, {"load_in_8bit": True})
+    path = tmp_path / "extra.safetensors"
+    save_file({"model.codebook.weight": random_int8(9, 13, torch.Generator().manual_seed(5))}, path)
+    bnb8.unclaimed_int8({**tensors, **read_header(path)[0]}, bnb8.find_weights(tensors, reader), {"load_in_8bit": True})
+    alone = {k: v for k, v in lost.items() if k == w.name}
+    with pytest.raises(CheckpointError):  # no weight kept its scales, the config says 8-bit
+        bnb8.unclaimed_int8(alone, [], {"load_in_8bit": True})
+    bnb8.unclaimed_int8(alone, [], None)  # a checkpoint that says nothing of 8-bit: a plain integer tensor
+
+
 def test_plain_int8_tensors_and_old_checkpoints_without_weight_format(checkpoints, reader, tmp_path):
     from safetensors.torch import save_file
 

@@ -234,7 +234,8 @@ def _shard_of(folder: Path, key: str) -> Path:
 
 
 @pytest.mark.parametrize("case", ["missing-folder", "truncated", "corrupt-header", "missing-absmax", "bad-json",
-                                  "packed-size", "eight-bit", "dense", "no-safetensors", "bad-quant-map"])  # fmt: skip
+                                  "packed-size", "eight-bit", "dense", "no-safetensors", "bad-quant-map",
+                                  "quant-state-lost"])  # fmt: skip
 def test_bad_input_is_one_clear_line(case, checkpoints, tmp_path):
     source = _copy(checkpoints["llama-nf4-dq"], tmp_path)
     weight = "model.layers.0.self_attn.q_proj.weight"
@@ -249,6 +250,7 @@ def test_bad_input_is_one_clear_line(case, checkpoints, tmp_path):
         "dense": "no bitsandbytes weights",
         "no-safetensors": "no .safetensors files",
         "bad-quant-map": "quant_map is not bitsandbytes' nf4 table",
+        "quant-state-lost": f"'{weight}' looks like a packed 4-bit weight (U8 [8192, 1]) but has no quant state",
     }[case]
     if case == "missing-folder":
         source = tmp_path / "nope"
@@ -260,6 +262,14 @@ def test_bad_input_is_one_clear_line(case, checkpoints, tmp_path):
         raw = bytearray(shard.read_bytes())
         raw[8:20] = b"not json at "
         shard.write_bytes(bytes(raw))
+    elif case == "quant-state-lost":  # every part of one weight's quant state gone: the packed bytes must not pass as dense
+        index = json.loads((source / "model.safetensors.index.json").read_text())
+        parts = [key for key in index["weight_map"] if key.startswith(weight + ".")]
+        for shard in {_shard_of(source, key) for key in parts}:
+            _rewrite_shard(shard, lambda h, d: [h.pop(key) for key in parts if key in h])
+        for key in parts:
+            index["weight_map"].pop(key)
+        (source / "model.safetensors.index.json").write_text(json.dumps(index))
     elif case == "missing-absmax":
         _rewrite_shard(_shard_of(source, weight + ".absmax"), lambda h, d: h.pop(weight + ".absmax"))
         index = json.loads((source / "model.safetensors.index.json").read_text())

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator
 
 from ..checkpoint import shown, strict_json
-from ..dtypes import DTYPES, OUTPUT_DTYPES
+from ..dtypes import BY_NAME, DTYPES, OUTPUT_DTYPES
 from ..errors import ArgumentError, CheckpointError
 
 if TYPE_CHECKING:
@@ -110,7 +110,9 @@ def layout_problem(*, packed_bytes: int, shape, blocksize: int, absmax_count: in
     if not absmax_u8:
         return "nested absmax must be uint8"
     n_nested = -(-n_blocks // nested_blocksize)
-    if nested_count != n_nested or not nested_float:
+    if not nested_float:
+        return "nested_absmax must be floating point (bitsandbytes writes it as F32)"
+    if nested_count != n_nested:
         return f"nested_absmax has {nested_count} entries, {n_nested} floats expected"
     if code2_count != 256:
         return f"nested_quant_map has {code2_count} entries, 256 expected"
@@ -162,6 +164,9 @@ def parse_meta(raw: bytes, *, where: str) -> dict:
     if not isinstance(shape, list) or not shape or not all(_integer(d) and 0 < d < 2**63 for d in shape):
         raise CheckpointError(f"{where}: shape {shown(shape)} is not a list of positive integers")
     if any(key in meta for key in NESTED_KEYS):
+        missing = [key for key in ("nested_blocksize", "nested_dtype") if key not in meta]
+        if missing:  # a nested state names all three (nested_offset is checked below)
+            raise CheckpointError(f"{where}: quant state has nested keys but no '{missing[0]}'")
         blocksize2 = meta.get("nested_blocksize")
         if not _integer(blocksize2) or blocksize2 <= 0 or blocksize2 & (blocksize2 - 1):
             raise CheckpointError(f"{where}: nested_blocksize {shown(blocksize2)} is not a power of two")
@@ -244,6 +249,25 @@ def find_weights(tensors: dict[str, TensorInfo], reader: TensorReader) -> list[W
             raise CheckpointError(f"{info.path}: '{key}' is part of the 4-bit quant state of '{match['weight']}', "
                                   f"which has no '{match['weight']}.quant_state.bitsandbytes__nf4/fp4' tensor")  # fmt: skip
     return weights
+
+
+def unclaimed_packed(tensors: dict[str, TensorInfo], weights: list[Weight4bit], quantization: dict | None) -> None:
+    """CheckpointError for a tensor that looks like a packed 4-bit weight but has no quant state at all (every part
+    lost, or never saved): ``X.weight`` of shape [n, 1] in the 4-bit storage dtype (``bnb_4bit_quant_storage``,
+    uint8 by default), in a checkpoint that is 4-bit (its quantization_config says so, or other weights are).
+    Copied through, its packed bytes would be written as a dense weight. (No dense layer of a model stores its
+    weight [n, 1] in the storage dtype.)"""
+    quantization = quantization or {}
+    if not weights and not quantization.get("load_in_4bit"):
+        return
+    storage = BY_NAME.get(str(quantization.get("bnb_4bit_quant_storage") or "uint8").removeprefix("torch."))
+    packed_codes = {"U8", storage.code if storage is not None else "U8"} | {weight.packed.dtype for weight in weights}
+    claimed = {weight.name for weight in weights}
+    for name, info in tensors.items():
+        if name.endswith(".weight") and name not in claimed and info.dtype in packed_codes and len(info.shape) == 2 and info.shape[1] == 1:
+            raise CheckpointError(f"{info.path}: '{name}' looks like a packed 4-bit weight ({info.dtype} {list(info.shape)}) "
+                                  f"but has no quant state ('{name}.quant_state.bitsandbytes__nf4' or __fp4, absmax, "
+                                  "quant_map): not in the checkpoint")  # fmt: skip
 
 
 def _check(weight: Weight4bit, reader: TensorReader) -> None:

@@ -123,6 +123,22 @@ def find_weights(tensors: dict[str, TensorInfo], reader: TensorReader) -> list[W
     return found
 
 
+def unclaimed_int8(tensors: dict[str, TensorInfo], weights: list[Weight8bit], quantization: dict | None) -> None:
+    """CheckpointError for an I8 ``X.weight`` matrix with neither SCB nor weight_format where 8-bit weights are: a
+    layer named like a quantized one (``...layers.1.up_proj`` beside a quantized ``...layers.0.up_proj``), or any
+    layer when the quantization_config says 8-bit and no weight kept its scales. Its scales were lost, and copied
+    through it would be written as an integer "dense" weight. (Other I8 tensors are plain integer tensors.)"""
+    if not weights and not (quantization or {}).get("load_in_8bit"):
+        return
+    layers = {weight.name.rsplit(".", 2)[-2] for weight in weights if weight.name.count(".") >= 1}
+    claimed = {weight.name for weight in weights}
+    for name, info in tensors.items():
+        suspect = not weights or (name.count(".") >= 1 and name.rsplit(".", 2)[-2] in layers)
+        if name.endswith(".weight") and name not in claimed and info.dtype == "I8" and len(info.shape) == 2 and suspect:
+            raise CheckpointError(f"{info.path}: '{name}' is an 8-bit weight (I8 {list(info.shape)}) with no "
+                                  f"'{name.removesuffix('weight')}SCB' scales: not in the checkpoint")  # fmt: skip
+
+
 def _check_row_major(weight_format: TensorInfo, reader: TensorReader) -> None:
     where = f"{weight_format.path}: tensor '{weight_format.name}'"
     dtype, shape = weight_format.dtype, list(weight_format.shape)

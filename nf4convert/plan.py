@@ -6,8 +6,8 @@ operation that makes it (:class:`Copy` a tensor, cast to the output dtype where 
 :class:`Transpose` such a weight of a Conv1D layer, which transformers quantized transposed; :class:`MergeLora`
 a LoRA adapter's change merged into another recipe's tensor).
 ``stream`` executes recipes, ``verification`` recomputes them with the reference libraries. The only
-tensor data read while planning are the quant states' tiny JSON, code tables and 8-bit format flags,
-so a plan for a 70B checkpoint takes a moment, and it knows the exact output size before anything is
+tensor data read while planning are the quant states' tiny JSON and code tables, the nested absmax (one
+float per 256 blocks) and the 8-bit format flags and row scales, each checked, so a plan for a 70B checkpoint takes a moment, and it knows the exact output size before anything is
 written.
 """
 

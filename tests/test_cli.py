@@ -235,7 +235,7 @@ def _shard_of(folder: Path, key: str) -> Path:
 
 @pytest.mark.parametrize("case", ["missing-folder", "truncated", "corrupt-header", "missing-absmax", "bad-json",
                                   "packed-size", "eight-bit", "dense", "no-safetensors", "bad-quant-map",
-                                  "quant-state-lost"])  # fmt: skip
+                                  "quant-state-lost", "nested-absmax-nan"])  # fmt: skip
 def test_bad_input_is_one_clear_line(case, checkpoints, tmp_path):
     source = _copy(checkpoints["llama-nf4-dq"], tmp_path)
     weight = "model.layers.0.self_attn.q_proj.weight"
@@ -251,6 +251,7 @@ def test_bad_input_is_one_clear_line(case, checkpoints, tmp_path):
         "no-safetensors": "no .safetensors files",
         "bad-quant-map": "quant_map is not bitsandbytes' nf4 table",
         "quant-state-lost": f"'{weight}' looks like a packed 4-bit weight (U8 [8192, 1]) but has no quant state",
+        "nested-absmax-nan": f"{weight}: nested_absmax holds a negative, NaN or infinite value",
     }[case]
     if case == "missing-folder":
         source = tmp_path / "nope"
@@ -262,6 +263,14 @@ def test_bad_input_is_one_clear_line(case, checkpoints, tmp_path):
         raw = bytearray(shard.read_bytes())
         raw[8:20] = b"not json at "
         shard.write_bytes(bytes(raw))
+    elif case == "nested-absmax-nan":  # bitsandbytes would make every weight of 256 blocks NaN
+        key = weight + ".nested_absmax"
+
+        def spoil(header, data):
+            begin = header[key]["data_offsets"][0]
+            data[begin : begin + 4] = struct.pack("<f", float("nan"))
+
+        _rewrite_shard(_shard_of(source, key), spoil)
     elif case == "quant-state-lost":  # every part of one weight's quant state gone: the packed bytes must not pass as dense
         index = json.loads((source / "model.safetensors.index.json").read_text())
         parts = [key for key in index["weight_map"] if key.startswith(weight + ".")]

@@ -82,7 +82,9 @@ def test_plan_reads_only_quant_states_and_maps(tmp_path, monkeypatch):
 
     monkeypatch.setattr(TensorReader, "read", recording)
     make_plan(_checkpoint(tmp_path / "src"))
-    assert sorted(read) == ["a.weight.quant_map", "a.weight.quant_state.bitsandbytes__nf4", "b.weight.quant_map",
+    # the JSON and code tables, and for a nested state its small nested absmax (one float per 256 blocks)
+    assert sorted(read) == ["a.weight.nested_absmax", "a.weight.nested_quant_map", "a.weight.quant_map",
+                            "a.weight.quant_state.bitsandbytes__nf4", "b.weight.quant_map",
                             "b.weight.quant_state.bitsandbytes__fp4"]  # fmt: skip
 
 

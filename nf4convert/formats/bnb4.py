@@ -295,6 +295,14 @@ def _check(weight: Weight4bit, reader: TensorReader) -> None:
     quant_map = weight.parts["quant_map"]
     if math.prod(quant_map.shape) != 16 or not matches_canonical(weight.quant_type, reader.tensor(quant_map)):
         raise CheckpointError(f"{where}: quant_map is not bitsandbytes' {weight.quant_type} table")
+    if weight.nested:  # small (one float per nested block, 256 codes), so read here as 8-bit scales are
+        import torch
+
+        for suffix in ("nested_absmax", "nested_quant_map"):
+            values = reader.tensor(weight.parts[suffix]).float()
+            if not bool(torch.isfinite(values).all()) or (suffix == "nested_absmax" and bool((values < 0).any())):
+                raise CheckpointError(f"{where}: {suffix} holds a negative, NaN or infinite value; bitsandbytes writes "
+                                      "finite block absmaxes (every weight of such a block would come out NaN or inf)")  # fmt: skip
 
 
 def load_state(weight: Weight4bit, reader: TensorReader, device) -> QuantState4bit:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import re
 import stat
 import struct
 import threading
@@ -215,8 +216,9 @@ def _plain_relative(folder: Path, file, where: str) -> str:
     return file
 
 
-def inside(folder: Path, file: str) -> Path:
-    """``folder / file``, refused when it resolves (through symlinks) outside ``folder``.
+def inside(folder: Path, file: str, *, what: str = "checkpoint") -> Path:
+    """``folder / file``, refused when it resolves (through symlinks) outside ``folder`` (the ``what`` folder: a
+    checkpoint's, or an adapter's, whose files are read by the same rule).
 
     A symlink whose target stays inside the folder is fine. So is the Hub cache's layout, where
     ``<repo>/snapshots/<rev>/<file>`` is a symlink to ``<repo>/blobs/<hash>``: a snapshot folder may read
@@ -232,7 +234,7 @@ def inside(folder: Path, file: str) -> Path:
         raise CheckpointError(f"{path}: cannot be resolved ({error})") from None
     if real == root or root in real.parents or (blobs is not None and real.parent == blobs):
         return path
-    raise CheckpointError(f"{path}: is a link to {real}, outside the checkpoint folder; copy the file into the folder instead")
+    raise CheckpointError(f"{path}: is a link to {real}, outside the {what} folder; copy the file into the folder instead")
 
 
 def read_index(folder: Path) -> dict[str, str] | None:
@@ -265,11 +267,38 @@ def read_index(folder: Path) -> dict[str, str] | None:
     return weight_map
 
 
+_SHARD_NAME = re.compile(r"(.+)-[0-9]+-of-([0-9]+)\.safetensors")  # transformers' "model-00001-of-00003.safetensors"
+
+
+def _unlisted_shards(folder: Path, listed: set[str]) -> set[str]:
+    """Files of the shard series the index names (same prefix, same "-of-N") that it does not name: a shard the index
+    lost, whose tensors would silently be left out. Other .safetensors files beside an index (a Mistral repo's
+    consolidated.safetensors, an older series "-of-M") are not the checkpoint's and stay unread."""
+    series = {match.groups() for file in listed if (match := _SHARD_NAME.fullmatch(file))}
+    found = set()
+    for parent in {prefix.rpartition("/")[0] for prefix, _ in series}:
+        try:
+            names = os.listdir(folder / parent if parent else folder)
+        except OSError:
+            continue  # a listed file there is then reported missing or unreadable by its own name
+        for name in names:
+            relative = f"{parent}/{name}" if parent else name
+            match = _SHARD_NAME.fullmatch(relative)
+            if match and match.groups() in series and relative not in listed:
+                found.add(relative)
+    return found
+
+
 def read_tensors(folder: Path) -> dict[str, TensorInfo]:
-    """Every tensor of the checkpoint in ``folder``, resolved through the index when there is one."""
+    """Every tensor of the checkpoint in ``folder``, resolved through the index when there is one.
+
+    With an index, the index and the shards must agree exactly: each tensor listed under the file that holds it,
+    and every tensor of those files, and of the index's shard series, listed (CheckpointError naming the shard and
+    the tensor otherwise)."""
     weight_map = read_index(folder)
     if weight_map is not None:
-        files = sorted(set(weight_map.values()))
+        listed = set(weight_map.values())
+        files = sorted(listed | _unlisted_shards(folder, listed))
     else:
         # Without an index every .safetensors file is the checkpoint's, but for a peft adapter's own file.
         files = sorted(_plain_relative(folder, p.name, str(folder)) for p in folder.glob("*.safetensors")
@@ -282,7 +311,8 @@ def read_tensors(folder: Path) -> dict[str, TensorInfo]:
         try:
             regular = stat.S_ISREG(os.stat(path).st_mode)
         except FileNotFoundError:
-            raise CheckpointError(f"{path}: listed in the index but missing") from None
+            missing = "listed in the index but missing" if weight_map is None or file in listed else "a dangling link"
+            raise CheckpointError(f"{path}: {missing}") from None
         except OSError as error:  # a name too long, a link loop, no permission
             raise CheckpointError(f"{path}: cannot read ({error.strerror or error})") from None
         if not regular:
@@ -290,6 +320,12 @@ def read_tensors(folder: Path) -> dict[str, TensorInfo]:
         for name, info in read_header(path)[0].items():
             if name in tensors:
                 raise CheckpointError(f"{path}: tensor {shown(name)} also stands in {tensors[name].path.name}")
+            # transformers loads every tensor of every file the index names (and no other file), while other readers
+            # (vLLM, mergekit) look each tensor up in the index: a tensor the index leaves out, or lists under another
+            # file, is read by one and not the other, or by none; refused, never silently dropped.
+            if weight_map is not None and weight_map.get(name) != file:
+                listed = "does not list" if name not in weight_map else f"lists under {shown(weight_map[name])}"
+                raise CheckpointError(f"{path}: holds tensor {shown(name)}, which the index {listed}")
             tensors[name] = info
     if weight_map is not None:
         for name, file in weight_map.items():

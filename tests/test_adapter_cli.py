@@ -277,3 +277,71 @@ def test_model_card_names_a_local_adapter_as_a_folder(base, tmp_path):
         os.chdir(cwd)
     card = (out / "README.md").read_text()
     assert "`my-lora` (a local folder)" in card and "huggingface.co/adapters" not in card and str(tmp_path) not in card
+
+
+def _hub_snapshot(adapter, root):
+    """``adapter``'s files laid out as huggingface_hub's cache keeps a repo: snapshots/<commit>/<file> are relative
+    links to ../../blobs/<hash>."""
+    import hashlib
+    import os
+
+    repo = root / "hub" / "models--someone--my-adapter"
+    snapshot = repo / "snapshots" / ("0123456789abcdef" * 3)[:40]
+    (repo / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for path in sorted(adapter.iterdir()):
+        blob = hashlib.sha256(path.read_bytes()).hexdigest()
+        path.rename(repo / "blobs" / blob)
+        os.symlink(f"../../blobs/{blob}", snapshot / path.name)
+    return snapshot
+
+
+@pytest.mark.parametrize("file", ["adapter_model.safetensors", "adapter_config.json"])
+@pytest.mark.parametrize("route", ["--adapter", "adapter-as-source", "other-repo-blobs"])
+def test_adapter_files_linked_from_outside_its_folder_are_refused(file, route, base, tmp_path):
+    """The checkpoint's rule for links (checkpoint.inside) holds for an adapter's files: a link out of the folder is
+    refused by name, where the adapter is --adapter or SOURCE; a Hub cache snapshot reads its own repo's blobs only."""
+    import os
+    import shutil
+
+    source, _ = base
+    adapter = make_adapter(tmp_path / "adapter", "linear", seed=9, base_model=str(source))
+    if route == "other-repo-blobs":
+        adapter = _hub_snapshot(adapter, tmp_path)
+        other = tmp_path / "hub" / "models--someone--else" / "blobs"
+        other.mkdir(parents=True)
+        blob = (adapter / file).resolve()
+        blob.rename(other / blob.name)
+        (adapter / file).unlink()
+        os.symlink(f"../../../models--someone--else/blobs/{blob.name}", adapter / file)
+        target = other / blob.name
+    else:
+        target = tmp_path / "elsewhere" / file
+        target.parent.mkdir()
+        shutil.move(adapter / file, target)
+        os.symlink(target, adapter / file)
+    args = [adapter] if route == "adapter-as-source" else [source, "--adapter", adapter]
+    result = CliRunner().invoke(main, [*map(str, args), "-o", str(tmp_path / "out"), "-q", "--device", "cpu"])
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert result.exit_code == 1 and len(lines) == 1, result.output
+    assert lines[0] == f"Error: {adapter / file}: is a link to {target.resolve()}, outside the adapter folder; copy the file into the folder instead"
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
+
+
+def test_an_adapter_in_the_hub_cache_layout_merges_and_verifies(base, tmp_path):
+    """A Hub-fetched adapter is a snapshot of links into its repo's blobs: merged exactly as the same files in a plain
+    folder, and verified."""
+    import shutil
+
+    source, _ = base
+    plain = make_adapter(tmp_path / "adapter", "linear", seed=11)
+    shutil.copytree(plain, tmp_path / "cached")
+    snapshot = _hub_snapshot(tmp_path / "cached", tmp_path)
+    assert (snapshot / "adapter_model.safetensors").is_symlink() and (snapshot / "adapter_config.json").is_symlink()
+    run(source, "--adapter", plain, "-o", tmp_path / "from-plain", "-q", "--device", "cpu")
+    run(source, "--adapter", snapshot, "-o", tmp_path / "from-cache", "-q", "--device", "cpu")
+    weights = sorted(p.name for p in (tmp_path / "from-plain").glob("*.safetensors*"))
+    assert weights and weights == sorted(p.name for p in (tmp_path / "from-cache").glob("*.safetensors*"))
+    for name in weights:
+        assert (tmp_path / "from-plain" / name).read_bytes() == (tmp_path / "from-cache" / name).read_bytes(), name
+    assert "OK: bit-exact" in run("verify", tmp_path / "from-cache", source, "--adapter", snapshot, "-q", "--device", "cpu")

@@ -268,6 +268,58 @@ def test_index_naming_a_missing_file_or_tensor(tmp_path):
         read_tensors(folder)
 
 
+
+def _three_shards(folder: Path, seed: int) -> tuple[dict, dict]:
+    """Three shards of a transformers-style series and their index's weight_map."""
+    folder.mkdir(parents=True)
+    tensors = random_tensors(seed)
+    names = sorted(tensors)
+    weight_map = {}
+    for index, part in enumerate((names[:1], names[1:3], names[3:]), 1):
+        filename = f"model-{index:05d}-of-00003.safetensors"
+        save_file({name: tensors[name] for name in part}, folder / filename, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(part, filename))
+    return tensors, weight_map
+
+
+@pytest.mark.parametrize("case", ["left-out", "shard-left-out", "wrong-file", "wrong-unlisted-file"])
+def test_the_index_and_the_shards_must_agree(case, tmp_path):
+    """A tensor a shard holds and the index does not list where it is (left out, its shard of the series left out,
+    or listed under another file) is refused by the shard's and the tensor's name, never silently dropped."""
+    folder = tmp_path / "ckpt"
+    tensors, weight_map = _three_shards(folder, 13)
+    first = "model-00001-of-00003.safetensors"
+    (lone,) = [name for name, file in weight_map.items() if file == first]
+    moved = sorted(name for name, file in weight_map.items() if file == "model-00002-of-00003.safetensors")[0]
+    if case == "left-out":
+        del weight_map[moved]
+        shard, words = "model-00002-of-00003.safetensors", f"holds tensor '{moved}', which the index does not list"
+    elif case == "shard-left-out":  # the index names no tensor of shard 1: transformers would not even open it
+        del weight_map[lone]
+        shard, words = first, f"holds tensor '{lone}', which the index does not list"
+    elif case == "wrong-file":
+        weight_map[moved] = "model-00003-of-00003.safetensors"
+        shard, words = "model-00002-of-00003.safetensors", f"holds tensor '{moved}', which the index lists under 'model-00003-of-00003.safetensors'"
+    else:  # listed under shard 2, held by shard 1, which the index names nowhere else
+        weight_map[lone] = "model-00002-of-00003.safetensors"
+        shard, words = first, f"holds tensor '{lone}', which the index lists under 'model-00002-of-00003.safetensors'"
+    _write_index(folder, weight_map)
+    with pytest.raises(CheckpointError) as caught:
+        read_tensors(folder)
+    assert str(caught.value) == f"{folder / shard}: {words}"
+
+
+def test_other_safetensors_files_beside_an_index_are_not_the_checkpoint(tmp_path):
+    """Only the index's own series is looked at: a Mistral-style consolidated.safetensors or an older series with
+    another shard count beside it are no part of the checkpoint (nor an adapter's file)."""
+    folder = tmp_path / "ckpt"
+    tensors, weight_map = _three_shards(folder, 14)
+    _write_index(folder, weight_map)
+    for name in ("consolidated.safetensors", "model-00001-of-00004.safetensors", "model-00004-of-00003-old.safetensors",
+                 "adapter_model.safetensors"):  # fmt: skip
+        save_file({"stray": torch.arange(1, 4, dtype=torch.int32)}, folder / name)
+    check_read(folder, tensors)
+
 def test_files_in_a_subfolder_are_fine(tmp_path):
     folder = tmp_path / "ckpt"
     expected = sharded_checkpoint(folder, 7)

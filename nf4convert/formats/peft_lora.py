@@ -38,7 +38,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..checkpoint import ADAPTER_WEIGHTS, TensorInfo, read_header, strict_json
+from ..checkpoint import ADAPTER_WEIGHTS, TensorInfo, inside, read_header, strict_json
 from ..dtypes import DTYPES
 from ..errors import CheckpointError
 from . import conv1d
@@ -143,7 +143,8 @@ def _number(value, config_path: Path, what: str, *, integer: bool):
 
 
 def _read_config(folder: Path) -> tuple[Path, dict]:
-    config_path = folder / CONFIG_NAME
+    # the checkpoint's rule for links: a Hub cache snapshot may read its repo's blobs, nothing may read outside
+    config_path = inside(folder, CONFIG_NAME, what="adapter")
     try:
         raw = config_path.read_bytes()
     except FileNotFoundError:
@@ -215,7 +216,7 @@ def load_adapter(folder: Path) -> Adapter:
     """
     folder = Path(folder)
     config_path, config = _read_config(folder)
-    path = folder / WEIGHTS_NAME
+    path = inside(folder, WEIGHTS_NAME, what="adapter")
     if not path.is_file():
         pickled = (folder / "adapter_model.bin").exists()
         why = " (only adapter_model.bin: pickled adapters are not read)" if pickled else ""

@@ -49,6 +49,7 @@ class TensorInfo:
 #   entry, empty or non-printable tensor names (they would break one-line messages), dtypes without a torch
 #   type here (F4, F6_*, F8_E8M0, C64, ...).
 ADAPTER_WEIGHTS = "adapter_model.safetensors"  # peft's file name: an adapter beside a checkpoint is not part of it
+INDEX_NAME = "model.safetensors.index.json"  # transformers' name for the index (the only one it looks for)
 _HEADER_LIMIT = 100_000_000
 _USIZE_END = 1 << 64
 _ENTRY_KEYS = {"dtype", "shape", "data_offsets"}
@@ -243,7 +244,7 @@ def read_index(folder: Path) -> dict[str, str] | None:
     Every file it names must be a ``.safetensors`` file named by a plain relative path inside ``folder``
     (no ``..``, no absolute path or drive, no backslash); CheckpointError otherwise.
     """
-    path = folder / "model.safetensors.index.json"
+    path = folder / INDEX_NAME
     if not os.path.lexists(path):
         candidates = sorted(folder.glob("*.safetensors.index.json"))
         if not candidates:

@@ -3,8 +3,10 @@
 verify is stream's sibling: it re-plans the source and recomputes every recipe with bitsandbytes and
 peft (never with our kernels or merge code), then compares the output's bytes. Every source tensor must
 be there, no quantization key or config may remain, and every floating tensor must be of the output's
-one dtype. The 4-bit reference on the CPU is ``reference.py``: bitsandbytes' CUDA arithmetic from
-bitsandbytes' own parts, because its native CPU op differs from its CUDA kernels on some CPUs.
+one dtype; the weight files must be laid out as transformers finds them (model.safetensors, or shards and
+their exact index), and every file the conversion carries over must be there with the source's bytes.
+The 4-bit reference on the CPU is ``reference.py``: bitsandbytes' CUDA arithmetic from bitsandbytes' own
+parts, because its native CPU op differs from its CUDA kernels on some CPUs.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, NamedTuple
 
-from .checkpoint import TensorInfo, TensorReader, read_tensors
+from .checkpoint import INDEX_NAME, TensorInfo, TensorReader, read_index, read_tensors, strict_json
 from .dtypes import DTYPES, OUTPUT_DTYPES
 from .errors import ArgumentError, CheckpointError, SourceNotFoundError
 from .formats import bnb4, bnb8
@@ -199,8 +201,6 @@ REFERENCES = {
 def _leftovers(produced: dict[str, TensorInfo], output: Path, expected_config: dict | None) -> list[str]:
     """Quantization keys left in the output, and a config.json that is not the source's made dense (no
     quantization_config, the output's dtype recorded): what transformers would load the weights with."""
-    from .checkpoint import strict_json
-
     suffixes = tuple("." + part for part in (*bnb4.PARTS, *bnb8.PARTS))
     problems = [f"{name}: a quantization key remains in the output" for name in sorted(produced)
                 if bnb4.STATE_KEY.match(name) or name.endswith(suffixes)]  # fmt: skip
@@ -219,6 +219,66 @@ def _leftovers(produced: dict[str, TensorInfo], output: Path, expected_config: d
         keys = sorted(k for k in set(config) | set(expected_config) if config.get(k) != expected_config.get(k))
         problems.append(f"config.json: differs from the source's made dense (in {', '.join(keys[:5])})")
     return problems
+
+
+def _weight_file_problems(output: Path, produced: dict[str, TensorInfo]) -> list[str]:
+    """The output's weight files as transformers finds them: one ``model.safetensors`` without an index, or shards
+    named by ``model.safetensors.index.json``, whose ``metadata.total_size`` is their tensors' bytes, and no other
+    ``.safetensors`` file (beside an index, a ``model.safetensors`` is what transformers loads). That the index maps
+    exactly the output's tensors, each to the file holding it, read_tensors checked already (it refuses otherwise)."""
+    files = sorted(path.name for path in output.glob("*.safetensors"))
+    index = output / INDEX_NAME
+    if not index.is_file():
+        others = sorted(path.name for path in output.glob("*.safetensors.index.json"))
+        if others:
+            return [f"{INDEX_NAME}: missing (the output's index is named {others[0]}, which transformers does not look for)"]
+        if len(files) > 1:
+            return [f"{INDEX_NAME}: missing; transformers loads none of the output's {len(files)} shards without it"]
+        if files and files != ["model.safetensors"]:
+            return [f"{files[0]}: a single-file output must be named model.safetensors (the only name transformers looks for)"]
+        return []
+    listed = set(read_index(output).values())
+    problems = []
+    if "model.safetensors" in files and listed != {"model.safetensors"}:
+        problems.append("model.safetensors: beside the index; transformers loads it and ignores the shards")
+    problems += [f"{name}: a .safetensors file the index does not name" for name in files if name not in listed | {"model.safetensors"}]
+    raw = strict_json(index.read_bytes(), INDEX_NAME)  # read_index has read it: JSON, an object
+    metadata = raw.get("metadata")
+    total = sum(info.nbytes for info in produced.values())
+    if not isinstance(metadata, dict):
+        problems.append(f"{INDEX_NAME}: no 'metadata' object (transformers' loader reads it)")
+    elif metadata.get("total_size") != total:
+        problems.append(f"{INDEX_NAME}: metadata.total_size is {metadata.get('total_size')!r}, the shards hold {total} bytes of tensors")
+    return problems
+
+
+def _carried_problems(plan, output: Path) -> list[str]:
+    """Every file the conversion carries over unchanged (plan.side_files) in the output, byte for byte. config.json is
+    compared made dense (_leftovers); the model card is written anew."""
+    problems = []
+    for relative in plan.side_files:
+        name = relative.as_posix()
+        copy = output / relative
+        if not copy.is_file():
+            problems.append(f"{name}: carried over from the source, missing from the output")
+        elif not _same_bytes(plan.folder / relative, copy):
+            problems.append(f"{name}: differs from the source's")
+    return problems
+
+
+def _same_bytes(original: Path, copy: Path) -> bool:
+    """Whether two files hold the same bytes, read a piece at a time (filecmp trusts the sizes and times it caches)."""
+    piece = 1 << 20
+    try:
+        if original.stat().st_size != copy.stat().st_size:
+            return False
+        with open(original, "rb") as first, open(copy, "rb") as second:
+            while (data := first.read(piece)) == second.read(piece):
+                if not data:
+                    return True
+            return False
+    except OSError as error:  # a read error names no file: both are named
+        raise CheckpointError(f"{error.filename or f'{original} or {copy}'}: cannot be read ({error.strerror or error})") from None
 
 
 def _layout_problems(tensors, context: "_Context") -> list[str]:
@@ -299,7 +359,9 @@ def verify(output: str | Path, source: str, *, device: str = "auto", adapter: st
     with TensorReader() as source_reader, TensorReader() as output_reader:
         produced = read_tensors(output)
         plan = _plan_source(folder, output, _output_dtype(produced), source_reader, adapter_folder)
+        report.problems += _weight_file_problems(output, produced)
         report.problems += _leftovers(produced, output, plan.config)
+        report.problems += _carried_problems(plan, output)
         expected = {tensor.name: tensor for tensor in plan.tensors}
         report.problems += [f"{name}: in the source, missing from the output" for name in sorted(set(expected) - set(produced))]
         report.problems += [f"{name}: in the output, not in the source" for name in sorted(set(produced) - set(expected))]

@@ -12,6 +12,7 @@ import json
 import shutil
 from pathlib import Path
 
+from .checkpoint import INDEX_NAME
 from .errors import OutputError
 
 PARTIAL_SUFFIX = ".nf4convert-partial"
@@ -157,7 +158,7 @@ def write_side_files(plan, folder: Path, card: str | None = None) -> None:
     if card is not None:
         (folder / "README.md").write_text(card, encoding="utf-8")
     if len(plan.shards) > 1:
-        (folder / "model.safetensors.index.json").write_text(json.dumps(index_json(plan), indent=2) + "\n")
+        (folder / INDEX_NAME).write_text(json.dumps(index_json(plan), indent=2) + "\n")
 
 
 def move_into_place(temporary: Path, output: Path, *, overwrite: bool = False) -> None:

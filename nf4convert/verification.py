@@ -252,10 +252,20 @@ def _weight_file_problems(output: Path, produced: dict[str, TensorInfo]) -> list
     return problems
 
 
+# Files no conversion writes that would change how a loader reads the folder: an adapter's (transformers would load
+# the base it names plus the adapter, not these weights) and weights in other formats.
+FOREIGN_FILES = ("adapter_config.json", "adapter_model.*", "*.bin", "*.bin.index.json", "*.pt", "*.pth", "*.h5",
+                 "*.msgpack", "*.ckpt", "*.gguf")  # fmt: skip
+
+
 def _carried_problems(plan, output: Path) -> list[str]:
-    """Every file the conversion carries over unchanged (plan.side_files) in the output, byte for byte. config.json is
-    compared made dense (_leftovers); the model card is written anew."""
-    problems = []
+    """Every file the conversion carries over unchanged (plan.side_files) in the output, byte for byte, and none of
+    the FOREIGN_FILES beside them. config.json is compared made dense (_leftovers); the model card is written anew."""
+    import fnmatch
+
+    problems = [f"{path.name}: in the output, but no conversion writes it (a loader would read it instead of, or "
+                "beside, the converted weights)" for path in sorted(output.iterdir())
+                if path.is_file() and any(fnmatch.fnmatch(path.name, pattern) for pattern in FOREIGN_FILES)]  # fmt: skip
     for relative in plan.side_files:
         name = relative.as_posix()
         copy = output / relative

@@ -154,3 +154,12 @@ def test_the_model_card_is_not_compared(converted, tmp_path):
     assert (out / "README.md").read_text() != (source / "README.md").read_text()
     (out / "README.md").write_text("# another card\n")
     assert problems(out, source) == []
+
+
+@pytest.mark.parametrize("stray", ["adapter_config.json", "adapter_model.safetensors", "pytorch_model.bin"])
+def test_files_no_conversion_writes_fail(stray, converted, tmp_path):
+    # an adapter's files make transformers load the base they name plus the adapter; a .bin is another copy of weights
+    source, out = copy_of(converted, "single", tmp_path)
+    (out / stray).write_text("{}")
+    found = problems(out, source)
+    assert any(p.startswith(f"{stray}: in the output, but no conversion writes it") for p in found), found

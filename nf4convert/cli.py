@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import signal
 import sys
+import threading
 from functools import partial
 
 import click
@@ -34,6 +35,9 @@ INTERRUPTED, TERMINATED = 130, 143
 STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
 _received: list = []  # the stop signals this command received
 _process = [False]  # running as the process's own command line (not a test's CliRunner)
+_running = [False]  # a command is running: a signal deferred out of an import is sent again only then
+_resend = threading.Lock()  # a resend and the end of the command (handlers restored) never interleave
+_written: list = [None]  # the OUT this command completed: a later stop (in --verify, the push) keeps it
 
 
 class Terminated(BaseException):
@@ -64,12 +68,20 @@ def _on_signal(signum, frame):
     raised in importlib's own code can leave a module's import lock held, and a thread importing that module then
     waits forever (the run hung on Ctrl-C that way). There the signal is sent again 50 ms later."""
     _received.append(signum)
+    if not _running[0]:
+        return  # the command is over (a resend raced its end): nothing left to stop
     if _inside_import(frame) and hasattr(signal, "pthread_kill"):
-        import threading
-
-        threading.Timer(0.05, signal.pthread_kill, (threading.main_thread().ident, signum)).start()
+        timer = threading.Timer(0.05, _send_again, (threading.main_thread().ident, signum))
+        timer.daemon = True  # never holds up the exit
+        timer.start()
         return
     raise KeyboardInterrupt if signum == signal.SIGINT else Terminated(signum)
+
+
+def _send_again(thread: int, signum: int) -> None:
+    with _resend:
+        if _running[0]:
+            signal.pthread_kill(thread, signum)
 
 
 class DefaultGroup(click.Group):
@@ -81,9 +93,11 @@ class DefaultGroup(click.Group):
         args = sys.argv[1:] if args is None else list(args)
         if not args:
             args = ["--help"]
-        previous = {number: signal.signal(number, _on_signal) for number in STOP_SIGNALS}
+        # A signal the caller ignores (nohup, trap '' INT) stays ignored.
+        previous = {number: signal.signal(number, _on_signal) for number in STOP_SIGNALS
+                    if signal.getsignal(number) is not signal.SIG_IGN}  # fmt: skip
         _received.clear()
-        _process[0] = process
+        _process[0], _running[0], _written[0] = process, True, None
         unraisable_hook, sys.unraisablehook = sys.unraisablehook, partial(_unraisable, sys.unraisablehook)
         try:
             code = super().main(args, *rest, standalone_mode=False, **kwargs)
@@ -94,8 +108,10 @@ class DefaultGroup(click.Group):
             error_line("aborted")
             sys.exit(1)
         finally:
-            for number, handler in previous.items():
-                signal.signal(number, handler)
+            with _resend:
+                _running[0] = False
+                for number, handler in previous.items():
+                    signal.signal(number, handler)
             sys.unraisablehook = unraisable_hook
         code = code if isinstance(code, int) else 0
         if process and "torch" in sys.modules:
@@ -154,11 +170,13 @@ def _stopped(stop: BaseException | None, signum: int):
     signal could act is kept and named. The process ends without the interpreter's teardown, which would wait
     for any worker thread still running."""
     word = "interrupted" if signum == signal.SIGINT else "terminated"
-    complete = getattr(stop, "output_complete", None)
-    if stop is None:  # the exception was swallowed where it was raised (a destructor): the work ran to its end
-        error_line(f"{word} as the work finished; what it wrote is complete")
+    complete = getattr(stop, "output_complete", None) or _written[0]
+    if complete:
+        error_line(f"{word}; {complete} was complete and is kept")
+    elif stop is None:  # the exception was swallowed where it was raised (a destructor): the work ran to its end
+        error_line(f"{word} as the work finished")
     else:
-        error_line(f"{word}; {complete} was complete and is kept" if complete else f"{word}; nothing was written")
+        error_line(f"{word}; nothing was written")
     if _process[0]:
         _exit_now(128 + signum)
     sys.exit(128 + signum)
@@ -309,6 +327,7 @@ def convert_command(source, output, adapter, dtype, device, max_shard_size, over
         from .conversion import convert
 
         result = convert(source, output, device=device, progress=not quiet, **options)
+        _written[0] = result.output  # complete: a stop from here on (--verify, the push) leaves it
         say(_summary(result))
         for warning in result.warnings:
             say(f"Warning: {warning}", err=True)

@@ -28,6 +28,8 @@ KINDS = {  # kind -> LoraConfig arguments
     "embedding": dict(r=5, lora_alpha=9, target_modules=["embed_tokens", "o_proj"]),
     "modules_to_save": dict(r=2, lora_alpha=3, target_modules=["v_proj"], modules_to_save=["lm_head", "norm"]),
     "embeddings_to_save": dict(r=2, lora_alpha=3, target_modules=["v_proj"], modules_to_save=["embed_tokens"]),
+    # q_proj in both: peft saves it whole (no LoRA tensors) and merges that
+    "targeted-and-saved": dict(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"], modules_to_save=["q_proj"]),
     "pattern": dict(r=4, lora_alpha=8, target_modules=r".*\.(q_proj|v_proj|up_proj)"),
     # only square weights, and a config that says fan_in_fan_out: peft still merges them as nn.Linear
     "square-fan-in-fan-out": dict(r=3, lora_alpha=5, target_modules=["q_proj", "o_proj"], fan_in_fan_out=True),

@@ -396,7 +396,8 @@ def validate(adapter: Adapter, base: dict, *, config: dict | None = None) -> Ada
 
     targets = adapter.config.get("target_modules")
     if not _all_linear(targets):  # "all-linear" spares embeddings, which shapes alone do not tell from linear layers
-        adapted = {t.module for t in adapter.targets.values() if t.kind in ("linear", "embedding")}
+        # a module in modules_to_save too is saved whole, without LoRA tensors (peft loads and merges that as is)
+        adapted = {t.module for t in adapter.targets.values() if t.kind in ("linear", "embedding", "replace")}
         for name, value in base.items():
             module = name.removesuffix(".weight")
             if module != name and module not in adapted and len(_shape_of(value)) == 2 and _targeted(adapter.config, module):

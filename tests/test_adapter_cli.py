@@ -45,13 +45,18 @@ def run(*args, code=0):
     return result.output
 
 
-@pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    """A real 4-bit Llama checkpoint and its dense conversion (no adapter)."""
-    root = tmp_path_factory.mktemp("adapter-base")
-    source = build(root / "llama-bnb-4bit", "llama-nf4-dq", seed=3)
+def _base_and_dense(tmp_path_factory, variant: str, seed: int):
+    """A real 4-bit checkpoint of ``variant`` and its dense conversion (no adapter)."""
+    root = tmp_path_factory.mktemp(f"adapter-{variant}")
+    source = build(root / f"{variant}-bnb-4bit", variant, seed=seed)
     run(source, "-o", root / "dense", "-q", "--device", "cpu")
     return source, root / "dense"
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """Llama."""
+    return _base_and_dense(tmp_path_factory, "llama-nf4-dq", seed=3)
 
 
 def make_adapter(folder, kind, seed, base_model=None, arch="llama"):
@@ -92,11 +97,8 @@ def peft_merged(dense_folder, adapter_folder):
 
 @pytest.fixture(scope="module")
 def gpt2_base(tmp_path_factory):
-    """A real 4-bit GPT-2 checkpoint (Conv1D layers, quantized transposed) and its dense conversion."""
-    root = tmp_path_factory.mktemp("adapter-gpt2")
-    source = build(root / "gpt2-bnb-4bit", "gpt2-conv1d-nf4-dq", seed=4)
-    run(source, "-o", root / "dense", "-q", "--device", "cpu")
-    return source, root / "dense"
+    """GPT-2: Conv1D layers, which transformers quantizes transposed."""
+    return _base_and_dense(tmp_path_factory, "gpt2-conv1d-nf4-dq", seed=4)
 
 
 @pytest.mark.parametrize("kind", list(KINDS))

@@ -87,9 +87,6 @@ def staging(output: Path):
         except OSError as error:
             raise OutputError(f"{output}: cannot be written ({_reason(error)})") from None
         yield temporary
-    except OutputError:
-        shutil.rmtree(temporary, ignore_errors=True)
-        raise
     except OSError as error:
         shutil.rmtree(temporary, ignore_errors=True)
         raise OutputError(f"{output}: writing failed ({_reason(error)}); nothing was written") from None

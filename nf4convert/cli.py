@@ -2,7 +2,7 @@
 
 torch, Triton and bitsandbytes are imported inside the commands, so ``--help`` and argument errors are
 instant. Every failure is one ``Error:`` line and a non-zero exit: 1 for bad input or a failed run, 2 for
-a usage error, 130 for Ctrl-C and 143 for SIGTERM (both remove what was partly written).
+a usage error, 130 for Ctrl-C, 143 for SIGTERM and 129 for SIGHUP (each removes what was partly written).
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ HINTS = {
     "max_shard_size": "see --max-shard-size",
     "adapter": "see --adapter",
 }
-INTERRUPTED, TERMINATED = 130, 143
 # Signals that stop a run: SIGINT (Ctrl-C) as KeyboardInterrupt, SIGTERM (kill, timeout, docker stop) and SIGHUP (a
 # closed terminal or ssh session) as Terminated; each exits 128 + its number once what was partly written is removed.
 STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))

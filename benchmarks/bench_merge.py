@@ -1,5 +1,6 @@
 """Where one LoRA merge's time goes on the conversion's route (the adapter route's serial part): the base weight
-made whole through the route's pieces, its copy to the device, peft's merge arithmetic, the copy back. One layer
+made whole (on the device where the route can, else through the route's pieces into host memory), its copy to
+the device, peft's merge arithmetic, the copy back (through pinned memory from a GPU). One layer
 of the 8B-shaped checkpoint of bench_convert.py with its rank-16 adapter; milliseconds, best of 3, per weight."""
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ def timed(fn, sync):
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--via-host", action="store_true", help="the way before: whole in pageable host memory, out into it")
     options = parser.parse_args()
     device = torch.device(options.device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -47,12 +49,18 @@ def main():
                 best = None
                 for _ in range(3):
                     base = dataclasses.replace(tensor, recipe=tensor.recipe.base)
-                    whole, t_whole = timed(lambda: _whole(base, reader, route), sync)
+                    # as stream._merge_lora does: whole on the device where the route can, else through the host
+                    make = (lambda: route.whole(base, reader)) if hasattr(route, "whole") and not options.via_host \
+                        else (lambda: _whole(base, reader, route))  # fmt: skip
+                    whole, t_whole = timed(make, sync)
                     weight = whole.view(torch.bfloat16).view(tensor.shape)
                     on_device, t_h2d = timed(lambda: weight.to(route.device), sync)
                     lora = peft_lora.read_lora(tensor.recipe.target, reader)
                     merged, t_merge = timed(lambda: peft_lora.merge(tensor.recipe.target, on_device, lora, inplace=True), sync)
-                    _, t_d2h = timed(lambda: merged.contiguous().view(-1).view(torch.uint8).cpu(), sync)
+                    flat = merged.contiguous().view(-1).view(torch.uint8)
+                    out = (lambda: torch.empty(flat.numel(), dtype=torch.uint8, pin_memory=True).copy_(flat)) \
+                        if flat.is_cuda and not options.via_host else flat.cpu  # fmt: skip
+                    _, t_d2h = timed(out, sync)
                     row = (t_whole, t_h2d, t_merge, t_d2h)
                     best = row if best is None or sum(row) < sum(best) else best
                 print(f"| {tensor.name} | {list(tensor.shape)} | " + " | ".join(f"{t:.1f}" for t in best) + f" | {sum(best):.1f} |",

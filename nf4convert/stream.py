@@ -156,9 +156,12 @@ def _transpose(tensor: PlannedTensor, reader: TensorReader, route) -> Iterator[P
 
 
 def _merge_lora(tensor: PlannedTensor, reader: TensorReader, route) -> Iterator[Piece]:
-    """The base tensor made whole (a merge needs all of it) through the route, merged on its device as peft would
-    there, then written from memory: that weight plus about two fp32 copies of it at most, for each of the
-    ``SHARDS_AT_ONCE`` shards written side by side (1.7 GB of host memory at the peak on the 8B-shaped benchmark)."""
+    """The base tensor made whole (a merge needs all of it), merged on the route's device as peft would there, then
+    written from memory. On the GPU route the weight is made whole in device memory (``CudaRoute.whole``) and the
+    result copied out through pinned memory: no round trip through pageable pages, which took 15x the merge's own
+    time (benchmarks/bench_merge.py). Host memory: the merged weight (and on the CPU route about two fp32 copies
+    while merging) for each of the ``SHARDS_AT_ONCE`` shards written side by side (1.9 GB of RSS at the peak on the
+    8B-shaped benchmark)."""
     import torch
 
     recipe = tensor.recipe

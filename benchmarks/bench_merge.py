@@ -50,9 +50,8 @@ def main():
                 for _ in range(3):
                     base = dataclasses.replace(tensor, recipe=tensor.recipe.base)
                     # as stream._merge_lora does: whole on the device where the route can, else through the host
-                    make = (lambda: route.whole(base, reader)) if hasattr(route, "whole") and not options.via_host \
-                        else (lambda: _whole(base, reader, route))  # fmt: skip
-                    whole, t_whole = timed(make, sync)
+                    where = "cpu" if options.via_host else route.device
+                    whole, t_whole = timed(lambda: _whole(base, reader, route, where), sync)
                     weight = whole.view(torch.bfloat16).view(tensor.shape)
                     on_device, t_h2d = timed(lambda: weight.to(route.device), sync)
                     lora = peft_lora.read_lora(tensor.recipe.target, reader)

@@ -122,16 +122,23 @@ def _dequantize_8bit(tensor: PlannedTensor, reader: TensorReader, route) -> Iter
                     on_device=True)  # fmt: skip
 
 
-def _whole(tensor: PlannedTensor, reader: TensorReader, route):
-    """A recipe's tensor made whole through the route, in host memory (as raw bytes)."""
+def _whole(tensor: PlannedTensor, reader: TensorReader, route, device="cpu"):
+    """A recipe's tensor made whole through the route, as raw bytes in ``device``'s memory. On the GPU, pieces the
+    GPU makes are made straight into it (no round trip through the host), the others copied in."""
     import torch
 
-    whole = torch.empty(tensor.nbytes, dtype=torch.uint8)
+    whole = torch.empty(tensor.nbytes, dtype=torch.uint8, device=device)
     for piece in PRODUCERS[type(tensor.recipe)](tensor, reader, route):
         read = reader.read(piece.source, piece.first, piece.count)
         target = whole[piece.offset : piece.offset + piece.nbytes]
         if piece.make is None:
             target.copy_(read)
+        elif target.is_cuda and isinstance(piece.make, _DeviceMake):
+            piece.make.into(read, target)
+        elif target.is_cuda:  # made on the host (a cast, bytes already in memory)
+            made = torch.empty(piece.nbytes, dtype=torch.uint8)
+            piece.make(read, made)
+            target.copy_(made)
         elif (event := piece.make(read, target)) is not None:
             event.synchronize()
     return whole
@@ -157,7 +164,7 @@ def _transpose(tensor: PlannedTensor, reader: TensorReader, route) -> Iterator[P
 
 def _merge_lora(tensor: PlannedTensor, reader: TensorReader, route) -> Iterator[Piece]:
     """The base tensor made whole (a merge needs all of it), merged on the route's device as peft would there, then
-    written from memory. On the GPU route the weight is made whole in device memory (``CudaRoute.whole``) and the
+    written from memory. On the GPU route the weight is made whole in device memory (``_whole`` on the device) and the
     result copied out through pinned memory: no round trip through pageable pages, which took 15x the merge's own
     time (benchmarks/bench_merge.py). Host memory: the merged weight (and on the CPU route about two fp32 copies
     while merging) for each of the ``SHARDS_AT_ONCE`` shards written side by side (1.9 GB of RSS at the peak on the
@@ -165,8 +172,7 @@ def _merge_lora(tensor: PlannedTensor, reader: TensorReader, route) -> Iterator[
     import torch
 
     recipe = tensor.recipe
-    base_tensor = dataclasses.replace(tensor, recipe=recipe.base)
-    whole = route.whole(base_tensor, reader) if hasattr(route, "whole") else _whole(base_tensor, reader, route)
+    whole = _whole(dataclasses.replace(tensor, recipe=recipe.base), reader, route, route.device)
     base = whole.view(DTYPES[tensor.dtype].torch).view(tensor.shape).to(route.device)
     merged = peft_lora.merge(recipe.target, base, peft_lora.read_lora(recipe.target, reader), inplace=True)
     merged = merged.contiguous().view(-1).view(torch.uint8)
@@ -421,29 +427,6 @@ class CudaRoute:
 
         return _DeviceMake(self, compute)
 
-    def whole(self, tensor: PlannedTensor, reader: TensorReader):
-        """A recipe's tensor made whole in device memory (a merge works on it there): pieces the GPU makes are
-        made straight into it, the others copied in; no round trip through the host."""
-        import torch
-
-        self._ready.result()
-        whole = torch.empty(tensor.nbytes, dtype=torch.uint8, device=self.device)
-        for piece in PRODUCERS[type(tensor.recipe)](tensor, reader, self):
-            read = reader.read(piece.source, piece.first, piece.count)
-            target = whole[piece.offset : piece.offset + piece.nbytes]
-            if isinstance(piece.make, _DeviceMake):
-                with self._lock:  # one thread launches at a time, as through _run
-                    result = piece.make.compute(read.to(self.device), target)
-                    if result.data_ptr() != target.data_ptr():
-                        target.copy_(result)
-            elif piece.make is None:
-                target.copy_(read)
-            else:  # made on the host (a cast, bytes already in memory)
-                made = torch.empty(piece.nbytes, dtype=torch.uint8)
-                piece.make(read, made)
-                target.copy_(made)
-        return whole
-
 
 class _DeviceMake:
     """A piece made on the GPU: called as ``make(read, out)`` it goes through the route's slots and streams into
@@ -454,6 +437,14 @@ class _DeviceMake:
 
     def __call__(self, read, out):
         return self.route._run(read, out, self.compute)
+
+    def into(self, read, target) -> None:
+        """Make the piece straight into device memory ``target`` (a weight made whole on the GPU)."""
+        self.route._ready.result()
+        with self.route._lock:  # one thread launches at a time, as through _run
+            result = self.compute(read.to(target.device), target)
+            if result.data_ptr() != target.data_ptr():
+                target.copy_(result)
 
 
 def route_for(device):

@@ -16,6 +16,7 @@ import click
 
 from . import __version__
 from .dtypes import OUTPUT_CHOICES
+from .output import STOP_SIGNALS
 
 DEFAULT_SHARD_SIZE = "5GB"  # plan.DEFAULT_SHARD_SIZE (plan imports what --help must not); a test checks they agree
 
@@ -29,9 +30,8 @@ HINTS = {
     "max_shard_size": "see --max-shard-size",
     "adapter": "see --adapter",
 }
-# Signals that stop a run: SIGINT (Ctrl-C) as KeyboardInterrupt, SIGTERM (kill, timeout, docker stop) and SIGHUP (a
-# closed terminal or ssh session) as Terminated; each exits 128 + its number once what was partly written is removed.
-STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
+# output.STOP_SIGNALS stop a run: SIGINT as KeyboardInterrupt, SIGTERM and SIGHUP as Terminated; each exits 128 + its
+# number once what was partly written is removed.
 _received: list = []  # the stop signals this command received
 _process = [False]  # running as the process's own command line (not a test's CliRunner)
 _running = [False]  # a command is running: a signal deferred out of an import is sent again only then

@@ -10,12 +10,16 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
+import signal
 from pathlib import Path
 
 from .checkpoint import INDEX_NAME
 from .errors import OutputError
 
 PARTIAL_SUFFIX = ".nf4convert-partial"
+# Signals that stop a run: SIGINT (Ctrl-C), SIGTERM (kill, timeout, docker stop), SIGHUP (a closed terminal or ssh
+# session). cli.py turns them into exceptions; signals_held holds them while OUT is put in place.
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
 OLD_SUFFIX = ".nf4convert-old"
 SPARE_BYTES = 64 << 20  # headroom on the disk beyond the output itself
 
@@ -100,15 +104,13 @@ def signals_held(output: Path):
     """SIGINT, SIGTERM and SIGHUP wait while OUT is put in place and the run winds down (main thread only), so that
     none can leave the user's OUT half-replaced or a complete OUT reported as not written. A signal that came is
     delivered at the end, its exception marked ``output_complete = OUT`` when the block finished."""
-    import signal
     import threading
 
-    numbers = [getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name)]
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     came: list[int] = []
-    previous = {number: signal.signal(number, lambda signum, frame: came.append(signum)) for number in numbers}
+    previous = {number: signal.signal(number, lambda signum, frame: came.append(signum)) for number in STOP_SIGNALS}
     try:
         yield
     finally:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 import signal
 from pathlib import Path
@@ -21,7 +22,23 @@ PARTIAL_SUFFIX = ".nf4convert-partial"
 # session). cli.py turns them into exceptions; signals_held holds them while OUT is put in place.
 STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
 OLD_SUFFIX = ".nf4convert-old"
+NAME_MAX = 255  # bytes in one file name on Linux's and macOS's file systems
+PID_ROOM = len("-4194304")  # a staging name ends with the run's pid; Linux's largest
 SPARE_BYTES = 64 << 20  # headroom on the disk beyond the output itself
+
+
+def _beside(output: Path, suffix: str, room: int = 0) -> str:
+    """The hidden name ``.OUT<suffix>`` of a folder beside OUT (staging, or the old OUT while it is replaced), with
+    ``room`` bytes left for what follows. A name that would pass the file system's limit (an OUT name itself near
+    it) keeps OUT's first bytes and a hash of the whole name, so that any OUT the file system takes can be written."""
+    import hashlib
+
+    name = f".{output.name}{suffix}"
+    if len(os.fsencode(name)) + room <= NAME_MAX:
+        return name
+    digest = hashlib.sha256(os.fsencode(output.name)).hexdigest()[:16]
+    keep = NAME_MAX - room - len(f".~{digest}{suffix}".encode())
+    return f".{os.fsencode(output.name)[:keep].decode('utf-8', 'ignore')}~{digest}{suffix}"
 
 
 def _reason(error: OSError) -> str:
@@ -76,11 +93,11 @@ def staging(output: Path):
     """A fresh temporary folder beside OUT, this run's own (two runs to one OUT never share one); removed if the
     block fails in any way (Ctrl-C too). Those of runs that were killed outright are removed first."""
     import glob
-    import os
 
-    temporary = output.parent / f".{output.name}{PARTIAL_SUFFIX}-{os.getpid()}"
+    stem = _beside(output, PARTIAL_SUFFIX, room=PID_ROOM)
+    temporary = output.parent / f"{stem}-{os.getpid()}"
     try:
-        for stale in output.parent.glob(f".{glob.escape(output.name)}{PARTIAL_SUFFIX}-*"):  # OUT's own, not x*'s
+        for stale in output.parent.glob(f"{glob.escape(stem)}-*"):  # OUT's own, not x*'s
             if stale.name.rpartition("-")[0] == temporary.name.rpartition("-")[0] and not _alive(stale.name.rpartition("-")[2]):
                 shutil.rmtree(stale, ignore_errors=True)
     except OSError as error:
@@ -129,8 +146,6 @@ def signals_held(output: Path):
 
 
 def _alive(pid: str) -> bool:
-    import os
-
     try:
         os.kill(int(pid), 0)
     except ProcessLookupError:
@@ -168,7 +183,7 @@ def move_into_place(temporary: Path, output: Path, *, overwrite: bool = False) -
         raise OutputError(f"{output}: appeared while converting (another run?); nothing of this run was kept",
                           option="overwrite")  # fmt: skip
     if output.exists():
-        old = output.parent / f".{output.name}{OLD_SUFFIX}"
+        old = output.parent / _beside(output, OLD_SUFFIX)
         shutil.rmtree(old, ignore_errors=True)
         output.rename(old)
     try:

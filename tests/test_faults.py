@@ -390,3 +390,23 @@ def test_stale_partial_folders_of_other_names_are_left_alone(tmp_path, monkeypat
         (folder / "file").write_text("precious")
     run(EXAMPLE, "-o", "x*", "-q", "--device", "cpu")
     assert all((folder / "file").exists() for folder in others) and not own.exists()
+
+
+def test_an_output_name_at_the_file_systems_limit_is_written_and_replaced(tmp_path, monkeypatch):
+    # OUT's staging and old-OUT names add ~30 bytes to OUT's: a 250-byte (multi-byte UTF-8) OUT name must still
+    # work, a killed run's staging folder for it still be cleaned, and other long names' left alone
+    monkeypatch.chdir(tmp_path)
+    name = "é" * 120 + "-bf16" + "x" * 5  # 250 bytes
+    sibling = "é" * 120 + "-bf16" + "y" * 5  # the same first bytes
+    assert len(os.fsencode(name)) == 250
+    from nf4convert import output
+
+    stem = output._beside(Path(name), output.PARTIAL_SUFFIX, room=output.PID_ROOM)
+    theirs = output._beside(Path(sibling), output.PARTIAL_SUFFIX, room=output.PID_ROOM)
+    assert stem != theirs and len(os.fsencode(stem)) + output.PID_ROOM <= 255
+    (tmp_path / f"{stem}-4194300").mkdir()  # killed outright (pids fit in PID_ROOM)
+    (tmp_path / f"{theirs}-4194300").mkdir()
+    run(EXAMPLE, "-o", name, "-q", "--device", "cpu")
+    run(EXAMPLE, "-o", name, "-q", "--device", "cpu", "--overwrite")
+    assert "OK: bit-exact" in run("verify", name, EXAMPLE, "-q", "--device", "cpu")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([name, f"{theirs}-4194300"])

@@ -5,11 +5,14 @@ Public API (imported lazily, so the CLI starts without torch):
     dequantize_4bit(packed, quant_state, *, out=None, backend="auto") -> torch.Tensor
     convert(source, output=None, *, dtype="auto", device="auto", ...) -> ConvertResult
     verify(output, source, *, device="auto", ...) -> VerifyReport
+    push_to_hub(folder, repo_id, *, private=False, token=None, revision=None, progress=True) -> str
     QuantState4bit, ConvertResult, VerifyReport
-    Nf4ConvertError and its subclasses ArgumentError, SourceNotFoundError, CheckpointError, OutputError, UploadError
+    Nf4ConvertError and its subclasses ArgumentError, SourceNotFoundError, CheckpointError, OutputError, UploadError,
+    DependencyError
 """
 
-from .errors import ArgumentError, CheckpointError, Nf4ConvertError, OutputError, SourceNotFoundError, UploadError
+from .errors import (ArgumentError, CheckpointError, DependencyError, Nf4ConvertError, OutputError, SourceNotFoundError,
+                     UploadError)
 
 __version__ = "0.1.0"
 
@@ -20,10 +23,11 @@ _EXPORTS = {
     "ConvertResult": ("nf4convert.conversion", "ConvertResult"),
     "verify": ("nf4convert.verification", "verify"),
     "VerifyReport": ("nf4convert.verification", "VerifyReport"),
+    "push_to_hub": ("nf4convert.upload", "push_to_hub"),
 }
 
 __all__ = ["__version__", *_EXPORTS, "Nf4ConvertError", "ArgumentError", "SourceNotFoundError", "CheckpointError",
-           "OutputError", "UploadError"]  # fmt: skip
+           "OutputError", "UploadError", "DependencyError"]  # fmt: skip
 
 
 def __getattr__(name):

@@ -392,10 +392,14 @@ class TensorReader:
         self._files.clear()
 
 
+# What every output shard's header says of itself, as torch's save_file writes it (verify checks it).
+SHARD_METADATA = {"format": "pt"}
+
+
 def shard_header(tensors: Iterable) -> bytes:
     """The 8-byte length and JSON header for these tensors (``name``, ``dtype``, ``shape``, ``nbytes``) in this order,
     padded to 8 bytes."""
-    header: dict = {"__metadata__": {"format": "pt"}}
+    header: dict = {"__metadata__": dict(SHARD_METADATA)}
     offset = 0
     for tensor in tensors:
         header[tensor.name] = {"dtype": tensor.dtype, "shape": list(tensor.shape), "data_offsets": [offset, offset + tensor.nbytes]}

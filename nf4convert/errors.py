@@ -8,7 +8,8 @@ resolve says which in ``option`` ("overwrite", "token", ...), and the CLI turns 
     ├── SourceNotFoundError  SOURCE or ADAPTER cannot be found, fetched or read as a folder
     ├── CheckpointError      a checkpoint file that is missing, truncated, corrupt, or not convertible
     ├── OutputError          the output cannot be written (exists, no space, not writable)
-    └── UploadError          pushing the output to the Hub failed
+    ├── UploadError          pushing the output to the Hub failed
+    └── DependencyError      a library the path taken needs cannot be imported (verify's bitsandbytes, peft)
 """
 
 
@@ -38,3 +39,8 @@ class OutputError(Nf4ConvertError):
 
 class UploadError(Nf4ConvertError):
     """The finished output could not be pushed to the Hub."""
+
+
+class DependencyError(Nf4ConvertError):
+    """A library that the path taken needs (verify's references: bitsandbytes, and peft for an adapter) cannot be
+    imported: a finding about the installation, never reported as a difference in the weights."""

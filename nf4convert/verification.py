@@ -11,6 +11,7 @@ parts, because its native CPU op differs from its CUDA kernels on some CPUs.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections import Counter
 from dataclasses import dataclass, field
@@ -19,7 +20,7 @@ from typing import Callable, NamedTuple
 
 from .checkpoint import INDEX_NAME, TensorInfo, TensorReader, read_index, read_tensors, strict_json
 from .dtypes import DTYPES, OUTPUT_DTYPES
-from .errors import ArgumentError, CheckpointError, SourceNotFoundError
+from .errors import ArgumentError, CheckpointError, DependencyError, SourceNotFoundError
 from .formats import bnb4, bnb8
 from .plan import QUANTIZED, Copy, Dequantize4bit, Dequantize8bit, MergeLora, PlannedTensor, Transpose, innermost, make_plan
 
@@ -112,7 +113,6 @@ def _reference_merge(tensor: PlannedTensor, reader: TensorReader, device, contex
     """peft's own merge: the tensor's module alone in a stand-in model holding the bitsandbytes reference of its
     base tensors, then ``PeftModel.from_pretrained(...).merge_and_unload()`` (what the user's route runs)."""
     import dataclasses
-    import logging
     import warnings
 
     import torch
@@ -147,7 +147,6 @@ def _reference_merge(tensor: PlannedTensor, reader: TensorReader, device, contex
     config.inference_mode = True
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        logging.getLogger("peft").setLevel(logging.ERROR)
         peft_model = PeftModel.from_pretrained(root, str(recipe.adapter.folder), config=config, torch_device=str(device))
         merged = peft_model.merge_and_unload()
     return merged.get_parameter(tensor.name).detach()
@@ -156,11 +155,13 @@ def _reference_merge(tensor: PlannedTensor, reader: TensorReader, device, contex
 class _Context(NamedTuple):
     planned: dict  # every planned tensor by name (a merge rebuilds its module's siblings)
     module_class: Callable  # module path -> the class transformers' model has there, or None
+    parameter_shape: Callable  # tensor name -> the shape transformers' model gives it, or None
 
 
-def _module_classes(config: dict | None) -> Callable:
-    """module path -> its class in the model transformers builds from ``config`` (on the meta device, no
-    weights), or None where that cannot be built: verify's own answer to "Linear or Conv1D?"."""
+def _meta_model(config: dict | None) -> tuple[Callable, Callable]:
+    """(module path -> its class, tensor name -> its shape) in the model transformers builds from ``config`` (on the
+    meta device, no weights), each None where that cannot be built or has no such part: verify's own answers to
+    "Linear or Conv1D?" and "what shape does the model load here?"."""
     import functools
 
     @functools.lru_cache(maxsize=1)
@@ -174,7 +175,7 @@ def _module_classes(config: dict | None) -> Callable:
             architecture = getattr(transformers, (config.get("architectures") or [""])[0], None)
             with torch.device("meta"):
                 return architecture._from_config(built) if architecture else transformers.AutoModel.from_config(built)
-        except Exception:  # noqa: BLE001  (an unknown architecture: fall back to Linear)
+        except Exception:  # noqa: BLE001  (an unknown architecture: fall back to Linear, no shapes)
             return None
 
     def module_class(path: str):
@@ -184,7 +185,16 @@ def _module_classes(config: dict | None) -> Callable:
         except AttributeError:
             return None
 
-    return module_class
+    def parameter_shape(name: str):
+        built = model()
+        module, _, leaf = name.rpartition(".")
+        try:
+            held = getattr(built.get_submodule(module), leaf) if built is not None else None
+        except AttributeError:
+            return None
+        return tuple(held.shape) if hasattr(held, "shape") else None
+
+    return module_class, parameter_shape
 
 
 # The reference twin of stream.PRODUCERS: (what makes it, whom a difference is blamed on). Each reference takes
@@ -198,25 +208,38 @@ REFERENCES = {
 }
 
 
+def _json_text(value) -> str:
+    """JSON as compared: by its text, so that 4 and 4.0, or false and 0 (equal in Python), differ as loaders see them."""
+    return json.dumps(value, sort_keys=True)
+
+
 def _leftovers(produced: dict[str, TensorInfo], output: Path, expected_config: dict | None) -> list[str]:
     """Quantization keys left in the output, and a config.json that is not the source's made dense (no
-    quantization_config, the output's dtype recorded): what transformers would load the weights with."""
+    quantization_config, the output's dtype recorded): what transformers would load the weights with. A source
+    without a config.json gets none in its output."""
     suffixes = tuple("." + part for part in (*bnb4.PARTS, *bnb8.PARTS))
     problems = [f"{name}: a quantization key remains in the output" for name in sorted(produced)
                 if bnb4.STATE_KEY.match(name) or name.endswith(suffixes)]  # fmt: skip
     config_path = output / "config.json"
     if expected_config is None:
+        if config_path.exists() or config_path.is_symlink():
+            problems.append("config.json: in the output, but the source has none (a conversion writes none)")
         return problems
     if not config_path.is_file():
         return [*problems, "config.json: missing from the output"]
     try:
         config = strict_json(config_path.read_bytes(), "config.json")
-    except (CheckpointError, OSError) as error:
-        return [*problems, f"config.json: {error}"]
-    if "quantization_config" in json.dumps(config):
+    except CheckpointError as error:
+        return [*problems, str(error)]
+    except OSError as error:
+        return [*problems, f"config.json: cannot be read ({error.strerror or error})"]
+    if not isinstance(config, dict):
+        problems.append(f"config.json: not a JSON object (a {type(config).__name__})")
+    elif "quantization_config" in json.dumps(config):
         problems.append("config.json: quantization_config remains")
-    elif config != expected_config:
-        keys = sorted(k for k in set(config) | set(expected_config) if config.get(k) != expected_config.get(k))
+    elif _json_text(config) != _json_text(expected_config):
+        keys = sorted(k for k in set(config) | set(expected_config)
+                      if k not in config or k not in expected_config or _json_text(config[k]) != _json_text(expected_config[k]))  # fmt: skip
         problems.append(f"config.json: differs from the source's made dense (in {', '.join(keys[:5])})")
     return problems
 
@@ -226,7 +249,10 @@ def _weight_file_problems(output: Path, produced: dict[str, TensorInfo]) -> list
     named by ``model.safetensors.index.json``, whose ``metadata.total_size`` is their tensors' bytes, and no other
     ``.safetensors`` file (beside an index, a ``model.safetensors`` is what transformers loads). That the index maps
     exactly the output's tensors, each to the file holding it, read_tensors checked already (it refuses otherwise)."""
-    files = sorted(path.name for path in output.glob("*.safetensors"))
+    import fnmatch
+
+    files = sorted(path.name for path in output.glob("*.safetensors")
+                   if not any(fnmatch.fnmatch(path.name, pattern) for pattern in FOREIGN_FILES))  # an adapter's: _unexpected_files
     index = output / INDEX_NAME
     if not index.is_file():
         others = sorted(path.name for path in output.glob("*.safetensors.index.json"))
@@ -247,25 +273,57 @@ def _weight_file_problems(output: Path, produced: dict[str, TensorInfo]) -> list
     total = sum(info.nbytes for info in produced.values())
     if not isinstance(metadata, dict):
         problems.append(f"{INDEX_NAME}: no 'metadata' object (transformers' loader reads it)")
-    elif metadata.get("total_size") != total:
+    elif type(metadata.get("total_size")) is not int or metadata["total_size"] != total:  # 7.0e6 is not an int to loaders
         problems.append(f"{INDEX_NAME}: metadata.total_size is {metadata.get('total_size')!r}, the shards hold {total} bytes of tensors")
     return problems
 
 
 # Files no conversion writes that would change how a loader reads the folder: an adapter's (transformers would load
-# the base it names plus the adapter, not these weights) and weights in other formats.
+# the base it names plus the adapter, not these weights) and weights in other formats. Named in _unexpected_files.
 FOREIGN_FILES = ("adapter_config.json", "adapter_model.*", "*.bin", "*.bin.index.json", "*.pt", "*.pth", "*.h5",
                  "*.msgpack", "*.ckpt", "*.gguf")  # fmt: skip
+# What a folder may hold beside the conversion's files without changing what it is: git's and caches' own.
+IGNORED_FILES = (".gitattributes",)
+
+
+def _unexpected_files(plan, output: Path, produced: dict[str, TensorInfo]) -> list[str]:
+    """Every file in OUT is one a conversion of this source writes, and a file, not a link: the weights, their index,
+    config.json (when the source has one), the model card and the carried files. Anything else would be loaded
+    beside the converted weights (a generation_config.json, a chat template, remote code, an adapter, other weights)
+    or, a link, would change with what it points to. Weight files and indexes at the root are _weight_file_problems'."""
+    import fnmatch
+    import os
+
+    from .plan import SKIPPED_DIRS
+
+    written = {info.path.name for info in produced.values()} | {INDEX_NAME, "config.json", "README.md"}
+    written |= {relative.as_posix() for relative in plan.side_files}
+    theirs = ("*.safetensors",) if (output / INDEX_NAME).is_file() else ("*.safetensors", "*.safetensors.index.json")
+    problems = []
+    for folder, dirs, files in os.walk(output):
+        dirs[:] = sorted(d for d in dirs if d not in SKIPPED_DIRS)
+        for name in sorted(files) + [d for d in dirs if (Path(folder) / d).is_symlink()]:
+            path = Path(folder) / name
+            relative = path.relative_to(output).as_posix()
+            if path.is_symlink():
+                problems.append(f"{relative}: a link (to {os.readlink(path)}); a conversion writes files, and the output "
+                                "would change with what the link points to")  # fmt: skip
+            elif relative in written or name in IGNORED_FILES:
+                continue
+            elif any(fnmatch.fnmatch(name, pattern) for pattern in FOREIGN_FILES):
+                problems.append(f"{relative}: in the output, but no conversion writes it (a loader would read it instead "
+                                "of, or beside, the converted weights)")  # fmt: skip
+            elif "/" not in relative and any(fnmatch.fnmatch(name, pattern) for pattern in theirs):
+                continue
+            else:
+                problems.append(f"{relative}: in the output, but not in the source, and a conversion writes no such file")
+    return sorted(problems)  # by path
 
 
 def _carried_problems(plan, output: Path) -> list[str]:
-    """Every file the conversion carries over unchanged (plan.side_files) in the output, byte for byte, and none of
-    the FOREIGN_FILES beside them. config.json is compared made dense (_leftovers); the model card is written anew."""
-    import fnmatch
-
-    problems = [f"{path.name}: in the output, but no conversion writes it (a loader would read it instead of, or "
-                "beside, the converted weights)" for path in sorted(output.iterdir())
-                if path.is_file() and any(fnmatch.fnmatch(path.name, pattern) for pattern in FOREIGN_FILES)]  # fmt: skip
+    """Every file the conversion carries over unchanged (plan.side_files) in the output, byte for byte.
+    config.json is compared made dense (_leftovers); the model card is written anew."""
+    problems = []
     for relative in plan.side_files:
         name = relative.as_posix()
         copy = output / relative
@@ -273,6 +331,19 @@ def _carried_problems(plan, output: Path) -> list[str]:
             problems.append(f"{name}: carried over from the source, missing from the output")
         elif not _same_bytes(plan.folder / relative, copy):
             problems.append(f"{name}: differs from the source's")
+    return problems
+
+
+def _metadata_problems(produced: dict[str, TensorInfo]) -> list[str]:
+    """Each weight file's ``__metadata__`` is what the conversion writes ({"format": "pt"}): transformers 4.x refuses
+    another format, or loads it through TensorFlow or Flax."""
+    from .checkpoint import SHARD_METADATA, read_header
+
+    problems = []
+    for file in sorted({info.path for info in produced.values()}):
+        metadata = read_header(file)[1]
+        if metadata != SHARD_METADATA:
+            problems.append(f"{file.name}: __metadata__ is {json.dumps(metadata)}, a conversion writes {json.dumps(SHARD_METADATA)}")
     return problems
 
 
@@ -292,23 +363,25 @@ def _same_bytes(original: Path, copy: Path) -> bool:
 
 
 def _layout_problems(tensors, context: "_Context") -> list[str]:
-    """Each quantized weight in the orientation of the layer transformers' own model has there: a Conv1D's
-    (in, out), transposed from how it was quantized, any other's as quantized. The plan decides it by the
-    architecture (formats/conv1d.py); this asks transformers."""
+    """Each tensor in the shape transformers' own model loads there (a quant state's recorded shape can contradict
+    the model: the output would then not load), and each quantized weight in the orientation of the layer there: a
+    Conv1D's (in, out), transposed from how it was quantized, any other's as quantized. The plan decides both from
+    the checkpoint and formats/conv1d.py; this asks transformers."""
     problems = []
     for tensor in tensors:
-        if not isinstance(innermost(tensor.recipe), QUANTIZED):
-            continue
         layer = context.module_class(tensor.name.rpartition(".")[0])
-        if layer is None:
-            continue
-        recipe, transposed = tensor.recipe, False
-        while isinstance(recipe, (Transpose, MergeLora)):
-            transposed |= isinstance(recipe, Transpose)
-            recipe = recipe.base
-        if (layer.__name__ == "Conv1D") != transposed:
-            held = "(in, out), transposed" if transposed else "(out, in), as quantized"
-            problems.append(f"{tensor.name}: transformers' model has a {layer.__name__} there; the output holds it {held}")
+        if isinstance(innermost(tensor.recipe), QUANTIZED) and layer is not None:
+            recipe, transposed = tensor.recipe, False
+            while isinstance(recipe, (Transpose, MergeLora)):
+                transposed |= isinstance(recipe, Transpose)
+                recipe = recipe.base
+            if (layer.__name__ == "Conv1D") != transposed:
+                held = "(in, out), transposed" if transposed else "(out, in), as quantized"
+                problems.append(f"{tensor.name}: transformers' model has a {layer.__name__} there; the output holds it {held}")
+                continue
+        loaded = context.parameter_shape(tensor.name)
+        if loaded is not None and tuple(tensor.shape) != loaded:
+            problems.append(f"{tensor.name}: {list(tensor.shape)} from the source, transformers' model loads {list(loaded)} there")
     return problems
 
 
@@ -345,26 +418,61 @@ def verify(output: str | Path, source: str, *, device: str = "auto", adapter: st
         ArgumentError: a bad ``device``, or ``output`` and ``source`` given the wrong way round.
         SourceNotFoundError: ``output`` is not a folder, or ``source`` cannot be found or fetched.
         CheckpointError: a file of ``output`` or ``source`` is corrupt, or ``source`` is not convertible.
+        DependencyError: bitsandbytes (or, with an adapter, peft) cannot be imported.
 
     Example:
         >>> report = verify("llama-1b-bf16", "unsloth/Llama-3.2-1B-Instruct-bnb-4bit")
         >>> report.ok
     """
-    import logging
-
     from tqdm.auto import tqdm
 
     from .conversion import resolve_source
     from .devices import pick_device
 
-    # bitsandbytes warns on import about an optional CPU matmul kernel that verification never uses.
-    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
     output = Path(output)
     if not output.is_dir():
         raise SourceNotFoundError(f"{output}: no such folder")
     chosen = pick_device(device)
-    folder, adapter_folder, _, _ = resolve_source(source, adapter, revision=revision, token=token, cache_dir=cache_dir,
-                                                  progress=progress)
+    with _quiet_loggers():
+        _reference_library("bitsandbytes")
+        folder, adapter_folder, _, _ = resolve_source(source, adapter, revision=revision, token=token, cache_dir=cache_dir,
+                                                      progress=progress)  # fmt: skip
+        if adapter_folder is not None:
+            _reference_library("peft")
+        return _verify(output, folder, adapter_folder, chosen, progress, tqdm)
+
+
+@contextlib.contextmanager
+def _quiet_loggers():
+    """bitsandbytes warns on import about an optional CPU matmul kernel that verification never uses, and peft about
+    the stand-in models it is handed: quiet while verifying, as the caller had them after."""
+    import logging
+
+    loggers = [logging.getLogger(name) for name in ("bitsandbytes.backends.cpu.ops", "peft")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+
+
+def _reference_library(name: str) -> None:
+    """DependencyError unless ``name`` imports: without its reference library verify can recompute nothing, which is
+    not a difference in the weights."""
+    import importlib
+
+    try:
+        importlib.import_module(name)
+    except Exception as error:  # noqa: BLE001  (ImportError, or a broken install failing inside its import)
+        what = "LoRA merges (peft's own merge)" if name == "peft" else "the weights (bitsandbytes' dequantization)"
+        raise DependencyError(f"verify recomputes {what} with {name}, which cannot be imported ({type(error).__name__}: "
+                              f"{str(error).splitlines()[0] if str(error) else ''}); install it: pip install {name}") from None
+
+
+def _verify(output: Path, folder: Path, adapter_folder, chosen, progress: bool, tqdm) -> VerifyReport:
     report = VerifyReport(output, device=str(chosen))
     with TensorReader() as source_reader, TensorReader() as output_reader:
         produced = read_tensors(output)
@@ -372,11 +480,13 @@ def verify(output: str | Path, source: str, *, device: str = "auto", adapter: st
         report.problems += _weight_file_problems(output, produced)
         report.problems += _leftovers(produced, output, plan.config)
         report.problems += _carried_problems(plan, output)
+        report.problems += _unexpected_files(plan, output, produced)
+        report.problems += _metadata_problems(produced)
         expected = {tensor.name: tensor for tensor in plan.tensors}
         report.problems += [f"{name}: in the source, missing from the output" for name in sorted(set(expected) - set(produced))]
         report.problems += [f"{name}: in the output, not in the source" for name in sorted(set(produced) - set(expected))]
         names = sorted(set(expected) & set(produced))
-        context = _Context(expected, _module_classes(plan.config))
+        context = _Context(expected, *_meta_model(plan.config))
         report.problems += _layout_problems(plan.tensors, context)
         for name in tqdm(names, desc=f"verifying {output.name}", unit="tensor", disable=not progress, dynamic_ncols=True):
             report.checked += 1

@@ -211,8 +211,8 @@ def test_cli_converts_verifies_then_pushes(hub, tmp_path):
     endpoint, state = hub
     root = Path(__file__).resolve().parents[1]
     example, out = root / "examples" / "tiny-llama-bnb-4bit", tmp_path / "out"
+    # client_env puts this tree first on PYTHONPATH and keeps the rest (bitsandbytes may be found only there)
     env = client_env(endpoint, tmp_path / "home", HF_XET_XORB_COMPRESSION_POLICY="none", HF_HUB_DISABLE_XET="1")
-    env["PYTHONPATH"] = str(root)
     command = [sys.executable, "-m", "nf4convert", str(example), "-o", str(out), "--device", "cpu", "-q", "--verify",
                "--push-to-hub", "me/tiny-llama-bf16", "--private", "--token", WRITE_TOKEN]  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)

@@ -163,3 +163,143 @@ def test_files_no_conversion_writes_fail(stray, converted, tmp_path):
     (out / stray).write_text("{}")
     found = problems(out, source)
     assert any(p.startswith(f"{stray}: in the output, but no conversion writes it") for p in found), found
+
+
+@pytest.mark.parametrize("edit", [("num_hidden_layers", 2.0), ("tie_word_embeddings", 0), ("vocab_size", None)])
+def test_config_values_are_compared_as_json_not_as_python(converted, tmp_path, edit):
+    # 2 == 2.0 and False == 0 in Python; transformers refuses a float layer count or an int tie_word_embeddings
+    source, out = copy_of(converted, "single", tmp_path)
+    config = json.loads((out / "config.json").read_text())
+    key, value = edit
+    config[key] = float(config[key]) if value is None else value
+    (out / "config.json").write_text(json.dumps(config))
+    assert problems(out, source) == [f"config.json: differs from the source's made dense (in {key})"]
+
+
+@pytest.mark.parametrize("text", ["[]", "null", "5", '"s"'])
+def test_a_config_that_is_json_but_not_an_object_is_a_finding(converted, tmp_path, text):
+    source, out = copy_of(converted, "single", tmp_path)
+    (out / "config.json").write_text(text)
+    kind = type(json.loads(text)).__name__
+    assert problems(out, source) == [f"config.json: not a JSON object (a {kind})"]
+    output = run("verify", out, source, "-q", "--device", "cpu", code=1)
+    assert "Traceback" not in output and "FAILED: 1 problem" in output
+
+
+def test_an_output_config_for_a_source_without_one_is_a_finding(converted, tmp_path):
+    # a bitsandbytes config.json dropped in would make transformers load the dense weights as 4-bit ones
+    source, out = copy_of(converted, "single", tmp_path)
+    bare = tmp_path / "bare-bnb-4bit"
+    shutil.copytree(source, bare)
+    (bare / "config.json").unlink()
+    run(bare, "-o", tmp_path / "bare-out", "-q", "--device", "cpu")
+    assert not (tmp_path / "bare-out" / "config.json").exists() and problems(tmp_path / "bare-out", bare) == []
+    shutil.copy(source / "config.json", tmp_path / "bare-out" / "config.json")
+    assert problems(tmp_path / "bare-out", bare) == ["config.json: in the output, but the source has none (a conversion writes none)"]
+
+
+def test_files_the_source_never_had_are_findings(converted, tmp_path):
+    # a generation_config.json, a chat template or remote code changes what the loaded model does
+    source, out = copy_of(converted, "sharded", tmp_path)
+    (out / "processor_config.json").write_text("{}")
+    (out / "extra" / "modeling_evil.py").write_text("import os\n")
+    (out / "sub").mkdir()
+    (out / "sub" / "model.safetensors").write_bytes(b"x")
+    (out / ".gitattributes").write_text("*.safetensors filter=lfs\n")  # git's own: not a finding
+    (out / ".git").mkdir()
+    (out / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    never = "in the output, but not in the source, and a conversion writes no such file"
+    assert problems(out, source) == [f"extra/modeling_evil.py: {never}", f"processor_config.json: {never}", f"sub/model.safetensors: {never}"]
+
+
+def test_links_in_the_output_are_findings(converted, tmp_path):
+    # OUT must be self-contained: a link changes with (or breaks with) what it points to
+    source, out = copy_of(converted, "single", tmp_path)
+    outside = tmp_path / "outside-config.json"
+    shutil.copy(out / "config.json", outside)
+    (out / "config.json").unlink()
+    (out / "config.json").symlink_to(outside)
+    (out / "generation_config.json").unlink()
+    (out / "generation_config.json").symlink_to(source / "generation_config.json")
+    found = problems(out, source)
+    assert found == [f"config.json: a link (to {outside}); a conversion writes files, and the output would change with what the link points to",
+                     f"generation_config.json: a link (to {source / 'generation_config.json'}); a conversion writes files, and the output "
+                     "would change with what the link points to"]  # fmt: skip
+
+
+@pytest.mark.parametrize("metadata", [{"format": "tf"}, {"format": "garbage"}, {}, None])
+def test_the_shards_metadata_is_what_a_conversion_writes(converted, tmp_path, metadata):
+    # transformers 4.x refuses a format other than pt, tf and flax, and loads tf or flax through those frameworks
+    import struct
+
+    source, out = copy_of(converted, "single", tmp_path)
+    path = out / "model.safetensors"
+    data = path.read_bytes()
+    (length,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + length])
+    if metadata is None:
+        del header["__metadata__"]
+    else:
+        header["__metadata__"] = metadata
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + length :])
+    assert problems(out, source) == [f"model.safetensors: __metadata__ is {json.dumps(metadata or {})}, a conversion writes {{\"format\": \"pt\"}}"]
+
+
+def test_a_total_size_that_is_not_an_integer_is_a_finding(converted, tmp_path):
+    source, out = copy_of(converted, "sharded", tmp_path)
+    edit_index(out, lambda index: index["metadata"].update(total_size=float(index["metadata"]["total_size"])))
+    assert len(problems(out, source)) == 1 and "metadata.total_size is" in problems(out, source)[0]
+
+
+def test_a_quant_state_shape_the_model_does_not_load_is_a_finding(tmp_path):
+    # the quant state's recorded shape decides the output's; a flattened one converts and verifies bit-exact, but
+    # transformers cannot load it: verify asks transformers' model what shape it loads there
+    import struct
+
+    source = build(tmp_path / "flat-bnb-4bit", "llama-nf4-dq", seed=5)
+    name = "model.layers.1.self_attn.q_proj.weight.quant_state.bitsandbytes__nf4"
+    path = source / json.loads((source / INDEX).read_text())["weight_map"][name]
+    data = bytearray(path.read_bytes())
+    (length,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + length])
+    begin, end = header[name]["data_offsets"]
+    start = 8 + length + begin
+    state = json.loads(bytes(data[start : 8 + length + end]))
+    rows, columns = state["shape"]
+    flat = json.dumps({**state, "shape": [rows * columns]}).encode()
+    flat += b" " * (end - begin - len(flat))  # the same byte count: the header stays as it is
+    assert len(flat) == end - begin
+    data[start : 8 + length + end] = flat
+    path.write_bytes(bytes(data))
+    out = tmp_path / "out"
+    run(source, "-o", out, "-q", "--device", "cpu")
+    assert problems(out, source) == [f"model.layers.1.self_attn.q_proj.weight: [{rows * columns}] from the source, transformers' model "
+                                     f"loads [{rows}, {columns}] there"]  # fmt: skip
+
+
+def test_verify_without_its_reference_libraries_is_one_error_not_a_list_of_mismatches(converted, monkeypatch):
+    # a missing bitsandbytes (or peft for an adapter) says nothing about the weights
+    import sys
+
+    from nf4convert.errors import DependencyError
+
+    source, outputs = converted
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)
+    with pytest.raises(DependencyError, match=r"^verify recomputes the weights \(bitsandbytes' dequantization\) with bitsandbytes, "
+                       r"which cannot be imported \(ModuleNotFoundError: .*\); install it: pip install bitsandbytes$"):  # fmt: skip
+        verify(outputs["single"], str(source), device="cpu")
+    result = CliRunner().invoke(main, ["verify", str(outputs["single"]), str(source), "--device", "cpu", "-q"])
+    assert result.exit_code == 1 and result.output.count("\n") == 1 and result.output.startswith("Error: verify recomputes")
+
+
+def test_verify_leaves_the_loggers_as_it_found_them(converted):
+    import logging
+
+    source, outputs = converted
+    loggers = [logging.getLogger(name) for name in ("peft", "bitsandbytes.backends.cpu.ops")]
+    for logger in loggers:
+        logger.setLevel(logging.INFO)
+    assert verify(outputs["single"], str(source), device="cpu").ok
+    assert [logger.level for logger in loggers] == [logging.INFO, logging.INFO]

@@ -89,11 +89,28 @@ def _parse_int(text: str):
     return -0.0 if text == "-0" else int(text)
 
 
+JSON_DEPTH = 64  # nesting that JSON read here may have (configs nest 4 or 5 deep; code walking them recurses)
+
+
+def _depth_within(value, limit: int) -> bool:
+    """Whether ``value`` nests at most ``limit`` lists/objects deep (walked without recursion)."""
+    level = [value]
+    for _ in range(limit + 1):
+        level = [item for node in level if isinstance(node, (dict, list)) for item in (node.values() if isinstance(node, dict) else node)]
+        if not level:
+            return True
+    return False
+
+
 def strict_json(raw: bytes, where: str):
-    """Parse ``raw`` as serde_json would, and refuse duplicate keys; CheckpointError ``where: ...`` if not."""
+    """Parse ``raw`` as serde_json would, and refuse duplicate keys and nesting past JSON_DEPTH; CheckpointError
+    ``where: ...`` if not."""
     try:
-        return json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys, parse_constant=_refuse_constant,
-                          parse_int=_parse_int)
+        value = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys, parse_constant=_refuse_constant,
+                           parse_int=_parse_int)
+        if not _depth_within(value, JSON_DEPTH):
+            raise RecursionError
+        return value
     except _DuplicateKey as error:
         raise CheckpointError(f"{where}: key {shown(error.args[0])} appears twice") from None
     except UnicodeDecodeError:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 from pathlib import Path
 
-from .checkpoint import TensorInfo, TensorReader, inside, read_tensors, strict_json
+from .checkpoint import TensorInfo, TensorReader, inside, read_tensors, shown, strict_json
 from .dtypes import DTYPES, OUTPUT_DTYPES, DType, output_dtype
 from .errors import ArgumentError, CheckpointError
 from .formats import bnb4, bnb8, conv1d, peft_lora
@@ -196,7 +196,7 @@ def parse_size(text: str | int) -> int:
 
 def read_config(folder: Path) -> dict | None:
     path = folder / "config.json"
-    if not path.exists():
+    if not path.exists() and not path.is_symlink():  # a dangling link is a config that cannot be read, not none
         return None
     inside(folder, "config.json")
     try:
@@ -228,21 +228,39 @@ def dense_config(config: dict, dtype: DType) -> dict:
 def side_files(folder: Path) -> list[Path]:
     """Files to carry over unchanged (relative paths): everything but weights, indexes, caches, the config and the
     model card (both written anew)."""
-    kept = []
-    for path in sorted(folder.rglob("*")):
-        relative = path.relative_to(folder)
-        if any(part in SKIPPED_DIRS for part in relative.parts) or not path.is_file():
+    import os
+
+    def unreadable(error: OSError):  # rglob would skip such a folder without a word
+        raise CheckpointError(f"{error.filename}: cannot be read ({error.strerror or error}); its files would be missing from "
+                              "the output") from None  # fmt: skip
+
+    kept, walked = [], set()
+    for root, dirs, files in os.walk(folder, onerror=unreadable, followlinks=True):
+        if os.path.realpath(root) in walked:  # a link back to a folder already walked: no loop
+            dirs[:] = []
             continue
-        if relative.as_posix() in ("config.json", "README.md") or any(fnmatch.fnmatch(path.name, p) for p in SKIPPED_FILES):
-            continue
-        inside(folder, relative.as_posix())  # a link out of the folder is never copied into the output
-        kept.append(relative)
-    return kept
+        walked.add(os.path.realpath(root))
+        dirs[:] = sorted(d for d in dirs if d not in SKIPPED_DIRS)
+        for name in files:
+            path = Path(root) / name
+            relative = path.relative_to(folder)
+            if not path.is_file():
+                continue
+            if relative.as_posix() in ("config.json", "README.md") or any(fnmatch.fnmatch(name, p) for p in SKIPPED_FILES):
+                continue
+            inside(folder, relative.as_posix())  # a link out of the folder is never copied into the output
+            if not os.access(path, os.R_OK):  # found now, not as the output's write failing after every tensor
+                raise CheckpointError(f"{path}: cannot be read (permission denied); it is carried over into the output")
+            kept.append(relative)
+    return sorted(kept)
 
 
 def _recipes(folder: Path, tensors: dict[str, TensorInfo], reader: TensorReader, config: dict | None) -> list[Recipe]:
     """One recipe per output tensor, in the order of the source files (so reads stay sequential)."""
     weights4, weights8 = bnb4.find_weights(tensors, reader), bnb8.find_weights(tensors, reader)
+    for name in sorted({weight.packed.name for weight in weights4} & {weight.weight.name for weight in weights8}):
+        raise CheckpointError(f"{tensors[name].path}: tensor {shown(name)} has both a 4-bit quant state and an 8-bit SCB; "
+                              "it is one or the other")  # fmt: skip
     quantization = _quantization_config(config)
     bnb4.unclaimed_packed(tensors, weights4, quantization)
     bnb8.unclaimed_int8(tensors, weights8, quantization)

@@ -516,6 +516,9 @@ def run_cli_case(world, weight: str, other: str, content: bytes, tag: str) -> tu
             if crash := _crash(verified):
                 return f"verify: {crash}", repr(verified.exception)[:200]
             if verified.exit_code != 0 or "OK: bit-exact" not in verified.output:
+                found = [line for line in verified.output.splitlines() if line.startswith("  MISMATCH")]
+                if verified.exit_code == 1 and found and all("transformers' model loads" in line for line in found):
+                    return None  # a recorded shape the model does not load: convert writes what the state records, verify names it
                 return "verify: refuses what convert wrote", verified.output[-300:]
             return None
         if result.exit_code != 1 or len(lines) != 1 or not lines[0].startswith("Error: ") or "Traceback" in result.output:

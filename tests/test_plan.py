@@ -155,3 +155,68 @@ def test_one_default_shard_size():
     from nf4convert import cli, plan
 
     assert cli.DEFAULT_SHARD_SIZE == plan.DEFAULT_SHARD_SIZE
+
+
+def test_a_weight_that_is_both_4bit_and_8bit_is_refused(tmp_path):
+    # before, the 8-bit recipe replaced the 4-bit one: the packed bytes came out read as int8, the quant state copied
+    folder = _checkpoint(tmp_path / "src")
+    with safe_open(folder / "one.safetensors", "pt") as file:
+        first = {key: file.get_tensor(key) for key in file.keys()}
+    first["b.weight"] = first["b.weight"].view(torch.int8)
+    first["b.SCB"] = torch.ones(first["b.weight"].shape[0])
+    save_file(first, folder / "one.safetensors")
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    index["weight_map"]["b.SCB"] = "one.safetensors"
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=r"one.safetensors: tensor 'b.weight' has both a 4-bit quant state and an 8-bit SCB"):
+        make_plan(folder)
+
+
+@pytest.mark.parametrize("depth", [65, 600, 100_000])
+def test_a_config_nested_too_deeply_is_refused(tmp_path, depth):
+    # 600 levels parse, then walking them (dense_config) overflowed the stack: a traceback
+    folder = _checkpoint(tmp_path / "src")
+    (folder / "config.json").write_text('{"deep": ' + "[" * depth + "]" * depth + "}")
+    with pytest.raises(CheckpointError, match=r"config.json: not JSON that can be read \(nested too deeply\)"):
+        make_plan(folder)
+
+
+def test_a_dangling_config_link_is_refused_not_taken_for_none(tmp_path):
+    folder = _checkpoint(tmp_path / "src")
+    (folder / "config.json").unlink()
+    (folder / "config.json").symlink_to(folder / "gone.json")
+    with pytest.raises(CheckpointError, match=r"config.json: cannot be read \(No such file or directory\)"):
+        make_plan(folder)
+
+
+def test_side_files_that_cannot_be_read_are_refused_when_planning(tmp_path, monkeypatch):
+    # before, an unreadable folder's files were left out without a word (rglob skips it) and an unreadable file failed
+    # the output's writing after every tensor, blamed on OUT (root reads anything: the refusals are simulated)
+    import os
+
+    folder = _checkpoint(tmp_path / "src")
+    (folder / "sub").mkdir()
+    (folder / "sub" / "notes.txt").write_text("x")
+    scandir = os.scandir
+
+    def refusing(path="."):
+        if str(path).endswith("sub"):
+            raise PermissionError(13, "Permission denied", str(path))
+        return scandir(path)
+
+    monkeypatch.setattr(os, "scandir", refusing)
+    with pytest.raises(CheckpointError, match=r"src/sub: cannot be read \(Permission denied\); its files would be missing"):
+        make_plan(folder)
+    monkeypatch.setattr(os, "scandir", scandir)
+    access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode: not str(path).endswith("tokenizer.json") and access(path, mode))
+    with pytest.raises(CheckpointError, match=r"tokenizer.json: cannot be read \(permission denied\); it is carried over"):
+        make_plan(folder)
+
+
+def test_side_files_under_linked_folders_are_walked_once(tmp_path):
+    folder = _checkpoint(tmp_path / "src")
+    (folder / "sub").mkdir()
+    (folder / "sub" / "notes.txt").write_text("x")
+    (folder / "sub" / "loop").symlink_to(folder / "sub")  # a link back up: walked once, no loop
+    assert [p.as_posix() for p in make_plan(folder).side_files] == ["sub/notes.txt", "tokenizer.json"]

@@ -99,22 +99,27 @@ class DefaultGroup(click.Group):
         _process[0], _running[0], _written[0] = process, True, None
         unraisable_hook, sys.unraisablehook = sys.unraisablehook, partial(_unraisable, sys.unraisablehook)
         try:
-            code = super().main(args, *rest, standalone_mode=False, **kwargs)
-        except click.ClickException as error:  # a bad option or argument: one line, not the usage text
-            error_line(f"{error.format_message()} (see 'nf4convert --help')")
-            sys.exit(error.exit_code)
-        except click.exceptions.Abort:
-            error_line("aborted")
-            sys.exit(1)
+            try:
+                code = super().main(args, *rest, standalone_mode=False, **kwargs)
+                code = code if isinstance(code, int) else 0
+            except click.ClickException as error:  # a bad option or argument: one line, not the usage text
+                error_line(f"{error.format_message()} (see 'nf4convert --help')")
+                code = error.exit_code
+            except click.exceptions.Abort:
+                error_line("aborted")
+                code = 1
+            except SystemExit as exiting:  # a failed run (_fail, a failed verify or batch) ends as a finished one does
+                code = _exit_code(exiting)
+            if process and "torch" in sys.modules:
+                with _resend:
+                    _running[0] = False  # our handlers stay: a stop signal from here on is recorded, not raised
+                _exit_now(code)
         finally:
             with _resend:
                 _running[0] = False
                 for number, handler in previous.items():
                     signal.signal(number, handler)
             sys.unraisablehook = unraisable_hook
-        code = code if isinstance(code, int) else 0
-        if process and "torch" in sys.modules:
-            _exit_now(code)
         sys.exit(code)
 
     def parse_args(self, ctx, args):
@@ -124,9 +129,18 @@ class DefaultGroup(click.Group):
         return super().parse_args(ctx, args)
 
 
+def _exit_code(exiting: SystemExit) -> int:
+    """The status ``sys.exit(value)`` gives the process: None is 0, an int itself, anything else printed and 1."""
+    if exiting.code is None or isinstance(exiting.code, int):
+        return exiting.code or 0
+    print(exiting.code, file=sys.stderr)
+    return 1
+
+
 def _exit_now(code: int) -> None:
-    """End a finished run without the interpreter's teardown: with torch (and CUDA) loaded, destructors, the CUDA
-    context and pinned memory take ~0.5 s to unwind, for nothing: every file is closed and in place by now."""
+    """End the run, finished or failed, without the interpreter's teardown: with torch (and CUDA) loaded,
+    destructors, the CUDA context and pinned memory take ~0.5 s to unwind, for nothing (every file is closed and in
+    place, or removed, by now), and a Ctrl-C in that time would print a traceback from torch's exit callbacks."""
     import os
 
     for stream in (sys.stdout, sys.stderr):

@@ -410,3 +410,50 @@ def test_an_output_name_at_the_file_systems_limit_is_written_and_replaced(tmp_pa
     run(EXAMPLE, "-o", name, "-q", "--device", "cpu", "--overwrite")
     assert "OK: bit-exact" in run("verify", name, EXAMPLE, "-q", "--device", "cpu")
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([name, f"{theirs}-4194300"])
+
+
+# --- ends of failed runs, folders made for OUT, batch's output root and listing ----------------------------------------
+
+TEARDOWN_WRAPPER = """
+import atexit, sys
+atexit.register(lambda: print("interpreter teardown", file=sys.stderr))  # runs only if the interpreter unwinds
+from nf4convert.cli import main
+main()
+"""
+
+
+def _truncated(tmp_path: Path) -> Path:
+    source = tmp_path / "bad-bnb-4bit"
+    shutil.copytree(EXAMPLE, source)
+    shard = source / "model-00002-of-00003.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-100])
+    return source
+
+
+@pytest.mark.parametrize("case", ["convert", "usage", "batch", "verify"])
+def test_a_failed_run_ends_without_the_interpreters_teardown(tmp_path, converted, case):
+    # A failed run leaves as a finished one does (cli._exit_now): no ~0.5 s of torch's teardown in which a Ctrl-C
+    # printed a traceback from torch's atexit callback; what it printed is flushed first and the exit code is kept.
+    out = tmp_path / "out"
+    if case == "convert":
+        args, code = [_truncated(tmp_path), "-o", out], 1
+    elif case == "usage":  # a bad option value found once torch is loaded
+        args, code = [EXAMPLE, "-o", out, "--device", "tpu"], 2
+    elif case == "batch":
+        args, code = ["batch", _truncated(tmp_path), EXAMPLE, "-o", tmp_path / "root", "--device", "cpu"], 1
+    else:
+        shutil.copytree(converted, out)
+        (out / "config.json").write_text("{}")
+        args, code = ["verify", out, EXAMPLE, "--device", "cpu"], 1
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run([sys.executable, "-c", TEARDOWN_WRAPPER, *map(str, args), "-q"], capture_output=True, text=True,
+                            env=env, timeout=300)  # fmt: skip
+    assert result.returncode == code, result.stderr
+    assert "interpreter teardown" not in result.stderr and "Traceback" not in result.stderr, result.stderr
+    if case == "batch":  # the table, on a pipe (block-buffered), came through
+        assert [line.split()[1] for line in result.stdout.splitlines()[1:]] == ["failed", "ok"], result.stdout
+        assert result.stderr.strip().endswith("1 of 2 failed")
+    elif case == "verify":
+        assert "FAILED: 1 problem" in result.stdout
+    else:
+        assert one_error_line(result.stderr) and not out.exists()

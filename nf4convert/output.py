@@ -102,6 +102,7 @@ def staging(output: Path):
                 shutil.rmtree(stale, ignore_errors=True)
     except OSError as error:
         raise OutputError(f"{output}: cannot be written ({_reason(error)})") from None
+    made = _missing_parents(temporary)  # the folders above OUT this run creates: they go too if nothing is kept
     try:  # from the mkdir on: a signal that lands just after it must not leave the folder behind
         try:
             temporary.mkdir(parents=True)
@@ -109,11 +110,33 @@ def staging(output: Path):
             raise OutputError(f"{output}: cannot be written ({_reason(error)})") from None
         yield temporary
     except OSError as error:
-        shutil.rmtree(temporary, ignore_errors=True)
+        _remove(temporary, made)
         raise OutputError(f"{output}: writing failed ({_reason(error)}); nothing was written") from None
     except BaseException:
-        shutil.rmtree(temporary, ignore_errors=True)
+        _remove(temporary, made)
         raise
+
+
+def _missing_parents(folder: Path) -> list[Path]:
+    """The folders above ``folder`` that do not exist yet, deepest first."""
+    missing = []
+    for parent in folder.parents:
+        if parent.exists():
+            break
+        missing.append(parent)
+    return missing
+
+
+def _remove(temporary: Path, made: list[Path]) -> None:
+    """A run's staging folder, and the parents it made for it (deepest first) that nothing else has filled since."""
+    shutil.rmtree(temporary, ignore_errors=True)
+    for parent in made:
+        try:
+            parent.rmdir()
+        except FileNotFoundError:
+            continue  # not made yet (the failure came first)
+        except OSError:
+            break  # not empty (another run put something there), or not ours to remove: it, and those above, stay
 
 
 @contextlib.contextmanager

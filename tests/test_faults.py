@@ -457,3 +457,33 @@ def test_a_failed_run_ends_without_the_interpreters_teardown(tmp_path, converted
         assert "FAILED: 1 problem" in result.stdout
     else:
         assert one_error_line(result.stderr) and not out.exists()
+
+
+def test_folders_made_for_an_interrupted_output_go_too(tmp_path):
+    # -o out10/x interrupted while writing: out10, made for it, goes with the staging folder
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run([sys.executable, "-c", WRAPPER, "SIGINT", str(EXAMPLE), "-o", str(tmp_path / "out10" / "x"), "-q",
+                             "--device", "cpu"], capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
+    assert result.returncode == 130, result.stderr
+    assert one_error_line(result.stderr) == "Error: interrupted; nothing was written"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_folders_made_for_a_failed_output_go_and_the_users_stay(tmp_path, monkeypatch):
+    from nf4convert import checkpoint
+
+    def no_space(self, name, data, offset=None):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(checkpoint.ShardWriter, "write", no_space)
+    (tmp_path / "mine").mkdir()  # the user's (empty) folder: only those this run made go
+    line = one_error_line(run(EXAMPLE, "-o", tmp_path / "mine" / "new" / "deeper" / "out", "-q", "--device", "cpu", code=1))
+    assert "No space left on device" in line
+    assert [p.name for p in tmp_path.iterdir()] == ["mine"] and not list((tmp_path / "mine").iterdir())
+    # batch: every conversion failed, so its output root (made by this run) goes too
+    second = tmp_path / "mine" / "second-bnb-4bit"
+    shutil.copytree(EXAMPLE, second)
+    result = CliRunner().invoke(main, ["batch", str(EXAMPLE), str(second), "-o", str(tmp_path / "root" / "deeper"), "-q",
+                                       "--device", "cpu"])  # fmt: skip
+    assert result.exit_code == 1 and "2 of 2 failed" in result.output, result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"]

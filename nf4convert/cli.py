@@ -445,8 +445,9 @@ def batch_command(sources, output_root, from_file, adapter, dtype, device, max_s
         _fail("no sources given (name them, or pass --from-file)", 2)
 
     def stems():
-        from .conversion import batch_stems
+        from .conversion import batch_stems, check_batch_root
 
+        check_batch_root(output_root, [*sources, adapter])
         return batch_stems(sources)
 
     names = _run(stems)

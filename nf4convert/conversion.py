@@ -70,6 +70,22 @@ def batch_stems(sources: list[str]) -> list[str]:
     return stems
 
 
+def check_batch_root(output_root, folders) -> None:
+    """ArgumentError if a batch's output root is one of the local ``folders`` (its SOURCEs, its ADAPTER) or inside one:
+    every output would be written into a source. A root that holds them is fine: the outputs go beside them."""
+    from .output import placed
+
+    root = Path(output_root).expanduser()
+    for name in folders:
+        folder = Path(name).expanduser() if name is not None else None
+        if folder is None or not folder.is_dir():
+            continue  # a Hub repo id (or a missing folder, which its conversion reports)
+        where = placed(root, folder)
+        if where in ("is", "inside"):
+            raise ArgumentError(f"-o {output_root}: is {'' if where == 'is' else 'inside '}the source folder {name}; "
+                                "outputs are never written into a source (choose another output root)")  # fmt: skip
+
+
 @dataclass(frozen=True)
 class Prepared:
     plan: object  # plan.Plan

@@ -61,13 +61,23 @@ def check_destination(output: Path, *, overwrite: bool) -> None:
         raise OutputError(f"{output}: cannot be read ({_reason(error)})") from None
 
 
+def placed(path: Path, folder: Path) -> str | None:
+    """Where ``path`` lies against ``folder``, both resolved: "is" it, "holds" it, is "inside" it, or None (apart)."""
+    path, folder = path.resolve(), folder.resolve()
+    if path == folder:
+        return "is"
+    if path in folder.parents:
+        return "holds"
+    return "inside" if folder in path.parents else None
+
+
 def check_not_source(output: Path, source: Path) -> None:
     """OutputError if OUT is the source folder, holds it, or is inside it (even with ``overwrite``)."""
-    resolved, source = output.resolve(), source.resolve()
-    if resolved == source or resolved in source.parents:
+    where = placed(output, source)
+    if where in ("is", "holds"):
         raise OutputError(f"{output}: is the source checkpoint's folder (or holds it); choose another output")
-    if source in resolved.parents:
-        raise OutputError(f"{output}: is inside the source checkpoint's folder {source}; choose another output")
+    if where == "inside":
+        raise OutputError(f"{output}: is inside the source checkpoint's folder {source.resolve()}; choose another output")
 
 
 def free_space(output: Path) -> int:

@@ -487,3 +487,18 @@ def test_folders_made_for_a_failed_output_go_and_the_users_stay(tmp_path, monkey
                                        "--device", "cpu"])  # fmt: skip
     assert result.exit_code == 1 and "2 of 2 failed" in result.output, result.output
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"]
+
+
+@pytest.mark.parametrize("root", ["a-bnb-4bit/out", "a-bnb-4bit", "a-bnb-4bit/deeper/out"])
+def test_batch_refuses_an_output_root_in_a_source(tmp_path, monkeypatch, root):
+    # b's output would land in a's folder: refused as a usage error before anything is converted
+    monkeypatch.chdir(tmp_path)
+    shutil.copytree(EXAMPLE, tmp_path / "a-bnb-4bit")
+    shutil.copytree(EXAMPLE, tmp_path / "b-nf4")
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    line = one_error_line(run("batch", "b-nf4", "a-bnb-4bit", "-o", root, "-q", "--device", "cpu", code=2))
+    assert line.startswith(f"Error: -o {root}: is ") and "the source folder a-bnb-4bit" in line
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+    # a root that holds the sources is fine: the outputs go beside them
+    run("batch", "b-nf4", "a-bnb-4bit", "-o", ".", "-q", "--device", "cpu")
+    assert (tmp_path / "a-bf16" / "model.safetensors").exists() and (tmp_path / "b-bf16" / "model.safetensors").exists()

@@ -423,7 +423,8 @@ def batch_command(sources, output_root, from_file, adapter, dtype, device, max_s
     """Convert several SOURCES into OUTPUT_ROOT; keep going when one fails, then print a table.
 
     Two sources with the same name get outputs named after their owners too (orgA--x-bf16, orgB--x-bf16).
-    Exits 1 if any failed, 130 on Ctrl-C and 143 on SIGTERM (naming the sources not attempted).
+    A failed source's output is the folder it was to be written to (<name>-<dtype> where its dtype was not
+    decided). Exits 1 if any failed, 130 on Ctrl-C and 143 on SIGTERM (naming the sources not attempted).
 
     \b
     Example:
@@ -432,7 +433,6 @@ def batch_command(sources, output_root, from_file, adapter, dtype, device, max_s
     """
     import json
     import time
-    from pathlib import Path
 
     sources = list(sources)
     if from_file is not None:
@@ -444,18 +444,17 @@ def batch_command(sources, output_root, from_file, adapter, dtype, device, max_s
     if not sources:
         _fail("no sources given (name them, or pass --from-file)", 2)
 
-    def stems():
-        from .conversion import batch_stems, check_batch_root
+    def outputs():
+        from .conversion import batch_output, batch_stems, check_batch_root
 
         check_batch_root(output_root, [*sources, adapter])
-        return batch_stems(sources)
+        return [(stem, batch_output(output_root, stem, dtype)) for stem in batch_stems(sources)]
 
-    names = _run(stems)
     rows, stopped = [], None
-    for source, stem in zip(sources, names):
+    for source, (stem, planned) in zip(sources, _run(outputs)):
         started = time.perf_counter()
-        row = {"source": source, "output": str(Path(output_root) / f"{stem}-<dtype>"), "status": "failed", "error": None,
-               "tensors": None, "bytes": None, "seconds": None}  # fmt: skip
+        row = {"source": source, "output": planned, "status": "failed", "error": None, "tensors": None, "bytes": None,
+               "seconds": None}  # fmt: skip
         try:
             from .conversion import convert
 
@@ -464,7 +463,7 @@ def batch_command(sources, output_root, from_file, adapter, dtype, device, max_s
                              output_dir=output_root, stem=stem)  # fmt: skip
             row.update(output=str(result.output), status="ok", tensors=result.tensors, bytes=result.bytes)
         except (KeyboardInterrupt, Terminated) as stop:
-            row.update(status="interrupted", error="interrupted")
+            row.update(status="interrupted", error="interrupted", output=str(getattr(stop, "output_planned", None) or planned))
             stopped = stop
             if getattr(stop, "output_complete", None):
                 row.update(output=str(stop.output_complete), status="ok")
@@ -472,6 +471,7 @@ def batch_command(sources, output_root, from_file, adapter, dtype, device, max_s
             from .errors import Nf4ConvertError
 
             row["error"] = message(error) if isinstance(error, Nf4ConvertError) else f"internal error: {type(error).__name__}: {error}"
+            row["output"] = str(getattr(error, "output_planned", None) or planned)
             if not as_json:
                 error_line(row["error"])
         row["seconds"] = round(time.perf_counter() - started, 1)

@@ -86,6 +86,31 @@ def check_batch_root(output_root, folders) -> None:
                                 "outputs are never written into a source (choose another output root)")  # fmt: skip
 
 
+def batch_output(output_root, stem: str, dtype: str) -> str:
+    """Where batch writes ``stem``'s output: the folder, or with ``<dtype>`` standing for the dtype while ``dtype`` is
+    "auto" (the plan decides it; a failure raised after that carries the folder in ``output_planned``)."""
+    from .dtypes import output_dtype
+
+    chosen = output_dtype(dtype)
+    return str(_output_path(output_root, stem, chosen.short if chosen is not None else "<dtype>"))
+
+
+def _output_path(output_dir, stem: str, short_dtype: str) -> Path:
+    """The default output: ``<output_dir or .>/<stem>-<dtype>``."""
+    return Path(output_dir or ".") / f"{stem}-{short_dtype}"
+
+
+@contextlib.contextmanager
+def _naming(output: Path):
+    """A failure from here on carries ``output_planned``: the folder this conversion was to write (batch reports it)."""
+    try:
+        yield
+    except BaseException as error:
+        if getattr(error, "output_planned", None) is None:
+            error.output_planned = output
+        raise
+
+
 @dataclass(frozen=True)
 class Prepared:
     plan: object  # plan.Plan
@@ -195,7 +220,8 @@ def prepare(source: str, output=None, *, dtype="auto", adapter=None, revision=No
     shard_limit = parse_size(max_shard_size)
     output_dtype(dtype)
     if output is not None:  # before any download
-        lifecycle.check_destination(Path(output), overwrite=overwrite)
+        output = Path(output)
+        lifecycle.check_destination(output, overwrite=overwrite)
     folder, adapter_folder, base, adapter = resolve_source(source, adapter, revision=revision, token=token,
                                                            cache_dir=cache_dir, progress=progress)  # fmt: skip
     try:
@@ -205,14 +231,17 @@ def prepare(source: str, output=None, *, dtype="auto", adapter=None, revision=No
         if reworded is error:
             raise
         raise reworded from None
-    if output is None:
-        output = Path(output_dir or ".") / f"{stem or output_stem(source)}-{plan.dtype.short}"
-        lifecycle.check_destination(output, overwrite=overwrite)
-    output = Path(output)
-    lifecycle.check_not_source(output, folder)
-    if adapter_folder is not None:
-        lifecycle.check_not_source(output, adapter_folder)
-    return Prepared(plan, output, lifecycle.free_space(output), base, adapter, revision if base == source else None)
+    named = output is None
+    if named:
+        output = _output_path(output_dir, stem or output_stem(source), plan.dtype.short)
+    with _naming(output):
+        if named:
+            lifecycle.check_destination(output, overwrite=overwrite)
+        lifecycle.check_not_source(output, folder)
+        if adapter_folder is not None:
+            lifecycle.check_not_source(output, adapter_folder)
+        free_bytes = lifecycle.free_space(output)
+    return Prepared(plan, output, free_bytes, base, adapter, revision if base == source else None)
 
 
 def convert(
@@ -269,6 +298,7 @@ def convert(
                            max_shard_size=max_shard_size, overwrite=overwrite, output_dir=output_dir, stem=stem,
                            reader=reader, progress=progress)  # fmt: skip
         plan, output = prepared.plan, prepared.output
+        finishing.enter_context(_naming(output))  # a failure from here on names the output (batch reports it)
         profile.mark("planned")
         lifecycle.check_free_space(output, plan.tensor_bytes + plan.side_bytes)
         card = side.submit(model_card, prepared)

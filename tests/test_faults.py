@@ -502,3 +502,20 @@ def test_batch_refuses_an_output_root_in_a_source(tmp_path, monkeypatch, root):
     # a root that holds the sources is fine: the outputs go beside them
     run("batch", "b-nf4", "a-bnb-4bit", "-o", ".", "-q", "--device", "cpu")
     assert (tmp_path / "a-bf16" / "model.safetensors").exists() and (tmp_path / "b-bf16" / "model.safetensors").exists()
+
+
+def test_batch_rows_name_the_real_output_once_the_dtype_is_decided(tmp_path):
+    root = tmp_path / "root"
+    root.mkdir()
+    (root / "tiny-llama-bf16").write_text("a file where the output would go")  # fails after the plan (dtype auto)
+    bad = _truncated(tmp_path)  # fails in the plan: the dtype is not decided
+    result = CliRunner().invoke(main, ["batch", str(EXAMPLE), str(bad), str(tmp_path / "missing"), "-o", str(root), "-q",
+                                       "--json", "--device", "cpu"])  # fmt: skip
+    rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert [row["status"] for row in rows] == ["failed"] * 3
+    assert [row["output"] for row in rows] == [str(root / "tiny-llama-bf16"), str(root / "bad-<dtype>"), str(root / "missing-<dtype>")]
+    # --dtype given: every row names its folder, in the table too
+    result = CliRunner().invoke(main, ["batch", str(bad), str(tmp_path / "missing"), "-o", str(root), "-q", "--dtype", "float16",
+                                       "--device", "cpu"])  # fmt: skip
+    table = result.stdout.splitlines()
+    assert [line.split()[2] for line in table[1:]] == [str(root / "bad-fp16"), str(root / "missing-fp16")], result.stdout

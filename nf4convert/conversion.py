@@ -53,10 +53,12 @@ def output_stem(source: str, *, qualified: bool = False) -> str:
 
 def batch_stems(sources: list[str]) -> list[str]:
     """Distinct output stems for a batch: a name that two sources share (case-insensitively, as some file
-    systems compare) is qualified with each one's owner; the same source twice is an ArgumentError."""
+    systems compare) is qualified with each one's owner; the same source twice is an ArgumentError (a local
+    folder, as ``hub.resolve`` takes it first, is the same source under any spelling of its path)."""
     seen = {}
     for source in sources:
-        key = source.rstrip("/") if looks_like_repo_id(source) else str(Path(source).expanduser().resolve())
+        local = Path(source).expanduser()
+        key = str(local.resolve()) if local.is_dir() or not looks_like_repo_id(source) else source.rstrip("/")
         if key in seen:
             raise ArgumentError(f"{source}: given twice (as {seen[key]!r} too)")
         seen[key] = source

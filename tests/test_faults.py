@@ -519,3 +519,12 @@ def test_batch_rows_name_the_real_output_once_the_dtype_is_decided(tmp_path):
                                        "--device", "cpu"])  # fmt: skip
     table = result.stdout.splitlines()
     assert [line.split()[2] for line in table[1:]] == [str(root / "bad-fp16"), str(root / "missing-fp16")], result.stdout
+
+
+def test_batch_same_folder_under_two_spellings_is_given_twice(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    shutil.copytree(EXAMPLE, tmp_path / "d1" / "x-bnb-4bit")
+    for second in (tmp_path / "d1" / "x-bnb-4bit", "./d1/x-bnb-4bit", "d1/../d1/x-bnb-4bit"):
+        line = one_error_line(run("batch", "d1/x-bnb-4bit", second, "-o", "root", "-q", code=2))
+        assert line == f"Error: {second}: given twice (as 'd1/x-bnb-4bit' too)"
+    assert not (tmp_path / "root").exists()

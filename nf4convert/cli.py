@@ -415,7 +415,8 @@ def verify_command(output, source, device, adapter, quiet, revision, token, cach
 @click.argument("sources", nargs=-1)
 @click.option("-o", "--output-root", "output_root", type=click.Path(file_okay=False), required=True,
               help="Folder that receives one <name>-<dtype> folder per source.")  # fmt: skip
-@click.option("--from-file", type=click.File("r"), help="Read more sources from this file, one per line (# comments).")
+@click.option("--from-file", type=click.File("r", encoding="utf-8-sig"),
+              help="Read more sources from this file, one per line ('#' at a line's start or after a space begins a comment).")
 @_convert_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object per source (a line each) instead of the table.")
 def batch_command(sources, output_root, from_file, adapter, dtype, device, max_shard_size, overwrite, quiet, revision,
@@ -432,6 +433,7 @@ def batch_command(sources, output_root, from_file, adapter, dtype, device, max_s
       nf4convert batch --from-file models.txt -o converted/ --json
     """
     import json
+    import re
     import time
 
     sources = list(sources)
@@ -440,7 +442,9 @@ def batch_command(sources, output_root, from_file, adapter, dtype, device, max_s
             lines = from_file.read().splitlines()
         except UnicodeDecodeError as error:
             _fail(f"--from-file {from_file.name}: not UTF-8 text (byte {error.start}: {error.reason})", 2)
-        sources += [line.split("#")[0].strip() for line in lines if line.split("#")[0].strip()]
+        # '#' begins a comment at a line's start or after whitespace only: one inside a path (h#1/x) is the path's
+        listed = [re.sub(r"(?:^|\s)#.*", "", line).strip() for line in lines]
+        sources += [source for source in listed if source]
     if not sources:
         _fail("no sources given (name them, or pass --from-file)", 2)
 

@@ -528,3 +528,16 @@ def test_batch_same_folder_under_two_spellings_is_given_twice(tmp_path, monkeypa
         line = one_error_line(run("batch", "d1/x-bnb-4bit", second, "-o", "root", "-q", code=2))
         assert line == f"Error: {second}: given twice (as 'd1/x-bnb-4bit' too)"
     assert not (tmp_path / "root").exists()
+
+
+def test_batch_from_file_comments_and_byte_order_mark(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    shutil.copytree(EXAMPLE, tmp_path / "a-bnb-4bit")
+    shutil.copytree(EXAMPLE, tmp_path / "h#1" / "hash-bnb-4bit")
+    listing = tmp_path / "models.txt"
+    listing.write_bytes("\ufeffa-bnb-4bit\nh#1/hash-bnb-4bit   # a comment after a space\n  # a whole-line comment\n\n".encode())
+    result = CliRunner().invoke(main, ["batch", "--from-file", str(listing), "-o", "root", "-q", "--json", "--device", "cpu"])
+    assert result.exit_code == 0, result.output
+    rows = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [(row["source"], row["output"], row["status"]) for row in rows] == [
+        ("a-bnb-4bit", "root/a-bf16", "ok"), ("h#1/hash-bnb-4bit", "root/hash-bf16", "ok")]

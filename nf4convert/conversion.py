@@ -113,6 +113,11 @@ def _naming(output: Path):
         raise
 
 
+def _text(name):
+    """A source or adapter as the API takes it (a str or an os.PathLike) in the str the rest of the code reads."""
+    return os.fspath(name) if name is not None else None
+
+
 @dataclass(frozen=True)
 class Prepared:
     plan: object  # plan.Plan
@@ -184,7 +189,8 @@ def _reworded(error: CheckpointError, folder: Path) -> CheckpointError:
     return CheckpointError(f"{folder}: {reason}")
 
 
-def resolve_source(source: str, adapter: str | None = None, *, revision=None, token=None, cache_dir=None, progress=True):
+def resolve_source(source: str | os.PathLike, adapter: str | os.PathLike | None = None, *, revision=None, token=None,
+                   cache_dir=None, progress=True):  # fmt: skip
     """(checkpoint folder, adapter folder or None, the base's name, the adapter's name or None): SOURCE resolved,
     and ADAPTER; a SOURCE that is itself a peft adapter (``adapter_config.json``, no ADAPTER given) stands for
     the base its config names, with it merged (a folder that also holds model weights is a checkpoint).
@@ -194,6 +200,7 @@ def resolve_source(source: str, adapter: str | None = None, *, revision=None, to
     from .formats import peft_lora
     from .hub import resolve
 
+    source, adapter = _text(source), _text(adapter)
     fetch = dict(token=token, cache_dir=cache_dir, progress=progress)
     folder = resolve(source, revision=revision, precheck=partial(_refuse_early, source=source), **fetch)
     adapter_folder = resolve(adapter, **fetch) if adapter is not None else None
@@ -210,7 +217,7 @@ def resolve_source(source: str, adapter: str | None = None, *, revision=None, to
     return folder, adapter_folder, source, adapter
 
 
-def prepare(source: str, output=None, *, dtype="auto", adapter=None, revision=None, token=None, cache_dir=None,
+def prepare(source: str | os.PathLike, output=None, *, dtype="auto", adapter=None, revision=None, token=None, cache_dir=None,
             max_shard_size=DEFAULT_SHARD_SIZE, overwrite=False, output_dir=None, stem=None, reader=None,
             progress=True) -> Prepared:  # fmt: skip
     """Resolve and plan a conversion and check where it goes, writing nothing (what ``convert`` and a dry run do
@@ -219,6 +226,7 @@ def prepare(source: str, output=None, *, dtype="auto", adapter=None, revision=No
     from .dtypes import output_dtype
     from .plan import make_plan, parse_size
 
+    source, adapter = _text(source), _text(adapter)
     shard_limit = parse_size(max_shard_size)
     output_dtype(dtype)
     if output is not None:  # before any download
@@ -247,12 +255,12 @@ def prepare(source: str, output=None, *, dtype="auto", adapter=None, revision=No
 
 
 def convert(
-    source: str,
+    source: str | os.PathLike,
     output: str | os.PathLike | None = None,
     *,
     dtype: str = "auto",
     device: str = "auto",
-    adapter: str | None = None,
+    adapter: str | os.PathLike | None = None,
     revision: str | None = None,
     token: str | None = None,
     cache_dir: str | None = None,
@@ -288,6 +296,7 @@ def convert(
     from .devices import pick_device
     from .stream import route_for, write_shards
 
+    source = _text(source)
     started = time.perf_counter()
     profile.start("convert called")
     chosen_device = pick_device(device)

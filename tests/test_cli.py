@@ -388,3 +388,25 @@ print("heavy", heavy)
     assert "verify" in result.stdout and "batch" in result.stdout
     for command in ("convert", "verify", "batch"):
         assert "Example" in run(command, "--help")
+
+
+# --- the Python API's paths -----------------------------------------------------------------------------------------
+
+
+def test_api_takes_paths_for_source_and_adapter(checkpoints, tmp_path):
+    pytest.importorskip("peft")
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from checkpoints import _configs
+    from nf4convert import convert, verify
+
+    source = checkpoints["llama-nf4-dq"]
+    result = convert(source=Path(source), output=tmp_path / "out", device="cpu", progress=False)
+    assert result.output == tmp_path / "out" and verify(tmp_path / "out", Path(source), device="cpu").ok
+    adapter = tmp_path / "adapter"
+    torch.manual_seed(5)
+    model = AutoModelForCausalLM.from_config(_configs()["llama"]())
+    get_peft_model(model, LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"])).save_pretrained(adapter)
+    result = convert(Path(source), tmp_path / "merged", adapter=Path(adapter), device="cpu", progress=False)
+    assert result.tensors > 0 and verify(tmp_path / "merged", Path(source), adapter=Path(adapter), device="cpu").ok

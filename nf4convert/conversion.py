@@ -98,8 +98,8 @@ def batch_output(output_root, stem: str, dtype: str) -> str:
 
 
 def _output_path(output_dir, stem: str, short_dtype: str) -> Path:
-    """The default output: ``<output_dir or .>/<stem>-<dtype>``."""
-    return Path(output_dir or ".") / f"{stem}-{short_dtype}"
+    """The default output: ``<output_dir or .>/<stem>-<dtype>``, ``~`` expanded."""
+    return Path(output_dir or ".").expanduser() / f"{stem}-{short_dtype}"
 
 
 @contextlib.contextmanager
@@ -116,6 +116,10 @@ def _naming(output: Path):
 def _text(name):
     """A source or adapter as the API takes it (a str or an os.PathLike) in the str the rest of the code reads."""
     return os.fspath(name) if name is not None else None
+
+
+def _plain_name(stem: str) -> bool:
+    return isinstance(stem, str) and stem not in ("", ".", "..") and Path(stem).name == stem
 
 
 @dataclass(frozen=True)
@@ -227,10 +231,12 @@ def prepare(source: str | os.PathLike, output=None, *, dtype="auto", adapter=Non
     from .plan import make_plan, parse_size
 
     source, adapter = _text(source), _text(adapter)
+    if stem is not None and not _plain_name(stem):
+        raise ArgumentError(f"stem {stem!r} is not a plain folder name (no '/', not '.' or '..')", option="stem")
     shard_limit = parse_size(max_shard_size)
     output_dtype(dtype)
     if output is not None:  # before any download
-        output = Path(output)
+        output = Path(output).expanduser()
         lifecycle.check_destination(output, overwrite=overwrite)
     folder, adapter_folder, base, adapter = resolve_source(source, adapter, revision=revision, token=token,
                                                            cache_dir=cache_dir, progress=progress)  # fmt: skip
@@ -273,13 +279,14 @@ def convert(
     """Convert a bitsandbytes checkpoint (4-bit NF4/FP4 or 8-bit LLM.int8) into a dense safetensors checkpoint.
 
     ``output`` defaults to ``<output_dir or .>/<stem>-<dtype>``, the stem being the model's name without
-    its quantization suffix. ``adapter`` (a folder or Hub repo id of a peft LoRA adapter) is merged into
+    its quantization suffix (``stem`` a plain folder name; ``~`` is expanded in ``source``, ``output`` and
+    ``output_dir``). ``adapter`` (a folder or Hub repo id of a peft LoRA adapter) is merged into
     the weights it changes, bit for bit as peft's ``merge_and_unload`` on the dense model; a ``source``
     that is itself an adapter means its base with it merged. Nothing is written unless the whole output
     is: it appears under its name only once complete.
 
     Raises:
-        ArgumentError: a bad ``dtype``, ``device`` or ``max_shard_size``.
+        ArgumentError: a bad ``dtype``, ``device``, ``max_shard_size`` or ``stem``.
         SourceNotFoundError: ``source`` cannot be found or fetched.
         CheckpointError: the checkpoint is corrupt or not a bitsandbytes checkpoint, or the adapter does not fit it.
         OutputError: the output exists (and ``overwrite`` is off), the disk is too small, or writing failed.

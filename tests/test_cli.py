@@ -410,3 +410,21 @@ def test_api_takes_paths_for_source_and_adapter(checkpoints, tmp_path):
     get_peft_model(model, LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"])).save_pretrained(adapter)
     result = convert(Path(source), tmp_path / "merged", adapter=Path(adapter), device="cpu", progress=False)
     assert result.tensors > 0 and verify(tmp_path / "merged", Path(source), adapter=Path(adapter), device="cpu").ok
+
+
+def test_api_expands_home_in_outputs_and_refuses_a_stem_that_is_no_name(checkpoints, tmp_path, monkeypatch):
+    from nf4convert import ArgumentError, convert
+
+    source = checkpoints["llama-nf4-dq"]
+    (tmp_path / "home").mkdir()
+    (tmp_path / "work").mkdir()
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path / "work")
+    assert convert(source, "~/x", device="cpu", progress=False).output == tmp_path / "home" / "x"
+    assert convert(source, output_dir="~/od", stem="s", device="cpu", progress=False).output == tmp_path / "home" / "od" / "s-bf16"
+    assert (tmp_path / "home" / "x" / "model.safetensors").exists() and not list((tmp_path / "work").iterdir())
+    for stem in ("../escape", "a/b", "/abs", "..", ".", ""):
+        with pytest.raises(ArgumentError, match="^stem ") as raised:
+            convert(source, output_dir=tmp_path / "work" / "od", stem=stem, device="cpu", progress=False)
+        assert raised.value.option == "stem"
+    assert not list((tmp_path / "work").iterdir()) and sorted(p.name for p in tmp_path.iterdir()) == ["home", "work"]

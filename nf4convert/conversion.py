@@ -231,6 +231,9 @@ def prepare(source: str | os.PathLike, output=None, *, dtype="auto", adapter=Non
     from .plan import make_plan, parse_size
 
     source, adapter = _text(source), _text(adapter)
+    if output is not None and output_dir is not None:
+        raise ArgumentError("output and output_dir both given: output names the folder itself, output_dir (with stem) "
+                            "the folder it goes in; give one", option="output_dir")  # fmt: skip
     if stem is not None and not _plain_name(stem):
         raise ArgumentError(f"stem {stem!r} is not a plain folder name (no '/', not '.' or '..')", option="stem")
     shard_limit = parse_size(max_shard_size)
@@ -279,14 +282,14 @@ def convert(
     """Convert a bitsandbytes checkpoint (4-bit NF4/FP4 or 8-bit LLM.int8) into a dense safetensors checkpoint.
 
     ``output`` defaults to ``<output_dir or .>/<stem>-<dtype>``, the stem being the model's name without
-    its quantization suffix (``stem`` a plain folder name; ``~`` is expanded in ``source``, ``output`` and
-    ``output_dir``). ``adapter`` (a folder or Hub repo id of a peft LoRA adapter) is merged into
+    its quantization suffix (``stem`` a plain folder name; ``output`` and ``output_dir`` are not given together;
+    ``~`` is expanded in ``source``, ``output`` and ``output_dir``). ``adapter`` (a folder or Hub repo id of a peft LoRA adapter) is merged into
     the weights it changes, bit for bit as peft's ``merge_and_unload`` on the dense model; a ``source``
     that is itself an adapter means its base with it merged. Nothing is written unless the whole output
     is: it appears under its name only once complete.
 
     Raises:
-        ArgumentError: a bad ``dtype``, ``device``, ``max_shard_size`` or ``stem``.
+        ArgumentError: a bad ``dtype``, ``device``, ``max_shard_size`` or ``stem``, or ``output`` with ``output_dir``.
         SourceNotFoundError: ``source`` cannot be found or fetched.
         CheckpointError: the checkpoint is corrupt or not a bitsandbytes checkpoint, or the adapter does not fit it.
         OutputError: the output exists (and ``overwrite`` is off), the disk is too small, or writing failed.

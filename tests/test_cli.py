@@ -428,3 +428,11 @@ def test_api_expands_home_in_outputs_and_refuses_a_stem_that_is_no_name(checkpoi
             convert(source, output_dir=tmp_path / "work" / "od", stem=stem, device="cpu", progress=False)
         assert raised.value.option == "stem"
     assert not list((tmp_path / "work").iterdir()) and sorted(p.name for p in tmp_path.iterdir()) == ["home", "work"]
+
+
+def test_api_refuses_output_with_output_dir(checkpoints, tmp_path):
+    from nf4convert import ArgumentError, convert
+
+    with pytest.raises(ArgumentError, match="output and output_dir both given") as raised:
+        convert(checkpoints["llama-nf4-dq"], tmp_path / "out", output_dir=tmp_path / "od", device="cpu", progress=False)
+    assert raised.value.option == "output_dir" and not list(tmp_path.iterdir())

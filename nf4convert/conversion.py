@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import time
@@ -171,11 +170,13 @@ def _refuse_early(folder: Path, *, source: str) -> None:
     config.json and a config.json that does not parse are left to the weights and the plan, as local folders are."""
     if (folder / "adapter_config.json").is_file() or not (folder / "config.json").is_file():
         return
+    from .plan import read_config
+
     try:
-        config = json.loads((folder / "config.json").read_bytes())
-    except (OSError, ValueError):
+        config = read_config(folder)  # strict and depth-limited, as the plan reads it
+    except CheckpointError:
         return
-    reason = not_bitsandbytes(config) if isinstance(config, dict) else None
+    reason = not_bitsandbytes(config) if config is not None else None
     if reason is not None:
         raise CheckpointError(f"{source}: not a bitsandbytes checkpoint: {reason}; its weights were not downloaded")
 
@@ -183,11 +184,13 @@ def _refuse_early(folder: Path, *, source: str) -> None:
 def _reworded(error: CheckpointError, folder: Path) -> CheckpointError:
     """A plan's refusal of a local checkpoint, with the reason its config.json gives where it gives one (a model saved
     with ``llm_int8_has_fp16_weight`` has no 8-bit weights: that, not their absence, is what the user needs to know)."""
+    from .plan import read_config
+
     try:
-        config = json.loads((folder / "config.json").read_bytes())
-    except (OSError, ValueError):
+        config = read_config(folder)
+    except CheckpointError:
         return error
-    reason = not_bitsandbytes(config) if isinstance(config, dict) else None
+    reason = not_bitsandbytes(config) if config is not None else None
     if reason is None or "llm_int8_has_fp16_weight" not in reason:
         return error
     return CheckpointError(f"{folder}: {reason}")

@@ -26,6 +26,13 @@ def checkpoints(tmp_path_factory):
     return {variant: build(root / variant, variant, seed=index) for index, variant in enumerate(VARIANTS)}
 
 
+def _has_avx512_fp16() -> bool:
+    try:
+        return "avx512_fp16" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
 def run(*args, code=0):
     result = CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
     assert result.exit_code == code, result.output
@@ -82,10 +89,15 @@ def test_convert_verify_and_load(variant, checkpoints, tmp_path):
     dense = cls.from_pretrained(out).eval()
     assert not hasattr(dense.config, "quantization_config") and dense.dtype == dense_dtype
     # (bitsandbytes repacks weights for its CPU matmul on the first 4-bit forward, after which
-    # dequantize() reads the repacked bytes: the reference model is loaded fresh.)
+    # dequantize() reads the repacked bytes: the reference model is loaded fresh.) transformers' dequantize() runs
+    # bitsandbytes' CUDA kernels where there is a GPU; on the CPU its CPU op, which is CUDA's here except fp16 on
+    # CPUs with AVX512-FP16 (about 1 element in 5000 differs): there the logits are compared for closeness only.
     quantized = cls.from_pretrained(source, device_map="cpu").eval()
-    dequantized = cls.from_pretrained(source, device_map="cpu").eval()
+    on = "cuda" if torch.cuda.is_available() else "cpu"
+    dequantized = cls.from_pretrained(source, device_map=on).eval()
     dequantized.dequantize()
+    dequantized.to("cpu")
+    exact = on == "cuda" or dense_dtype != torch.float16 or not _has_avx512_fp16()
 
     def forward(model):
         result = model(**_inputs(arch))
@@ -93,7 +105,7 @@ def test_convert_verify_and_load(variant, checkpoints, tmp_path):
 
     with torch.no_grad():
         got, four_bit, reference = forward(dense), forward(quantized), forward(dequantized)
-    assert torch.equal(got, reference)
+    assert torch.equal(got, reference) if exact else (got - reference).abs().max() <= 0.01 * reference.abs().max()
     assert (got - four_bit).abs().max() <= 0.05 * four_bit.abs().max()
 
 

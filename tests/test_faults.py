@@ -541,3 +541,14 @@ def test_batch_from_file_comments_and_byte_order_mark(tmp_path, monkeypatch):
     rows = [json.loads(line) for line in result.stdout.splitlines()]
     assert [(row["source"], row["output"], row["status"]) for row in rows] == [
         ("a-bnb-4bit", "root/a-bf16", "ok"), ("h#1/hash-bnb-4bit", "root/hash-bf16", "ok")]
+
+
+@pytest.mark.parametrize("depth", [600, 100_000])
+def test_a_config_nested_too_deeply_is_one_line(tmp_path, depth):
+    # the plan refused it, then the refusal's rewording parsed it again with json.loads: a RecursionError traceback
+    source = tmp_path / "deep-bnb-4bit"
+    shutil.copytree(EXAMPLE, source)
+    (source / "config.json").write_text("[" * depth + "]" * depth)
+    line = one_error_line(run(source, "-o", tmp_path / "out", "-q", "--device", "cpu", code=1))
+    assert line == f"Error: {source / 'config.json'}: not JSON that can be read (nested too deeply)"
+    assert not (tmp_path / "out").exists()

@@ -53,12 +53,17 @@ def _fields(packed: torch.Tensor, quant_state: Any, out: Optional[torch.Tensor],
     elif absmax.dtype != torch.float32 or absmax.device != device or not absmax.is_contiguous():
         absmax = absmax.to(device, torch.float32).contiguous()
     if out is not None:
+        if not isinstance(out, torch.Tensor):
+            raise ArgumentError(f"out must be a tensor, not {type(out).__name__}")
         if out.dtype != quant_state.dtype:
             raise ArgumentError(f"out has dtype {out.dtype}, the quant state's is {quant_state.dtype}")
         if out.numel() != math.prod(quant_state.shape):
             raise ArgumentError(f"out has {out.numel()} elements, shape {tuple(quant_state.shape)} needs {math.prod(quant_state.shape)}")
         if out.device != device or not out.is_contiguous():
             raise ArgumentError(f"out must be contiguous on {device}")
+    # Before the table: under torch.compile without fullgraph, a refusal falls back to eager at a graph break, and
+    # Dynamo cannot resume a frame that holds the table (an assume_constant_result value) there.
+    _pick_backend(backend, device)
     return absmax, code2, absmax2, offset, _code_table(quant_state.quant_type, device), nested_blocksize
 
 
@@ -73,14 +78,17 @@ def _pick_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
-def _compiled(packed, quant_state, fields, out):
-    """Under torch.compile: the registered triton_op, whose tables and offset travel as tensors."""
-    from .kernels import compiled  # noqa: F401, PLC0415  (registers the op)
+def _compiled(packed, quant_state, fields, out, backend):
+    """Under torch.compile: a registered op per backend, whose tables and offset travel as tensors. CUDA (and the
+    Triton interpreter): the triton_op. CPU: an opaque custom op around the exact CPU path, so that Inductor cannot
+    contract its multiplies and adds into FMAs (kernels/compiled.py)."""
+    from .kernels import compiled  # noqa: F401, PLC0415  (registers the ops)
 
     absmax, code2, absmax2, offset, code, nested_blocksize = fields
     shape = tuple(quant_state.shape)
-    result = torch.ops.nf4convert.dequantize_4bit(packed, absmax, code2, absmax2, offset, code, quant_state.blocksize,
-                                                  nested_blocksize, list(shape), quant_state.dtype)  # fmt: skip
+    op = torch.ops.nf4convert.dequantize_4bit if backend == "triton" else torch.ops.nf4convert.dequantize_4bit_cpu
+    result = op(packed, absmax, code2, absmax2, offset, code, quant_state.blocksize, nested_blocksize, list(shape),
+                quant_state.dtype)  # fmt: skip
     if out is None:
         return result
     out.copy_(result.view(out.shape))
@@ -109,7 +117,10 @@ def dequantize_4bit(
 
     Raises:
         ArgumentError (a ValueError): a quant state or argument that cannot be dequantized (dtype, blocksize,
-            quant type, sizes that do not fit the shape, ``out`` of the wrong dtype/size/device, a bad backend).
+            quant type, sizes that do not fit the shape, a quant state that is not one or lacks a field, a field of the
+            wrong type, ``out`` that is not a tensor or of the wrong dtype/size/device, a bad backend). Under
+            torch.compile the same checks run while tracing: without ``fullgraph`` the error is this one (Dynamo
+            falls back to eager there); with ``fullgraph=True`` Dynamo reports the raise as unsupported at trace time.
 
     Example:
         >>> import bitsandbytes.functional as F
@@ -128,11 +139,11 @@ def dequantize_4bit(
         if result is not None:
             return result
     fields = _fields(packed, quant_state, out, backend)
+    backend = _pick_backend(backend, packed.device)  # checked in _fields
     if compiling:
-        return _compiled(packed, quant_state, fields, out)
+        return _compiled(packed, quant_state, fields, out, backend)
 
     absmax, code2, absmax2, offset, code, nested_blocksize = fields
-    backend = _pick_backend(backend, packed.device)
     shape = tuple(quant_state.shape)
     if out is None:
         out = torch.empty(shape, dtype=quant_state.dtype, device=packed.device)

@@ -133,6 +133,68 @@ def test_bad_quant_state_raises(overrides, message):
         nf4convert.dequantize_4bit(packed, state)
 
 
+def _broken(field, value):
+    def apply(state):
+        owner = state.state2 if field.startswith("state2.") else state
+        setattr(owner, field.removeprefix("state2."), value)
+        return state
+
+    return apply
+
+
+# (how the quant state is broken, the message): each a field the kernels read, of the wrong type or missing
+MALFORMED = {
+    "dict": (lambda state: state.as_dict(), r"quant_state must be a bitsandbytes QuantState or nf4convert\.QuantState4bit, not dict"),
+    "quant_type-None": (_broken("quant_type", None), r"quant_state\.quant_type must be 'nf4' or 'fp4', not None"),
+    "dtype-str": (_broken("dtype", "bfloat16"), r"quant_state\.dtype must be torch\.float16, torch\.bfloat16 or torch\.float32, "
+                  r"not 'bfloat16' \(str, not a torch\.dtype\)"),
+    "blocksize-None": (_broken("blocksize", None), r"quant_state\.blocksize must be one of \(32, .*\), not None"),
+    "blocksize-float": (_broken("blocksize", 64.0), r"quant_state\.blocksize must be one of \(32, .*\), not 64\.0"),
+    "shape-None": (_broken("shape", None), r"quant_state\.shape must be a sequence of non-negative ints, not None"),
+    "shape-floats": (_broken("shape", [16.0, 32.0]), r"quant_state\.shape must be a sequence of non-negative ints, not \[16\.0, 32\.0\]"),
+    "absmax-None": (_broken("absmax", None), r"quant_state\.absmax must be a tensor, not NoneType"),
+    "absmax-list": (_broken("absmax", [1.0] * 8), r"quant_state\.absmax must be a tensor, not list"),
+    "nested-None": (_broken("nested", None), r"quant_state\.nested must be True or False, not None"),
+    "state2-None": (_broken("state2", None), r"quant_state\.state2 is None; a nested quant state needs its state2"),
+    "state2-dict": (lambda state: _broken("state2", state.state2.as_dict())(state),
+                    r"quant_state\.state2 must be a bitsandbytes QuantState or nf4convert's NestedState, not dict"),
+    "state2.absmax-None": (_broken("state2.absmax", None), r"quant_state\.state2\.absmax must be a tensor, not NoneType"),
+    "state2.code-None": (_broken("state2.code", None), r"quant_state\.state2\.code must be a tensor, not NoneType"),
+    "state2.blocksize-None": (_broken("state2.blocksize", None), r"quant_state\.state2\.blocksize must be a power of two, not None"),
+    "offset-None": (_broken("offset", None), r"quant_state\.offset is None; a nested quant state needs its offset"),
+    "offset-str": (_broken("offset", "0.1"), r"quant_state\.offset must be a tensor or a number, not str"),
+    "offset-2-elements": (_broken("offset", torch.zeros(2)), r"quant_state\.offset must be one number, not a tensor of 2 elements"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", MALFORMED)
+def test_malformed_quant_state_is_one_line_naming_the_field(case):
+    # The docstring's promise: a quant state that cannot be dequantized is an ArgumentError, never an AttributeError
+    # or TypeError from deep inside.
+    from nf4convert import ArgumentError
+
+    broken, message = MALFORMED[case]
+    packed, state = _state()
+    with pytest.raises(ArgumentError, match=f"^{message}$"):
+        nf4convert.dequantize_4bit(packed, broken(state))
+
+
+def test_ours_without_offset_and_out_not_a_tensor_are_argument_errors():
+    from nf4convert import ArgumentError
+    from nf4convert.formats.bnb4 import NestedState
+
+    packed, state = _state()
+    nested = NestedState(state.state2.absmax, state.state2.code, state.state2.blocksize)
+    ours = nf4convert.QuantState4bit(absmax=state.absmax, shape=state.shape, dtype=state.dtype, blocksize=64,
+                                     quant_type="nf4", offset=None, state2=nested)  # fmt: skip
+    with pytest.raises(ArgumentError, match=r"^quant_state\.offset is None; a nested quant state needs its offset$"):
+        nf4convert.dequantize_4bit(packed, ours, backend="cpu")
+    packed, state = _state()
+    for out, name in (([0] * 512, "list"), (torch.empty(512).numpy(), "ndarray")):
+        with pytest.raises(ArgumentError, match=f"^out must be a tensor, not {name}$"):
+            nf4convert.dequantize_4bit(packed, state, out=out)
+
+
 def test_bad_out_and_backend_raise():
     packed, state = _state()
     with pytest.raises(ValueError, match="out has dtype"):

@@ -37,6 +37,7 @@ NF4_CODE = (
 )  # fmt: skip
 FP4_CODE = tuple(sign * value / 12.0 for sign in (1.0, -1.0) for value in (0.0, 0.0625, 8.0, 12.0, 4.0, 6.0, 2.0, 3.0))
 CODES = {"nf4": NF4_CODE, "fp4": FP4_CODE}
+QUANT_TYPES = tuple(CODES)  # for membership tests that must not raise on an unhashable value
 
 BLOCKSIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)
 PARTS = ("absmax", "quant_map", "nested_absmax", "nested_quant_map")  # suffixes of a weight's quant-state tensors
@@ -120,27 +121,72 @@ def layout_problem(*, packed_bytes: int, shape, blocksize: int, absmax_count: in
 
 
 def check_state(packed_bytes: int, quant_state: Any) -> None:
-    """Raise ArgumentError unless a quant state (bitsandbytes' or ours) is one we dequantize for ``packed_bytes``."""
+    """Raise ArgumentError unless a quant state (bitsandbytes' or ours) is one we dequantize for ``packed_bytes``.
+
+    Every field the kernels read is checked here, so that no bad state reaches them as an AttributeError or a
+    TypeError. Only Python values and tensor metadata are read, never a tensor's data: under torch.compile these
+    checks run while Dynamo traces (reading data would break the graph), and each check Dynamo cannot fold into a
+    guard it already has costs a guard per layer on every compiled forward, so types are tested only where a value of
+    another type would pass (``64.0 in BLOCKSIZES``), and a missing field is an AttributeError caught, not ``hasattr``.
+    """
     import torch
 
-    if quant_state.quant_type not in CODES:
-        raise ArgumentError(f"quant_type must be 'nf4' or 'fp4', not {quant_state.quant_type!r}")
-    if quant_state.dtype not in tuple(dtype.torch for dtype in OUTPUT_DTYPES.values()):
-        raise ArgumentError(f"dtype must be float16, bfloat16 or float32, not {quant_state.dtype}")
-    if quant_state.blocksize not in BLOCKSIZES:
-        raise ArgumentError(f"blocksize must be one of {BLOCKSIZES}, not {quant_state.blocksize!r}")
-    state2 = quant_state.state2 if quant_state.nested else None
-    if state2 is not None and (state2.blocksize <= 0 or state2.blocksize & (state2.blocksize - 1)):
-        raise ArgumentError(f"nested blocksize must be a power of two, not {state2.blocksize}")
-    absmax = quant_state.absmax
+    try:
+        quant_type, dtype, blocksize = quant_state.quant_type, quant_state.dtype, quant_state.blocksize
+        shape, absmax, nested = quant_state.shape, quant_state.absmax, quant_state.nested
+    except AttributeError:
+        raise ArgumentError("quant_state must be a bitsandbytes QuantState or nf4convert.QuantState4bit, "
+                            f"not {type(quant_state).__name__}") from None  # fmt: skip
+    if quant_type not in QUANT_TYPES:
+        raise ArgumentError(f"quant_state.quant_type must be 'nf4' or 'fp4', not {shown(quant_type)}")
+    if dtype not in tuple(output.torch for output in OUTPUT_DTYPES.values()):
+        kind = "" if isinstance(dtype, torch.dtype) else f" ({type(dtype).__name__}, not a torch.dtype)"
+        raise ArgumentError(f"quant_state.dtype must be torch.float16, torch.bfloat16 or torch.float32, "
+                            f"not {shown(dtype)}{kind}")  # fmt: skip
+    if not _integer(blocksize) or blocksize not in BLOCKSIZES:
+        raise ArgumentError(f"quant_state.blocksize must be one of {BLOCKSIZES}, not {shown(blocksize)}")
+    if not isinstance(shape, (tuple, list)) or not all(_integer(size) and size >= 0 for size in shape):
+        raise ArgumentError(f"quant_state.shape must be a sequence of non-negative ints, not {shown(shape)}")
+    if not isinstance(absmax, torch.Tensor):
+        raise ArgumentError(f"quant_state.absmax must be a tensor, not {type(absmax).__name__}")
+    if nested not in (True, False):
+        raise ArgumentError(f"quant_state.nested must be True or False, not {shown(nested)}")
+    state2 = _nested(quant_state) if nested else None
     problem = layout_problem(
-        packed_bytes=packed_bytes, shape=tuple(quant_state.shape), blocksize=quant_state.blocksize,
+        packed_bytes=packed_bytes, shape=tuple(shape), blocksize=blocksize,
         absmax_count=absmax.numel(), absmax_float=absmax.is_floating_point(), absmax_u8=absmax.dtype == torch.uint8,
-        nested_blocksize=state2 and int(state2.blocksize), nested_count=state2 and state2.absmax.numel(),
+        nested_blocksize=state2 and state2.blocksize, nested_count=state2 and state2.absmax.numel(),
         code2_count=state2.code.numel() if state2 is not None else 256,
     )  # fmt: skip
     if problem:
         raise ArgumentError(f"packed: {problem}")
+
+
+def _nested(quant_state: Any) -> Any:
+    """A nested quant state's ``state2``, with its fields and the offset checked: every one the kernels read."""
+    import torch
+
+    state2, offset = getattr(quant_state, "state2", None), getattr(quant_state, "offset", None)
+    if state2 is None:
+        raise ArgumentError("quant_state.state2 is None; a nested quant state needs its state2")
+    try:
+        nested_absmax, code2, blocksize = state2.absmax, state2.code, state2.blocksize
+    except AttributeError:
+        raise ArgumentError("quant_state.state2 must be a bitsandbytes QuantState or nf4convert's NestedState, "
+                            f"not {type(state2).__name__}") from None  # fmt: skip
+    for name, value in (("absmax", nested_absmax), ("code", code2)):
+        if not isinstance(value, torch.Tensor):
+            raise ArgumentError(f"quant_state.state2.{name} must be a tensor, not {type(value).__name__}")
+    if not _integer(blocksize) or blocksize <= 0 or blocksize & (blocksize - 1):
+        raise ArgumentError(f"quant_state.state2.blocksize must be a power of two, not {shown(blocksize)}")
+    if offset is None:
+        raise ArgumentError("quant_state.offset is None; a nested quant state needs its offset")
+    if isinstance(offset, torch.Tensor):
+        if offset.numel() != 1:
+            raise ArgumentError(f"quant_state.offset must be one number, not a tensor of {offset.numel()} elements")
+    elif not (_integer(offset) or isinstance(offset, float)):
+        raise ArgumentError(f"quant_state.offset must be a tensor or a number, not {type(offset).__name__}")
+    return state2
 
 
 def parse_meta(raw: bytes, *, where: str) -> dict:

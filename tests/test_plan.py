@@ -220,3 +220,16 @@ def test_side_files_under_linked_folders_are_walked_once(tmp_path):
     (folder / "sub" / "notes.txt").write_text("x")
     (folder / "sub" / "loop").symlink_to(folder / "sub")  # a link back up: walked once, no loop
     assert [p.as_posix() for p in make_plan(folder).side_files] == ["sub/notes.txt", "tokenizer.json"]
+
+
+@pytest.mark.parametrize("part", ["absmax", "quant_map"])
+def test_quant_state_parts_that_are_not_flat_are_refused(tmp_path, part):
+    # a [n, 1] absmax converted (flattened) but bitsandbytes, verify's reference, could not take it: refused instead
+    folder = _checkpoint(tmp_path / "src")
+    with safe_open(folder / "one.safetensors", "pt") as file:
+        first = {key: file.get_tensor(key) for key in file.keys()}
+    first[f"b.weight.{part}"] = first[f"b.weight.{part}"].reshape(-1, 1)
+    save_file(first, folder / "one.safetensors")
+    with pytest.raises(CheckpointError, match=rf"one.safetensors: b.weight: 'b.weight.{part}' has shape \[\d+, 1\]; "
+                       "bitsandbytes saves the parts of a quant state 1-D"):  # fmt: skip
+        make_plan(folder)

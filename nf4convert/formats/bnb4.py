@@ -324,6 +324,10 @@ def _check(weight: Weight4bit, reader: TensorReader) -> None:
             raise CheckpointError(f"{where}: quant state is missing '{weight.name}.{suffix}'")
     if not weight.nested and "nested_absmax" in weight.parts:
         raise CheckpointError(f"{where}: has nested_absmax but its quant state JSON has no nested_blocksize")
+    for suffix in needed:  # bitsandbytes saves each part flat; verify's reference (bitsandbytes) takes no other
+        if len(weight.parts[suffix].shape) != 1:
+            raise CheckpointError(f"{where}: '{weight.name}.{suffix}' has shape {list(weight.parts[suffix].shape)}; "
+                                  "bitsandbytes saves the parts of a quant state 1-D")  # fmt: skip
     absmax = weight.parts["absmax"]
     nested = weight.parts.get("nested_absmax") if weight.nested else None
     problem = layout_problem(

@@ -212,6 +212,9 @@ def resolve_source(source: str | os.PathLike, adapter: str | os.PathLike | None 
     folder = resolve(source, revision=revision, precheck=partial(_refuse_early, source=source), **fetch)
     adapter_folder = resolve(adapter, **fetch) if adapter is not None else None
     weights = [p for p in folder.glob("*.safetensors") if p.name != peft_lora.WEIGHTS_NAME]
+    if adapter_folder is not None and (folder / peft_lora.CONFIG_NAME).is_file() and not weights:
+        raise ArgumentError(f"{source} is a peft adapter (it has {peft_lora.CONFIG_NAME} and no model weights) and an "
+                            "adapter is given too: give the base checkpoint as SOURCE", option="adapter")  # fmt: skip
     if adapter_folder is None and (folder / peft_lora.CONFIG_NAME).is_file() and not weights:
         base = peft_lora.load_adapter(folder).base_model_name_or_path
         if not base:
@@ -234,9 +237,14 @@ def prepare(source: str | os.PathLike, output=None, *, dtype="auto", adapter=Non
     from .plan import make_plan, parse_size
 
     source, adapter = _text(source), _text(adapter)
-    if output is not None and output_dir is not None:
-        raise ArgumentError("output and output_dir both given: output names the folder itself, output_dir (with stem) "
-                            "the folder it goes in; give one", option="output_dir")  # fmt: skip
+    for name, value in (("source", source), ("adapter", adapter)):
+        if value is not None and not value.strip():  # "" would be the current folder
+            raise ArgumentError(f"{name} is empty; give a folder or a Hub repo id" + ("" if name == "source" else ", or None"),
+                                option=name)  # fmt: skip
+    if output is not None and (output_dir is not None or stem is not None):
+        given = "output_dir" if output_dir is not None else "stem"
+        raise ArgumentError(f"output and {given} both given: output names the folder itself, output_dir and stem name "
+                            "it for you; give one or the other", option=given)  # fmt: skip
     if stem is not None and not _plain_name(stem):
         raise ArgumentError(f"stem {stem!r} is not a plain folder name (no '/', not '.' or '..')", option="stem")
     shard_limit = parse_size(max_shard_size)

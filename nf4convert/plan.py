@@ -184,13 +184,15 @@ def parse_size(text: str | int) -> int:
         number = value.rstrip("KMGTIB")
         try:
             amount = Decimal(number)  # exact: no float rounding of a large byte count
-            size = int(amount * units[value[len(number) :].strip()]) if amount.is_finite() else None
+            bytes_ = amount * units[value[len(number) :].strip()] if amount.is_finite() else None
         except (InvalidOperation, KeyError, ValueError):
-            size = None
-        if size is None:
-            raise ArgumentError(f"size {text!r} is not like '5GB', '500MB' or a number of bytes", option="max_shard_size")
+            bytes_ = None
+        if bytes_ is None or bytes_ != bytes_.to_integral_value():  # '1.5' bytes is no size, '1.5GB' is
+            raise ArgumentError(f"max_shard_size {text!r} is not like '5GB', '500MB' or a whole number of bytes",
+                                option="max_shard_size")  # fmt: skip
+        size = int(bytes_)
     if size <= 0 or size >= 2**63:
-        raise ArgumentError(f"size {text!r} must be positive and below 2**63 bytes", option="max_shard_size")
+        raise ArgumentError(f"max_shard_size {text!r} must be positive and below 2**63 bytes", option="max_shard_size")
     return size
 
 

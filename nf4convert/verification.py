@@ -385,12 +385,12 @@ def _layout_problems(tensors, context: "_Context") -> list[str]:
     return problems
 
 
-def _output_dtype(produced: dict[str, TensorInfo]) -> str:
+def _output_dtype(output: Path, produced: dict[str, TensorInfo]) -> str:
     """The output's dtype: that of most of its floating tensors (those of another are named one by one)."""
     codes = {dtype.code for dtype in OUTPUT_DTYPES.values()}
     counts = Counter(info.dtype for info in produced.values() if info.dtype in codes)
     if not counts:
-        raise CheckpointError("no fp16, bf16 or fp32 tensors in the output")
+        raise CheckpointError(f"{output}: no fp16, bf16 or fp32 tensors, so not a converted checkpoint")
     return DTYPES[counts.most_common(1)[0][0]].name
 
 
@@ -476,7 +476,7 @@ def _verify(output: Path, folder: Path, adapter_folder, chosen, progress: bool, 
     report = VerifyReport(output, device=str(chosen))
     with TensorReader() as source_reader, TensorReader() as output_reader:
         produced = read_tensors(output)
-        plan = _plan_source(folder, output, _output_dtype(produced), source_reader, adapter_folder)
+        plan = _plan_source(folder, output, _output_dtype(output, produced), source_reader, adapter_folder)
         report.problems += _weight_file_problems(output, produced)
         report.problems += _leftovers(produced, output, plan.config)
         report.problems += _carried_problems(plan, output)

@@ -349,3 +349,21 @@ def test_an_adapter_in_the_hub_cache_layout_merges_and_verifies(base, tmp_path):
     for name in weights:
         assert (tmp_path / "from-plain" / name).read_bytes() == (tmp_path / "from-cache" / name).read_bytes(), name
     assert "OK: bit-exact" in run("verify", tmp_path / "from-cache", source, "--adapter", snapshot, "-q", "--device", "cpu")
+
+
+def test_an_adapter_as_source_with_another_adapter_is_a_usage_error(tmp_path):
+    # it said "no .safetensors files (only safetensors checkpoints can be converted)"
+    from click.testing import CliRunner
+
+    from nf4convert.cli import main
+
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text('{"peft_type": "LORA"}')
+    (adapter / "adapter_model.safetensors").write_bytes(b"")
+    for command in (["convert", str(adapter), "--adapter", str(adapter), "-o", str(tmp_path / "out")],
+                    ["verify", str(tmp_path), str(adapter), "--adapter", str(adapter)]):  # fmt: skip
+        result = CliRunner().invoke(main, command)
+        assert result.exit_code == 2, result.output
+        assert result.output.strip().startswith(f"Error: {adapter} is a peft adapter (it has adapter_config.json and no model weights) "
+                                                "and an adapter is given too: give the base checkpoint as SOURCE")  # fmt: skip

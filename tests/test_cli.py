@@ -448,3 +448,18 @@ def test_api_refuses_output_with_output_dir(checkpoints, tmp_path):
     with pytest.raises(ArgumentError, match="output and output_dir both given") as raised:
         convert(checkpoints["llama-nf4-dq"], tmp_path / "out", output_dir=tmp_path / "od", device="cpu", progress=False)
     assert raised.value.option == "output_dir" and not list(tmp_path.iterdir())
+
+
+def test_api_refuses_output_with_stem_and_empty_names(tmp_path):
+    # stem was silently ignored beside output; "" as source or adapter meant the current folder
+    from nf4convert import convert
+    from nf4convert.errors import ArgumentError
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "tiny-llama-bnb-4bit"
+    with pytest.raises(ArgumentError, match="^output and stem both given") as raised:
+        convert(example, tmp_path / "out", stem="x", progress=False)
+    assert raised.value.option == "stem"
+    for name, arguments in (("source", ("", tmp_path / "a")), ("adapter", (example, tmp_path / "b"))):
+        with pytest.raises(ArgumentError, match=f"^{name} is empty"):
+            convert(*arguments, **({"adapter": " "} if name == "adapter" else {}), progress=False)
+    assert not list(tmp_path.iterdir())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -233,3 +234,13 @@ def test_quant_state_parts_that_are_not_flat_are_refused(tmp_path, part):
     with pytest.raises(CheckpointError, match=rf"one.safetensors: b.weight: 'b.weight.{part}' has shape \[\d+, 1\]; "
                        "bitsandbytes saves the parts of a quant state 1-D"):  # fmt: skip
         make_plan(folder)
+
+
+def test_a_size_is_a_whole_number_of_bytes_and_named_as_the_api_spells_it():
+    # '1.5' became 1 byte (shards of one tensor each) and '0.4' "must be positive"; messages said "size"
+    assert parse_size("1.5KB") == 1500 and parse_size("1e3") == 1000
+    for bad in ("1.5", "0.4", "1.0000001KB"):
+        with pytest.raises(ArgumentError, match=rf"^max_shard_size '{re.escape(bad)}' is not like '5GB', '500MB' or a whole number of bytes$"):
+            parse_size(bad)
+    with pytest.raises(ArgumentError, match=r"^max_shard_size '0' must be positive"):
+        parse_size("0")

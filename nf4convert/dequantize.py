@@ -18,7 +18,12 @@ _replays = ReplayCache()
 
 def _code_table(quant_type: str, device: torch.device) -> torch.Tensor:
     """The cached kernel table; under torch.compile a constant of the graph. Traced, the cache's dict would be
-    guarded on, and filling it on the first call would fail that guard: a recompile at the second layer."""
+    guarded on, and filling it on the first call would fail that guard: a recompile at the second layer.
+
+    Its result must go straight into the op, never out of a function: where Dynamo compiles a function on its own
+    (after a graph break, e.g. once an ArgumentError fell back to eager) and that function returns the table, it
+    rebuilds the value by the global name ``_code_table``, which in this module is this function: every later call
+    then passed the function as the table (torch 2.13)."""
     return canonical_code(quant_type, device)
 
 
@@ -28,7 +33,8 @@ _code_table._dynamo_marked_constant = True
 
 
 def _fields(packed: torch.Tensor, quant_state: Any, out: Optional[torch.Tensor], backend: str):
-    """Check the arguments; return the kernel's inputs: (absmax, code2, absmax2, offset, code, nested blocksize)."""
+    """Check the arguments; return the kernel's inputs from the quant state: (absmax, code2, absmax2, offset, nested
+    blocksize). The code table is fetched where it is passed on (_table's docstring says why)."""
     if backend not in BACKENDS:
         raise ArgumentError(f"backend must be one of {BACKENDS}, not {backend!r}")
     if not isinstance(packed, torch.Tensor):
@@ -61,10 +67,8 @@ def _fields(packed: torch.Tensor, quant_state: Any, out: Optional[torch.Tensor],
             raise ArgumentError(f"out has {out.numel()} elements, shape {tuple(quant_state.shape)} needs {math.prod(quant_state.shape)}")
         if out.device != device or not out.is_contiguous():
             raise ArgumentError(f"out must be contiguous on {device}")
-    # Before the table: under torch.compile without fullgraph, a refusal falls back to eager at a graph break, and
-    # Dynamo cannot resume a frame that holds the table (an assume_constant_result value) there.
     _pick_backend(backend, device)
-    return absmax, code2, absmax2, offset, _code_table(quant_state.quant_type, device), nested_blocksize
+    return absmax, code2, absmax2, offset, nested_blocksize
 
 
 def _pick_backend(backend: str, device: torch.device) -> str:
@@ -84,11 +88,11 @@ def _compiled(packed, quant_state, fields, out, backend):
     contract its multiplies and adds into FMAs (kernels/compiled.py)."""
     from .kernels import compiled  # noqa: F401, PLC0415  (registers the ops)
 
-    absmax, code2, absmax2, offset, code, nested_blocksize = fields
+    absmax, code2, absmax2, offset, nested_blocksize = fields
     shape = tuple(quant_state.shape)
     op = torch.ops.nf4convert.dequantize_4bit if backend == "triton" else torch.ops.nf4convert.dequantize_4bit_cpu
-    result = op(packed, absmax, code2, absmax2, offset, code, quant_state.blocksize, nested_blocksize, list(shape),
-                quant_state.dtype)  # fmt: skip
+    result = op(packed, absmax, code2, absmax2, offset, _code_table(quant_state.quant_type, packed.device),
+                quant_state.blocksize, nested_blocksize, list(shape), quant_state.dtype)  # fmt: skip
     if out is None:
         return result
     out.copy_(result.view(out.shape))
@@ -143,7 +147,8 @@ def dequantize_4bit(
     if compiling:
         return _compiled(packed, quant_state, fields, out, backend)
 
-    absmax, code2, absmax2, offset, code, nested_blocksize = fields
+    absmax, code2, absmax2, offset, nested_blocksize = fields
+    code = _code_table(quant_state.quant_type, packed.device)
     shape = tuple(quant_state.shape)
     if out is None:
         out = torch.empty(shape, dtype=quant_state.dtype, device=packed.device)

@@ -197,6 +197,28 @@ def test_malformed_quant_states_are_argument_errors_under_compile():
             torch.compile(lambda packed, state: nf4convert.dequantize_4bit(packed, state), backend="aot_eager")(packed, state)
 
 
+def test_a_refused_call_leaves_the_compiled_function_working():
+    """Once a refusal fell back to eager (a graph break), Dynamo compiled the argument checks as a function of their
+    own and rebuilt its returned table by its global name, which is the table's function: every later valid call
+    failed ("Expected a value of type 'Tensor' for argument 'code' but instead found type 'function'")."""
+    import copy
+
+    import torch._dynamo
+
+    from nf4convert import ArgumentError
+
+    packed, state = quantize((64, 128), quant_type="nf4", blocksize=64, nested=True, dtype=torch.bfloat16, seed=4)
+    want = nf4convert.dequantize_4bit(packed, state)
+    broken = copy.copy(state)
+    broken.blocksize = 63
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda packed, state: nf4convert.dequantize_4bit(packed, state))  # torch's defaults
+    with pytest.raises(ArgumentError, match="blocksize"):
+        compiled(packed, broken)
+    for _ in range(2):
+        assert torch.equal(bits(compiled(packed, state)), bits(want))
+
+
 @needs_cuda
 def test_cpu_backend_with_cuda_tensors_is_refused_under_compile():
     import torch._dynamo

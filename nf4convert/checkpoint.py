@@ -409,6 +409,18 @@ class TensorReader:
         self._files.clear()
 
 
+# Files that hold a model's weights, by what reads them (one list, three uses: the plan never carries them over, verify
+# names any in OUT that a conversion did not write, a push deletes a repo's that the output lacks). LOADED: read as
+# the weights unasked: safetensors and PyTorch .bin (transformers, vLLM, with their indexes), .pt (vLLM), .pth (Meta's
+# and Mistral's reference code), transformers 4's TF and Flax weights. NAMED: read only when a tool is pointed at
+# them (GGUF, other checkpoints). ADAPTER: a peft adapter's, with which transformers loads the base it names plus
+# the adapter instead of the weights beside it.
+LOADED_WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json", "*.pt", "*.pth",
+                       "*.h5", "*.msgpack")  # fmt: skip
+NAMED_WEIGHT_FILES = ("*.ckpt", "*.gguf")
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.*")
+
+
 # What every output shard's header says of itself, as torch's save_file writes it (verify checks it).
 SHARD_METADATA = {"format": "pt"}
 

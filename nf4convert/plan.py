@@ -20,16 +20,15 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 from pathlib import Path
 
-from .checkpoint import TensorInfo, TensorReader, inside, read_tensors, shown, strict_json
+from .checkpoint import (ADAPTER_FILES, LOADED_WEIGHT_FILES, NAMED_WEIGHT_FILES, TensorInfo, TensorReader, inside,
+                         read_tensors, shown, strict_json)
 from .dtypes import DTYPES, OUTPUT_DTYPES, DType, output_dtype
 from .errors import ArgumentError, CheckpointError
 from .formats import bnb4, bnb8, conv1d, peft_lora
 
-# Files a converted checkpoint must not carry over: the old weights, their indexes, caches, VCS data, and a peft
-# adapter's own files (an adapter beside the weights is not part of the dense model).
-SKIPPED_FILES = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json", "*.pt", "*.pth",
-                 "*.ckpt", "*.h5", "*.msgpack", "*.gguf", ".gitattributes", "*.lock", "*.incomplete",
-                 "adapter_config.json")  # fmt: skip
+# Files a converted checkpoint must not carry over: the old weights, their indexes, a peft adapter's own files (an
+# adapter beside the weights is not part of the dense model), VCS data and download leftovers.
+SKIPPED_FILES = (*LOADED_WEIGHT_FILES, *NAMED_WEIGHT_FILES, *ADAPTER_FILES, ".gitattributes", "*.lock", "*.incomplete")
 SKIPPED_DIRS = {".cache", ".git", ".huggingface", "__pycache__"}
 DEFAULT_SHARD_SIZE = "5GB"  # the one default, as transformers spells it (the CLI and the API show this)
 
@@ -236,12 +235,8 @@ def side_files(folder: Path) -> list[Path]:
         raise CheckpointError(f"{error.filename}: cannot be read ({error.strerror or error}); its files would be missing from "
                               "the output") from None  # fmt: skip
 
-    kept, walked = [], set()
-    for root, dirs, files in os.walk(folder, onerror=unreadable, followlinks=True):
-        if os.path.realpath(root) in walked:  # a link back to a folder already walked: no loop
-            dirs[:] = []
-            continue
-        walked.add(os.path.realpath(root))
+    kept = []
+    for root, dirs, files in os.walk(folder, onerror=unreadable):  # a link to a folder is not followed: not carried
         dirs[:] = sorted(d for d in dirs if d not in SKIPPED_DIRS)
         for name in files:
             path = Path(root) / name

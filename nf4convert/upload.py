@@ -24,17 +24,15 @@ from fnmatch import fnmatchcase
 from pathlib import Path
 from urllib.parse import quote
 
+from .checkpoint import ADAPTER_FILES, LOADED_WEIGHT_FILES
 from .errors import UploadError
 from .hub import progress_bars
 from .hub_errors import hub_error_line
 
 COMMIT_SHA = re.compile(r"[0-9a-fA-F]{40}")
-# Root files a loader reads as the weights unasked: safetensors and PyTorch .bin (transformers, vLLM, with their
-# indexes), .pt (vLLM), .pth (Meta's and Mistral's reference code), transformers 4's TF and Flax weights, and
-# adapter_config.json, with which transformers loads the base it names plus the adapter instead of the weights beside
-# it. Files in subfolders, and GGUF or other files that a tool reads only when named, are the owner's and stay.
-REPLACED_FILES = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json", "*.pt", "*.pth",
-                  "*.h5", "*.msgpack", "adapter_config.json")  # fmt: skip
+# Root files a loader reads as the weights unasked, and an adapter's (checkpoint.LOADED_WEIGHT_FILES, ADAPTER_FILES).
+# Files in subfolders, and GGUF or other files that a tool reads only when named, are the owner's and stay.
+REPLACED_FILES = (*LOADED_WEIGHT_FILES, *ADAPTER_FILES)
 DEFAULT_COMMIT_MESSAGE = "Upload dense weights dequantized by nf4convert"
 
 

@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, NamedTuple
 
-from .checkpoint import INDEX_NAME, TensorInfo, TensorReader, read_index, read_tensors, strict_json
+from .checkpoint import (ADAPTER_FILES, INDEX_NAME, LOADED_WEIGHT_FILES, NAMED_WEIGHT_FILES, TensorInfo, TensorReader,
+                         read_index, read_tensors, strict_json)
 from .dtypes import DTYPES, OUTPUT_DTYPES
 from .errors import ArgumentError, CheckpointError, DependencyError, SourceNotFoundError
 from .formats import bnb4, bnb8
@@ -278,10 +279,10 @@ def _weight_file_problems(output: Path, produced: dict[str, TensorInfo]) -> list
     return problems
 
 
-# Files no conversion writes that would change how a loader reads the folder: an adapter's (transformers would load
-# the base it names plus the adapter, not these weights) and weights in other formats. Named in _unexpected_files.
-FOREIGN_FILES = ("adapter_config.json", "adapter_model.*", "*.bin", "*.bin.index.json", "*.pt", "*.pth", "*.h5",
-                 "*.msgpack", "*.ckpt", "*.gguf")  # fmt: skip
+# Files no conversion writes that would change how a loader reads the folder (weights in other formats, an adapter's),
+# named as such in _unexpected_files; weight files and indexes at the root are _weight_file_problems'.
+FOREIGN_FILES = tuple(pattern for pattern in (*ADAPTER_FILES, *LOADED_WEIGHT_FILES, *NAMED_WEIGHT_FILES)
+                      if not pattern.startswith("*.safetensors"))  # fmt: skip
 # What a folder may hold beside the conversion's files without changing what it is: git's and caches' own.
 IGNORED_FILES = (".gitattributes",)
 

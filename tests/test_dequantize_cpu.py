@@ -144,7 +144,14 @@ def _broken(field, value):
 
 # (how the quant state is broken, the message): each a field the kernels read, of the wrong type or missing
 MALFORMED = {
-    "dict": (lambda state: state.as_dict(), r"quant_state must be a bitsandbytes QuantState or nf4convert\.QuantState4bit, not dict"),
+    "dict": (lambda state: state.as_dict(), r"quant_state must be a bitsandbytes QuantState or nf4convert\.QuantState4bit, not dict "
+             r"\(bitsandbytes' QuantState\.from_dict makes one\)"),
+    "empty-dict": (lambda state: {}, r"quant_state must be a bitsandbytes QuantState or nf4convert\.QuantState4bit, not dict "
+                   r"\(bitsandbytes' QuantState\.from_dict makes one\)"),
+    "absmax-2d": (lambda state: _broken("absmax", state.absmax.reshape(-1, 1))(state),
+                  r"quant_state\.absmax has shape \[\d+, 1\]; bitsandbytes keeps the parts of a quant state 1-D"),
+    "state2.absmax-2d": (lambda state: _broken("state2.absmax", state.state2.absmax.reshape(1, -1))(state),
+                         r"quant_state\.state2\.absmax has shape \[1, \d+\]; bitsandbytes keeps the parts of a quant state 1-D"),
     "quant_type-None": (_broken("quant_type", None), r"quant_state\.quant_type must be 'nf4' or 'fp4', not None"),
     "dtype-str": (_broken("dtype", "bfloat16"), r"quant_state\.dtype must be torch\.float16, torch\.bfloat16 or torch\.float32, "
                   r"not 'bfloat16' \(str, not a torch\.dtype\)"),

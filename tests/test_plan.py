@@ -215,12 +215,18 @@ def test_side_files_that_cannot_be_read_are_refused_when_planning(tmp_path, monk
         make_plan(folder)
 
 
-def test_side_files_under_linked_folders_are_walked_once(tmp_path):
+def test_links_to_folders_are_not_followed(tmp_path):
+    # a folder's own files are carried; a link to a folder (inside, outside, or back up) is not walked: following
+    # them refused a source with a link to an outside folder and, for an inside one, kept the files under one name
     folder = _checkpoint(tmp_path / "src")
-    (folder / "sub").mkdir()
-    (folder / "sub" / "notes.txt").write_text("x")
-    (folder / "sub" / "loop").symlink_to(folder / "sub")  # a link back up: walked once, no loop
-    assert [p.as_posix() for p in make_plan(folder).side_files] == ["sub/notes.txt", "tokenizer.json"]
+    (folder / "shared").mkdir()
+    (folder / "shared" / "a.txt").write_text("x")
+    (tmp_path / "outside").mkdir()
+    (tmp_path / "outside" / "run.txt").write_text("log")
+    (folder / "alias").symlink_to("shared")
+    (folder / "wandb").symlink_to(tmp_path / "outside")
+    (folder / "shared" / "up").symlink_to(folder)
+    assert [p.as_posix() for p in make_plan(folder).side_files] == ["shared/a.txt", "tokenizer.json"]
 
 
 @pytest.mark.parametrize("part", ["absmax", "quant_map"])
@@ -232,7 +238,7 @@ def test_quant_state_parts_that_are_not_flat_are_refused(tmp_path, part):
     first[f"b.weight.{part}"] = first[f"b.weight.{part}"].reshape(-1, 1)
     save_file(first, folder / "one.safetensors")
     with pytest.raises(CheckpointError, match=rf"one.safetensors: b.weight: 'b.weight.{part}' has shape \[\d+, 1\]; "
-                       "bitsandbytes saves the parts of a quant state 1-D"):  # fmt: skip
+                       "bitsandbytes keeps the parts of a quant state 1-D"):  # fmt: skip
         make_plan(folder)
 
 

@@ -120,6 +120,12 @@ def layout_problem(*, packed_bytes: int, shape, blocksize: int, absmax_count: in
     return None
 
 
+def _not_flat(name: str, shape) -> str | None:
+    """bitsandbytes keeps (and saves) each part of a quant state 1-D; its dequantization, verify's reference, takes
+    no other shape. One rule for states read from files (_check) and given to the API (check_state)."""
+    return None if len(shape) == 1 else f"{name} has shape {list(shape)}; bitsandbytes keeps the parts of a quant state 1-D"
+
+
 def check_state(packed_bytes: int, quant_state: Any) -> None:
     """Raise ArgumentError unless a quant state (bitsandbytes' or ours) is one we dequantize for ``packed_bytes``.
 
@@ -131,6 +137,9 @@ def check_state(packed_bytes: int, quant_state: Any) -> None:
     """
     import torch
 
+    if isinstance(quant_state, dict):  # as_dict()'s form; Dynamo fails on a missing key's AttributeError of an empty one
+        raise ArgumentError("quant_state must be a bitsandbytes QuantState or nf4convert.QuantState4bit, not dict "
+                            "(bitsandbytes' QuantState.from_dict makes one)")  # fmt: skip
     try:
         quant_type, dtype, blocksize = quant_state.quant_type, quant_state.dtype, quant_state.blocksize
         shape, absmax, nested = quant_state.shape, quant_state.absmax, quant_state.nested
@@ -149,6 +158,8 @@ def check_state(packed_bytes: int, quant_state: Any) -> None:
         raise ArgumentError(f"quant_state.shape must be a sequence of non-negative ints, not {shown(shape)}")
     if not isinstance(absmax, torch.Tensor):
         raise ArgumentError(f"quant_state.absmax must be a tensor, not {type(absmax).__name__}")
+    if problem := _not_flat("quant_state.absmax", absmax.shape):
+        raise ArgumentError(problem)
     if nested not in (True, False):
         raise ArgumentError(f"quant_state.nested must be True or False, not {shown(nested)}")
     state2 = _nested(quant_state) if nested else None
@@ -177,6 +188,8 @@ def _nested(quant_state: Any) -> Any:
     for name, value in (("absmax", nested_absmax), ("code", code2)):
         if not isinstance(value, torch.Tensor):
             raise ArgumentError(f"quant_state.state2.{name} must be a tensor, not {type(value).__name__}")
+        if problem := _not_flat(f"quant_state.state2.{name}", value.shape):
+            raise ArgumentError(problem)
     if not _integer(blocksize) or blocksize <= 0 or blocksize & (blocksize - 1):
         raise ArgumentError(f"quant_state.state2.blocksize must be a power of two, not {shown(blocksize)}")
     if offset is None:
@@ -324,10 +337,9 @@ def _check(weight: Weight4bit, reader: TensorReader) -> None:
             raise CheckpointError(f"{where}: quant state is missing '{weight.name}.{suffix}'")
     if not weight.nested and "nested_absmax" in weight.parts:
         raise CheckpointError(f"{where}: has nested_absmax but its quant state JSON has no nested_blocksize")
-    for suffix in needed:  # bitsandbytes saves each part flat; verify's reference (bitsandbytes) takes no other
-        if len(weight.parts[suffix].shape) != 1:
-            raise CheckpointError(f"{where}: '{weight.name}.{suffix}' has shape {list(weight.parts[suffix].shape)}; "
-                                  "bitsandbytes saves the parts of a quant state 1-D")  # fmt: skip
+    for suffix in needed:
+        if problem := _not_flat(f"'{weight.name}.{suffix}'", weight.parts[suffix].shape):
+            raise CheckpointError(f"{where}: {problem}")
     absmax = weight.parts["absmax"]
     nested = weight.parts.get("nested_absmax") if weight.nested else None
     problem = layout_problem(

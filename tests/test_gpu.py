@@ -238,7 +238,7 @@ def test_sm75_code_path_runs_bit_exact_on_this_gpu(dtype, capability, tmp_path):
     import numpy
 
     from aot_build import compile_for
-    from nf4convert.dequantize import _fields
+    from nf4convert.dequantize import _code_table, _fields
 
     for nested in (True, False):
         packed, state = quantize((1000, 4104), quant_type="fp4" if nested else "nf4", blocksize=64, nested=nested, dtype=dtype, device="cuda")
@@ -248,7 +248,8 @@ def test_sm75_code_path_runs_bit_exact_on_this_gpu(dtype, capability, tmp_path):
         ptx = tmp_path / f"kernel-{nested}.ptx"  # one file per build: CuPy caches modules by path
         ptx.write_text(compiled.asm["ptx"])
         function = cupy.RawModule(path=str(ptx)).get_function("dequantize_4bit_kernel")
-        absmax, code2, absmax2, offset, code, _ = _fields(packed, state, None, "triton")
+        absmax, code2, absmax2, offset, _ = _fields(packed, state, None, "triton")
+        code = _code_table(state.quant_type, packed.device)
         out = torch.full(tuple(state.shape), float("nan"), dtype=dtype, device="cuda")
         pointers = [t.data_ptr() for t in (packed, absmax, code2 if nested else absmax, absmax2 if nested else absmax,
                                            offset if nested else absmax, code, out)]  # fmt: skip

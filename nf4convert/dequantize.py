@@ -73,6 +73,10 @@ def _fields(packed: torch.Tensor, quant_state: Any, out: Optional[torch.Tensor],
 
 def _pick_backend(backend: str, device: torch.device) -> str:
     # Triton is imported only when the kernel runs: the CPU path never pays for it.
+    if device.type == "cuda" and torch.version.hip is not None:
+        from .devices import AMD_GPU
+
+        raise ArgumentError(f"packed is on {AMD_GPU}; dequantize a copy on the CPU (backend='cpu')")
     if backend == "auto":
         return "triton" if device.type == "cuda" else "cpu"
     if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":

@@ -463,3 +463,21 @@ def test_api_refuses_output_with_stem_and_empty_names(tmp_path):
         with pytest.raises(ArgumentError, match=f"^{name} is empty"):
             convert(*arguments, **({"adapter": " "} if name == "adapter" else {}), progress=False)
     assert not list(tmp_path.iterdir())
+
+
+def test_an_amd_gpu_is_not_taken_for_an_nvidia_one(monkeypatch, tmp_path):
+    # the kernel is NVIDIA PTX: on a ROCm build of torch, auto picks the CPU and cuda is refused in one line (it was
+    # taken, and the kernel's build failed)
+    from nf4convert.devices import pick_device
+    from nf4convert.errors import ArgumentError
+
+    monkeypatch.setattr(torch.version, "hip", "6.2", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert pick_device("auto") == torch.device("cpu")
+    with pytest.raises(ArgumentError, match=r"^device 'cuda': an AMD GPU \(ROCm\), where the kernel, written with NVIDIA's PTX, "
+                       r"cannot run; use cpu$"):  # fmt: skip
+        pick_device("cuda")
+    example = Path(__file__).resolve().parents[1] / "examples" / "tiny-llama-bnb-4bit"
+    line = run(example, "-o", tmp_path / "out", "--device", "cuda:0", code=2).strip()
+    assert line.startswith("Error: device 'cuda:0': an AMD GPU (ROCm)") and not (tmp_path / "out").exists()

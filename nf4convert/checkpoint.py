@@ -353,11 +353,15 @@ def read_tensors(folder: Path) -> dict[str, TensorInfo]:
 
 
 class TensorReader:
-    """Reads tensors' bytes from their files, keeping the files open; tensors come back on the CPU."""
+    """Reads tensors' bytes from their files, keeping the files open; tensors come back on the CPU.
 
-    def __init__(self):
+    ``held`` (file -> byte ranges) marks files that hold only those ranges (a Hub repo's copy for a plan alone,
+    ``hub.HeadersOnly``): reading any other bytes of them is a CheckpointError, never the zeros of a hole."""
+
+    def __init__(self, held: dict[Path, list[tuple[int, int]]] | None = None):
         self._files: dict[Path, object] = {}
         self._opening = threading.Lock()  # the stream reads from several threads
+        self._held = held
 
     def __enter__(self):
         return self
@@ -385,6 +389,11 @@ class TensorReader:
         import torch
 
         count = info.nbytes - first_byte if count is None else count
+        if self._held is not None and info.path in self._held:
+            first, end = info.begin + first_byte, info.begin + first_byte + count
+            if not any(a <= first and end <= b for a, b in self._held[info.path]):
+                raise CheckpointError(f"{info.path}: tensor '{info.name}' ({info.nbytes} bytes) was not read from the Hub: "
+                                      "a plan alone reads headers and small tensors only; convert without --dry-run")  # fmt: skip
         buffer = torch.empty(count, dtype=torch.uint8) if out is None else out[:count]
         view = memoryview(buffer.numpy()) if count else memoryview(b"")
         descriptor = self._file(info.path).fileno()

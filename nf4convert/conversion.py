@@ -129,6 +129,7 @@ class Prepared:
     base: str  # the base checkpoint as the user named it (SOURCE, or the base an adapter SOURCE names)
     adapter: str | None  # the adapter as the user named it
     revision: str | None = None  # the base's revision as the user gave it (None: the default branch)
+    headers_only: str | None = None  # planned from its headers alone: the Hub repo as "repo@commit" (its copy is gone)
 
 
 def not_bitsandbytes(config: dict) -> str | None:
@@ -197,19 +198,20 @@ def _reworded(error: CheckpointError, folder: Path) -> CheckpointError:
 
 
 def resolve_source(source: str | os.PathLike, adapter: str | os.PathLike | None = None, *, revision=None, token=None,
-                   cache_dir=None, progress=True):  # fmt: skip
+                   cache_dir=None, progress=True, headers=None):  # fmt: skip
     """(checkpoint folder, adapter folder or None, the base's name, the adapter's name or None): SOURCE resolved,
     and ADAPTER; a SOURCE that is itself a peft adapter (``adapter_config.json``, no ADAPTER given) stands for
     the base its config names, with it merged (a folder that also holds model weights is a checkpoint).
     ``revision`` applies to SOURCE (a local folder has none); a Hub checkpoint whose config.json says it is not
-    bitsandbytes is refused before its weights are downloaded; ``progress=False`` hides download bars."""
+    bitsandbytes is refused before its weights are downloaded; ``progress=False`` hides download bars; ``headers``
+    (a ``hub.HeadersOnly``): the checkpoint's weights are not downloaded, its folder is their copy for a plan."""
     from .errors import SourceNotFoundError
     from .formats import peft_lora
     from .hub import resolve
 
     source, adapter = _text(source), _text(adapter)
     fetch = dict(token=token, cache_dir=cache_dir, progress=progress)
-    folder = resolve(source, revision=revision, precheck=partial(_refuse_early, source=source), **fetch)
+    folder = resolve(source, revision=revision, precheck=partial(_refuse_early, source=source), headers=headers, **fetch)
     adapter_folder = resolve(adapter, **fetch) if adapter is not None else None
     weights = [p for p in folder.glob("*.safetensors") if p.name != peft_lora.WEIGHTS_NAME]
     if adapter_folder is not None and (folder / peft_lora.CONFIG_NAME).is_file() and not weights:
@@ -220,7 +222,7 @@ def resolve_source(source: str | os.PathLike, adapter: str | os.PathLike | None 
         if not base:
             raise SourceNotFoundError(f"{folder / peft_lora.CONFIG_NAME}: an adapter whose base_model_name_or_path is "
                                       "not set; name the base as SOURCE and this as the adapter", option="adapter")  # fmt: skip
-        adapter_folder, folder = folder, resolve(base, precheck=partial(_refuse_early, source=base), **fetch)
+        adapter_folder, folder = folder, resolve(base, precheck=partial(_refuse_early, source=base), headers=headers, **fetch)
         return folder, adapter_folder, base, str(adapter_folder.resolve()) if Path(source).expanduser().exists() else source
     if adapter is not None and Path(adapter).expanduser().exists():
         adapter = str(Path(adapter).expanduser().resolve())  # a folder, never mistaken for a Hub repo id
@@ -229,9 +231,41 @@ def resolve_source(source: str | os.PathLike, adapter: str | os.PathLike | None 
 
 def prepare(source: str | os.PathLike, output=None, *, dtype="auto", adapter=None, revision=None, token=None, cache_dir=None,
             max_shard_size=DEFAULT_SHARD_SIZE, overwrite=False, output_dir=None, stem=None, reader=None,
-            progress=True) -> Prepared:  # fmt: skip
+            progress=True, headers_only=False) -> Prepared:  # fmt: skip
     """Resolve and plan a conversion and check where it goes, writing nothing (what ``convert`` and a dry run do
-    first). A Hub SOURCE's weights are downloaded into the Hub cache (the plan reads their quant states)."""
+    first). A Hub SOURCE's weights are downloaded into the Hub cache, unless ``headers_only`` (a dry run): then the
+    plan reads their headers and small tensors over range requests, from a copy removed before this returns (the
+    plan can then be shown, not streamed; ``reader`` is not taken)."""
+    if not headers_only:
+        return _prepare(source, output, dtype=dtype, adapter=adapter, revision=revision, token=token, cache_dir=cache_dir,
+                        max_shard_size=max_shard_size, overwrite=overwrite, output_dir=output_dir, stem=stem,
+                        reader=reader, progress=progress)  # fmt: skip
+    import tempfile
+
+    from .checkpoint import TensorReader
+    from .errors import Nf4ConvertError
+    from .hub import HeadersOnly
+
+    with tempfile.TemporaryDirectory(prefix="nf4convert-plan-") as scratch:
+        headers = HeadersOnly(Path(scratch))
+        try:
+            with TensorReader(headers.ranges) as reader:
+                return _prepare(source, output, dtype=dtype, adapter=adapter, revision=revision, token=token,
+                                cache_dir=cache_dir, max_shard_size=max_shard_size, overwrite=overwrite,
+                                output_dir=output_dir, stem=stem, reader=reader, progress=progress, headers=headers)  # fmt: skip
+        except Nf4ConvertError as error:  # named by the repo, not the scratch copy
+            text = str(error)
+            for copy in [folder for folder, _ in headers.copies.values()]:
+                text = text.replace(str(copy), headers.shown(copy))
+            if text == str(error):
+                raise
+            renamed = type(error)(text, option=error.option)
+            renamed.__dict__.update(error.__dict__)
+            raise renamed from None
+
+
+def _prepare(source, output, *, dtype, adapter, revision, token, cache_dir, max_shard_size, overwrite, output_dir, stem,
+             reader, progress, headers=None) -> Prepared:  # fmt: skip
     from . import output as lifecycle
     from .dtypes import output_dtype
     from .plan import make_plan, parse_size
@@ -253,7 +287,7 @@ def prepare(source: str | os.PathLike, output=None, *, dtype="auto", adapter=Non
         output = Path(output).expanduser()
         lifecycle.check_destination(output, overwrite=overwrite)
     folder, adapter_folder, base, adapter = resolve_source(source, adapter, revision=revision, token=token,
-                                                           cache_dir=cache_dir, progress=progress)  # fmt: skip
+                                                           cache_dir=cache_dir, progress=progress, headers=headers)  # fmt: skip
     try:
         plan = make_plan(folder, dtype=dtype, max_shard_size=shard_limit, reader=reader, adapter=adapter_folder)
     except CheckpointError as error:
@@ -271,7 +305,8 @@ def prepare(source: str | os.PathLike, output=None, *, dtype="auto", adapter=Non
         if adapter_folder is not None:
             lifecycle.check_not_source(output, adapter_folder)
         free_bytes = lifecycle.free_space(output)
-    return Prepared(plan, output, free_bytes, base, adapter, revision if base == source else None)
+    return Prepared(plan, output, free_bytes, base, adapter, revision if base == source else None,
+                    headers and headers.shown(folder))  # fmt: skip
 
 
 def convert(

@@ -2,6 +2,10 @@
 
 Downloads go through ``huggingface_hub.snapshot_download``, which honours HF_ENDPOINT,
 HF_HUB_OFFLINE, HF_HOME / HF_HUB_CACHE and HF_TOKEN; only what conversion needs is fetched.
+
+A plan alone (a dry run) downloads no weights: :class:`HeadersOnly` puts each safetensors file of the repo into a
+scratch folder as a sparse file that holds the file's header and its small tensors, read with HTTP range requests
+(as ``huggingface_hub``'s ``get_safetensors_metadata`` reads headers), and nothing else.
 """
 
 from __future__ import annotations
@@ -10,7 +14,7 @@ import contextlib
 import re
 import warnings
 from collections.abc import Callable, Iterator
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from .errors import ArgumentError, Nf4ConvertError, SourceNotFoundError
 
@@ -23,6 +27,14 @@ ALLOW_PATTERNS = [
 # Fetched first when the caller checks a repo before its weights (``precheck``): enough to tell a checkpoint that is
 # not a bitsandbytes one, or an adapter, without downloading gigabytes.
 CONFIG_FILES = ["config.json", "adapter_config.json"]
+# A plan reads, of a checkpoint's tensors, only small ones: quant states (JSON), their code tables and nested absmax,
+# 8-bit row scales and weight formats. A headers-only copy holds every tensor of at most this size (norms and biases
+# too); reading any other tensor's bytes from it is an error (checkpoint.TensorReader), never zeros.
+PLAN_TENSOR_BYTES = 1 << 20
+_FIRST_BYTES = 100_000  # a file's first request: the whole header for 97% of the Hub's files (huggingface_hub's figure)
+_GAP_BYTES = 1 << 16  # small tensors this close together are fetched in one request
+_RUN_BYTES = 1 << 24  # at most this many bytes per request
+_REQUESTS_AT_ONCE = 8
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 COMMIT = re.compile(r"[0-9a-f]{40}")
 
@@ -64,13 +76,36 @@ def commit_of(folder: Path) -> str | None:
     return folder.name if folder.parent.name == "snapshots" and COMMIT.fullmatch(folder.name) else None
 
 
+class HeadersOnly:
+    """Where ``resolve`` puts Hub repos for a plan alone, without their weights: ``scratch`` (a folder the caller owns
+    and removes) gets a copy of each repo whose safetensors files are sparse, holding each file's header and its
+    tensors of at most PLAN_TENSOR_BYTES. ``ranges`` (file -> the byte ranges it holds) is what a
+    ``checkpoint.TensorReader`` given it may read; ``copies`` maps each repo id to (its copy, the commit)."""
+
+    def __init__(self, scratch: Path):
+        self.scratch = Path(scratch)
+        self.ranges: dict[Path, list[tuple[int, int]]] = {}
+        self.copies: dict[str, tuple[Path, str | None]] = {}
+
+    def shown(self, folder: Path) -> str | None:
+        """How messages name a copy's folder: ``repo@commit``, or None for a folder that is no copy."""
+        for source, (copy, commit) in self.copies.items():
+            if copy == folder:
+                return f"{source}@{commit[:12]}" if commit else source
+        return None
+
+
 def resolve(source: str, *, revision: str | None = None, token: str | None = None, cache_dir: str | None = None,
-            progress: bool = True, precheck: Callable[[Path], None] | None = None) -> Path:  # fmt: skip
+            progress: bool = True, precheck: Callable[[Path], None] | None = None,
+            headers: HeadersOnly | None = None) -> Path:  # fmt: skip
     """A local folder holding the checkpoint named by ``source``.
 
     ``revision`` (a branch, tag or commit) applies to a Hub repo only. ``progress=False`` hides huggingface_hub's
     download bars. ``precheck``, for a Hub repo, is called on a folder holding only its ``config.json`` and
     ``adapter_config.json`` (those it has) before anything else is downloaded, and may raise to stop there.
+    ``headers``: a Hub repo's weights are not downloaded; the folder returned is its copy for a plan, in
+    ``headers.scratch`` (the rest of the repo is downloaded into the Hub cache as usual). Offline (HF_HUB_OFFLINE), where no range
+    can be read, the Hub cache's folder is returned as without ``headers``.
 
     Raises:
         ArgumentError: ``revision`` given with a local folder (which has no revisions).
@@ -94,11 +129,16 @@ def resolve(source: str, *, revision: str | None = None, token: str | None = Non
     from huggingface_hub import snapshot_download  # noqa: PLC0415  (keeps CLI start-up fast)
     from huggingface_hub import errors  # noqa: PLC0415
 
+    from huggingface_hub import constants  # noqa: PLC0415
+
     fetch = dict(revision=revision, token=token, cache_dir=cache_dir)
     try:
         with progress_bars(progress):
             if precheck is not None:
                 precheck(Path(snapshot_download(source, allow_patterns=CONFIG_FILES, **fetch)))
+            if headers is not None and not constants.HF_HUB_OFFLINE:
+                rest = Path(snapshot_download(source, allow_patterns=_HEADERS_ONLY_PATTERNS, **fetch))
+                return _copy_for_plan(source, rest, headers, token)
             return Path(snapshot_download(source, allow_patterns=ALLOW_PATTERNS, **fetch))
     except errors.GatedRepoError:
         raise SourceNotFoundError(f"{source}: gated repository; accept its terms on the Hub and give a token", option="token") from None
@@ -114,3 +154,131 @@ def resolve(source: str, *, revision: str | None = None, token: str | None = Non
         from .hub_errors import hub_error_line  # noqa: PLC0415
 
         raise SourceNotFoundError(f"{source}: cannot be fetched: {hub_error_line(error)}") from None
+
+
+def _headers_only_patterns() -> list[str]:
+    from .checkpoint import ADAPTER_WEIGHTS  # an adapter's own weights are small and read whole: downloaded
+
+    return [pattern for pattern in ALLOW_PATTERNS if pattern != "*.safetensors"] + [ADAPTER_WEIGHTS]
+
+
+_HEADERS_ONLY_PATTERNS = _headers_only_patterns()
+
+
+def _copy_for_plan(source: str, downloaded: Path, headers: HeadersOnly, token: str | None) -> Path:
+    """Fill ``headers.scratch`` with the repo as a plan reads it: the files ``downloaded`` (a Hub cache snapshot of
+    everything but the weights) copied, and each weight file of the repo at its size, sparse, holding its header
+    and its tensors of at most PLAN_TENSOR_BYTES (fetched with range requests, several at once)."""
+    import shutil  # noqa: PLC0415
+    from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415
+
+    from huggingface_hub import HfApi  # noqa: PLC0415
+    from huggingface_hub.utils import tqdm as hub_tqdm  # noqa: PLC0415  (hidden with huggingface_hub's bars)
+
+    from .checkpoint import ADAPTER_WEIGHTS  # noqa: PLC0415
+
+    commit = commit_of(downloaded)
+    folder = headers.scratch / str(len(headers.copies))
+    folder.mkdir()
+    headers.copies[source] = (folder, commit)  # from now on, messages name the repo (conversion.prepare)
+    for path in sorted(downloaded.rglob("*")):
+        relative = path.relative_to(downloaded)
+        if path.is_file() and (path.suffix != ".safetensors" or relative.as_posix() == ADAPTER_WEIGHTS):
+            (folder / relative).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(path, folder / relative)
+    siblings = HfApi().model_info(source, revision=commit, token=token).siblings or []
+    names = sorted(s.rfilename for s in siblings if s.rfilename.endswith(".safetensors") and s.rfilename != ADAPTER_WEIGHTS)
+    for name in names:  # the same refusals as for a snapshot's files (checkpoint.inside)
+        if PurePosixPath(name).is_absolute() or ".." in PurePosixPath(name).parts or "\\" in name:
+            raise SourceNotFoundError(f"{source}: the Hub lists a file named {name!r}, which is not a plain relative path")
+    reader = _RangeReader(source, commit, token)
+    with ThreadPoolExecutor(_REQUESTS_AT_ONCE, thread_name_prefix="nf4convert-headers") as pool:
+        with hub_tqdm(total=len(names), desc="Reading headers", unit="file") as bar:
+            files = list(pool.map(lambda name: (name, *_sparse_file(reader, name, folder / name, bar)), names))
+        runs = [(name, path, run) for name, path, tensors, held in files for run in _small_runs(tensors, held)]
+        with hub_tqdm(total=len(runs), desc="Reading quant states", unit="range") as bar:
+            held_more = list(pool.map(lambda item: _fill(reader, *item, bar), runs))
+    for _, path, _, held in files:
+        headers.ranges[path] = held
+    for path, run in held_more:
+        headers.ranges[path].append(run)
+    return folder
+
+
+class _RangeReader:
+    """Byte ranges of a repo's files at one commit, as huggingface_hub's ``get_safetensors_metadata`` reads them."""
+
+    def __init__(self, source: str, commit: str | None, token: str | None):
+        from huggingface_hub import constants, hf_hub_url  # noqa: PLC0415
+        from huggingface_hub.utils import build_hf_headers  # noqa: PLC0415
+
+        self.source, self.commit, self.url = source, commit, hf_hub_url
+        self.headers = build_hf_headers(token=token)
+        self.timeout = getattr(constants, "HF_HUB_DOWNLOAD_TIMEOUT", 10)
+
+    def read(self, name: str, first: int, end: int) -> tuple[bytes, int]:
+        """Bytes ``[first, end)`` of file ``name`` (fewer where the file ends first) and the file's size."""
+        from huggingface_hub.utils import get_session, hf_raise_for_status  # noqa: PLC0415
+
+        url = self.url(self.source, name, revision=self.commit)
+        response = get_session().get(url, headers={**self.headers, "range": f"bytes={first}-{end - 1}"}, timeout=self.timeout)
+        hf_raise_for_status(response)
+        data = response.content
+        if response.status_code != 206:  # a server that ignores ranges sends the whole file
+            return data[first:end], len(data)
+        match = re.fullmatch(r"bytes (\d+)-(\d+)/(\d+)", response.headers.get("content-range", "").strip())
+        if match is None or int(match[1]) != first or len(data) != int(match[2]) - first + 1:
+            raise SourceNotFoundError(f"{self.source}: {name}: the Hub answered bytes {first}-{end - 1} with "
+                                      f"{response.headers.get('content-range')!r} and {len(data)} bytes")  # fmt: skip
+        return data, int(match[3])
+
+
+def _sparse_file(reader: _RangeReader, name: str, path: Path, bar) -> tuple[Path, dict, list[tuple[int, int]]]:
+    """Write ``path`` at the size of the repo's file ``name``, holding its first bytes and whole header; read that
+    header as any checkpoint's is read (checkpoint.read_header). (path, its tensors, the byte ranges held)."""
+    import struct  # noqa: PLC0415
+
+    from .checkpoint import _HEADER_LIMIT, read_header  # noqa: PLC0415
+
+    data, size = reader.read(name, 0, _FIRST_BYTES)
+    held = [(0, len(data))]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as file:
+        file.write(data)
+        if len(data) >= 8:
+            (length,) = struct.unpack("<Q", data[:8])
+            if len(data) < 8 + length <= min(size, 8 + _HEADER_LIMIT):  # else read_header names the problem
+                rest, _ = reader.read(name, len(data), 8 + length)
+                file.write(rest)
+                held.append((len(data), len(data) + len(rest)))
+        file.truncate(size)
+    bar.update(1)
+    return path, read_header(path)[0], held
+
+
+def _small_runs(tensors: dict, held: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The byte ranges to fetch for a file's tensors of at most PLAN_TENSOR_BYTES not held yet, neighbours merged."""
+    wanted = sorted((t.begin, t.end) for t in tensors.values()
+                    if 0 < t.nbytes <= PLAN_TENSOR_BYTES and not any(a <= t.begin and t.end <= b for a, b in held))  # fmt: skip
+    runs: list[list[int]] = []
+    for begin, end in wanted:
+        if runs and begin - runs[-1][1] <= _GAP_BYTES and end - runs[-1][0] <= _RUN_BYTES:
+            runs[-1][1] = end
+        else:
+            runs.append([begin, end])
+    return [(begin, end) for begin, end in runs]
+
+
+def _fill(reader: _RangeReader, name: str, path: Path, run: tuple[int, int], bar) -> tuple[Path, tuple[int, int]]:
+    import os  # noqa: PLC0415
+
+    data, _ = reader.read(name, *run)
+    if len(data) != run[1] - run[0]:
+        raise SourceNotFoundError(f"{reader.source}: {name}: bytes {run[0]}-{run[1] - 1} came back short ({len(data)} bytes)")
+    descriptor = os.open(path, os.O_WRONLY)
+    try:
+        os.pwrite(descriptor, data, run[0])
+    finally:
+        os.close(descriptor)
+    bar.update(1)
+    return path, run

@@ -140,6 +140,7 @@ class Plan:
     config: dict | None  # config.json as the output has it
     card: Path | None  # the source's model card (README.md), which the output's is written from
     adapter: peft_lora.Adapter | None = None  # merged into the output
+    side_bytes: int = 0  # the side files' and the card's bytes, when planned
 
     @property
     def tensors(self) -> list[PlannedTensor]:
@@ -152,10 +153,6 @@ class Plan:
     @property
     def n_dequantized(self) -> int:
         return sum(not isinstance(tensor.recipe, Copy) for tensor in self.tensors)
-
-    @property
-    def side_bytes(self) -> int:
-        return sum((self.folder / path).stat().st_size for path in self.side_files) + (self.card.stat().st_size if self.card else 0)
 
     @property
     def source_formats(self) -> list[str]:
@@ -402,5 +399,8 @@ def make_plan(folder: Path, *, dtype: str = "auto", max_shard_size: str | int = 
     card = folder / "README.md"
     if card.is_file():
         inside(folder, "README.md")
-    return Plan(folder, chosen, planned, tensors, side_files(folder), config and dense_config(config, chosen),
-                card if card.is_file() else None, merged_adapter)  # fmt: skip
+    carried = side_files(folder)
+    card = card if card.is_file() else None
+    side_bytes = sum((folder / path).stat().st_size for path in carried) + (card.stat().st_size if card else 0)
+    return Plan(folder, chosen, planned, tensors, carried, config and dense_config(config, chosen), card, merged_adapter,
+                side_bytes)  # fmt: skip

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -29,6 +30,7 @@ DENSE, GPTQ, FP16_WEIGHTS, ADAPTER = "test-org/dense", "test-org/gptq-4bit", "te
 class FakeHub(BaseHTTPRequestHandler):
     repos: dict[str, dict[str, bytes]] = {}  # repo id -> its files
     requested: list[str] = []
+    ranges: list[tuple[str, str, int, int]] = []  # (repo, file, first byte, end) of each range read
 
     def log_message(self, *args):  # quiet
         pass
@@ -47,7 +49,7 @@ class FakeHub(BaseHTTPRequestHandler):
 
     def _route(self, head):
         path = unquote(urlparse(self.path).path)
-        self.requested.append(f"{self.command} {path}")
+        self.requested.append(f"{'RANGE' if self.headers.get('Range') else self.command} {path}")
         if path.startswith((f"/api/models/{GATED}/", f"/{GATED}/")):
             return self._send(401, b"gated", {"X-Error-Code": "GatedRepo", "X-Error-Message": "Access to this repo is restricted"}, head)
         for repo, files in self.repos.items():
@@ -60,8 +62,14 @@ class FakeHub(BaseHTTPRequestHandler):
                 name = path[len(prefix) :].split("/", 1)[1]
                 if name in files:
                     data = files[name]
-                    etag = f'"{hashlib.sha256(data).hexdigest()}"'
-                    return self._send(200, data, {"X-Repo-Commit": COMMIT, "ETag": etag, "Content-Type": "application/octet-stream"}, head)
+                    headers = {"X-Repo-Commit": COMMIT, "ETag": f'"{hashlib.sha256(data).hexdigest()}"',
+                               "Content-Type": "application/octet-stream"}  # fmt: skip
+                    wanted = re.fullmatch(r"bytes=(\d+)-(\d+)", self.headers.get("Range", ""))
+                    if wanted and not head:  # as the Hub answers a range: 206, the bytes there are, their place and the size
+                        first, last = int(wanted[1]), min(int(wanted[2]), len(data) - 1)
+                        self.ranges.append((repo, name, first, last + 1))
+                        return self._send(206, data[first : last + 1], {**headers, "Content-Range": f"bytes {first}-{last}/{len(data)}"})
+                    return self._send(200, data, headers, head)
                 return self._send(404, b"no entry", {"X-Error-Code": "EntryNotFound"}, head)
         return self._send(404, b"not found", {"X-Error-Code": "RepoNotFound", "X-Error-Message": "Repository not found"}, head)
 
@@ -73,7 +81,7 @@ class FakeHub(BaseHTTPRequestHandler):
 
 
 def downloaded(repo: str) -> list[str]:
-    """The files of ``repo`` that were downloaded (GET), in order."""
+    """The files of ``repo`` that were downloaded whole (GET without a range), in order."""
     prefix = f"GET /{repo}/resolve/"
     return [r[len(prefix) :].split("/", 1)[1] for r in FakeHub.requested if r.startswith(prefix)]
 
@@ -117,12 +125,14 @@ def hub(tmp_path_factory):
     server.shutdown()
 
 
-def cli(*args, env, cwd):
+def cli(*args, env, cwd, patch=""):
+    """The CLI in a process of its own; ``patch``: Python run first in it (module constants changed for a test)."""
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
     full_env.update(env)
     full_env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), full_env.get("PYTHONPATH", "")])
-    return subprocess.run([sys.executable, "-m", "nf4convert.cli", *map(str, args)], capture_output=True, text=True,
-                          env=full_env, cwd=cwd, timeout=600)  # fmt: skip
+    command = ["-m", "nf4convert.cli"] if not patch else ["-c", f"import sys; {patch}; from nf4convert.cli import main; main(sys.argv[1:])"]
+    return subprocess.run([sys.executable, *command, *map(str, args)], capture_output=True, text=True, env=full_env,
+                          cwd=cwd, timeout=600)  # fmt: skip
 
 
 def test_download_convert_then_offline(hub, tmp_path):
@@ -247,3 +257,88 @@ def test_an_adapter_repo_as_source_is_resolved_to_its_base(hub, tmp_path):
     assert result.returncode == 0, result.stderr
     assert "adapter_model.safetensors" in downloaded(ADAPTER) and "model.safetensors.index.json" in downloaded(REPO)
     assert f"[{ADAPTER}](https://huggingface.co/{ADAPTER}) was then merged" in (out / "README.md").read_text()
+
+
+# Limits small enough that the test repo's files have holes (its weights, up to 128 KiB, are over 4 KiB and not fetched
+# with neighbours), and its headers over 1 KiB (a second request each).
+SMALL_LIMITS = "import nf4convert.hub as hub; hub.PLAN_TENSOR_BYTES = 4096; hub._FIRST_BYTES = 1024; hub._GAP_BYTES = 0"
+
+
+def plan_lines(result) -> list[str]:
+    """A dry run's lines but where it names the source and output."""
+    return [line for line in result.stdout.splitlines() if not line.startswith(("source:", "output:"))]
+
+
+def test_a_hub_dry_run_reads_headers_and_small_tensors_and_downloads_no_weights(hub, tmp_path):
+    endpoint, source = hub
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    env = {"HF_ENDPOINT": endpoint, "HF_HUB_DISABLE_XET": "1", "TMPDIR": str(scratch)}
+    local = cli(source, "--dry-run", "-q", "-o", tmp_path / "out", env={}, cwd=tmp_path)
+    assert local.returncode == 0, local.stderr
+    FakeHub.requested.clear()
+    FakeHub.ranges.clear()
+    remote = cli(REPO, "--dry-run", "-q", "-o", tmp_path / "out", "--cache-dir", tmp_path / "cache", env=env,
+                 cwd=tmp_path, patch=SMALL_LIMITS)  # fmt: skip
+    assert remote.returncode == 0, remote.stderr
+    assert plan_lines(remote) == plan_lines(local)  # the same plan: tensors, recipes, shards, bytes, side files
+    assert remote.stdout.splitlines()[0] == (f"source: {REPO}@{COMMIT[:12]} (its headers and small tensors read from "
+                                             "the Hub; no weights downloaded)")  # fmt: skip
+    assert not [name for name in downloaded(REPO) if name.endswith(".safetensors")]
+    files = FakeHub.repos[REPO]
+    read = {name: sum(end - first for repo, file, first, end in FakeHub.ranges if file == name) for name in files}
+    weights = [name for name in files if name.endswith(".safetensors")]
+    assert all(read[name] for name in weights)  # every weight file's header
+    assert sum(read.values()) < sum(len(files[name]) for name in weights) / 3, read  # and little else
+    assert not list(scratch.iterdir()) and not (tmp_path / "out").exists()  # the copy removed, nothing written
+
+    # The plan reads only what was fetched: below its own tensors' sizes, the dry run stops (never reads zeros).
+    tight = cli(REPO, "--dry-run", "-q", "--cache-dir", tmp_path / "cache", env=env, cwd=tmp_path,
+                patch=SMALL_LIMITS + "; hub.PLAN_TENSOR_BYTES = 16")  # fmt: skip
+    lines = error_lines(tight)
+    assert tight.returncode == 1 and len(lines) == 1, tight.stderr
+    assert lines[0].startswith(f"Error: {REPO}@{COMMIT[:12]}/") and "convert without --dry-run" in lines[0], lines[0]
+    assert str(scratch) not in lines[0] and not list(scratch.iterdir())
+
+    # The conversion after it downloads the weights, and converts as from the local folder.
+    done = cli(REPO, "-q", "-o", tmp_path / "from-hub", "--cache-dir", tmp_path / "cache", env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "model-00001-of-00004.safetensors" in downloaded(REPO)
+
+
+def test_a_hub_dry_run_names_a_corrupt_header_by_the_repo(hub, tmp_path):
+    endpoint, _ = hub
+    files = dict(FakeHub.repos[REPO])
+    name = "model-00002-of-00004.safetensors"
+    files[name] = files[name][:8] + b"#" + files[name][9:]  # its header is not JSON
+    FakeHub.repos["test-org/corrupt-bnb-4bit"] = files
+    try:
+        result = cli("test-org/corrupt-bnb-4bit", "--dry-run", "-q", "--cache-dir", tmp_path / "cache",
+                     env={"HF_ENDPOINT": endpoint, "HF_HUB_DISABLE_XET": "1"}, cwd=tmp_path)  # fmt: skip
+    finally:
+        del FakeHub.repos["test-org/corrupt-bnb-4bit"]
+    lines = error_lines(result)
+    assert result.returncode == 1 and len(lines) == 1, result.stderr
+    assert lines[0].startswith(f"Error: test-org/corrupt-bnb-4bit@{COMMIT[:12]}/{name}: corrupt safetensors header"), lines[0]
+
+
+def test_a_dry_run_of_an_adapter_repo_reads_its_bases_headers(hub, tmp_path):
+    endpoint, _ = hub
+    FakeHub.requested.clear()
+    result = cli(ADAPTER, "--dry-run", "-q", "--cache-dir", tmp_path / "cache", env={"HF_ENDPOINT": endpoint,
+                 "HF_HUB_DISABLE_XET": "1"}, cwd=tmp_path)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(f"source: {REPO}@{COMMIT[:12]} (its headers"), result.stdout
+    assert "merged" in result.stdout, result.stdout
+    assert "adapter_model.safetensors" in downloaded(ADAPTER)  # an adapter is read whole
+    assert not [name for name in downloaded(REPO) if name.endswith(".safetensors")]
+
+
+def test_an_offline_dry_run_plans_from_the_cache(hub, tmp_path):
+    endpoint, _ = hub
+    cache = tmp_path / "cache"
+    assert cli(REPO, "-q", "-o", tmp_path / "out", "--cache-dir", cache, env={"HF_ENDPOINT": endpoint, "HF_HUB_DISABLE_XET": "1"},
+               cwd=tmp_path).returncode == 0  # fmt: skip
+    result = cli(REPO, "--dry-run", "-q", "--cache-dir", cache, env={"HF_HUB_OFFLINE": "1"}, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(f"source: {cache}"), result.stdout  # the cached snapshot, weights and all

@@ -67,16 +67,23 @@ def _fields(packed: torch.Tensor, quant_state: Any, out: Optional[torch.Tensor],
             raise ArgumentError(f"out has {out.numel()} elements, shape {tuple(quant_state.shape)} needs {math.prod(quant_state.shape)}")
         if out.device != device or not out.is_contiguous():
             raise ArgumentError(f"out must be contiguous on {device}")
+    _refuse_amd(device)
     _pick_backend(backend, device)
     return absmax, code2, absmax2, offset, nested_blocksize
 
 
-def _pick_backend(backend: str, device: torch.device) -> str:
-    # Triton is imported only when the kernel runs: the CPU path never pays for it.
+def _refuse_amd(device: torch.device) -> None:
+    """An AMD GPU's tensors (torch's "cuda" on a ROCm build): the Triton kernel (NVIDIA PTX) cannot run there. Its own
+    function, apart from _pick_backend's raises: in that one, on torch 2.11 (Python 3.12), Dynamo then failed on its
+    later raises with an internal AssertionError instead of letting the ArgumentError out (results-h200-gpu-tests-v18)."""
     if device.type == "cuda" and torch.version.hip is not None:
         from .devices import AMD_GPU
 
         raise ArgumentError(f"packed is on {AMD_GPU}; dequantize a copy on the CPU (backend='cpu')")
+
+
+def _pick_backend(backend: str, device: torch.device) -> str:
+    # Triton is imported only when the kernel runs: the CPU path never pays for it.
     if backend == "auto":
         return "triton" if device.type == "cuda" else "cpu"
     if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":

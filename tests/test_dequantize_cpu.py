@@ -366,11 +366,11 @@ def test_cpu_path_tiny_scales_in_some_chunks(nan, monkeypatch):
 
 def test_tensors_on_an_amd_gpu_are_refused_in_one_line(monkeypatch):
     # torch's "cuda" device on a ROCm build is an AMD GPU: the Triton kernel (NVIDIA PTX) cannot run there
-    from nf4convert.dequantize import _pick_backend
+    from nf4convert.dequantize import _pick_backend, _refuse_amd
     from nf4convert.errors import ArgumentError
 
     monkeypatch.setattr(torch.version, "hip", "6.2", raising=False)
-    for backend in ("auto", "triton"):
-        with pytest.raises(ArgumentError, match=r"^packed is on an AMD GPU \(ROCm\), .*; dequantize a copy on the CPU"):
-            _pick_backend(backend, torch.device("cuda"))
+    with pytest.raises(ArgumentError, match=r"^packed is on an AMD GPU \(ROCm\), .*; dequantize a copy on the CPU"):
+        _refuse_amd(torch.device("cuda"))
+    _refuse_amd(torch.device("cpu"))
     assert _pick_backend("auto", torch.device("cpu")) == "cpu"

@@ -292,19 +292,20 @@ def _unlisted_shards(folder: Path, listed: set[str]) -> set[str]:
     """Files of the shard series the index names (same prefix, same "-of-N") that it does not name: a shard the index
     lost, whose tensors would silently be left out. Other .safetensors files beside an index (a Mistral repo's
     consolidated.safetensors, an older series "-of-M") are not the checkpoint's and stay unread."""
-    series = {match.groups() for file in listed if (match := _SHARD_NAME.fullmatch(file))}
-    found = set()
-    for parent in {prefix.rpartition("/")[0] for prefix, _ in series}:
+    names = []
+    for parent in {match[1].rpartition("/")[0] for file in listed if (match := _SHARD_NAME.fullmatch(file))}:
         try:
-            names = os.listdir(folder / parent if parent else folder)
+            names += [f"{parent}/{name}" if parent else name for name in os.listdir(folder / parent if parent else folder)]
         except OSError:
             continue  # a listed file there is then reported missing or unreadable by its own name
-        for name in names:
-            relative = f"{parent}/{name}" if parent else name
-            match = _SHARD_NAME.fullmatch(relative)
-            if match and match.groups() in series and relative not in listed:
-                found.add(relative)
-    return found
+    return series_members(listed, names)
+
+
+def series_members(listed: set[str], names: Iterable[str]) -> set[str]:
+    """Of ``names`` (files by relative path), those of the shard series of the ``listed`` files (same prefix, same
+    "-of-N") that are not listed (here and for a Hub repo's files, hub._copy_for_plan)."""
+    series = {match.groups() for file in listed if (match := _SHARD_NAME.fullmatch(file))}
+    return {name for name in names if name not in listed and (match := _SHARD_NAME.fullmatch(name)) and match.groups() in series}
 
 
 def read_tensors(folder: Path) -> dict[str, TensorInfo]:
@@ -393,7 +394,7 @@ class TensorReader:
             first, end = info.begin + first_byte, info.begin + first_byte + count
             if not any(a <= first and end <= b for a, b in self._held[info.path]):
                 raise CheckpointError(f"{info.path}: tensor '{info.name}' ({info.nbytes} bytes) was not read from the Hub: "
-                                      "a plan alone reads headers and small tensors only; convert without --dry-run")  # fmt: skip
+                                      "a dry run reads only headers and quant states; a conversion downloads the weights")  # fmt: skip
         buffer = torch.empty(count, dtype=torch.uint8) if out is None else out[:count]
         view = memoryview(buffer.numpy()) if count else memoryview(b"")
         descriptor = self._file(info.path).fileno()

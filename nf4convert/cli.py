@@ -296,7 +296,7 @@ def _summary(result) -> str:
 @click.option("-o", "--output", type=click.Path(), help="Output folder (default: ./<name>-<dtype>).")
 @_convert_options
 @click.option("--dry-run", is_flag=True, help="Print the plan (tensors, dtype, shards, bytes, free space); write nothing "
-              "(of a Hub SOURCE only the headers and small tensors of its weight files are read, by range requests).")
+              "(of a Hub SOURCE only the headers and quant states of its weight files are read, by range requests).")
 @click.option("--verify", "then_verify", is_flag=True, help="Verify the output against SOURCE right after converting.")
 @click.option("--push-to-hub", "push_to", metavar="REPO_ID", help="Upload the finished output to this Hub repo (after --verify, if asked); "
               "weight files at the repo's root that the output lacks are deleted in the same commit.")
@@ -366,7 +366,7 @@ def _plan_lines(prepared) -> list[str]:
     from collections import Counter
 
     kinds = Counter(tensor.recipe.label for tensor in plan.tensors)
-    shown = f"{prepared.headers_only} (its headers and small tensors read from the Hub; no weights downloaded)"
+    shown = f"{prepared.headers_only} (its headers and quant states read from the Hub; no weights downloaded)"
     lines = [f"source: {shown if prepared.headers_only else plan.folder}", f"output: {prepared.output} ({plan.dtype.name})",
              f"tensors: {len(plan.tensors)} (" + ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items())) + ")"]  # fmt: skip
     lines += [f"  {shard.filename}: {len(shard.tensors)} tensors, {shard.nbytes / 1e9:.3f} GB" for shard in plan.shards]

@@ -234,34 +234,33 @@ def prepare(source: str | os.PathLike, output=None, *, dtype="auto", adapter=Non
             progress=True, headers_only=False) -> Prepared:  # fmt: skip
     """Resolve and plan a conversion and check where it goes, writing nothing (what ``convert`` and a dry run do
     first). A Hub SOURCE's weights are downloaded into the Hub cache, unless ``headers_only`` (a dry run): then the
-    plan reads their headers and small tensors over range requests, from a copy removed before this returns (the
+    plan reads their headers and quant states over range requests, from a copy removed before this returns (the
     plan can then be shown, not streamed; ``reader`` is not taken)."""
     if not headers_only:
         return _prepare(source, output, dtype=dtype, adapter=adapter, revision=revision, token=token, cache_dir=cache_dir,
                         max_shard_size=max_shard_size, overwrite=overwrite, output_dir=output_dir, stem=stem,
                         reader=reader, progress=progress)  # fmt: skip
-    import tempfile
-
     from .checkpoint import TensorReader
     from .errors import Nf4ConvertError
     from .hub import HeadersOnly
 
-    with tempfile.TemporaryDirectory(prefix="nf4convert-plan-") as scratch:
-        headers = HeadersOnly(Path(scratch))
-        try:
-            with TensorReader(headers.ranges) as reader:
-                return _prepare(source, output, dtype=dtype, adapter=adapter, revision=revision, token=token,
-                                cache_dir=cache_dir, max_shard_size=max_shard_size, overwrite=overwrite,
-                                output_dir=output_dir, stem=stem, reader=reader, progress=progress, headers=headers)  # fmt: skip
-        except Nf4ConvertError as error:  # named by the repo, not the scratch copy
-            text = str(error)
-            for copy in [folder for folder, _ in headers.copies.values()]:
-                text = text.replace(str(copy), headers.shown(copy))
-            if text == str(error):
-                raise
-            renamed = type(error)(text, option=error.option)
-            renamed.__dict__.update(error.__dict__)
-            raise renamed from None
+    headers = HeadersOnly()
+    try:
+        with TensorReader(headers.ranges) as reader:
+            return _prepare(source, output, dtype=dtype, adapter=adapter, revision=revision, token=token,
+                            cache_dir=cache_dir, max_shard_size=max_shard_size, overwrite=overwrite, output_dir=output_dir,
+                            stem=stem, reader=reader, progress=progress, headers=headers)  # fmt: skip
+    except Nf4ConvertError as error:  # named by the repo, not the temporary copy
+        text = str(error)
+        for copy in [folder for folder, _ in headers.copies.values()]:
+            text = text.replace(str(copy), headers.shown(copy))
+        if text == str(error):
+            raise
+        renamed = type(error)(text, option=error.option)
+        renamed.__dict__.update(error.__dict__)
+        raise renamed from None
+    finally:
+        headers.remove()
 
 
 def _prepare(source, output, *, dtype, adapter, revision, token, cache_dir, max_shard_size, overwrite, output_dir, stem,

@@ -4,7 +4,7 @@ Downloads go through ``huggingface_hub.snapshot_download``, which honours HF_END
 HF_HUB_OFFLINE, HF_HOME / HF_HUB_CACHE and HF_TOKEN; only what conversion needs is fetched.
 
 A plan alone (a dry run) downloads no weights: :class:`HeadersOnly` puts each safetensors file of the repo into a
-scratch folder as a sparse file that holds the file's header and its small tensors, read with HTTP range requests
+scratch folder as a sparse file that holds the file's header and its quant states, read with HTTP range requests
 (as ``huggingface_hub``'s ``get_safetensors_metadata`` reads headers), and nothing else.
 """
 
@@ -14,7 +14,7 @@ import contextlib
 import re
 import warnings
 from collections.abc import Callable, Iterator
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
 from .errors import ArgumentError, Nf4ConvertError, SourceNotFoundError
 
@@ -27,12 +27,12 @@ ALLOW_PATTERNS = [
 # Fetched first when the caller checks a repo before its weights (``precheck``): enough to tell a checkpoint that is
 # not a bitsandbytes one, or an adapter, without downloading gigabytes.
 CONFIG_FILES = ["config.json", "adapter_config.json"]
-# A plan reads, of a checkpoint's tensors, only small ones: quant states (JSON), their code tables and nested absmax,
-# 8-bit row scales and weight formats. A headers-only copy holds every tensor of at most this size (norms and biases
-# too); reading any other tensor's bytes from it is an error (checkpoint.TensorReader), never zeros.
-PLAN_TENSOR_BYTES = 1 << 20
+# A headers-only copy holds, of each weight file, its header and the tensors whose bytes a plan reads (plan.PLAN_READS:
+# quant states, code tables, nested absmax, 8-bit scales and formats, all small) up to this size each; reading any
+# other bytes of it is an error (checkpoint.TensorReader), never zeros.
+PLAN_TENSOR_BYTES = 1 << 24
 _FIRST_BYTES = 100_000  # a file's first request: the whole header for 97% of the Hub's files (huggingface_hub's figure)
-_GAP_BYTES = 1 << 16  # small tensors this close together are fetched in one request
+_GAP_BYTES = 1 << 16  # such tensors this close together are fetched in one request
 _RUN_BYTES = 1 << 24  # at most this many bytes per request
 _REQUESTS_AT_ONCE = 8
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -77,15 +77,26 @@ def commit_of(folder: Path) -> str | None:
 
 
 class HeadersOnly:
-    """Where ``resolve`` puts Hub repos for a plan alone, without their weights: ``scratch`` (a folder the caller owns
-    and removes) gets a copy of each repo whose safetensors files are sparse, holding each file's header and its
-    tensors of at most PLAN_TENSOR_BYTES. ``ranges`` (file -> the byte ranges it holds) is what a
-    ``checkpoint.TensorReader`` given it may read; ``copies`` maps each repo id to (its copy, the commit)."""
+    """Where ``resolve`` puts Hub repos for a plan alone, without their weights: a temporary folder (made at the first
+    copy; ``remove`` deletes it) gets a copy of each repo whose weight files are sparse, holding each file's header and
+    the tensors a plan reads. ``ranges`` (file -> the byte ranges it holds) is what a ``checkpoint.TensorReader``
+    given it may read; ``copies`` maps each repo id to (its copy, the commit)."""
 
-    def __init__(self, scratch: Path):
-        self.scratch = Path(scratch)
+    def __init__(self):
+        self.scratch: Path | None = None
         self.ranges: dict[Path, list[tuple[int, int]]] = {}
         self.copies: dict[str, tuple[Path, str | None]] = {}
+
+    def new_copy(self, source: str, commit: str | None) -> Path:
+        import tempfile  # noqa: PLC0415
+
+        with _scratch_errors(source):
+            if self.scratch is None:
+                self.scratch = Path(tempfile.mkdtemp(prefix="nf4convert-plan-"))
+            folder = self.scratch / str(len(self.copies))
+            folder.mkdir()
+        self.copies[source] = (folder, commit)  # from now on, messages name the repo (conversion.prepare)
+        return folder
 
     def shown(self, folder: Path) -> str | None:
         """How messages name a copy's folder: ``repo@commit``, or None for a folder that is no copy."""
@@ -93,6 +104,28 @@ class HeadersOnly:
             if copy == folder:
                 return f"{source}@{commit[:12]}" if commit else source
         return None
+
+    def remove(self) -> None:
+        import shutil  # noqa: PLC0415
+
+        if self.scratch is not None:
+            shutil.rmtree(self.scratch, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _scratch_errors(source: str) -> Iterator[None]:
+    """A local failure while making a headers-only copy (no temporary folder, no room, read-only): one line that
+    names where copies go, not a fetch error (the network's errors are OSErrors too, so only local steps are wrapped)."""
+    import os  # noqa: PLC0415
+
+    from .errors import OutputError  # noqa: PLC0415
+
+    try:
+        yield
+    except OSError as error:
+        where = os.environ.get("TMPDIR") or "the temporary folder"
+        raise OutputError(f"{where}: cannot hold a dry run's copy of {source}'s headers ({error.strerror or error}); "
+                          "set TMPDIR to a writable folder") from None  # fmt: skip
 
 
 def resolve(source: str, *, revision: str | None = None, token: str | None = None, cache_dir: str | None = None,
@@ -104,8 +137,8 @@ def resolve(source: str, *, revision: str | None = None, token: str | None = Non
     download bars. ``precheck``, for a Hub repo, is called on a folder holding only its ``config.json`` and
     ``adapter_config.json`` (those it has) before anything else is downloaded, and may raise to stop there.
     ``headers``: a Hub repo's weights are not downloaded; the folder returned is its copy for a plan, in
-    ``headers.scratch`` (the rest of the repo is downloaded into the Hub cache as usual). Offline (HF_HUB_OFFLINE), where no range
-    can be read, the Hub cache's folder is returned as without ``headers``.
+    ``headers.scratch`` (the rest of the repo is downloaded into the Hub cache as usual). Where the Hub cache already
+    holds the weights, or offline (HF_HUB_OFFLINE), the Hub cache's folder is returned as without ``headers``.
 
     Raises:
         ArgumentError: ``revision`` given with a local folder (which has no revisions).
@@ -127,7 +160,7 @@ def resolve(source: str, *, revision: str | None = None, token: str | None = Non
         raise SourceNotFoundError(f"{source}: no such folder (and not a Hub repo id like 'org/name')")
 
     from huggingface_hub import snapshot_download  # noqa: PLC0415  (keeps CLI start-up fast)
-    from huggingface_hub import errors  # noqa: PLC0415
+    from huggingface_hub import utils as errors  # noqa: PLC0415  (in huggingface_hub 0.24 its errors module lacks GatedRepoError)
 
     from huggingface_hub import constants  # noqa: PLC0415
 
@@ -137,7 +170,7 @@ def resolve(source: str, *, revision: str | None = None, token: str | None = Non
             if precheck is not None:
                 precheck(Path(snapshot_download(source, allow_patterns=CONFIG_FILES, **fetch)))
             if headers is not None and not constants.HF_HUB_OFFLINE:
-                rest = Path(snapshot_download(source, allow_patterns=_HEADERS_ONLY_PATTERNS, **fetch))
+                rest = Path(snapshot_download(source, allow_patterns=_headers_only_patterns(), **fetch))
                 return _copy_for_plan(source, rest, headers, token)
             return Path(snapshot_download(source, allow_patterns=ALLOW_PATTERNS, **fetch))
     except errors.GatedRepoError:
@@ -157,56 +190,64 @@ def resolve(source: str, *, revision: str | None = None, token: str | None = Non
 
 
 def _headers_only_patterns() -> list[str]:
-    from .checkpoint import ADAPTER_WEIGHTS  # an adapter's own weights are small and read whole: downloaded
+    from .checkpoint import ADAPTER_WEIGHTS  # noqa: PLC0415  (an adapter's own weights are small and read whole)
 
     return [pattern for pattern in ALLOW_PATTERNS if pattern != "*.safetensors"] + [ADAPTER_WEIGHTS]
 
 
-_HEADERS_ONLY_PATTERNS = _headers_only_patterns()
-
-
 def _copy_for_plan(source: str, downloaded: Path, headers: HeadersOnly, token: str | None) -> Path:
-    """Fill ``headers.scratch`` with the repo as a plan reads it: the files ``downloaded`` (a Hub cache snapshot of
-    everything but the weights) copied, and each weight file of the repo at its size, sparse, holding its header
-    and its tensors of at most PLAN_TENSOR_BYTES (fetched with range requests, several at once)."""
+    """The repo as a plan reads it: ``downloaded`` (a Hub cache snapshot of everything but the weights) itself where
+    it holds the weights already; else a copy in ``headers``: those files copied, and each weight file the plan reads
+    (as checkpoint.read_tensors chooses them) at its size, sparse, holding its header and the tensors of plan.PLAN_READS
+    (fetched with range requests, several at once)."""
+    import fnmatch  # noqa: PLC0415
     import shutil  # noqa: PLC0415
     from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415
 
     from huggingface_hub import HfApi  # noqa: PLC0415
     from huggingface_hub.utils import tqdm as hub_tqdm  # noqa: PLC0415  (hidden with huggingface_hub's bars)
 
-    from .checkpoint import ADAPTER_WEIGHTS  # noqa: PLC0415
+    from .checkpoint import ADAPTER_WEIGHTS, read_index, series_members  # noqa: PLC0415
+
+    weight_map = read_index(downloaded)
+    cached = {p.relative_to(downloaded).as_posix() for p in downloaded.rglob("*.safetensors") if p.is_file()} - {ADAPTER_WEIGHTS}
+    if set(weight_map.values()) <= cached if weight_map is not None else any("/" not in name for name in cached):
+        return downloaded  # an earlier conversion's download: the plan reads the real files
 
     commit = commit_of(downloaded)
-    folder = headers.scratch / str(len(headers.copies))
-    folder.mkdir()
-    headers.copies[source] = (folder, commit)  # from now on, messages name the repo (conversion.prepare)
-    for path in sorted(downloaded.rglob("*")):
-        relative = path.relative_to(downloaded)
-        if path.is_file() and (path.suffix != ".safetensors" or relative.as_posix() == ADAPTER_WEIGHTS):
-            (folder / relative).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(path, folder / relative)
-    siblings = HfApi().model_info(source, revision=commit, token=token).siblings or []
-    names = sorted(s.rfilename for s in siblings if s.rfilename.endswith(".safetensors") and s.rfilename != ADAPTER_WEIGHTS)
-    for name in names:  # the same refusals as for a snapshot's files (checkpoint.inside)
-        if PurePosixPath(name).is_absolute() or ".." in PurePosixPath(name).parts or "\\" in name:
-            raise SourceNotFoundError(f"{source}: the Hub lists a file named {name!r}, which is not a plain relative path")
+    folder = headers.new_copy(source, commit)
+    patterns = _headers_only_patterns()
+    with _scratch_errors(source):
+        for path in sorted(downloaded.rglob("*")):
+            relative = path.relative_to(downloaded).as_posix()
+            if path.is_file() and any(fnmatch.fnmatch(relative, pattern) for pattern in patterns):  # not other tools' files
+                (folder / relative).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(path, folder / relative)
+    siblings = [s.rfilename for s in HfApi().model_info(source, revision=commit, token=token).siblings or []]
+    if weight_map is not None:
+        listed = set(weight_map.values())
+        names = sorted((listed & set(siblings)) | series_members(listed, siblings))  # one listed but missing: the plan says so
+    else:
+        names = sorted(name for name in siblings if "/" not in name and name.endswith(".safetensors") and name != ADAPTER_WEIGHTS)
     reader = _RangeReader(source, commit, token)
     with ThreadPoolExecutor(_REQUESTS_AT_ONCE, thread_name_prefix="nf4convert-headers") as pool:
         with hub_tqdm(total=len(names), desc="Reading headers", unit="file") as bar:
-            files = list(pool.map(lambda name: (name, *_sparse_file(reader, name, folder / name, bar)), names))
-        runs = [(name, path, run) for name, path, tensors, held in files for run in _small_runs(tensors, held)]
+            first = [_sparse_file(reader, source, name, folder / name, bar) for name in names[:1]]  # alone: see _RangeReader
+            files = first + list(pool.map(lambda name: _sparse_file(reader, source, name, folder / name, bar), names[1:]))
+        runs = [(name, path, run) for name, path, tensors, held in files for run in _plan_runs(tensors, held)]
         with hub_tqdm(total=len(runs), desc="Reading quant states", unit="range") as bar:
-            held_more = list(pool.map(lambda item: _fill(reader, *item, bar), runs))
+            fetched = list(pool.map(lambda item: _fill(reader, source, *item, bar), runs))
     for _, path, _, held in files:
         headers.ranges[path] = held
-    for path, run in held_more:
+    for path, run in fetched:
         headers.ranges[path].append(run)
     return folder
 
 
 class _RangeReader:
-    """Byte ranges of a repo's files at one commit, as huggingface_hub's ``get_safetensors_metadata`` reads them."""
+    """Byte ranges of a repo's files at one commit, as huggingface_hub's ``get_safetensors_metadata`` reads them (with
+    ``http_backoff``'s retries). An endpoint that answers a range with the whole file is refused at its first such
+    answer (the first file is read alone, so at most one whole file is held)."""
 
     def __init__(self, source: str, commit: str | None, token: str | None):
         from huggingface_hub import constants, hf_hub_url  # noqa: PLC0415
@@ -218,48 +259,60 @@ class _RangeReader:
 
     def read(self, name: str, first: int, end: int) -> tuple[bytes, int]:
         """Bytes ``[first, end)`` of file ``name`` (fewer where the file ends first) and the file's size."""
-        from huggingface_hub.utils import get_session, hf_raise_for_status  # noqa: PLC0415
+        from huggingface_hub.utils import hf_raise_for_status, http_backoff  # noqa: PLC0415
 
         url = self.url(self.source, name, revision=self.commit)
-        response = get_session().get(url, headers={**self.headers, "range": f"bytes={first}-{end - 1}"}, timeout=self.timeout)
+        response = http_backoff("GET", url, headers={**self.headers, "Range": f"bytes={first}-{end - 1}"}, timeout=self.timeout)
+        where = f"{self.source}: {name}: the Hub answered a request for bytes {first}-{end - 1}"
+        content_range = response.headers.get("Content-Range")
+        if response.status_code == 416 and first == 0:  # an empty file has no byte 0
+            match = re.fullmatch(r"bytes \*/(\d+)", (content_range or "").strip())
+            return b"", int(match[1]) if match else 0
         hf_raise_for_status(response)
         data = response.content
-        if response.status_code != 206:  # a server that ignores ranges sends the whole file
-            return data[first:end], len(data)
-        match = re.fullmatch(r"bytes (\d+)-(\d+)/(\d+)", response.headers.get("content-range", "").strip())
+        if response.status_code != 206:
+            if len(data) > end - first and first == 0:
+                raise SourceNotFoundError(f"{where} with the whole file ({len(data)} bytes): a dry run needs range "
+                                          "requests; convert instead (that downloads the weights)")  # fmt: skip
+            return data[first:end], len(data)  # a file no larger than the range, whole
+        match = re.fullmatch(r"bytes (\d+)-(\d+)/(\d+)", (content_range or "").strip())
         if match is None or int(match[1]) != first or len(data) != int(match[2]) - first + 1:
-            raise SourceNotFoundError(f"{self.source}: {name}: the Hub answered bytes {first}-{end - 1} with "
-                                      f"{response.headers.get('content-range')!r} and {len(data)} bytes")  # fmt: skip
+            got = f"Content-Range {content_range!r}" if content_range else "no Content-Range"
+            raise SourceNotFoundError(f"{where} with {got} and {len(data)} bytes")
         return data, int(match[3])
 
 
-def _sparse_file(reader: _RangeReader, name: str, path: Path, bar) -> tuple[Path, dict, list[tuple[int, int]]]:
+def _sparse_file(reader: _RangeReader, source: str, name: str, path: Path, bar) -> tuple[str, Path, dict, list]:
     """Write ``path`` at the size of the repo's file ``name``, holding its first bytes and whole header; read that
-    header as any checkpoint's is read (checkpoint.read_header). (path, its tensors, the byte ranges held)."""
+    header as any checkpoint's is read (checkpoint.read_header). (name, path, its tensors, the byte ranges held)."""
     import struct  # noqa: PLC0415
 
     from .checkpoint import _HEADER_LIMIT, read_header  # noqa: PLC0415
 
     data, size = reader.read(name, 0, _FIRST_BYTES)
-    held = [(0, len(data))]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "wb") as file:
-        file.write(data)
-        if len(data) >= 8:
-            (length,) = struct.unpack("<Q", data[:8])
-            if len(data) < 8 + length <= min(size, 8 + _HEADER_LIMIT):  # else read_header names the problem
-                rest, _ = reader.read(name, len(data), 8 + length)
-                file.write(rest)
-                held.append((len(data), len(data) + len(rest)))
-        file.truncate(size)
+    pieces = [(0, data)]
+    if len(data) >= 8:
+        (length,) = struct.unpack("<Q", data[:8])
+        if len(data) < 8 + length <= min(size, 8 + _HEADER_LIMIT):  # else read_header names the problem
+            pieces.append((len(data), reader.read(name, len(data), 8 + length)[0]))
+    with _scratch_errors(source):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "wb") as file:
+            for _, piece in pieces:
+                file.write(piece)
+            file.truncate(size)
     bar.update(1)
-    return path, read_header(path)[0], held
+    return name, path, read_header(path)[0], [(at, at + len(piece)) for at, piece in pieces]
 
 
-def _small_runs(tensors: dict, held: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """The byte ranges to fetch for a file's tensors of at most PLAN_TENSOR_BYTES not held yet, neighbours merged."""
+def _plan_runs(tensors: dict, held: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The byte ranges to fetch for a file's tensors that a plan reads (plan.PLAN_READS, at most PLAN_TENSOR_BYTES each;
+    a larger one is the plan's to refuse, by its size alone) not held yet, neighbours merged."""
+    from .plan import PLAN_READS  # noqa: PLC0415
+
     wanted = sorted((t.begin, t.end) for t in tensors.values()
-                    if 0 < t.nbytes <= PLAN_TENSOR_BYTES and not any(a <= t.begin and t.end <= b for a, b in held))  # fmt: skip
+                    if 0 < t.nbytes <= PLAN_TENSOR_BYTES and PLAN_READS.search(t.name)
+                    and not any(a <= t.begin and t.end <= b for a, b in held))  # fmt: skip
     runs: list[list[int]] = []
     for begin, end in wanted:
         if runs and begin - runs[-1][1] <= _GAP_BYTES and end - runs[-1][0] <= _RUN_BYTES:
@@ -269,16 +322,17 @@ def _small_runs(tensors: dict, held: list[tuple[int, int]]) -> list[tuple[int, i
     return [(begin, end) for begin, end in runs]
 
 
-def _fill(reader: _RangeReader, name: str, path: Path, run: tuple[int, int], bar) -> tuple[Path, tuple[int, int]]:
+def _fill(reader: _RangeReader, source: str, name: str, path: Path, run: tuple[int, int], bar) -> tuple[Path, tuple[int, int]]:
     import os  # noqa: PLC0415
 
     data, _ = reader.read(name, *run)
     if len(data) != run[1] - run[0]:
-        raise SourceNotFoundError(f"{reader.source}: {name}: bytes {run[0]}-{run[1] - 1} came back short ({len(data)} bytes)")
-    descriptor = os.open(path, os.O_WRONLY)
-    try:
-        os.pwrite(descriptor, data, run[0])
-    finally:
-        os.close(descriptor)
+        raise SourceNotFoundError(f"{source}: {name}: bytes {run[0]}-{run[1] - 1} came back short ({len(data)} bytes)")
+    with _scratch_errors(source):
+        descriptor = os.open(path, os.O_WRONLY)
+        try:
+            os.pwrite(descriptor, data, run[0])
+        finally:
+            os.close(descriptor)
     bar.update(1)
     return path, run

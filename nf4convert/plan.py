@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -31,6 +32,10 @@ from .formats import bnb4, bnb8, conv1d, peft_lora
 SKIPPED_FILES = (*LOADED_WEIGHT_FILES, *NAMED_WEIGHT_FILES, *ADAPTER_FILES, ".gitattributes", "*.lock", "*.incomplete")
 SKIPPED_DIRS = {".cache", ".git", ".huggingface", "__pycache__"}
 DEFAULT_SHARD_SIZE = "5GB"  # the one default, as transformers spells it (the CLI and the API show this)
+# Every source tensor whose bytes a plan reads, by name (each format's own list; the rest it knows from headers): a Hub
+# dry run fetches just these (hub.py). A reader given a headers-only copy refuses any other bytes, so a format that
+# reads more without saying so here fails that dry run in one line, never plans from zeros.
+PLAN_READS = re.compile("|".join(f"(?:{reads.pattern})" for reads in (bnb4.PLAN_READS, bnb8.PLAN_READS)))
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ class FakeHub(BaseHTTPRequestHandler):
     repos: dict[str, dict[str, bytes]] = {}  # repo id -> its files
     requested: list[str] = []
     ranges: list[tuple[str, str, int, int]] = []  # (repo, file, first byte, end) of each range read
+    range_answer = "206"  # or "whole" (a server that ignores ranges), "no-content-range" (a broken one)
 
     def log_message(self, *args):  # quiet
         pass
@@ -65,9 +66,11 @@ class FakeHub(BaseHTTPRequestHandler):
                     headers = {"X-Repo-Commit": COMMIT, "ETag": f'"{hashlib.sha256(data).hexdigest()}"',
                                "Content-Type": "application/octet-stream"}  # fmt: skip
                     wanted = re.fullmatch(r"bytes=(\d+)-(\d+)", self.headers.get("Range", ""))
-                    if wanted and not head:  # as the Hub answers a range: 206, the bytes there are, their place and the size
-                        first, last = int(wanted[1]), min(int(wanted[2]), len(data) - 1)
+                    if wanted and not head and self.range_answer != "whole":  # as the Hub answers a range: 206, the
+                        first, last = int(wanted[1]), min(int(wanted[2]), len(data) - 1)  # bytes, their place, the size
                         self.ranges.append((repo, name, first, last + 1))
+                        if self.range_answer == "no-content-range":
+                            return self._send(206, data[first : last + 1], headers)
                         return self._send(206, data[first : last + 1], {**headers, "Content-Range": f"bytes {first}-{last}/{len(data)}"})
                     return self._send(200, data, headers, head)
                 return self._send(404, b"no entry", {"X-Error-Code": "EntryNotFound"}, head)
@@ -130,7 +133,7 @@ def cli(*args, env, cwd, patch=""):
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
     full_env.update(env)
     full_env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), full_env.get("PYTHONPATH", "")])
-    command = ["-m", "nf4convert.cli"] if not patch else ["-c", f"import sys; {patch}; from nf4convert.cli import main; main(sys.argv[1:])"]
+    command = ["-m", "nf4convert.cli"] if not patch else ["-c", f"import sys\n{patch}\nfrom nf4convert.cli import main\nmain(sys.argv[1:])"]
     return subprocess.run([sys.executable, *command, *map(str, args)], capture_output=True, text=True, env=full_env,
                           cwd=cwd, timeout=600)  # fmt: skip
 
@@ -259,17 +262,20 @@ def test_an_adapter_repo_as_source_is_resolved_to_its_base(hub, tmp_path):
     assert f"[{ADAPTER}](https://huggingface.co/{ADAPTER}) was then merged" in (out / "README.md").read_text()
 
 
-# Limits small enough that the test repo's files have holes (its weights, up to 128 KiB, are over 4 KiB and not fetched
-# with neighbours), and its headers over 1 KiB (a second request each).
-SMALL_LIMITS = "import nf4convert.hub as hub; hub.PLAN_TENSOR_BYTES = 4096; hub._FIRST_BYTES = 1024; hub._GAP_BYTES = 0"
+# Limits small enough for the test repo: its headers are over 1 KiB (a second request each), and its quant states are
+# fetched one range each, not merged with their neighbours.
+SMALL_LIMITS = "import nf4convert.hub as hub; hub._FIRST_BYTES = 1024; hub._GAP_BYTES = 0"
 
 
 def plan_lines(result) -> list[str]:
-    """A dry run's lines but where it names the source and output."""
-    return [line for line in result.stdout.splitlines() if not line.startswith(("source:", "output:"))]
+    """A dry run's lines but where it names the source and output, and the free space (which moves meanwhile)."""
+    return [line for line in result.stdout.splitlines() if not line.startswith(("source:", "output:", "to write:"))]
 
 
-def test_a_hub_dry_run_reads_headers_and_small_tensors_and_downloads_no_weights(hub, tmp_path):
+def test_a_hub_dry_run_reads_headers_and_quant_states_and_downloads_no_weights(hub, tmp_path):
+    from nf4convert.checkpoint import read_header
+    from nf4convert.plan import PLAN_READS
+
     endpoint, source = hub
     scratch = tmp_path / "tmp"
     scratch.mkdir()
@@ -281,29 +287,41 @@ def test_a_hub_dry_run_reads_headers_and_small_tensors_and_downloads_no_weights(
     remote = cli(REPO, "--dry-run", "-q", "-o", tmp_path / "out", "--cache-dir", tmp_path / "cache", env=env,
                  cwd=tmp_path, patch=SMALL_LIMITS)  # fmt: skip
     assert remote.returncode == 0, remote.stderr
-    assert plan_lines(remote) == plan_lines(local)  # the same plan: tensors, recipes, shards, bytes, side files
-    assert remote.stdout.splitlines()[0] == (f"source: {REPO}@{COMMIT[:12]} (its headers and small tensors read from "
+    assert plan_lines(remote) == plan_lines(local)  # the same plan: tensors, recipes, shards, side files
+    assert remote.stdout.splitlines()[0] == (f"source: {REPO}@{COMMIT[:12]} (its headers and quant states read from "
                                              "the Hub; no weights downloaded)")  # fmt: skip
     assert not [name for name in downloaded(REPO) if name.endswith(".safetensors")]
-    files = FakeHub.repos[REPO]
-    read = {name: sum(end - first for repo, file, first, end in FakeHub.ranges if file == name) for name in files}
-    weights = [name for name in files if name.endswith(".safetensors")]
-    assert all(read[name] for name in weights)  # every weight file's header
-    assert sum(read.values()) < sum(len(files[name]) for name in weights) / 3, read  # and little else
+    weights = sorted(name for name in FakeHub.repos[REPO] if name.endswith(".safetensors"))
+    for name in weights:  # each file's header, and beyond it only the tensors a plan reads
+        tensors, _ = read_header(source / name)
+        header_end = min(t.begin for t in tensors.values())
+        reads = [(first, end) for repo, file, first, end in FakeHub.ranges if repo == REPO and file == name]
+        covered = 0
+        for first, end in sorted(reads):
+            covered = max(covered, end) if first <= covered else covered
+        assert covered >= header_end, (name, reads)
+        for first, end in reads:
+            if first >= header_end:
+                inside = [t for t in tensors.values() if t.begin <= first < t.end or first <= t.begin < end]
+                assert inside and all(PLAN_READS.search(t.name) for t in inside), (name, first, end, [t.name for t in inside])
     assert not list(scratch.iterdir()) and not (tmp_path / "out").exists()  # the copy removed, nothing written
 
-    # The plan reads only what was fetched: below its own tensors' sizes, the dry run stops (never reads zeros).
+    # The plan reads only what was fetched: with the quant states left out, the dry run stops (never reads zeros).
     tight = cli(REPO, "--dry-run", "-q", "--cache-dir", tmp_path / "cache", env=env, cwd=tmp_path,
                 patch=SMALL_LIMITS + "; hub.PLAN_TENSOR_BYTES = 16")  # fmt: skip
     lines = error_lines(tight)
     assert tight.returncode == 1 and len(lines) == 1, tight.stderr
-    assert lines[0].startswith(f"Error: {REPO}@{COMMIT[:12]}/") and "convert without --dry-run" in lines[0], lines[0]
+    assert lines[0].startswith(f"Error: {REPO}@{COMMIT[:12]}/") and "a dry run reads only headers and quant states" in lines[0], lines[0]
     assert str(scratch) not in lines[0] and not list(scratch.iterdir())
 
-    # The conversion after it downloads the weights, and converts as from the local folder.
+    # The conversion after it downloads the weights; a dry run then plans from the cache, with no range read.
     done = cli(REPO, "-q", "-o", tmp_path / "from-hub", "--cache-dir", tmp_path / "cache", env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert "model-00001-of-00004.safetensors" in downloaded(REPO)
+    FakeHub.ranges.clear()
+    again = cli(REPO, "--dry-run", "-q", "-o", tmp_path / "out", "--cache-dir", tmp_path / "cache", env=env, cwd=tmp_path)
+    assert again.returncode == 0 and plan_lines(again) == plan_lines(local), again.stderr
+    assert again.stdout.startswith(f"source: {tmp_path / 'cache'}") and not FakeHub.ranges
 
 
 def test_a_hub_dry_run_names_a_corrupt_header_by_the_repo(hub, tmp_path):
@@ -342,3 +360,52 @@ def test_an_offline_dry_run_plans_from_the_cache(hub, tmp_path):
     result = cli(REPO, "--dry-run", "-q", "--cache-dir", cache, env={"HF_HUB_OFFLINE": "1"}, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith(f"source: {cache}"), result.stdout  # the cached snapshot, weights and all
+
+
+@pytest.mark.parametrize("answer,says", [
+    ("whole", "with the whole file (131192 bytes): a dry run needs range requests; convert instead"),
+    ("no-content-range", "the Hub answered a request for bytes 0-99999 with no Content-Range and 100000 bytes"),
+])  # fmt: skip
+def test_a_dry_run_refuses_an_endpoint_that_does_not_answer_ranges_in_one_line(hub, tmp_path, answer, says):
+    endpoint, _ = hub
+    FakeHub.range_answer = answer
+    try:
+        result = cli(REPO, "--dry-run", "-q", "--cache-dir", tmp_path / "cache", env={"HF_ENDPOINT": endpoint,
+                     "HF_HUB_DISABLE_XET": "1"}, cwd=tmp_path)  # fmt: skip
+    finally:
+        FakeHub.range_answer = "206"
+    lines = error_lines(result)
+    assert result.returncode == 1 and len(lines) == 1, result.stderr
+    assert lines[0].startswith(f"Error: {REPO}: cannot be fetched: {REPO}: model-00001-of-00004.safetensors: ") or \
+        lines[0].startswith(f"Error: {REPO}: model-00001-of-00004.safetensors: "), lines[0]
+    assert says in lines[0], lines[0]
+
+
+def test_a_dry_run_reads_only_the_files_the_plan_reads(hub, tmp_path):
+    """Weight files beside the index's series (a consolidated copy, a subfolder's) are not the checkpoint's: the plan
+    never reads them, so neither does a dry run (junk there fails neither)."""
+    endpoint, _ = hub
+    FakeHub.repos["test-org/extra-bnb-4bit"] = {**FakeHub.repos[REPO], "consolidated.safetensors": b"junk",
+                                                "extra/other.safetensors": b"junk"}  # fmt: skip
+    FakeHub.ranges.clear()
+    try:
+        result = cli("test-org/extra-bnb-4bit", "--dry-run", "-q", "--cache-dir", tmp_path / "cache",
+                     env={"HF_ENDPOINT": endpoint, "HF_HUB_DISABLE_XET": "1"}, cwd=tmp_path)  # fmt: skip
+    finally:
+        del FakeHub.repos["test-org/extra-bnb-4bit"]
+    assert result.returncode == 0, result.stderr
+    assert {file for _, file, _, _ in FakeHub.ranges} == {name for name in FakeHub.repos[REPO] if name.endswith(".safetensors")}
+
+
+def test_a_dry_run_without_room_for_its_copy_says_so_in_one_line(hub, tmp_path):
+    endpoint, source = hub
+    env = {"HF_ENDPOINT": endpoint, "HF_HUB_DISABLE_XET": "1", "TMPDIR": str(tmp_path)}
+    full = ("import errno, tempfile\nmade = tempfile.mkdtemp\ndef mkdtemp(*args, **kwargs):\n"
+            "    if kwargs.get('prefix') == 'nf4convert-plan-':\n        raise OSError(errno.ENOSPC, 'No space left on device')\n"
+            "    return made(*args, **kwargs)\ntempfile.mkdtemp = mkdtemp")  # the dry run's copy finds the disk full
+    assert cli(source, "--dry-run", "-q", env=env, cwd=tmp_path, patch=full).returncode == 0  # a local folder needs none
+    result = cli(REPO, "--dry-run", "-q", "--cache-dir", tmp_path / "cache", env=env, cwd=tmp_path, patch=full)
+    lines = error_lines(result)
+    assert result.returncode == 1 and len(lines) == 1, result.stderr
+    assert lines[0] == (f"Error: {tmp_path}: cannot hold a dry run's copy of {REPO}'s headers (No space left on device); "
+                        "set TMPDIR to a writable folder"), lines[0]  # fmt: skip

@@ -31,6 +31,7 @@ CPU and a GPU result then agree only as NaN; on one device ours and bitsandbytes
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -44,6 +45,8 @@ if TYPE_CHECKING:
     from ..checkpoint import TensorReader
 
 PARTS = ("SCB", "weight_format")
+# The tensors whose bytes the plan reads (one float per row, one byte): a headers-only copy holds just these.
+PLAN_READS = re.compile(r"\.(?:SCB|weight_format)$")
 
 # bitsandbytes.utils.LINEAR_8BIT_WEIGHTS_FORMAT_MAPPING, inverted; only "row" is a plain [out, in] matrix.
 WEIGHT_FORMATS = {0: "row", 1: "col32", 2: "col_turing", 3: "col_ampere"}

@@ -420,18 +420,22 @@ def verify_command(output, source, device, adapter, quiet, revision, token, cach
               help="Read more sources from this file, one per line ('#' at a line's start or after a space begins a comment).")
 @_convert_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object per source (a line each) instead of the table.")
+@click.option("--dry-run", is_flag=True, help="Plan every source (status 'planned') and write nothing; Hub sources as "
+              "convert --dry-run reads them, without their weights.")
 def batch_command(sources, output_root, from_file, adapter, dtype, device, max_shard_size, overwrite, quiet, revision,
-                  token, cache_dir, as_json):  # fmt: skip
+                  token, cache_dir, as_json, dry_run):  # fmt: skip
     """Convert several SOURCES into OUTPUT_ROOT; keep going when one fails, then print a table.
 
     Two sources with the same name get outputs named after their owners too (orgA--x-bf16, orgB--x-bf16).
     A failed source's output is the folder it was to be written to (<name>-<dtype> where its dtype was not
     decided). Exits 1 if any failed, 130 on Ctrl-C and 143 on SIGTERM (naming the sources not attempted).
+    With --dry-run each source is only planned, and the bytes all of them would write are set against the free space.
 
     \b
     Example:
       nf4convert batch org/a-bnb-4bit ./b-bnb-4bit -o converted/ --dtype bf16
       nf4convert batch --from-file models.txt -o converted/ --json
+      nf4convert batch --from-file models.txt -o converted/ --dry-run
     """
     import json
     import re
@@ -455,18 +459,27 @@ def batch_command(sources, output_root, from_file, adapter, dtype, device, max_s
         check_batch_root(output_root, [*sources, adapter])
         return [(stem, batch_output(output_root, stem, dtype)) for stem in batch_stems(sources)]
 
-    rows, stopped = [], None
+    rows, stopped, needed, free = [], None, 0, None
+    done = "planned" if dry_run else "ok"
     for source, (stem, planned) in zip(sources, _run(outputs)):
         started = time.perf_counter()
         row = {"source": source, "output": planned, "status": "failed", "error": None, "tensors": None, "bytes": None,
                "seconds": None}  # fmt: skip
         try:
-            from .conversion import convert
+            from .conversion import convert, prepare
 
-            result = convert(source, dtype=dtype, device=device, adapter=adapter, revision=revision, token=token, cache_dir=cache_dir,
-                             max_shard_size=max_shard_size, overwrite=overwrite, progress=not quiet and not as_json,
-                             output_dir=output_root, stem=stem)  # fmt: skip
-            row.update(output=str(result.output), status="ok", tensors=result.tensors, bytes=result.bytes)
+            options = dict(dtype=dtype, adapter=adapter, revision=revision, token=token, cache_dir=cache_dir,
+                           max_shard_size=max_shard_size, overwrite=overwrite, progress=not quiet and not as_json,
+                           output_dir=output_root, stem=stem)  # fmt: skip
+            if dry_run:
+                prepared = prepare(source, headers_only=True, **options)
+                plan = prepared.plan
+                row.update(output=str(prepared.output), status=done, tensors=len(plan.tensors), bytes=plan.tensor_bytes)
+                needed += plan.tensor_bytes + plan.side_bytes
+                free = prepared.free_bytes
+            else:
+                result = convert(source, device=device, **options)
+                row.update(output=str(result.output), status=done, tensors=result.tensors, bytes=result.bytes)
         except (KeyboardInterrupt, Terminated) as stop:
             row.update(status="interrupted", error="interrupted", output=str(getattr(stop, "output_planned", None) or planned))
             stopped = stop
@@ -491,7 +504,13 @@ def batch_command(sources, output_root, from_file, adapter, dtype, device, max_s
             say(json.dumps(row))
     else:
         _table(rows)
-    failed = sum(row["status"] != "ok" for row in rows)
+    failed = sum(row["status"] != done for row in rows)
+    if dry_run and stopped is None:
+        if free is not None:
+            verdict = "enough" if free >= needed else "NOT enough"
+            say(f"to write: {needed / 1e9:.3f} GB for {len(rows) - failed} planned; free where it goes: {free / 1e9:.2f} GB "
+                f"({verdict})", err=as_json)  # fmt: skip
+        say("dry run: nothing was written", err=as_json)
     if stopped is not None:
         names = ", ".join(untried) if untried else "none"
         signum = stopped.signum if isinstance(stopped, Terminated) else signal.SIGINT

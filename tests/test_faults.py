@@ -244,6 +244,32 @@ def test_batch_keeps_going_past_an_unwritable_output_and_prints_json(tmp_path):
     assert (root / "tiny-llama-bf16").read_text().startswith("a file")
 
 
+def test_batch_dry_run_plans_each_source_and_writes_nothing(tmp_path):
+    second = tmp_path / "second-bnb-4bit"
+    shutil.copytree(EXAMPLE, second)
+    broken = tmp_path / "broken-bnb-4bit"
+    shutil.copytree(EXAMPLE, broken)
+    shard = broken / "model-00002-of-00003.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-1000])  # truncated
+    root = tmp_path / "root" / "deeper"
+    result = CliRunner().invoke(main, ["batch", str(EXAMPLE), str(broken), str(second), "-o", str(root), "-q", "--json",
+                                       "--dry-run", "--dtype", "fp16"])  # fmt: skip
+    assert result.exit_code == 1, result.output
+    rows = [json.loads(line) for line in result.stdout.splitlines()]  # stdout: the rows only
+    assert [row["status"] for row in rows] == ["planned", "failed", "planned"]
+    assert [row["output"] for row in rows] == [str(root / name) for name in ("tiny-llama-fp16", "broken-fp16", "second-fp16")]
+    assert rows[0]["tensors"] == rows[2]["tensors"] == 39 and rows[0]["bytes"] == rows[2]["bytes"] > 0
+    assert rows[1]["error"].startswith(f"{shard}: truncated"), rows[1]["error"]
+    planned = 2 * rows[0]["bytes"]
+    summary = [line for line in result.stderr.splitlines() if line.startswith("to write:")]
+    assert len(summary) == 1 and summary[0].startswith(f"to write: {planned / 1e9:.3f}") and "for 2 planned" in summary[0], summary
+    assert "dry run: nothing was written" in result.stderr and not (tmp_path / "root").exists()
+
+    table = CliRunner().invoke(main, ["batch", str(EXAMPLE), "-o", str(root), "-q", "--dry-run"])
+    assert table.exit_code == 0 and "planned" in table.stdout and "dry run: nothing was written" in table.stdout, table.output
+    assert not (tmp_path / "root").exists()
+
+
 # --- verify's report ------------------------------------------------------------------------------------
 
 

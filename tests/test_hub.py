@@ -409,3 +409,15 @@ def test_a_dry_run_without_room_for_its_copy_says_so_in_one_line(hub, tmp_path):
     assert result.returncode == 1 and len(lines) == 1, result.stderr
     assert lines[0] == (f"Error: {tmp_path}: cannot hold a dry run's copy of {REPO}'s headers (No space left on device); "
                         "set TMPDIR to a writable folder"), lines[0]  # fmt: skip
+
+
+def test_a_batch_dry_run_of_hub_repos_downloads_no_weights(hub, tmp_path):
+    endpoint, source = hub
+    FakeHub.requested.clear()
+    result = cli("batch", REPO, source, "-o", tmp_path / "root", "--dry-run", "-q", "--json", "--cache-dir", tmp_path / "cache",
+                 env={"HF_ENDPOINT": endpoint, "HF_HUB_DISABLE_XET": "1"}, cwd=tmp_path)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    rows = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [row["status"] for row in rows] == ["planned", "planned"] and rows[0]["tensors"] == rows[1]["tensors"]
+    assert not [name for name in downloaded(REPO) if name.endswith(".safetensors")] and FakeHub.ranges
+    assert not (tmp_path / "root").exists()

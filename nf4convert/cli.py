@@ -333,7 +333,9 @@ def convert_command(source, output, adapter, dtype, device, max_shard_size, over
     def action():
         if dry_run:
             from .conversion import prepare
+            from .devices import pick_device
 
+            pick_device(device)  # what the conversion would refuse, the dry run refuses too
             for line in _plan_lines(prepare(source, output, progress=not quiet, headers_only=True, **options)):
                 say(line)
             return True
@@ -472,6 +474,9 @@ def batch_command(sources, output_root, from_file, adapter, dtype, device, max_s
                            max_shard_size=max_shard_size, overwrite=overwrite, progress=not quiet and not as_json,
                            output_dir=output_root, stem=stem)  # fmt: skip
             if dry_run:
+                from .devices import pick_device
+
+                pick_device(device)  # what the conversion would refuse, the dry run refuses too
                 prepared = prepare(source, headers_only=True, **options)
                 plan = prepared.plan
                 row.update(output=str(prepared.output), status=done, tensors=len(plan.tensors), bytes=plan.tensor_bytes)

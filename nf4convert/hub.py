@@ -35,6 +35,7 @@ _FIRST_BYTES = 100_000  # a file's first request: the whole header for 97% of th
 _GAP_BYTES = 1 << 16  # such tensors this close together are fetched in one request
 _RUN_BYTES = 1 << 24  # at most this many bytes per request
 _REQUESTS_AT_ONCE = 8
+_FILE_LIMIT = 1 << 44  # 16 TiB: a larger size for a checkpoint file is the endpoint's error
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 COMMIT = re.compile(r"[0-9a-f]{40}")
 
@@ -172,7 +173,10 @@ def resolve(source: str, *, revision: str | None = None, token: str | None = Non
             if headers is not None and not constants.HF_HUB_OFFLINE:
                 rest = Path(snapshot_download(source, allow_patterns=_headers_only_patterns(), **fetch))
                 return _copy_for_plan(source, rest, headers, token)
-            return Path(snapshot_download(source, allow_patterns=ALLOW_PATTERNS, **fetch))
+            folder = Path(snapshot_download(source, allow_patterns=ALLOW_PATTERNS, **fetch))
+            if constants.HF_HUB_OFFLINE:
+                _check_cached_weights(source, folder)
+            return folder
     except errors.GatedRepoError:
         raise SourceNotFoundError(f"{source}: gated repository; accept its terms on the Hub and give a token", option="token") from None
     except errors.RepositoryNotFoundError:
@@ -187,6 +191,17 @@ def resolve(source: str, *, revision: str | None = None, token: str | None = Non
         from .hub_errors import hub_error_line  # noqa: PLC0415
 
         raise SourceNotFoundError(f"{source}: cannot be fetched: {hub_error_line(error)}") from None
+
+
+def _check_cached_weights(source: str, folder: Path) -> None:
+    """Offline, the cache's snapshot must hold the weights its index lists. huggingface_hub 0.24 returns a snapshot
+    without them (a dry run's, which fetched everything else) as if complete; the plan would then blame the repo."""
+    from .checkpoint import read_index  # noqa: PLC0415
+
+    weight_map = read_index(folder)
+    if weight_map is not None and any(not (folder / name).is_file() for name in set(weight_map.values())):
+        raise SourceNotFoundError(f"{source}: its weights are not in the Hub cache (a dry run reads only their headers), "
+                                  "and HF_HUB_OFFLINE is set")  # fmt: skip
 
 
 def _headers_only_patterns() -> list[str]:
@@ -210,11 +225,22 @@ def _copy_for_plan(source: str, downloaded: Path, headers: HeadersOnly, token: s
     from .checkpoint import ADAPTER_WEIGHTS, read_index, series_members  # noqa: PLC0415
 
     weight_map = read_index(downloaded)
-    cached = {p.relative_to(downloaded).as_posix() for p in downloaded.rglob("*.safetensors") if p.is_file()} - {ADAPTER_WEIGHTS}
-    if set(weight_map.values()) <= cached if weight_map is not None else any("/" not in name for name in cached):
-        return downloaded  # an earlier conversion's download: the plan reads the real files
-
+    cached = {p.relative_to(downloaded).as_posix() for p in downloaded.rglob("*.safetensors") if p.is_file()}
     commit = commit_of(downloaded)
+    try:
+        siblings = [s.rfilename for s in HfApi().model_info(source, revision=commit, token=token).siblings or []]
+    except Exception:  # noqa: BLE001  (no network: plan from the cache, as a conversion then would, or say what is missing)
+        if cached - {ADAPTER_WEIGHTS}:
+            return downloaded
+        raise
+    if weight_map is not None:
+        listed = set(weight_map.values())
+        names = sorted((listed & set(siblings)) | series_members(listed, siblings))  # one listed but missing: the plan says so
+    else:
+        names = sorted(name for name in siblings if "/" not in name and name.endswith(".safetensors") and name != ADAPTER_WEIGHTS)
+    if set(names) <= cached:
+        return downloaded  # every file the plan reads is in the cache (an earlier conversion's), or there is none (an adapter)
+
     folder = headers.new_copy(source, commit)
     patterns = _headers_only_patterns()
     with _scratch_errors(source):
@@ -223,17 +249,10 @@ def _copy_for_plan(source: str, downloaded: Path, headers: HeadersOnly, token: s
             if path.is_file() and any(fnmatch.fnmatch(relative, pattern) for pattern in patterns):  # not other tools' files
                 (folder / relative).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(path, folder / relative)
-    siblings = [s.rfilename for s in HfApi().model_info(source, revision=commit, token=token).siblings or []]
-    if weight_map is not None:
-        listed = set(weight_map.values())
-        names = sorted((listed & set(siblings)) | series_members(listed, siblings))  # one listed but missing: the plan says so
-    else:
-        names = sorted(name for name in siblings if "/" not in name and name.endswith(".safetensors") and name != ADAPTER_WEIGHTS)
     reader = _RangeReader(source, commit, token)
     with ThreadPoolExecutor(_REQUESTS_AT_ONCE, thread_name_prefix="nf4convert-headers") as pool:
         with hub_tqdm(total=len(names), desc="Reading headers", unit="file") as bar:
-            first = [_sparse_file(reader, source, name, folder / name, bar) for name in names[:1]]  # alone: see _RangeReader
-            files = first + list(pool.map(lambda name: _sparse_file(reader, source, name, folder / name, bar), names[1:]))
+            files = list(pool.map(lambda name: _sparse_file(reader, source, name, folder / name, bar), names))
         runs = [(name, path, run) for name, path, tensors, held in files for run in _plan_runs(tensors, held)]
         with hub_tqdm(total=len(runs), desc="Reading quant states", unit="range") as bar:
             fetched = list(pool.map(lambda item: _fill(reader, source, *item, bar), runs))
@@ -246,8 +265,8 @@ def _copy_for_plan(source: str, downloaded: Path, headers: HeadersOnly, token: s
 
 class _RangeReader:
     """Byte ranges of a repo's files at one commit, as huggingface_hub's ``get_safetensors_metadata`` reads them (with
-    ``http_backoff``'s retries). An endpoint that answers a range with the whole file is refused at its first such
-    answer (the first file is read alone, so at most one whole file is held)."""
+    its retries). An answer that is not the range asked for (a whole file, a wrong range) is refused before its body
+    is read."""
 
     def __init__(self, source: str, commit: str | None, token: str | None):
         from huggingface_hub import constants, hf_hub_url  # noqa: PLC0415
@@ -258,28 +277,52 @@ class _RangeReader:
         self.timeout = getattr(constants, "HF_HUB_DOWNLOAD_TIMEOUT", 10)
 
     def read(self, name: str, first: int, end: int) -> tuple[bytes, int]:
-        """Bytes ``[first, end)`` of file ``name`` (fewer where the file ends first) and the file's size."""
-        from huggingface_hub.utils import hf_raise_for_status, http_backoff  # noqa: PLC0415
+        """Bytes ``[first, end)`` of file ``name`` (fewer where the file ends first) and the file's size. The answer's
+        status and headers are checked before its body is read: a whole file is never taken in by mistake."""
+        from huggingface_hub.utils import hf_raise_for_status  # noqa: PLC0415
 
         url = self.url(self.source, name, revision=self.commit)
-        response = http_backoff("GET", url, headers={**self.headers, "Range": f"bytes={first}-{end - 1}"}, timeout=self.timeout)
         where = f"{self.source}: {name}: the Hub answered a request for bytes {first}-{end - 1}"
-        content_range = response.headers.get("Content-Range")
-        if response.status_code == 416 and first == 0:  # an empty file has no byte 0
-            match = re.fullmatch(r"bytes \*/(\d+)", (content_range or "").strip())
-            return b"", int(match[1]) if match else 0
-        hf_raise_for_status(response)
-        data = response.content
-        if response.status_code != 206:
-            if len(data) > end - first and first == 0:
-                raise SourceNotFoundError(f"{where} with the whole file ({len(data)} bytes): a dry run needs range "
-                                          "requests; convert instead (that downloads the weights)")  # fmt: skip
-            return data[first:end], len(data)  # a file no larger than the range, whole
-        match = re.fullmatch(r"bytes (\d+)-(\d+)/(\d+)", (content_range or "").strip())
-        if match is None or int(match[1]) != first or len(data) != int(match[2]) - first + 1:
-            got = f"Content-Range {content_range!r}" if content_range else "no Content-Range"
-            raise SourceNotFoundError(f"{where} with {got} and {len(data)} bytes")
+        with _streamed(url, {**self.headers, "Range": f"bytes={first}-{end - 1}"}, self.timeout) as (response, body):
+            content_range = (response.headers.get("Content-Range") or "").strip()
+            if response.status_code == 416 and first == 0 and content_range == "bytes */0":  # an empty file has no byte 0
+                return b"", 0
+            if response.status_code >= 400:
+                body()  # for the error's message
+                hf_raise_for_status(response)
+            if response.status_code != 206:
+                length = response.headers.get("Content-Length")
+                if first != 0 or length is None or not length.isdigit() or int(length) > end - first:
+                    raise SourceNotFoundError(f"{where} with status {response.status_code} and not the range (the whole "
+                                              "file?): a dry run needs range requests; convert instead (that downloads "
+                                              "the weights)")  # fmt: skip
+                data = body()
+                return data, len(data)  # a file no larger than the range, whole
+            match = re.fullmatch(r"bytes (\d+)-(\d+)/(\d+)", content_range)
+            if match is None or int(match[1]) != first or int(match[2]) >= end or int(match[3]) > _FILE_LIMIT:
+                got = f"Content-Range {content_range!r}" if content_range else "no Content-Range"
+                raise SourceNotFoundError(f"{where} with {got}")
+            data = body()
+        if len(data) != int(match[2]) - first + 1:
+            raise SourceNotFoundError(f"{where} with {len(data)} bytes for {content_range!r}")
         return data, int(match[3])
+
+
+@contextlib.contextmanager
+def _streamed(url: str, headers: dict, timeout) -> Iterator[tuple]:
+    """(response, read its body) for a GET whose body is not read yet, with huggingface_hub's retries: its
+    ``http_stream_backoff`` (huggingface_hub 1.0 and later, httpx), or ``http_backoff`` with requests' ``stream``."""
+    from huggingface_hub import utils  # noqa: PLC0415
+
+    if hasattr(utils, "http_stream_backoff"):
+        with utils.http_stream_backoff("GET", url, headers=headers, timeout=timeout) as response:
+            yield response, response.read
+    else:
+        response = utils.http_backoff("GET", url, headers=headers, timeout=timeout, stream=True)
+        try:
+            yield response, lambda: response.content
+        finally:
+            response.close()
 
 
 def _sparse_file(reader: _RangeReader, source: str, name: str, path: Path, bar) -> tuple[str, Path, dict, list]:

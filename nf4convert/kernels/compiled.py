@@ -27,8 +27,7 @@ from .launch import _plan
 from .nf4 import dequantize_4bit_kernel
 
 
-@torch.library.triton_op("nf4convert::dequantize_4bit", mutates_args=())
-def dequantize_4bit_op(
+def _dequantize_cuda(
     packed: torch.Tensor,
     absmax: torch.Tensor,
     code2: Optional[torch.Tensor],
@@ -46,19 +45,13 @@ def dequantize_4bit_op(
     return out
 
 
-@torch.library.custom_op("nf4convert::dequantize_4bit_cpu", mutates_args=(), device_types="cpu")
-def dequantize_4bit_cpu_op(
-    packed: torch.Tensor,
-    absmax: torch.Tensor,
-    code2: Optional[torch.Tensor],
-    absmax2: Optional[torch.Tensor],
-    offset: Optional[torch.Tensor],
-    code: torch.Tensor,
-    blocksize: int,
-    nested_blocksize: int,
-    shape: List[int],
-    dtype: torch.dtype,
-) -> torch.Tensor:
+# The one argument list, read from _dequantize_cuda's annotations (triton_op infers it from them, and takes no other).
+SCHEMA = torch.library.infer_schema(_dequantize_cuda, mutates_args=())
+dequantize_4bit_op = torch.library.triton_op("nf4convert::dequantize_4bit", _dequantize_cuda, mutates_args=())
+
+
+@torch.library.custom_op("nf4convert::dequantize_4bit_cpu", mutates_args=(), device_types="cpu", schema=SCHEMA)
+def dequantize_4bit_cpu_op(packed, absmax, code2, absmax2, offset, code, blocksize, nested_blocksize, shape, dtype):
     out = torch.empty(shape, dtype=dtype, device=packed.device)
     cpu.dequantize(packed.contiguous().view(torch.uint8).view(-1), absmax, code2, absmax2, offset, code, out, blocksize,
                    nested_blocksize)  # fmt: skip

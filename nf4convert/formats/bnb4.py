@@ -46,7 +46,7 @@ META_KEYS = ("quant_type", "blocksize", "dtype", "shape", "nested_blocksize", "n
 NESTED_KEYS = ("nested_blocksize", "nested_dtype", "nested_offset")
 MAX_STATE_BYTES = 1 << 16  # bitsandbytes writes ~200 bytes; anything far larger is not a quant state
 # The tensors whose bytes the plan reads (_check, quant states): all small (a headers-only copy holds just these).
-PLAN_READS = re.compile(r"\.(?:quant_map|nested_absmax|nested_quant_map|quant_state\.bitsandbytes__[^.]*)$")
+PLAN_READS = re.compile(r"\.(?:" + "|".join(PARTS[1:]) + r"|quant_state\.bitsandbytes__[^.]*)$")  # all parts but absmax
 _PART_KEY = re.compile(r"^(?P<weight>.+)\.(?:" + "|".join(PARTS) + r"|quant_state\.bitsandbytes__[^.]*)$")
 
 _code_cache: dict = {}

@@ -31,6 +31,8 @@ from .formats import bnb4, bnb8, conv1d, peft_lora
 # adapter beside the weights is not part of the dense model), VCS data and download leftovers.
 SKIPPED_FILES = (*LOADED_WEIGHT_FILES, *NAMED_WEIGHT_FILES, *ADAPTER_FILES, ".gitattributes", "*.lock", "*.incomplete")
 SKIPPED_DIRS = {".cache", ".git", ".huggingface", "__pycache__"}
+# Files the conversion writes anew instead of carrying over (output.write_side_files): the dense config, the model card.
+WRITTEN_ANEW = ("config.json", "README.md")
 DEFAULT_SHARD_SIZE = "5GB"  # the one default, as transformers spells it (the CLI and the API show this)
 # Every source tensor whose bytes a plan reads, by name (each format's own list; the rest it knows from headers): a Hub
 # dry run fetches just these (hub.py). A reader given a headers-only copy refuses any other bytes, so a format that
@@ -245,7 +247,7 @@ def side_files(folder: Path) -> list[Path]:
             relative = path.relative_to(folder)
             if not path.is_file():
                 continue
-            if relative.as_posix() in ("config.json", "README.md") or any(fnmatch.fnmatch(name, p) for p in SKIPPED_FILES):
+            if relative.as_posix() in WRITTEN_ANEW or any(fnmatch.fnmatch(name, p) for p in SKIPPED_FILES):
                 continue
             inside(folder, relative.as_posix())  # a link out of the folder is never copied into the output
             if not os.access(path, os.R_OK):  # found now, not as the output's write failing after every tensor

@@ -295,9 +295,9 @@ def _unexpected_files(plan, output: Path, produced: dict[str, TensorInfo]) -> li
     import fnmatch
     import os
 
-    from .plan import SKIPPED_DIRS
+    from .plan import SKIPPED_DIRS, WRITTEN_ANEW
 
-    written = {info.path.name for info in produced.values()} | {INDEX_NAME, "config.json", "README.md"}
+    written = {info.path.name for info in produced.values()} | {INDEX_NAME, *WRITTEN_ANEW}
     written |= {relative.as_posix() for relative in plan.side_files}
     theirs = ("*.safetensors",) if (output / INDEX_NAME).is_file() else ("*.safetensors", "*.safetensors.index.json")
     problems = []

@@ -20,7 +20,9 @@ Then, each in a fresh process, output removed and the page cache's dirty pages s
 
 Each route's time is taken twice: when its process exits, and after a ``sync`` that follows (the bytes on
 disk). Peak host memory is the process's RssAnon (heap, Python, torch, pinned buffers; not the page cache),
-sampled every 5 ms. The cuda and cpu outputs are compared byte for byte.
+sampled every 5 ms, and that of the process with its children (the cpu route's worker processes): their
+proportional anonymous and shared-memory pages (Pss_Anon + Pss_Shmem, so pages a forked child shares with its
+parent count once), sampled every 50 ms. The cuda and cpu outputs are compared byte for byte.
 """
 
 from __future__ import annotations
@@ -159,8 +161,9 @@ def measure(command: list[str], env: dict | None = None, cwd: str | None = None)
         started = time.perf_counter()
         process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr, env={**os.environ, **(env or {})},
                                    cwd=cwd)
-        peak_anon = peak_rss = 0
+        peak_anon = peak_rss = peak_tree = 0
         status = Path(f"/proc/{process.pid}/status")
+        samples = 0
         while process.poll() is None:
             try:
                 fields = dict(line.split(":", 1) for line in status.read_text().splitlines() if ":" in line)
@@ -168,13 +171,17 @@ def measure(command: list[str], env: dict | None = None, cwd: str | None = None)
                 peak_rss = max(peak_rss, int(fields.get("VmRSS", "0 kB").split()[0]))
             except (OSError, ValueError):
                 pass
+            if samples % 10 == 0:
+                peak_tree = max(peak_tree, _tree_pss_kb(process.pid))
+            samples += 1
             time.sleep(0.005)
         seconds = time.perf_counter() - started
         stderr.seek(0)
         text = stderr.read().decode(errors="replace")
         if process.returncode != 0:
             raise SystemExit(f"{command[0]} failed:\n{text[-3000:]}")
-    run = {"seconds": seconds, "peak_anon_mb": peak_anon / 1024, "peak_rss_mb": peak_rss / 1024}
+    run = {"seconds": seconds, "peak_anon_mb": peak_anon / 1024, "peak_rss_mb": peak_rss / 1024,
+           "peak_tree_pss_mb": peak_tree / 1024}
     profiles = [json.loads(line) for line in text.splitlines() if line.startswith(('{"profile"', '{"pipeline_seconds"'))]
     if profiles:  # this code's report, or the older one-line pipeline figures (a route run @ older code)
         old = profiles[-1].get("profile") is None
@@ -182,6 +189,22 @@ def measure(command: list[str], env: dict | None = None, cwd: str | None = None)
             "marks": {"reported": profiles[-1]["process_seconds"]}, "pipeline": {
                 "seconds": profiles[-1]["pipeline_seconds"], **{k: profiles[-1][k] for k in ("pieces", "busy", "waited")}}}
     return run
+
+
+def _tree_pss_kb(pid: int) -> int:
+    """Pss_Anon + Pss_Shmem (kB) of ``pid`` and its descendants, now; 0 for what cannot be read."""
+    total, pending = 0, [pid]
+    while pending:
+        current = pending.pop()
+        try:
+            for line in Path(f"/proc/{current}/smaps_rollup").read_text().splitlines():
+                if line.startswith(("Pss_Anon:", "Pss_Shmem:")):
+                    total += int(line.split()[1])
+            for task in Path(f"/proc/{current}/task").iterdir():
+                pending += [int(child) for child in (task / "children").read_text().split()]
+        except (OSError, ValueError):
+            pass
+    return total
 
 
 def _profile(run: dict) -> str:
@@ -278,13 +301,13 @@ def main():
         run["output_gb"] = sum(p.stat().st_size for p in out.iterdir() if p.is_file()) / 1e9
         results[name] = run
         print(name, json.dumps(run), flush=True)
-        if name == "nf4convert cpu" and "nf4convert cuda" in results and (workdir / "out-nf4convert-cuda").exists():
+        if name.startswith("nf4convert cpu") and "nf4convert cuda" in results and (workdir / "out-nf4convert-cuda").exists():
             cuda_out = workdir / "out-nf4convert-cuda"
             same = all(subprocess.run(["cmp", "-s", str(path), str(out / path.name)]).returncode == 0
                        for path in sorted(cuda_out.glob("*.safetensors")))  # fmt: skip
             results[name]["identical_to_cuda"] = same
-            print(f"cuda and cpu outputs identical: {same}", flush=True)
-        if name != "nf4convert cuda" or "nf4convert cpu" not in [c[0] for c in chosen]:
+            print(f"cuda and {name.removeprefix('nf4convert ')} outputs identical: {same}", flush=True)
+        if name != "nf4convert cuda" or not any(c[0].startswith("nf4convert cpu") for c in chosen):
             shutil.rmtree(out, ignore_errors=True)
     shutil.rmtree(workdir / "out-nf4convert-cuda", ignore_errors=True)
 
@@ -294,15 +317,16 @@ def main():
     print(f"\n{gpu}, {os.cpu_count()} CPU cores, torch {torch.__version__}, transformers {transformers.__version__}, "
           f"Python {platform.python_version()}, {datetime.date.today().isoformat()}; {options.layers} layers, "
           f"{dense / 1e9:.2f} GB of bf16 out")  # fmt: skip
-    print("| route | s (exit) | GB/s | x dd | s (+sync) | GB/s | x dd | peak RssAnon | first write at s | pipeline s | done at s "
+    print("| route | s (exit) | GB/s | x dd | s (+sync) | GB/s | x dd | peak RssAnon | peak Pss with children | first write at s | pipeline s | done at s "
           "| busy r/m/w s | waited r/m/w s |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     dd = results.get("dd")
     for name, r in results.items():
         ratio = f"{r['seconds'] / dd['seconds']:.2f}" if dd else "-"
         ratio_synced = f"{r['synced_seconds'] / dd['synced_seconds']:.2f}" if dd else "-"
         print(f"| {name} | {r['seconds']:.1f} | {dense / 1e9 / r['seconds']:.2f} | {ratio} | {r['synced_seconds']:.1f} | "
-              f"{dense / 1e9 / r['synced_seconds']:.2f} | {ratio_synced} | {r['peak_anon_mb']:.0f} MB | {_profile(r)}")  # fmt: skip
+              f"{dense / 1e9 / r['synced_seconds']:.2f} | {ratio_synced} | {r['peak_anon_mb']:.0f} MB | "
+              f"{r['peak_tree_pss_mb']:.0f} MB | {_profile(r)}")  # fmt: skip
     if options.json:
         Path(options.json).write_text(json.dumps({"gpu": gpu, "dense_bytes": dense, "results": results}, indent=1))
     if options.workdir is None:

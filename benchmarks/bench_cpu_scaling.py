@@ -22,6 +22,9 @@ def main() -> None:
     parser.add_argument("--chunks", default="4194304,131072,32768", help="kernel chunk sizes, packed bytes")
     parser.add_argument("--packed-mib", type=int, default=512, help="the weight's packed size")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--processes", default="", help="comma-separated worker-process counts: pieces made as the "
+                        "route makes them in worker processes (empty: none)")
+    parser.add_argument("--process-chunks", default="32768,4194304", help="kernel chunk sizes in the worker processes")
     args = parser.parse_args()
 
     import torch
@@ -43,7 +46,7 @@ def main() -> None:
                                 state2=bnb4.NestedState(torch.rand(-(-absmax.numel() // nested_blocksize)) + 0.5,
                                                         torch.linspace(-1, 1, 256), nested_blocksize))  # fmt: skip
     pieces = list(bnb4.chunks(state, CPU_PIECE_BYTES // 2, torch.bfloat16))
-    route = CpuRoute()
+    route = CpuRoute(processes=0)  # the threads' rows: every make on the calling thread
     code = bnb4.canonical_code("nf4")
 
     def run(threads: int, work) -> float:
@@ -97,10 +100,59 @@ def main() -> None:
             row = {"threads": threads, "what": name, "chunk": chunk, "seconds": best, "out_gbps": 2 * n / best / 1e9}
             results.append(row)
             print(json.dumps(row), flush=True)
+    for processes in [int(x) for x in args.processes.split(",") if x]:
+        for chunk in [int(x) for x in args.process_chunks.split(",")]:
+            cpu.PROCESS_CHUNK_BYTES = chunk  # what the workers forked next take as their chunk
+            best = min(_in_processes(processes, pieces, packed, code, blocksize, nested_blocksize)
+                       for _ in range(args.repeats))
+            row = {"threads": f"{processes} processes", "what": "route", "chunk": chunk, "seconds": best,
+                   "out_gbps": 2 * n / best / 1e9}
+            results.append(row)
+            print(json.dumps(row), flush=True)
     print("| threads | what | chunk (packed bytes) | s | GB/s out |")
     print("|---|---|---|---|---|")
     for row in results:
         print(f"| {row['threads']} | {row['what']} | {row['chunk'] or '-'} | {row['seconds']:.3f} | {row['out_gbps']:.2f} |")
+
+
+def _in_processes(processes, pieces, packed, code, blocksize, nested_blocksize) -> float:
+    """The pieces made as the CPU route makes them in worker processes (nf4convert/workers.py): each of
+    ``processes`` threads copies a piece's packed bytes into its slot of the shared mapping (as a reader would) and
+    hands the piece to a worker, which decodes it into another slot; ``code``, ``blocksize`` and the nested
+    blocksize come with each piece's quant state."""
+    import threading
+
+    import torch
+
+    from nf4convert.stream import CPU_PIECE_BYTES, _dequantize_4bit_on_cpu
+    from nf4convert.workers import Workers
+
+    workers = Workers(processes, 2 * processes, CPU_PIECE_BYTES)
+    turn = iter(range(len(pieces)))
+    lock = threading.Lock()
+
+    def feeder() -> None:
+        torch.set_num_threads(1)
+        read, out = workers.slot(CPU_PIECE_BYTES), workers.slot(CPU_PIECE_BYTES)
+        while True:
+            with lock:
+                index = next(turn, None)
+            if index is None:
+                return
+            first, count, piece = pieces[index]
+            n_packed = (count + 1) // 2
+            read[:n_packed].copy_(packed[first // 2 : first // 2 + n_packed])
+            workers.run(_dequantize_4bit_on_cpu, read[:n_packed], out[: 2 * count], piece)
+
+    feeders = [threading.Thread(target=feeder) for _ in range(processes)]
+    started = time.perf_counter()
+    for thread in feeders:
+        thread.start()
+    for thread in feeders:
+        thread.join()
+    seconds = time.perf_counter() - started
+    workers.close()
+    return seconds
 
 
 if __name__ == "__main__":

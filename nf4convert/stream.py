@@ -8,8 +8,9 @@ each on its own threads, so reading, making and writing overlap:
     make   the output bytes from them: a cast on the CPU, or a dequantization     (the route's makers)
     write  positional writes at the piece's planned offset in its shard           (writer threads)
 
-A *route* says how pieces are made on its device. The CPU route spreads makes over the cores (torch
-and numpy release the GIL; the CPU kernel works on whole blocks, so any piece stands alone). The CUDA
+A *route* says how pieces are made on its device. The CPU route spreads makes over the cores: 4-bit and 8-bit
+pieces in forked worker processes (workers.py; the CPU kernel works on whole blocks, so any piece stands alone),
+casts on its maker threads (one call each, which releases the GIL). The CUDA
 route keeps one maker thread that only enqueues: host-to-device copies on their own stream, the kernel
 on the current stream, device-to-host copies into pinned buffers on a third stream, ordered by events;
 the writer waits on a piece's event before writing it. Plain tensors that need no cast are written
@@ -67,6 +68,13 @@ WRITERS = _knob("NF4CONVERT_WRITERS", 4)  # threads writing at once: one per sha
 # 8B conversion's pipeline 6.0 s against 6.4, with 517 MB of memory against 678): the decode is bound by memory
 # and the interpreter's lock well before 16 cores, and the readers and writers need cores too.
 MAX_MAKERS = _knob("NF4CONVERT_MAKERS", 8)
+# With 8 cores or more, the CPU route makes its 4-bit and 8-bit pieces in forked worker processes (workers.py), one
+# per two cores, at most 8: the other half of the cores read, write and hand pieces over. On the H200 machine's 16
+# cores (the 8B-shaped conversion, benchmarks/bench_convert.py) 8 processes took the pipeline to 4.2 s where threads
+# took 6.7; 12 processes starved the writers of cores and took 11.6.
+# NF4CONVERT_PROCESSES=0 keeps them on threads; a positive number is that many processes, whatever the cores.
+PROCESSES = os.environ.get("NF4CONVERT_PROCESSES", "").strip()
+PROCESS_MIN_CORES, MAX_PROCESSES = 8, 8
 # Start each range's writeback once written (checkpoint.Writeback); NF4CONVERT_WRITEBACK=0 (or off/false/no) not.
 WRITEBACK = os.environ.get("NF4CONVERT_WRITEBACK", "1").strip().lower() not in ("0", "off", "false", "no")
 
@@ -212,8 +220,8 @@ class _Buffers:
     """Reused host buffers (pinned for CUDA). A buffer given back with an event is taken again only once
     that event has passed (a copy may still be reading it); one whose event has passed is taken first."""
 
-    def __init__(self, size: int, pinned: bool):
-        self._size, self._pinned = size, pinned
+    def __init__(self, size: int, pinned: bool, allocate: Callable | None = None):
+        self._size, self._pinned, self._allocate = size, pinned, allocate
         self._free: list = []
         self._lock = threading.Lock()
 
@@ -225,6 +233,9 @@ class _Buffers:
             ready = [i for i in fitting if self._free[i][1] is None or self._free[i][1].query()]
             index = (ready or fitting or [None])[0]
             buffer, event = self._free.pop(index) if index is not None else (None, None)
+        if buffer is None and self._allocate is not None:
+            with self._lock:
+                buffer = self._allocate(nbytes)
         if buffer is None:
             buffer = torch.empty(max(nbytes, self._size), dtype=torch.uint8, pin_memory=self._pinned)
         if event is not None:
@@ -237,18 +248,35 @@ class _Buffers:
 
 
 class CpuRoute:
-    """Pieces made on the CPU, spread over the cores (``MAX_MAKERS`` at most); torch runs one thread per maker
-    (the makers are the parallelism; more would oversubscribe the cores)."""
+    """Pieces made on the CPU, spread over the cores. Casts run on the makers' threads; 4-bit and 8-bit pieces run
+    in worker processes (workers.py) where the machine has ``PROCESS_MIN_CORES`` cores or more, else on the threads
+    too. torch runs one thread per maker (the makers are the parallelism; more would oversubscribe the cores)."""
 
     piece_bytes = CPU_PIECE_BYTES
 
-    def __init__(self, workers: int | None = None):
+    def __init__(self, workers: int | None = None, processes: int | None = None):
+        """``workers``: maker threads (default: one per core, ``MAX_MAKERS`` at most); ``processes``: worker
+        processes (default: from the cores and NF4CONVERT_PROCESSES; 0 for none)."""
         import torch
+
+        from . import workers as _workers
 
         self.device = torch.device("cpu")
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        self.makers = workers or min(cores, MAX_MAKERS)
+        if processes is None:
+            processes = int(PROCESSES) if PROCESSES.isdigit() else None
+        if processes is None:
+            processes = min(cores // 2, MAX_PROCESSES) if cores >= PROCESS_MIN_CORES else 0
+        self._workers = None
+        if processes > 0 and _workers.usable():
+            slots = 2 * (READ_AHEAD + processes + WRITE_AHEAD + 2)  # a read and a made piece for each one in flight
+            try:
+                self._workers = _workers.Workers(processes, slots, self.piece_bytes)
+            except OSError:  # no processes to be had (memory, a limit on their number): threads then
+                self._workers = None
+        self.makers = self._workers.count if self._workers else workers or min(cores, MAX_MAKERS)
         self._buffers = _Buffers(self.piece_bytes, pinned=False)
+        self._shared = _Buffers(self.piece_bytes, pinned=False, allocate=self._workers.slot) if self._workers else None
         self._threads = torch.get_num_threads()
 
     def __enter__(self):
@@ -257,10 +285,12 @@ class CpuRoute:
     def __exit__(self, *exc_info):
         import torch
 
+        if self._workers is not None:
+            self._workers.close()
         torch.set_num_threads(self._threads)  # the makers set one thread each
 
     def pool(self, piece: Piece) -> _Buffers:
-        return self._buffers
+        return self._shared if piece.on_device and self._shared is not None else self._buffers
 
     def warm(self, plan: Plan, reader: TensorReader) -> None:
         pass  # nothing to start
@@ -273,23 +303,30 @@ class CpuRoute:
     def cast(self, source_type, target_type):
         return _cast(source_type, target_type)
 
+    def _made(self, function: Callable, *args) -> Callable:
+        if self._workers is None:
+            return lambda read, out: function(read, out, *args)
+        return lambda read, out: self._workers.run(function, read, out, *args)
+
     def dequantize_4bit(self, state):
-        from .dequantize import dequantize_4bit
-
-        def make(packed, out):
-            dequantize_4bit(packed, state, out=out.view(state.dtype), backend="cpu")
-
-        return make
+        return self._made(_dequantize_4bit_on_cpu, state)
 
     def dequantize_8bit(self, scb, columns: int, out_type):
-        import torch
+        return self._made(_dequantize_8bit_on_cpu, scb, columns, out_type)
 
-        def make(codes, out):
-            rows = codes.numel() // columns
-            made = bnb8.dequantize(codes.view(torch.int8).view(rows, columns), scb, out_type)
-            out.view(out_type).view(rows, columns).copy_(made)
 
-        return make
+def _dequantize_4bit_on_cpu(packed, out, state) -> None:
+    from .dequantize import dequantize_4bit
+
+    dequantize_4bit(packed, state, out=out.view(state.dtype), backend="cpu")
+
+
+def _dequantize_8bit_on_cpu(codes, out, scb, columns: int, out_type) -> None:
+    import torch
+
+    rows = codes.numel() // columns
+    made = bnb8.dequantize(codes.view(torch.int8).view(rows, columns), scb, out_type)
+    out.view(out_type).view(rows, columns).copy_(made)
 
 
 class _Slot:

@@ -88,8 +88,8 @@ from nf4convert import plan, stream
 original, calls = stream.PRODUCERS[plan.Copy], [0]
 def producer(*args):
     calls[0] += 1
-    if calls[0] == 3:
-        os.kill(os.getpid(), getattr(signal, sys.argv[1]))
+    if calls[0] == 3:  # to the process group (as a terminal's Ctrl-C) when the CPU route has worker processes
+        (os.killpg if os.environ.get("NF4CONVERT_PROCESSES", "0") != "0" else os.kill)(os.getpid(), getattr(signal, sys.argv[1]))
     yield from original(*args)
 stream.PRODUCERS[plan.Copy] = producer
 from nf4convert.cli import main
@@ -97,16 +97,43 @@ main(sys.argv[2:])
 """
 
 
+@pytest.mark.parametrize("processes", ["0", "2"])
 @pytest.mark.parametrize("signal_name,code,word", [("SIGINT", 130, "interrupted"), ("SIGTERM", 143, "terminated"),
                                                    ("SIGHUP", 129, "terminated")])  # fmt: skip
-def test_signal_while_writing_leaves_nothing(tmp_path, signal_name, code, word):
+def test_signal_while_writing_leaves_nothing(tmp_path, signal_name, code, word, processes):
     out = tmp_path / "out"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+           "NF4CONVERT_PROCESSES": processes}  # fmt: skip
     result = subprocess.run([sys.executable, "-c", WRAPPER, signal_name, str(EXAMPLE), "-o", str(out), "-q", "--device", "cpu"],
-                            capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
+                            capture_output=True, text=True, env=env, timeout=300, start_new_session=True)  # fmt: skip
     assert result.returncode == code, result.stderr
     assert one_error_line(result.stdout + result.stderr) == f"Error: {word}; nothing was written"
     assert not out.exists() and list(tmp_path.iterdir()) == []  # no hidden partial folder either
+
+
+KILLED_WORKER = """
+import os, signal, sys
+from nf4convert import stream
+parent = os.getpid()
+def killed(*args):
+    if os.getpid() != parent:
+        os.kill(os.getpid(), signal.SIGKILL)
+stream._dequantize_4bit_on_cpu = killed
+from nf4convert.cli import main
+main(sys.argv[1:])
+"""
+
+
+def test_a_worker_process_killed_is_one_line_and_leaves_nothing(tmp_path):
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+           "NF4CONVERT_PROCESSES": "2"}  # fmt: skip
+    result = subprocess.run([sys.executable, "-c", KILLED_WORKER, str(EXAMPLE), "-o", str(out), "-q", "--device", "cpu"],
+                            capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
+    assert result.returncode == 1, result.stderr
+    line = one_error_line(result.stderr)
+    assert "worker process of the CPU route stopped" in line and "NF4CONVERT_PROCESSES=0" in line
+    assert list(tmp_path.iterdir()) == []
 
 
 # The signal lands at a chosen moment: just after the staging folder is made, just after OUT is renamed into place,

@@ -97,6 +97,73 @@ def test_pieces_on_every_thread_give_the_reference_bytes(tmp_path, seed):
     assert _files(tmp_path / "one") == _files(tmp_path / "small")
 
 
+@pytest.mark.parametrize("route", [SmallPieces, stream.CpuRoute])
+def test_worker_processes_write_the_threads_bytes(tmp_path, route):
+    source, _ = _checkpoint(tmp_path / "src", 5)
+    _convert(source, tmp_path / "threads", route(workers=2, processes=0), shard_size=60_000)
+    with route(processes=2) as in_processes:
+        assert in_processes.makers == 2
+        _convert(source, tmp_path / "processes", in_processes, shard_size=60_000)
+        assert in_processes._workers._handed > 0  # pieces went through the shared slots
+    assert _files(tmp_path / "processes") == _files(tmp_path / "threads")
+
+
+def _pid_into(read, out, extra):
+    out.view(torch.int64)[0] = os.getpid()
+    out.view(torch.int64)[1] = int(read.sum()) + extra.numel()
+
+
+def _die(read, out):
+    os._exit(3)
+
+
+def test_workers_run_in_other_processes_only_for_shared_bytes():
+    from nf4convert.workers import Workers
+
+    workers = Workers(2, 3, 64)
+    try:
+        read, out = workers.slot(16), workers.slot(64)
+        assert workers.slot(65) is None  # larger than a slot
+        read[:16] = 1
+        workers.run(_pid_into, read[:16], out[:16], torch.zeros(5, dtype=torch.bfloat16))
+        pid, total = out[:16].view(torch.int64).tolist()
+        assert pid != os.getpid() and total == 16 + 5
+        private = torch.zeros(16, dtype=torch.uint8)
+        workers.run(_pid_into, read[:16], private, torch.zeros(2))  # not in the mapping: made here
+        assert private.view(torch.int64).tolist() == [os.getpid(), 18]
+        assert workers.slot(8) is not None and workers.slot(8) is None  # three slots, each handed out once
+    finally:
+        workers.close()
+
+
+def test_a_route_never_closed_still_lets_the_process_exit():
+    # multiprocessing's exit handler sends the workers SIGTERM (which they ignore) and waits: they are closed first.
+    import subprocess
+
+    code = "from nf4convert.stream import CpuRoute; route = CpuRoute(processes=2); assert route._workers is not None"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_a_worker_that_dies_is_one_error():
+    from nf4convert.errors import Nf4ConvertError
+    from nf4convert.workers import Workers
+
+    workers = Workers(1, 2, 64)
+    read, out = workers.slot(8)[:8], workers.slot(8)[:8]
+    try:
+        with pytest.raises(Nf4ConvertError, match="worker process of the CPU route stopped"):
+            workers.run(_die, read, out)
+        # A later piece (another maker thread's) fails the same way at once, with no worker left to wait for.
+        errors = []
+        later = threading.Thread(target=lambda: errors.append(pytest.raises(Nf4ConvertError, workers.run, _pid_into,
+                                                                          read, out, torch.zeros(1))))  # fmt: skip
+        later.start()
+        later.join(timeout=30)
+        assert not later.is_alive() and len(errors) == 1
+    finally:
+        workers.close()
+
+
 @pytest.mark.parametrize("at_once", [2, 4, 16])
 def test_shards_written_at_once_give_the_same_bytes(tmp_path, monkeypatch, at_once):
     source, _ = _checkpoint(tmp_path / "src", 8)

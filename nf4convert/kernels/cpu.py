@@ -12,18 +12,21 @@ so the products are flushed the same way here: :func:`ftz_multiply`. Each torch 
 blocksize >= 2048 on AVX512 machines, and for an odd last dimension, it falls back to a pure-torch path
 that decodes FP4 nibble 8 as +0.0 where its CUDA kernel (the truth) gives -0.0.
 
-Work goes in chunks of whole quant blocks, so the fp32 scratch is bounded by the chunk, not the weight.
-The chunk is large: each chunk releases and retakes the interpreter's lock a few times, and with many cores
-decoding, chunks small enough for a core's L2 cache were slower, not faster (benchmarks/bench_cpu_scaling.py
-on the H200 machine's 16 cores: 3.8-4.1 GB/s of bf16 at 4 MiB chunks, 1.4 at 128 KiB). A scratch kept per
-thread instead of a fresh one per chunk made no clear difference there (three runs), so there is none.
+Work goes in chunks of whole quant blocks, through one reused fp32 scratch of a chunk: gathered, scaled, cast.
+How large a chunk is best depends on who else decodes. Threads of one process take the interpreter's lock back
+after each call, so their chunks are large (few calls; on the H200 machine's 16 cores, 8 threads made 3.8-4.1 GB/s
+of bf16 at 4 MiB chunks and 1.4 at 128 KiB: benchmarks/bench_cpu_scaling.py). A process of its own (the CPU route's
+worker processes, workers.py) has no one to wait for, and there a chunk small enough to stay in the core's L2 cache
+between its three passes keeps memory to the packed bytes in and the output out, leaving the memory bus to the
+writers beside it: ``PROCESS_CHUNK_BYTES``, which each worker takes as its ``CHUNK_BYTES``.
 """
 
 from __future__ import annotations
 
 import torch
 
-CHUNK_BYTES = 1 << 22  # packed bytes per chunk: 32 MiB of fp32 scratch
+CHUNK_BYTES = 1 << 22  # packed bytes per chunk on threads: 32 MiB of fp32 scratch
+PROCESS_CHUNK_BYTES = 1 << 15  # in a worker process: 256 KiB of fp32 scratch, in a core's L2 cache
 FLT_MIN = 1.1754943508222875e-38  # smallest normal fp32
 LIFT = 2.0**24  # x * 2^24 is normal wherever round24(x) could be, so fp32 rounds it with the unbounded exponent
 # |code| >= 0.0052 for every non-zero entry (NF4 0.0796, FP4 1/192 and up): a product can only be
@@ -91,33 +94,36 @@ def ftz_multiply(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 def dequantize(packed, absmax, code2, absmax2, offset, code, out, blocksize, nested_blocksize):
     """Dequantize the 1-D uint8 ``packed`` into the contiguous ``out``; inputs are trusted here."""
+    import numpy as np
+
     n_elements = out.numel()
     flat_out = out.view(-1)
     scale = decode_absmax(absmax, code2, absmax2, offset, nested_blocksize)
     table = _quad_table(code)
     half_block = blocksize // 2
-    chunk = max(half_block, CHUNK_BYTES // half_block * half_block)
-    n_bytes = packed.numel()
-    for first_byte in range(0, n_bytes, chunk):
-        last_byte = min(first_byte + chunk, n_bytes)
-        values = _decode_nibbles(table, packed[first_byte:last_byte])  # [2 * bytes] fp32
-        first_element = 2 * first_byte
-        count = min(values.numel(), n_elements - first_element)
-        first_block = first_byte // half_block
-        full_blocks = count // blocksize
-        target = flat_out[first_element : first_element + count]
-        if full_blocks:
-            full = full_blocks * blocksize
-            block_values = values[:full].view(full_blocks, blocksize)
-            block_scale = scale[first_block : first_block + full_blocks]
-            if (block_scale.abs() < TINY_SCALE).any():  # not min(): a NaN scale would hide a tiny one
-                ftz_multiply(block_values, block_scale[:, None])
+    full_blocks = n_elements // blocksize
+    if full_blocks:  # whole blocks: an even number of bytes, every chunk a whole number of uint16 words
+        n_full = full_blocks * blocksize
+        chunk = max(half_block, CHUNK_BYTES // half_block * half_block)  # packed bytes per pass
+        scratch = torch.empty(min(2 * chunk, n_full), dtype=torch.float32)
+        quads = scratch.numpy().reshape(-1, 4)
+        words = packed[: n_full // 2].numpy().view(np.uint16)
+        block_scales = scale[:full_blocks, None]
+        tiny = bool((scale[:full_blocks].abs() < TINY_SCALE).any())  # not min(): a NaN scale would hide a tiny one
+        for first in range(0, n_full, 2 * chunk):
+            count = min(2 * chunk, n_full - first)
+            # mode="clip": every uint16 is a valid index, and "raise" would buffer the output (a copy)
+            np.take(table, words[first // 4 : (first + count) // 4], axis=0, out=quads[: count // 4], mode="clip")
+            values = scratch[:count].view(-1, blocksize)
+            chunk_scales = block_scales[first // blocksize : (first + count) // blocksize]
+            if tiny and (chunk_scales.abs() < TINY_SCALE).any():
+                ftz_multiply(values, chunk_scales)
             else:
-                block_values *= block_scale[:, None]
-            target[:full].copy_(values[:full])
-        rest = count - full_blocks * blocksize
-        if rest:  # the partial last block of the weight
-            start = full_blocks * blocksize
-            tail = ftz_multiply(values[start : start + rest], scale[first_block + full_blocks])
-            target[start:].copy_(tail)
+                values.mul_(chunk_scales)
+            flat_out[first : first + count].copy_(scratch[:count])
+    rest = n_elements - full_blocks * blocksize
+    if rest:  # the partial last block of the weight (an odd byte count ends here)
+        start = full_blocks * blocksize
+        values = _decode_nibbles(table, packed[start // 2 :])[:rest]
+        flat_out[start:].copy_(ftz_multiply(values, scale[full_blocks]))
     return out

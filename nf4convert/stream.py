@@ -220,8 +220,10 @@ class _Buffers:
     """Reused host buffers (pinned for CUDA). A buffer given back with an event is taken again only once
     that event has passed (a copy may still be reading it); one whose event has passed is taken first."""
 
-    def __init__(self, size: int, pinned: bool, allocate: Callable | None = None):
-        self._size, self._pinned, self._allocate = size, pinned, allocate
+    def __init__(self, size: int, pinned: bool, slots=None, overflow: "_Buffers | None" = None):
+        """``slots``: a fixed supply of buffers (the CPU route's shared mapping: ``slot(nbytes)`` a fresh one or None,
+        ``holds(buffer)``); a request it cannot meet goes to ``overflow``, and such a buffer goes back there."""
+        self._size, self._pinned, self._slots, self._overflow = size, pinned, slots, overflow
         self._free: list = []
         self._lock = threading.Lock()
 
@@ -233,9 +235,11 @@ class _Buffers:
             ready = [i for i in fitting if self._free[i][1] is None or self._free[i][1].query()]
             index = (ready or fitting or [None])[0]
             buffer, event = self._free.pop(index) if index is not None else (None, None)
-        if buffer is None and self._allocate is not None:
+        if buffer is None and self._slots is not None:
             with self._lock:
-                buffer = self._allocate(nbytes)
+                buffer = self._slots.slot(nbytes)
+            if buffer is None:
+                return self._overflow.take(nbytes)
         if buffer is None:
             buffer = torch.empty(max(nbytes, self._size), dtype=torch.uint8, pin_memory=self._pinned)
         if event is not None:
@@ -243,6 +247,9 @@ class _Buffers:
         return buffer
 
     def give(self, buffer, event=None) -> None:
+        if self._slots is not None and not self._slots.holds(buffer):
+            self._overflow.give(buffer, event)
+            return
         with self._lock:
             self._free.append((buffer, event))
 
@@ -255,8 +262,9 @@ class CpuRoute:
     piece_bytes = CPU_PIECE_BYTES
 
     def __init__(self, workers: int | None = None, processes: int | None = None):
-        """``workers``: maker threads (default: one per core, ``MAX_MAKERS`` at most); ``processes``: worker
-        processes (default: from the cores and NF4CONVERT_PROCESSES; 0 for none)."""
+        """``processes``: worker processes (default: from the cores and NF4CONVERT_PROCESSES; 0 for none), with one
+        maker thread each; ``workers``: maker threads where there are no worker processes (default: one per core,
+        ``MAX_MAKERS`` at most)."""
         import torch
 
         from . import workers as _workers
@@ -276,7 +284,7 @@ class CpuRoute:
                 self._workers = None
         self.makers = self._workers.count if self._workers else workers or min(cores, MAX_MAKERS)
         self._buffers = _Buffers(self.piece_bytes, pinned=False)
-        self._shared = _Buffers(self.piece_bytes, pinned=False, allocate=self._workers.slot) if self._workers else None
+        self._shared = _Buffers(self.piece_bytes, False, self._workers, overflow=self._buffers) if self._workers else None
         self._threads = torch.get_num_threads()
 
     def __enter__(self):

@@ -30,7 +30,6 @@ from .errors import Nf4ConvertError
 
 STOPPED = ("a worker process of the CPU route stopped (killed by the system: out of memory?); NF4CONVERT_PROCESSES=0 "
            "makes the pieces on threads instead")
-_shared = None  # the mapping the workers being forked inherit (set before the forks)
 
 
 def usable() -> bool:
@@ -49,26 +48,37 @@ class Workers:
         import mmap
         import multiprocessing
         import queue
+        import signal
         import warnings
 
         import torch
 
-        global _shared
+        from .kernels import cpu  # noqa: F401  (imported here, so that no worker imports anything: see _serve)
+        from .output import STOP_SIGNALS
+
         self.count, self._slots, self._slot_bytes = count, slots, slot_bytes
-        self._mapping = mmap.mmap(-1, slots * slot_bytes)  # MAP_SHARED | MAP_ANONYMOUS: the children see its pages
-        self._memory = torch.frombuffer(self._mapping, dtype=torch.uint8)
-        self._base = self._memory.data_ptr()
+        mapping = mmap.mmap(-1, slots * slot_bytes)  # MAP_SHARED | MAP_ANONYMOUS: the children see its pages
+        self._memory = torch.frombuffer(mapping, dtype=torch.uint8)  # the mapping lives as long as a view of it
+        self._base, self._size = self._memory.data_ptr(), slots * slot_bytes
         self._handed = 0
         self._idle: queue.SimpleQueue = queue.SimpleQueue()
         self._all: list = []
-        _shared = self._mapping
         context = multiprocessing.get_context("fork")
+        # Closed at exit if not before (also when a signal stops this constructor): multiprocessing's own exit handler
+        # (registered earlier, so run later) would send them SIGTERM, which they ignore, and wait for them forever.
+        atexit.register(self.close)
+        # A stop signal between a fork and the worker's ignoring it would run this process's handler in the child (a
+        # traceback from it): they wait, blocked, until each fork is done, here and (until it ignores them) there.
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         try:
-            with warnings.catch_warnings():  # Python 3.12+ warns on fork() beside other threads; none of them runs here
+            # Python 3.12+ warns on fork() beside other threads (tqdm's monitor, a finished run's side thread): the
+            # workers take no lock those could hold (nothing to import, no allocation shared with them).
+            with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=".*fork", category=DeprecationWarning)
                 for _ in range(count):
                     ours, theirs = context.Pipe()
-                    process = context.Process(target=_serve, args=(theirs, [end for _, end in self._all]),
+                    earlier = [end for _, end in self._all]
+                    process = context.Process(target=_serve, args=(theirs, [ours, *earlier], mapping, blocked),
                                               name="nf4convert-cpu-worker", daemon=True)  # fmt: skip
                     process.start()
                     theirs.close()
@@ -77,9 +87,8 @@ class Workers:
         except BaseException:
             self.close()
             raise
-        # Closed at exit if not before: multiprocessing's own exit handler (registered earlier, so run later) would
-        # send them SIGTERM, which they ignore, and wait for them forever.
-        atexit.register(self.close)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
     def slot(self, nbytes: int):
         """A fresh slot of the mapping (uint8 tensor of the slot's size), or None when ``nbytes`` does not fit one or
@@ -90,13 +99,19 @@ class Workers:
         self._handed += 1
         return self._memory[first : first + self._slot_bytes]
 
+    def holds(self, tensor) -> bool:
+        """Whether ``tensor``'s bytes lie in the mapping."""
+        return self._offset(tensor) is not None
+
     def _offset(self, tensor) -> int | None:
         offset = tensor.data_ptr() - self._base
-        inside = tensor.is_contiguous() and 0 <= offset and offset + tensor.numel() * tensor.element_size() <= len(self._mapping)
+        inside = tensor.is_contiguous() and 0 <= offset and offset + tensor.numel() * tensor.element_size() <= self._size
         return offset if inside else None
 
     def run(self, function: Callable, read, out, *args) -> None:
-        """``function(read, out, *args)`` in an idle worker when both byte tensors lie in the mapping, else here."""
+        """``function(read, out, *args)`` in an idle worker when both byte tensors lie in the mapping, else here. An
+        exception it raises is raised here (as a RuntimeError with its text where it cannot travel)."""
+        import pickle
         from multiprocessing.connection import wait
 
         read_at, out_at = self._offset(read), self._offset(out)
@@ -108,15 +123,18 @@ class Workers:
             self._idle.put(None)
             raise Nf4ConvertError(STOPPED)
         process, pipe = worker
+        alive = True
         try:
             pipe.send((function, read_at, read.numel(), out_at, out.numel(), _portable(args)))
             if pipe not in wait([pipe, process.sentinel]):  # the worker ended before it answered
                 raise EOFError
-            failure = pipe.recv()
+            answer = pipe.recv_bytes()
         except (EOFError, OSError):
-            self._idle.put(None)
+            alive = False
             raise Nf4ConvertError(STOPPED) from None
-        self._idle.put(worker)
+        finally:  # a job that could not be sent leaves the worker as it was
+            self._idle.put(worker if alive else None)
+        failure = pickle.loads(answer)
         if failure is not None:
             raise failure
 
@@ -140,9 +158,11 @@ class Workers:
 # --- in the workers --------------------------------------------------------------------------------------------------
 
 
-def _serve(pipe, inherited: list) -> None:
+def _serve(pipe, inherited: list, mapping, mask) -> None:
     """A worker's life: make what each message asks, answer None or the exception it raised; stop on None or when the
-    parent has gone."""
+    parent has gone (its end of the pipe closed: this process holds no copy of it, nor of another worker's)."""
+    import os
+    import pickle
     import signal
 
     import torch
@@ -152,13 +172,18 @@ def _serve(pipe, inherited: list) -> None:
 
     for signum in STOP_SIGNALS:  # the parent's handlers came with the fork; the parent stops the workers
         signal.signal(signum, signal.SIG_IGN)
-    for end in inherited:  # the other workers' pipes (their ends in the parent, forked with it): not ours to hold
+    signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # blocked by the parent around the fork
+    for end in inherited:  # this worker's parent end, and the earlier workers' (forked along): not ours to hold
         end.close()
     torch.set_num_threads(1)  # the processes are the parallelism
     cpu.CHUNK_BYTES = cpu.PROCESS_CHUNK_BYTES  # no interpreter lock to share: chunks that stay in the L2 cache
-    memory = torch.frombuffer(_shared, dtype=torch.uint8)
+    memory = torch.frombuffer(mapping, dtype=torch.uint8)
+    parent = os.getppid()
     while True:
         try:
+            while not pipe.poll(1.0):  # a parent killed outright closes its end; this is for one that hangs dying
+                if os.getppid() != parent:
+                    return
             job = pipe.recv()
         except (EOFError, OSError):
             return
@@ -167,13 +192,17 @@ def _serve(pipe, inherited: list) -> None:
         function, read_at, read_count, out_at, out_count, args = job
         try:
             function(memory[read_at : read_at + read_count], memory[out_at : out_at + out_count], *_restored(args))
-            answer = None
+            answer = pickle.dumps(None)
         except BaseException as error:  # noqa: BLE001  (handed to the caller, who raises it)
-            answer = error
+            try:
+                answer = pickle.dumps(error)
+                pickle.loads(answer)  # one that pickles but cannot be rebuilt (an __init__ of other arguments) too
+            except Exception:  # noqa: BLE001
+                answer = pickle.dumps(RuntimeError(f"{type(error).__name__}: {error}"))
         try:
-            pipe.send(answer)
-        except Exception:  # an exception that cannot be pickled: its text
-            pipe.send(RuntimeError(f"{type(answer).__name__}: {answer}"))
+            pipe.send_bytes(answer)
+        except OSError:  # the parent has gone
+            return
 
 
 # --- arguments across the pipe -----------------------------------------------------------------------------------------

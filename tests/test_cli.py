@@ -247,9 +247,9 @@ def _shard_of(folder: Path, key: str) -> Path:
 
 @pytest.mark.parametrize("case", ["missing-folder", "truncated", "corrupt-header", "missing-absmax", "bad-json",
                                   "packed-size", "eight-bit", "dense", "no-safetensors", "bad-quant-map",
-                                  "quant-state-lost", "nested-absmax-nan"])  # fmt: skip
+                                  "quant-state-lost", "nested-absmax-nan", "flat-absmax-nan", "flat-absmax-negative"])  # fmt: skip
 def test_bad_input_is_one_clear_line(case, checkpoints, tmp_path):
-    source = _copy(checkpoints["llama-nf4-dq"], tmp_path)
+    source = _copy(checkpoints["qwen2-tied-fp4" if case.startswith("flat-") else "llama-nf4-dq"], tmp_path)
     weight = "model.layers.0.self_attn.q_proj.weight"
     expected = {
         "missing-folder": "no such folder",
@@ -264,6 +264,8 @@ def test_bad_input_is_one_clear_line(case, checkpoints, tmp_path):
         "bad-quant-map": "quant_map is not bitsandbytes' nf4 table",
         "quant-state-lost": f"'{weight}' looks like a packed 4-bit weight (U8 [8192, 1]) but has no quant state",
         "nested-absmax-nan": f"{weight}: nested_absmax holds a negative, NaN or infinite value",
+        "flat-absmax-nan": f"{weight}: absmax holds a negative, NaN or infinite value",
+        "flat-absmax-negative": f"{weight}: absmax holds a negative, NaN or infinite value",
     }[case]
     if case == "missing-folder":
         source = tmp_path / "nope"
@@ -283,6 +285,15 @@ def test_bad_input_is_one_clear_line(case, checkpoints, tmp_path):
             data[begin : begin + 4] = struct.pack("<f", float("nan"))
 
         _rewrite_shard(_shard_of(source, key), spoil)
+    elif case.startswith("flat-absmax"):  # an fp32 absmax, one float per block, read only while converting
+        key = weight + ".absmax"
+
+        def spoil_flat(header, data):
+            assert header[key]["dtype"] == "F32"
+            begin, end = header[key]["data_offsets"]
+            data[end - 4 : end] = struct.pack("<f", float("nan") if case == "flat-absmax-nan" else -0.5)
+
+        _rewrite_shard(_shard_of(source, key), spoil_flat)
     elif case == "quant-state-lost":  # every part of one weight's quant state gone: the packed bytes must not pass as dense
         index = json.loads((source / "model.safetensors.index.json").read_text())
         parts = [key for key in index["weight_map"] if key.startswith(weight + ".")]

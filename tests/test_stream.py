@@ -83,7 +83,7 @@ def _files(folder):
 def test_pieces_on_every_thread_give_the_reference_bytes(tmp_path, seed):
     source, expected = _checkpoint(tmp_path / "src", seed)
     threads = torch.get_num_threads()
-    plan = _convert(source, tmp_path / "small", SmallPieces(workers=3), shard_size=60_000)
+    plan = _convert(source, tmp_path / "small", SmallPieces(workers=3, processes=0), shard_size=60_000)
     assert len(plan.shards) > 2 and torch.get_num_threads() == threads  # each maker's one thread is undone
     for shard in plan.shards:
         with safe_open(tmp_path / "small" / shard.filename, "pt") as file:
@@ -93,7 +93,7 @@ def test_pieces_on_every_thread_give_the_reference_bytes(tmp_path, seed):
                 want_bytes = want.contiguous().view(-1).view(torch.uint8)
                 assert torch.equal(got.view(-1).view(torch.uint8), want_bytes), tensor.name
     # One maker with default pieces writes the very same files.
-    _convert(source, tmp_path / "one", stream.CpuRoute(workers=1), shard_size=60_000)
+    _convert(source, tmp_path / "one", stream.CpuRoute(workers=1, processes=0), shard_size=60_000)
     assert _files(tmp_path / "one") == _files(tmp_path / "small")
 
 
@@ -115,6 +115,82 @@ def _pid_into(read, out, extra):
 
 def _die(read, out):
     os._exit(3)
+
+
+class _TwoArguments(Exception):
+    def __init__(self, first, second):
+        super().__init__(f"{first} {second}")
+
+
+def _raise(read, out, kind):
+    from nf4convert.errors import ArgumentError
+
+    raise ArgumentError("bad piece", option="dtype") if kind == "ours" else _TwoArguments("cannot", "rebuild")
+
+
+def test_an_exception_in_a_worker_is_raised_by_its_caller_and_the_worker_goes_on():
+    from nf4convert.errors import ArgumentError
+    from nf4convert.workers import Workers
+
+    workers = Workers(1, 2, 64)
+    read, out = workers.slot(16)[:16], workers.slot(16)[:16]
+    try:
+        with pytest.raises(ArgumentError, match="^bad piece$") as raised:
+            workers.run(_raise, read, out, "ours")
+        assert raised.value.option == "dtype"
+        with pytest.raises(RuntimeError, match="^_TwoArguments: cannot rebuild$"):
+            workers.run(_raise, read, out, "theirs")
+        workers.run(_pid_into, read, out, torch.zeros(1))  # the one worker is still there
+        assert out.view(torch.int64)[0] != os.getpid()
+    finally:
+        workers.close()
+
+
+def test_workers_end_with_a_parent_killed_outright(tmp_path):
+    # SIGKILL runs no cleanup: the workers see their pipes close and go, and let go of the parent's stdout.
+    import subprocess
+    import time
+
+    code = ("import os, signal; from nf4convert.stream import CpuRoute; route = CpuRoute(processes=2); "
+            "print(*[p.pid for p, _ in route._workers._all], flush=True); os.kill(os.getpid(), signal.SIGKILL)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)  # returns at EOF
+    pids = [int(pid) for pid in result.stdout.split()]
+    assert result.returncode == -9 and len(pids) == 2
+    deadline = time.monotonic() + 30
+    while any(os.path.exists(f"/proc/{pid}") and "Z" not in _state(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(os.path.exists(f"/proc/{pid}") and "Z" not in _state(pid) for pid in pids)
+
+
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "Z"
+
+
+def test_buffers_past_the_slots_come_from_the_private_pool_and_go_back_there():
+    class Slots:
+        def __init__(self):
+            self.given = []
+
+        def slot(self, nbytes):
+            if nbytes > 8 or len(self.given) == 2:
+                return None
+            self.given.append(torch.empty(8, dtype=torch.uint8))
+            return self.given[-1]
+
+        def holds(self, buffer):
+            return any(buffer.data_ptr() == given.data_ptr() for given in self.given)
+
+    slots, private = Slots(), stream._Buffers(16, pinned=False)
+    shared = stream._Buffers(16, False, slots, overflow=private)
+    first, second, third, large = shared.take(8), shared.take(8), shared.take(8), shared.take(12)
+    assert slots.holds(first) and slots.holds(second) and not slots.holds(third) and not slots.holds(large)
+    for buffer in (first, second, third, large):
+        shared.give(buffer)
+    assert len(shared._free) == 2 and len(private._free) == 2
 
 
 def test_workers_run_in_other_processes_only_for_shared_bytes():
@@ -168,10 +244,10 @@ def test_a_worker_that_dies_is_one_error():
 def test_shards_written_at_once_give_the_same_bytes(tmp_path, monkeypatch, at_once):
     source, _ = _checkpoint(tmp_path / "src", 8)
     monkeypatch.setattr(stream, "SHARDS_AT_ONCE", 1)
-    plan = _convert(source, tmp_path / "one-by-one", SmallPieces(workers=2), shard_size=60_000)
+    plan = _convert(source, tmp_path / "one-by-one", SmallPieces(workers=2, processes=0), shard_size=60_000)
     assert len(plan.shards) > 2
     monkeypatch.setattr(stream, "SHARDS_AT_ONCE", at_once)
-    _convert(source, tmp_path / "at-once", SmallPieces(workers=2), shard_size=60_000)
+    _convert(source, tmp_path / "at-once", SmallPieces(workers=2, processes=0), shard_size=60_000)
     assert _files(tmp_path / "at-once") == _files(tmp_path / "one-by-one")
 
 

@@ -363,10 +363,16 @@ def _check(weight: Weight4bit, reader: TensorReader) -> None:
         import torch
 
         for suffix in ("nested_absmax", "nested_quant_map"):
-            values = reader.tensor(weight.parts[suffix]).float()
-            if not bool(torch.isfinite(values).all()) or (suffix == "nested_absmax" and bool((values < 0).any())):
-                raise CheckpointError(f"{where}: {suffix} holds a negative, NaN or infinite value; bitsandbytes writes "
-                                      "finite block absmaxes (every weight of such a block would come out NaN or inf)")  # fmt: skip
+            _check_finite(where, suffix, reader.tensor(weight.parts[suffix]).float(), signed=suffix == "nested_quant_map")
+
+
+def _check_finite(where: str, suffix: str, values, signed: bool = False) -> None:
+    """Refuse a quant-state table with a NaN or infinite value (or a negative one, where it holds absmaxes)."""
+    import torch
+
+    if not bool(torch.isfinite(values).all()) or (not signed and bool((values < 0).any())):
+        raise CheckpointError(f"{where}: {suffix} holds a negative, NaN or infinite value; bitsandbytes writes "
+                              "finite block absmaxes (every weight of such a block would come out NaN or inf)")  # fmt: skip
 
 
 def load_state(weight: Weight4bit, reader: TensorReader, device) -> QuantState4bit:
@@ -383,8 +389,9 @@ def load_state(weight: Weight4bit, reader: TensorReader, device) -> QuantState4b
             blocksize=int(meta["nested_blocksize"]),
         )
         offset = torch.tensor(float(meta["nested_offset"]), dtype=torch.float32, device=device)
-    else:
+    else:  # a flat absmax (one float per block, 1/8 of the packed bytes): checked here, where it is read anyway
         absmax = absmax.to(torch.float32)
+        _check_finite(f"{weight.packed.path}: {weight.name}", "absmax", absmax)
     return QuantState4bit(absmax=absmax.to(device).reshape(-1), shape=torch.Size(meta["shape"]),
                           dtype=OUTPUT_DTYPES[meta["dtype"]].torch, blocksize=int(meta["blocksize"]),
                           quant_type=meta["quant_type"], offset=offset, state2=state2)  # fmt: skip

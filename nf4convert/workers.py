@@ -151,6 +151,7 @@ class Workers:
             if process.exitcode is None:
                 process.kill()
                 process.join()
+            process.close()  # its sentinel's descriptor
             pipe.close()
         self._all.clear()
 

@@ -337,7 +337,8 @@ def test_profile_reports_where_the_time_went(tmp_path):
     assert report["pipeline"]["pieces"] > 0 and set(report["pipeline"]["busy"]) == {"read", "make", "write"}
 
 
-def test_a_failing_piece_stops_every_stage(tmp_path, monkeypatch):
+@pytest.mark.parametrize("processes", [0, 2])
+def test_a_failing_piece_stops_every_stage(tmp_path, monkeypatch, processes):
     source, _ = _checkpoint(tmp_path / "src", 3)
     calls = {"n": 0}
     original = SmallPieces.dequantize_4bit
@@ -356,9 +357,9 @@ def test_a_failing_piece_stops_every_stage(tmp_path, monkeypatch):
     monkeypatch.setattr(SmallPieces, "dequantize_4bit", failing)
     descriptors = len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else None
     with pytest.raises(MemoryError, match="piece 5"):
-        _convert(source, tmp_path / "out", SmallPieces(workers=2))
+        _convert(source, tmp_path / "out", SmallPieces(workers=2, processes=processes))
     assert not [t for t in threading.enumerate() if t.name.startswith("nf4convert-")]
-    if descriptors is not None:  # every shard's file and the writeback's own descriptors closed
+    if descriptors is not None:  # every shard's file, the writeback's and the workers' own descriptors closed
         assert len(os.listdir("/proc/self/fd")) == descriptors
 
 

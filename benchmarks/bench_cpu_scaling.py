@@ -2,9 +2,12 @@
 out), taken by N threads from one weight, as CpuRoute's makers take them; aggregate GB/s of output.
 
     python3 benchmarks/bench_cpu_scaling.py [--threads 1,4,8,16] [--chunks 4194304,131072] [--packed-mib 512]
+                                            [--processes 8,12] [--process-chunks 32768,4194304]
 
 Rows: the route's whole make (argument checks, nested absmax decode, kernel) at each kernel chunk size, the
-kernel alone, and a cast of fp32 to the same bf16 bytes (the kernel's last pass alone).
+kernel alone, and a cast of fp32 to the same bf16 bytes (the kernel's last pass alone), on threads; with
+``--processes 8,12``, the make as the route makes it in its worker processes (workers.py), at each of
+``--process-chunks``.
 """
 
 from __future__ import annotations
@@ -50,26 +53,7 @@ def main() -> None:
     code = bnb4.canonical_code("nf4")
 
     def run(threads: int, work) -> float:
-        turn = iter(range(len(pieces)))
-        lock = threading.Lock()
-
-        def maker():
-            torch.set_num_threads(1)
-            out = torch.empty(CPU_PIECE_BYTES, dtype=torch.uint8)
-            while True:
-                with lock:
-                    index = next(turn, None)
-                if index is None:
-                    return
-                work(index, out)
-
-        workers = [threading.Thread(target=maker) for _ in range(threads)]
-        started = time.perf_counter()
-        for worker in workers:
-            worker.start()
-        for worker in workers:
-            worker.join()
-        return time.perf_counter() - started
+        return _in_threads(threads, len(pieces), lambda: torch.empty(CPU_PIECE_BYTES, dtype=torch.uint8), work)
 
     def route_make(index, out):
         first, count, piece = pieces[index]
@@ -120,39 +104,48 @@ def _in_processes(processes, pieces, packed, code, blocksize, nested_blocksize) 
     ``processes`` threads copies a piece's packed bytes into its slot of the shared mapping (as a reader would) and
     hands the piece to a worker, which decodes it into another slot; ``code``, ``blocksize`` and the nested
     blocksize come with each piece's quant state."""
-    import threading
-
-    import torch
-
     from nf4convert.stream import CPU_PIECE_BYTES, _dequantize_4bit_on_cpu
     from nf4convert.workers import Workers
 
     workers = Workers(processes, 2 * processes, CPU_PIECE_BYTES)
-    turn = iter(range(len(pieces)))
+
+    def feed(index: int, slots) -> None:
+        read, out = slots
+        first, count, piece = pieces[index]
+        n_packed = (count + 1) // 2
+        read[:n_packed].copy_(packed[first // 2 : first // 2 + n_packed])
+        workers.run(_dequantize_4bit_on_cpu, read[:n_packed], out[: 2 * count], piece)
+
+    seconds = _in_threads(processes, len(pieces), lambda: (workers.slot(CPU_PIECE_BYTES), workers.slot(CPU_PIECE_BYTES)), feed)
+    workers.close()
+    return seconds
+
+
+def _in_threads(threads: int, n_pieces: int, own, work) -> float:
+    """Seconds for ``threads`` threads (one torch thread each) to take pieces 0..n_pieces-1 in turn, each calling
+    ``work(index, mine)`` with ``mine = own()``, made once per thread."""
+    import torch
+
+    turn = iter(range(n_pieces))
     lock = threading.Lock()
 
-    def feeder() -> None:
+    def taker() -> None:
         torch.set_num_threads(1)
-        read, out = workers.slot(CPU_PIECE_BYTES), workers.slot(CPU_PIECE_BYTES)
+        mine = own()
         while True:
             with lock:
                 index = next(turn, None)
             if index is None:
                 return
-            first, count, piece = pieces[index]
-            n_packed = (count + 1) // 2
-            read[:n_packed].copy_(packed[first // 2 : first // 2 + n_packed])
-            workers.run(_dequantize_4bit_on_cpu, read[:n_packed], out[: 2 * count], piece)
+            work(index, mine)
 
-    feeders = [threading.Thread(target=feeder) for _ in range(processes)]
+    takers = [threading.Thread(target=taker) for _ in range(threads)]
     started = time.perf_counter()
-    for thread in feeders:
+    for thread in takers:
         thread.start()
-    for thread in feeders:
+    for thread in takers:
         thread.join()
-    seconds = time.perf_counter() - started
-    workers.close()
-    return seconds
+    return time.perf_counter() - started
 
 
 if __name__ == "__main__":

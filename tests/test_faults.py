@@ -88,8 +88,8 @@ from nf4convert import plan, stream
 original, calls = stream.PRODUCERS[plan.Copy], [0]
 def producer(*args):
     calls[0] += 1
-    if calls[0] == 3:  # to the process group (as a terminal's Ctrl-C) when the CPU route has worker processes
-        (os.killpg if os.environ.get("NF4CONVERT_PROCESSES", "0") != "0" else os.kill)(os.getpid(), getattr(signal, sys.argv[1]))
+    if calls[0] == 3:  # to the whole process group (workers too, as a terminal's Ctrl-C) where it leads one
+        (os.killpg if os.getpgrp() == os.getpid() else os.kill)(os.getpid(), getattr(signal, sys.argv[1]))
     yield from original(*args)
 stream.PRODUCERS[plan.Copy] = producer
 from nf4convert.cli import main

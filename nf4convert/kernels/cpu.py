@@ -14,7 +14,7 @@ that decodes FP4 nibble 8 as +0.0 where its CUDA kernel (the truth) gives -0.0.
 
 Work goes in chunks of whole quant blocks, through one reused fp32 scratch of a chunk: gathered, scaled, cast.
 How large a chunk is best depends on who else decodes. Threads of one process take the interpreter's lock back
-after each call, so their chunks are large (few calls; on the H200 machine's 16 cores, 8 threads made 3.8-4.1 GB/s
+after each call, so their chunks are large (few calls; on the H200 machine's 16 cores, 16 threads made 3.6-4.1 GB/s
 of bf16 at 4 MiB chunks and 1.4 at 128 KiB: benchmarks/bench_cpu_scaling.py). A process of its own (the CPU route's
 worker processes, workers.py) has no one to wait for, and there a chunk small enough to stay in the core's L2 cache
 between its three passes keeps memory to the packed bytes in and the output out, leaving the memory bus to the

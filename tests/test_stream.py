@@ -170,6 +170,37 @@ def _state(pid: int) -> str:
         return "Z"
 
 
+FORK_WINDOW = """
+import os, signal, sys, threading, time
+import torch
+from nf4convert import output, workers
+from nf4convert.kernels import cpu
+def stop(signum, frame):  # as the CLI's handler does: an exception, which a child would print with a traceback
+    raise KeyboardInterrupt
+signal.signal(signal.SIGINT, stop)
+serve = workers._serve
+def slow_serve(*args):  # a worker that takes long to reach its first line: the window a signal could land in
+    time.sleep(1.0)
+    serve(*args)
+workers._serve = slow_serve
+threading.Timer(0.3, os.killpg, (os.getpgrp(), signal.SIGINT)).start()  # while the workers are still starting
+try:
+    made = workers.Workers(2, 2, 64)
+    print("started", flush=True)
+    time.sleep(2)
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+"""
+
+
+def test_a_stop_signal_while_the_workers_start_reaches_only_this_process():
+    import subprocess
+
+    result = subprocess.run([sys.executable, "-c", FORK_WINDOW], capture_output=True, text=True, timeout=60,
+                            start_new_session=True)  # fmt: skip
+    assert result.stdout.split() == ["started", "interrupted"] and "Traceback" not in result.stderr, result.stderr
+
+
 def test_buffers_past_the_slots_come_from_the_private_pool_and_go_back_there():
     class Slots:
         def __init__(self):

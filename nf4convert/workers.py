@@ -219,27 +219,37 @@ class _Tensor:
 
 
 def _portable(value):
+    """``value`` with every tensor in it (in tuples and dataclasses too) as a :class:`_Tensor`."""
     import torch
 
-    if isinstance(value, torch.Tensor):
-        tensor = value.contiguous()
-        return _Tensor(tensor.view(-1).view(torch.uint8).numpy(), tensor.dtype, tuple(tensor.shape))
-    if type(value) is tuple:  # not torch.Size, a tuple of ints that stays as it is
-        return tuple(_portable(item) for item in value)
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        changes = {f.name: _portable(getattr(value, f.name)) for f in dataclasses.fields(value) if f.init}
-        return dataclasses.replace(value, **changes)
-    return value
+    def leaf(tensor):
+        if isinstance(tensor, torch.Tensor):
+            tensor = tensor.contiguous()
+            return _Tensor(tensor.view(-1).view(torch.uint8).numpy(), tensor.dtype, tuple(tensor.shape))
+
+    return _rebuilt(value, leaf)
 
 
 def _restored(value):
+    """The inverse of :func:`_portable`: every :class:`_Tensor` a tensor again (on the same bytes)."""
     import torch
 
-    if isinstance(value, _Tensor):
-        return torch.from_numpy(value.data).view(value.dtype).view(value.shape)
+    def leaf(carried):
+        if isinstance(carried, _Tensor):
+            return torch.from_numpy(carried.data).view(carried.dtype).view(carried.shape)
+
+    return _rebuilt(value, leaf)
+
+
+def _rebuilt(value, leaf):
+    """``value`` with ``leaf(item)`` in place of each item for which it is not None, through tuples (not torch.Size,
+    a tuple of ints that stays as it is) and dataclass instances (their init fields)."""
+    replaced = leaf(value)
+    if replaced is not None:
+        return replaced
     if type(value) is tuple:
-        return tuple(_restored(item) for item in value)
+        return tuple(_rebuilt(item, leaf) for item in value)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        changes = {f.name: _restored(getattr(value, f.name)) for f in dataclasses.fields(value) if f.init}
-        return dataclasses.replace(value, **changes)
+        fields = {f.name: _rebuilt(getattr(value, f.name), leaf) for f in dataclasses.fields(value) if f.init}
+        return dataclasses.replace(value, **fields)
     return value

@@ -35,3 +35,44 @@ def pick_device(device: str):
     if chosen.type == "cuda" and chosen.index is not None and chosen.index >= torch.cuda.device_count():
         raise ArgumentError(f"device {device!r}: there are {torch.cuda.device_count()} CUDA GPUs", option="device")
     return chosen
+
+
+def cpu_cores(cgroup_root: str = "/sys/fs/cgroup", own_cgroup: str = "/proc/self/cgroup") -> int:
+    """The cores this process may keep busy: those it may run on (``sched_getaffinity``), capped by a container's CPU
+    quota (cgroup v2 ``cpu.max`` or v1 ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``, of this process's cgroup and
+    each one above it; a quota of 1.5 cores counts 2). At least 1; a cgroup file that cannot be read or parsed is
+    no quota."""
+    import math
+    import os
+    from pathlib import Path
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    try:
+        lines = Path(own_cgroup).read_text().splitlines()
+    except OSError:
+        return max(cores, 1)
+    root = Path(cgroup_root)
+    folders = []  # (folder, quota file or None for v2, period file)
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3 or not parts[2].startswith("/"):
+            continue
+        hierarchy, controllers, path = parts
+        relative = Path(path.lstrip("/"))
+        if hierarchy == "0" and controllers == "":  # v2: one tree
+            folders += [(root / chain, None) for chain in (relative, *relative.parents)]
+        elif "cpu" in controllers.split(","):  # v1: the cpu controller's own tree; in a container, often its root
+            for mount in (root / controllers, root / "cpu", root / "cpu,cpuacct"):
+                folders += [(mount / chain, "v1") for chain in (relative, *relative.parents)]
+    for folder, version in dict.fromkeys(folders):
+        try:
+            if version is None:
+                quota, period = (folder / "cpu.max").read_text().split()[:2]
+            else:
+                quota, period = ((folder / name).read_text().strip() for name in ("cpu.cfs_quota_us", "cpu.cfs_period_us"))
+            if quota in ("max", "-1") or int(period) <= 0 or int(quota) <= 0:
+                continue
+            cores = min(cores, math.ceil(int(quota) / int(period)))
+        except (OSError, ValueError):
+            continue
+    return max(cores, 1)

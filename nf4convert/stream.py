@@ -268,9 +268,10 @@ class CpuRoute:
         import torch
 
         from . import workers as _workers
+        from .devices import cpu_cores
 
         self.device = torch.device("cpu")
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        cores = cpu_cores()  # a container's CPU quota counted
         if processes is None:
             processes = int(PROCESSES) if PROCESSES.isdigit() else None
         if processes is None:

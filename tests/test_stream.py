@@ -591,3 +591,49 @@ def test_environment_knobs(env, writeback, makers):
     code = "from nf4convert import stream; print(stream.WRITEBACK, stream.MAX_MAKERS)"
     result = subprocess.run([sys.executable, "-c", code], env={**clean, **env}, capture_output=True, text=True, check=True)
     assert result.stdout.split() == [str(writeback), str(makers)]
+
+
+def _cgroups(tmp_path, own: str, files: dict) -> tuple[str, str]:
+    """A fake cgroup tree under tmp_path (``files``: relative path -> text) and a /proc/self/cgroup of ``own``."""
+    for relative, text in files.items():
+        (tmp_path / "fs" / relative).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "fs" / relative).write_text(text)
+    (tmp_path / "own").write_text(own)
+    return str(tmp_path / "fs"), str(tmp_path / "own")
+
+
+@pytest.mark.parametrize("own, files, cap", [
+    ("0::/\n", {"cpu.max": "150000 100000\n"}, 2),  # 1.5 cores count 2
+    ("0::/\n", {"cpu.max": "max 100000\n"}, None),
+    ("0::/a/b\n", {"a/b/cpu.max": "max 100000\n", "a/cpu.max": "100000 100000\n", "cpu.max": "300000 100000"}, 1),
+    ("0::/a\n", {"a/cpu.max": "garbage\n"}, None),
+    ("0::/a\n", {"a/cpu.max": "0 100000\n"}, None),
+    ("4:memory:/x\n1:cpu,cpuacct:/docker/abc\n", {"cpu,cpuacct/cpu.cfs_quota_us": "250000\n",
+                                                  "cpu,cpuacct/cpu.cfs_period_us": "100000\n"}, 3),  # a container's own root
+    ("1:cpu:/k/pod\n", {"cpu/k/pod/cpu.cfs_quota_us": "-1\n", "cpu/k/pod/cpu.cfs_period_us": "100000\n",
+                        "cpu/k/cpu.cfs_quota_us": "100000\n", "cpu/k/cpu.cfs_period_us": "50000\n"}, 2),
+    ("1:cpuacct:/\n", {"cpuacct/cpu.cfs_quota_us": "100000\n", "cpuacct/cpu.cfs_period_us": "100000\n"}, None),
+])  # fmt: skip
+def test_cpu_cores_count_a_containers_quota(tmp_path, monkeypatch, own, files, cap):
+    from nf4convert.devices import cpu_cores
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)  # a large machine
+    root, own_file = _cgroups(tmp_path, own, files)
+    assert cpu_cores(root, own_file) == (cap or 64)
+    assert cpu_cores(root, str(tmp_path / "missing")) == 64
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {5}, raising=False)  # pinned to one core: never more
+    assert cpu_cores(root, own_file) == 1
+
+
+def test_the_cpu_route_sizes_itself_by_the_cores_it_may_keep_busy(monkeypatch):
+    from nf4convert import devices, workers
+
+    monkeypatch.setattr(stream, "PROCESSES", "")
+    monkeypatch.setattr(devices, "cpu_cores", lambda: 3)  # under PROCESS_MIN_CORES: threads, one per core
+    with stream.CpuRoute() as route:
+        assert route._workers is None and route.makers == 3
+    if not workers.usable():
+        return
+    monkeypatch.setattr(devices, "cpu_cores", lambda: 9)  # one process per two cores
+    with stream.CpuRoute() as route:
+        assert route._workers is not None and route.makers == 4

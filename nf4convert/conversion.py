@@ -117,6 +117,17 @@ def _text(name):
     return os.fspath(name) if name is not None else None
 
 
+def named_sources(source, adapter) -> tuple[str, str | None]:
+    """``source`` and ``adapter`` as the API takes them (str or os.PathLike) in the str the rest of the code reads;
+    ArgumentError for an empty one, which would otherwise be the current folder."""
+    source, adapter = _text(source), _text(adapter)
+    for name, value in (("source", source), ("adapter", adapter)):
+        if value is not None and not value.strip():
+            raise ArgumentError(f"{name} is empty; give a folder or a Hub repo id" + ("" if name == "source" else ", or None"),
+                                option=name)  # fmt: skip
+    return source, adapter
+
+
 def _plain_name(stem: str) -> bool:
     return isinstance(stem, str) and stem not in ("", ".", "..") and Path(stem).name == stem
 
@@ -269,11 +280,7 @@ def _prepare(source, output, *, dtype, adapter, revision, token, cache_dir, max_
     from .dtypes import output_dtype
     from .plan import make_plan, parse_size
 
-    source, adapter = _text(source), _text(adapter)
-    for name, value in (("source", source), ("adapter", adapter)):
-        if value is not None and not value.strip():  # "" would be the current folder
-            raise ArgumentError(f"{name} is empty; give a folder or a Hub repo id" + ("" if name == "source" else ", or None"),
-                                option=name)  # fmt: skip
+    source, adapter = named_sources(source, adapter)
     if output is not None and (output_dir is not None or stem is not None):
         given = "output_dir" if output_dir is not None else "stem"
         raise ArgumentError(f"output and {given} both given: output names the folder itself, output_dir and stem name "

@@ -12,6 +12,7 @@ parts, because its native CPU op differs from its CUDA kernels on some CPUs.
 from __future__ import annotations
 
 import contextlib
+import os
 import json
 from collections import Counter
 from dataclasses import dataclass, field
@@ -416,7 +417,8 @@ def verify(output: str | Path, source: str, *, device: str = "auto", adapter: st
     peft's own merge); mismatches go in the report, not exceptions.
 
     Raises:
-        ArgumentError: a bad ``device``, or ``output`` and ``source`` given the wrong way round.
+        ArgumentError: a bad ``device``, an empty ``output``, ``source`` or ``adapter``, or ``output`` and ``source``
+            given the wrong way round.
         SourceNotFoundError: ``output`` is not a folder, or ``source`` cannot be found or fetched.
         CheckpointError: a file of ``output`` or ``source`` is corrupt, or ``source`` is not convertible.
         DependencyError: bitsandbytes (or, with an adapter, peft) cannot be imported.
@@ -427,10 +429,14 @@ def verify(output: str | Path, source: str, *, device: str = "auto", adapter: st
     """
     from tqdm.auto import tqdm
 
-    from .conversion import resolve_source
+    from .conversion import named_sources, resolve_source
     from .devices import pick_device
 
-    output = Path(output)
+    source, adapter = named_sources(source, adapter)
+    output = os.fspath(output)
+    if not output.strip():
+        raise ArgumentError("output is empty; give the converted checkpoint's folder", option="output")
+    output = Path(output).expanduser()
     if not output.is_dir():
         raise SourceNotFoundError(f"{output}: no such folder")
     chosen = pick_device(device)

@@ -453,6 +453,23 @@ def test_api_expands_home_in_outputs_and_refuses_a_stem_that_is_no_name(checkpoi
     assert not list((tmp_path / "work").iterdir()) and sorted(p.name for p in tmp_path.iterdir()) == ["home", "work"]
 
 
+def test_verify_api_expands_home_and_refuses_empty_names(checkpoints, tmp_path, monkeypatch):
+    # verify took "~/x" literally, and "" as source or adapter meant the current folder (convert already refused them)
+    from nf4convert import ArgumentError, convert, verify
+
+    source = checkpoints["llama-nf4-dq"]
+    (tmp_path / "home").mkdir()
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    convert(source, "~/x", device="cpu", progress=False)
+    assert verify("~/x", source, device="cpu").ok
+    for name, arguments, keywords in (("output", ("", source), {}), ("source", ("~/x", " "), {}),
+                                      ("adapter", ("~/x", source), {"adapter": ""})):  # fmt: skip
+        with pytest.raises(ArgumentError, match=f"^{name} is empty") as raised:
+            verify(*arguments, device="cpu", **keywords)
+        assert raised.value.option == name
+
+
 def test_api_refuses_output_with_output_dir(checkpoints, tmp_path):
     from nf4convert import ArgumentError, convert
 

@@ -382,7 +382,6 @@ def fuzz_index(seed: int, folder: Path, base_map: dict) -> str | None:
 def test_fuzz_indexes(index_world):
     folder, weight_map = index_world
     failures = [f for seed in range(INDEX_CASES) if (f := fuzz_index(seed, folder, weight_map))]
-    Path("/tmp/index-failures.txt").write_text("\n".join(failures))
     assert not failures, f"{len(failures)} of {INDEX_CASES} index cases went wrong:\n" + "\n".join(failures[:10])
 
 

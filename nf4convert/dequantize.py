@@ -136,6 +136,7 @@ def dequantize_4bit(
             wrong type, ``out`` that is not a tensor or of the wrong dtype/size/device, a bad backend). Under
             torch.compile the same checks run while tracing: without ``fullgraph`` the error is this one (Dynamo
             falls back to eager there); with ``fullgraph=True`` Dynamo reports the raise as unsupported at trace time.
+        DependencyError: the Triton backend without Triton installed.
 
     Example:
         >>> import bitsandbytes.functional as F
@@ -169,8 +170,14 @@ def dequantize_4bit(
         cpu.dequantize(packed.view(torch.uint8).view(-1), absmax, code2, absmax2, offset, code, out, quant_state.blocksize,
                        nested_blocksize)  # fmt: skip
     else:
-        from .kernels import launch  # noqa: PLC0415
+        try:
+            from .kernels import launch  # noqa: PLC0415
+        except ImportError as error:
+            if error.name != "triton":
+                raise
+            from .devices import no_triton
 
+            raise no_triton(f"dequantizing {packed.device.type} tensors with backend={backend!r}") from None
         replay = launch.launch(packed, absmax, code2, absmax2, offset, code, out, quant_state.blocksize, nested_blocksize)
         # Only launches that read the quant state's own tensors (no converted copies) can be replayed.
         state2 = quant_state.state2 if quant_state.nested else None

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .errors import ArgumentError
+from .errors import ArgumentError, DependencyError
 
 
 AMD_GPU = "an AMD GPU (ROCm), where the kernel, written with NVIDIA's PTX, cannot run"
@@ -15,13 +15,25 @@ def on_amd_gpu() -> bool:
     return getattr(torch.version, "hip", None) is not None
 
 
+def has_triton() -> bool:
+    """Whether Triton, the CUDA kernel's compiler, is installed (the package requires it on Linux only)."""
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None
+
+
+def no_triton(what: str) -> DependencyError:
+    return DependencyError(f"{what} needs Triton, which is not installed (pip install triton; on Windows, triton-windows); "
+                           "the CPU path (--device cpu, backend='cpu') works without it")  # fmt: skip
+
+
 def pick_device(device: str):
-    """``auto`` (an NVIDIA GPU when there is one), ``cpu``, ``cuda`` or ``cuda:N`` -> torch.device; ArgumentError
-    otherwise, and for ``cuda`` on an AMD GPU."""
+    """``auto`` (an NVIDIA GPU when there is one and Triton to compile the kernel), ``cpu``, ``cuda`` or ``cuda:N`` ->
+    torch.device; ArgumentError otherwise, and for ``cuda`` on an AMD GPU; DependencyError for ``cuda`` without Triton."""
     import torch
 
     if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() and not on_amd_gpu() else "cpu")
+        return torch.device("cuda" if torch.cuda.is_available() and not on_amd_gpu() and has_triton() else "cpu")
     try:
         chosen = torch.device(device)
     except (RuntimeError, TypeError):
@@ -34,6 +46,8 @@ def pick_device(device: str):
         raise ArgumentError(f"device {device!r}: {AMD_GPU}; use cpu", option="device")
     if chosen.type == "cuda" and chosen.index is not None and chosen.index >= torch.cuda.device_count():
         raise ArgumentError(f"device {device!r}: there are {torch.cuda.device_count()} CUDA GPUs", option="device")
+    if chosen.type == "cuda" and not has_triton():
+        raise no_triton(f"device {device!r}")
     return chosen
 
 

@@ -9,7 +9,7 @@ resolve says which in ``option`` ("overwrite", "token", ...), and the CLI turns 
     ├── CheckpointError      a checkpoint file that is missing, truncated, corrupt, or not convertible
     ├── OutputError          the output cannot be written (exists, no space, not writable)
     ├── UploadError          pushing the output to the Hub failed
-    └── DependencyError      a library the path taken needs cannot be imported (verify's bitsandbytes, peft)
+    └── DependencyError      a library the path taken needs cannot be imported (verify's bitsandbytes, peft; Triton on CUDA)
 """
 
 
@@ -42,5 +42,5 @@ class UploadError(Nf4ConvertError):
 
 
 class DependencyError(Nf4ConvertError):
-    """A library that the path taken needs (verify's references: bitsandbytes, and peft for an adapter) cannot be
-    imported: a finding about the installation, never reported as a difference in the weights."""
+    """A library that the path taken needs (verify's references: bitsandbytes, and peft for an adapter; Triton for the
+    CUDA kernel) cannot be imported: a finding about the installation, never reported as a difference in the weights."""

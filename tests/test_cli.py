@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import struct
 import subprocess
@@ -491,6 +492,37 @@ def test_api_refuses_output_with_stem_and_empty_names(tmp_path):
         with pytest.raises(ArgumentError, match=f"^{name} is empty"):
             convert(*arguments, **({"adapter": " "} if name == "adapter" else {}), progress=False)
     assert not list(tmp_path.iterdir())
+
+
+def test_without_triton_auto_takes_the_cpu_and_cuda_is_one_line(monkeypatch, tmp_path):
+    # Triton is required on Linux only (no wheels elsewhere): without it, auto took the GPU and the kernel's import failed
+    import nf4convert.kernels
+    from helpers import quantize
+    from nf4convert import dequantize_4bit
+    from nf4convert.devices import pick_device
+    from nf4convert.errors import DependencyError
+
+    monkeypatch.setitem(sys.modules, "triton", None)  # what an import of a missing module meets
+    for name in ("launch", "nf4", "configs", "compiled"):
+        monkeypatch.delitem(sys.modules, f"nf4convert.kernels.{name}", raising=False)
+        monkeypatch.delattr(nf4convert.kernels, name, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert pick_device("auto") == torch.device("cpu")
+    with pytest.raises(DependencyError, match=r"^device 'cuda:0' needs Triton, which is not installed"):
+        pick_device("cuda:0")
+    example = Path(__file__).resolve().parents[1] / "examples" / "tiny-llama-bnb-4bit"
+    line = run(example, "-o", tmp_path / "out", "--device", "cuda", code=1).strip()
+    assert line.startswith("Error: device 'cuda' needs Triton") and "\n" not in line and not (tmp_path / "out").exists()
+    packed, state = quantize((64, 64), quant_type="nf4", blocksize=64, nested=True, dtype=torch.float16, seed=3)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with pytest.raises(DependencyError, match=r"^dequantizing cpu tensors with backend='triton' needs Triton"):
+        dequantize_4bit(packed, state, backend="triton")
+    assert dequantize_4bit(packed, state).dtype == torch.float16  # the CPU path needs no Triton
+    code = ("import sys; sys.modules['triton'] = None; from nf4convert.cli import main; "
+            f"main([{str(example)!r}, '-o', {str(tmp_path / 'cpu')!r}, '-q'])")  # fmt: skip
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert (tmp_path / "cpu" / "model.safetensors").exists()
 
 
 def test_an_amd_gpu_is_not_taken_for_an_nvidia_one(monkeypatch, tmp_path):

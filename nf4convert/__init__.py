@@ -1,4 +1,4 @@
-"""nf4convert: turn bitsandbytes 4-bit (NF4/FP4) and 8-bit (LLM.int8) checkpoints back into dense safetensors checkpoints.
+"""nf4convert: turn bitsandbytes 4-bit (NF4/FP4) and 8-bit (LLM.int8) checkpoints back into dense safetensors.
 
 Public API (imported lazily, so the CLI starts without torch):
 

@@ -8,9 +8,10 @@ operand reads as a zero of its sign, and a product is flushed to a zero of its s
 FLT_MIN *after rounding to 24 bits with an unbounded exponent*, so a product just under FLT_MIN that
 would round up to FLT_MIN is flushed too; its ``absmax += offset`` is a torch add and keeps subnormals),
 so the products are flushed the same way here: :func:`ftz_multiply`. Each torch operation rounds once (a multiply and a separate add are never fused on the CPU), and
-``Tensor.copy_`` to fp16/bf16 rounds to nearest even. bitsandbytes' own CPU op is not used: at
-blocksize >= 2048 on AVX512 machines, and for an odd last dimension, it falls back to a pure-torch path
-that decodes FP4 nibble 8 as +0.0 where its CUDA kernel (the truth) gives -0.0.
+``Tensor.copy_`` to fp16/bf16 rounds to nearest even. bitsandbytes' own CPU op is not used: it decodes FP4
+nibble 8 as +0.0 where its CUDA kernel (the truth) gives -0.0, and how else it departs depends on the CPU (on
+AVX512 machines a per-row absmax in some cases; on Intel CPUs with AVX512-FP16, fp16 results that differ from
+CUDA's in about 1 element of 5000).
 
 Work goes in chunks of whole quant blocks, through one reused fp32 scratch of a chunk: gathered, scaled, cast.
 How large a chunk is best depends on who else decodes. Threads of one process take the interpreter's lock back

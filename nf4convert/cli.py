@@ -155,12 +155,16 @@ def _exit_now(code: int) -> None:
 def _refuse_mistyped_command(word: str, commands: list[str]) -> None:
     """A first word that is no folder, no repo id and close to a command is a typo, not a SOURCE."""
     import difflib
-    from pathlib import Path
 
+    from .errors import ArgumentError
     from .hub import looks_like_repo_id
+    from .paths import expanded
 
-    if Path(word).expanduser().exists() or looks_like_repo_id(word):
-        return
+    try:
+        if expanded(word, "source").exists() or looks_like_repo_id(word):
+            return
+    except ArgumentError:
+        return  # a ~user with no such user: a SOURCE, whose resolution says so
     close = difflib.get_close_matches(word, commands, n=1, cutoff=0.6)
     if close:
         raise click.UsageError(f"no such command '{word}'; did you mean {close[0]}?")

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from .errors import ArgumentError, CheckpointError
 from .hub import commit_of, looks_like_repo_id, model_name
+from .paths import expanded
 from .plan import DEFAULT_SHARD_SIZE
 
 QUANT_SUFFIX = re.compile(r"-(?:bnb-)?(?:4bit|nf4|fp4|8bit|int8)$", re.IGNORECASE)
@@ -45,7 +46,7 @@ def output_stem(source: str, *, qualified: bool = False) -> str:
     (org/Llama-bnb-4bit -> Llama); ``qualified`` puts the owner (or parent folder) first: org--Llama."""
     name = QUANT_SUFFIX.sub("", model_name(source)) or model_name(source)
     if qualified:
-        parent = source.rstrip("/").split("/")[-2] if looks_like_repo_id(source) else Path(source).expanduser().resolve().parent.name
+        parent = source.rstrip("/").split("/")[-2] if looks_like_repo_id(source) else expanded(source, "source").resolve().parent.name
         name = f"{parent}--{name}" if parent else name
     return name
 
@@ -56,7 +57,7 @@ def batch_stems(sources: list[str]) -> list[str]:
     folder, as ``hub.resolve`` takes it first, is the same source under any spelling of its path)."""
     seen = {}
     for source in sources:
-        local = Path(source).expanduser()
+        local = expanded(source, "source")
         key = str(local.resolve()) if local.is_dir() or not looks_like_repo_id(source) else source.rstrip("/")
         if key in seen:
             raise ArgumentError(f"{source}: given twice (as {seen[key]!r} too)")
@@ -76,9 +77,9 @@ def check_batch_root(output_root, folders) -> None:
     every output would be written into a source. A root that holds them is fine: the outputs go beside them."""
     from .output import placed
 
-    root = Path(output_root).expanduser()
+    root = expanded(output_root, "output")
     for name in folders:
-        folder = Path(name).expanduser() if name is not None else None
+        folder = expanded(name, "source") if name is not None else None
         if folder is None or not folder.is_dir():
             continue  # a Hub repo id (or a missing folder, which its conversion reports)
         where = placed(root, folder)
@@ -98,7 +99,7 @@ def batch_output(output_root, stem: str, dtype: str) -> str:
 
 def _output_path(output_dir, stem: str, short_dtype: str) -> Path:
     """The default output: ``<output_dir or .>/<stem>-<dtype>``, ``~`` expanded."""
-    return Path(output_dir or ".").expanduser() / f"{stem}-{short_dtype}"
+    return expanded(output_dir or ".", "output_dir") / f"{stem}-{short_dtype}"
 
 
 @contextlib.contextmanager
@@ -234,9 +235,9 @@ def resolve_source(source: str | os.PathLike, adapter: str | os.PathLike | None 
             raise SourceNotFoundError(f"{folder / peft_lora.CONFIG_NAME}: an adapter whose base_model_name_or_path is "
                                       "not set; name the base as SOURCE and this as the adapter", option="adapter")  # fmt: skip
         adapter_folder, folder = folder, resolve(base, precheck=partial(_refuse_early, source=base), headers=headers, **fetch)
-        return folder, adapter_folder, base, str(adapter_folder.resolve()) if Path(source).expanduser().exists() else source
-    if adapter is not None and Path(adapter).expanduser().exists():
-        adapter = str(Path(adapter).expanduser().resolve())  # a folder, never mistaken for a Hub repo id
+        return folder, adapter_folder, base, str(adapter_folder.resolve()) if expanded(source, "source").exists() else source
+    if adapter is not None and expanded(adapter, "adapter").exists():
+        adapter = str(expanded(adapter, "adapter").resolve())  # a folder, never mistaken for a Hub repo id
     return folder, adapter_folder, source, adapter
 
 
@@ -290,7 +291,7 @@ def _prepare(source, output, *, dtype, adapter, revision, token, cache_dir, max_
     shard_limit = parse_size(max_shard_size)
     output_dtype(dtype)
     if output is not None:  # before any download
-        output = Path(output).expanduser()
+        output = expanded(output, "output")
         lifecycle.check_destination(output, overwrite=overwrite)
     folder, adapter_folder, base, adapter = resolve_source(source, adapter, revision=revision, token=token,
                                                            cache_dir=cache_dir, progress=progress, headers=headers)  # fmt: skip

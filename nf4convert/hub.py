@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from .errors import ArgumentError, Nf4ConvertError, SourceNotFoundError
+from .paths import expanded
 
 # What a conversion needs: the weights and their index, configs, tokenizer files, chat templates,
 # model cards, licenses and remote code. Not .bin / .pt / .gguf copies of the same weights.
@@ -46,7 +47,7 @@ def looks_like_repo_id(source: str) -> bool:
 
 def model_name(source: str) -> str:
     """The last part of a repo id or folder, for the default output name ("." is the current folder's name)."""
-    path = Path(source.rstrip("/") or "/").expanduser()
+    path = expanded(source.rstrip("/") or "/", "source")
     if path.name in ("", ".", "..") and path.exists():
         path = path.resolve()
     return path.name or "model"
@@ -149,7 +150,7 @@ def resolve(source: str, *, revision: str | None = None, token: str | None = Non
         >>> resolve("unsloth/Llama-3.2-1B-Instruct-bnb-4bit")   # downloads only what is needed
         >>> resolve("./my-model-bnb-4bit")                        # a local folder, used in place
     """
-    path = Path(source).expanduser()
+    path = expanded(source, "source")
     if path.is_dir():
         if revision is not None:
             raise ArgumentError(f"{source}: a local folder has no revisions; revision {revision!r} applies to a Hub "

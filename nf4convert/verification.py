@@ -12,8 +12,8 @@ parts, because its native CPU op differs from its CUDA kernels on some CPUs.
 from __future__ import annotations
 
 import contextlib
-import os
 import json
+import os
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +23,7 @@ from .checkpoint import (ADAPTER_FILES, INDEX_NAME, LOADED_WEIGHT_FILES, NAMED_W
                          read_index, read_tensors, strict_json)
 from .dtypes import DTYPES, OUTPUT_DTYPES
 from .errors import ArgumentError, CheckpointError, DependencyError, SourceNotFoundError
+from .paths import expanded
 from .formats import bnb4, bnb8
 from .plan import QUANTIZED, Copy, Dequantize4bit, Dequantize8bit, MergeLora, PlannedTensor, Transpose, innermost, make_plan
 
@@ -436,7 +437,7 @@ def verify(output: str | Path, source: str, *, device: str = "auto", adapter: st
     output = os.fspath(output)
     if not output.strip():
         raise ArgumentError("output is empty; give the converted checkpoint's folder", option="output")
-    output = Path(output).expanduser()
+    output = expanded(output, "output")
     if not output.is_dir():
         raise SourceNotFoundError(f"{output}: no such folder")
     chosen = pick_device(device)

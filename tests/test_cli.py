@@ -454,6 +454,23 @@ def test_api_expands_home_in_outputs_and_refuses_a_stem_that_is_no_name(checkpoi
     assert not list((tmp_path / "work").iterdir()) and sorted(p.name for p in tmp_path.iterdir()) == ["home", "work"]
 
 
+@pytest.mark.parametrize("form", ["output", "source", "adapter", "batch root", "batch list", "verify source", "verify out"])
+def test_a_tilde_user_that_does_not_exist_is_one_line(form, tmp_path, monkeypatch):
+    # Path.expanduser raises RuntimeError for ~user with no such user: it was a traceback
+    example = str(Path(__file__).resolve().parents[1] / "examples" / "tiny-llama-bnb-4bit")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "list.txt").write_text(f"{example}\n~nf4convert-no-such-user/q\n")
+    bad = "~nf4convert-no-such-user/x"
+    arguments = {"output": [example, "-o", bad], "source": [bad, "-o", "out"], "adapter": [example, "--adapter", bad, "-o", "out"],
+                 "batch root": ["batch", example, "-o", bad], "batch list": ["batch", "--from-file", "list.txt", "-o", "root"],
+                 "verify source": ["verify", example, bad], "verify out": ["verify", bad, example]}[form]  # fmt: skip
+    result = CliRunner().invoke(main, arguments, catch_exceptions=False)
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.output.splitlines() if line.startswith("Error")]
+    assert len(lines) == 1 and "no such user for '~nf4convert-no-such-user'" in lines[0], result.output
+    assert "Traceback" not in result.output and sorted(p.name for p in tmp_path.iterdir()) == ["list.txt"]
+
+
 def test_verify_api_expands_home_and_refuses_empty_names(checkpoints, tmp_path, monkeypatch):
     # verify took "~/x" literally, and "" as source or adapter meant the current folder (convert already refused them)
     from nf4convert import ArgumentError, convert, verify

@@ -245,11 +245,15 @@ def side_files(folder: Path) -> list[Path]:
         for name in files:
             path = Path(root) / name
             relative = path.relative_to(folder)
-            if not path.is_file():
-                continue
             if relative.as_posix() in WRITTEN_ANEW or any(fnmatch.fnmatch(name, p) for p in SKIPPED_FILES):
                 continue
             inside(folder, relative.as_posix())  # a link out of the folder is never copied into the output
+            if not path.is_file():  # found now: a file missing from the output would go unnoticed (verify too)
+                if path.is_symlink() and not path.exists():
+                    raise CheckpointError(f"{path}: is a link to {os.readlink(path)}, which does not exist (an interrupted "
+                                          "download?); it would be missing from the output")  # fmt: skip
+                raise CheckpointError(f"{path}: is not a regular file (a pipe, socket or device); it cannot be carried "
+                                      "into the output")  # fmt: skip
             if not os.access(path, os.R_OK):  # found now, not as the output's write failing after every tensor
                 raise CheckpointError(f"{path}: cannot be read (permission denied); it is carried over into the output")
             kept.append(relative)

@@ -190,6 +190,29 @@ def test_a_dangling_config_link_is_refused_not_taken_for_none(tmp_path):
         make_plan(folder)
 
 
+@pytest.mark.parametrize("kind", ["dangling link", "pipe", "skipped name"])
+def test_side_files_that_are_no_files_are_refused_when_planning(tmp_path, kind):
+    # a dangling tokenizer link (a Hub snapshot whose blob never arrived) or a pipe was left out without a word, and
+    # verify, which checks the weights, said OK; a name the plan skips anyway (a lock file) stays skipped
+    import os
+
+    snapshot = tmp_path / "repo" / "snapshots" / "abc"
+    (tmp_path / "repo" / "blobs").mkdir(parents=True)
+    snapshot.parent.mkdir()
+    folder = _checkpoint(snapshot)
+    target = folder / ("x.lock" if kind == "skipped name" else "vocab.txt")
+    if kind == "pipe":
+        os.mkfifo(target)
+    else:
+        target.symlink_to("../../blobs/never-downloaded")
+    if kind == "skipped name":
+        assert "x.lock" not in [path.as_posix() for path in make_plan(folder).side_files]
+        return
+    message = "which does not exist" if kind == "dangling link" else "is not a regular file"
+    with pytest.raises(CheckpointError, match=f"vocab.txt: .*{message}"):
+        make_plan(folder)
+
+
 def test_side_files_that_cannot_be_read_are_refused_when_planning(tmp_path, monkeypatch):
     # before, an unreadable folder's files were left out without a word (rglob skips it) and an unreadable file failed
     # the output's writing after every tensor, blamed on OUT (root reads anything: the refusals are simulated)

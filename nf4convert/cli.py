@@ -327,10 +327,13 @@ def convert_command(source, output, adapter, dtype, device, max_shard_size, over
     if dry_run and (then_verify or push_to):
         _fail("--dry-run writes nothing, so there is nothing to --verify or --push-to-hub", 2)
     if push_to:
-        from .hub import looks_like_repo_id
+        from .errors import ArgumentError
+        from .upload import check_target
 
-        if not looks_like_repo_id(push_to):
-            _fail(f"--push-to-hub {push_to!r} is not a Hub repo id like 'me/model-bf16'", 2)
+        try:
+            check_target(push_to, push_branch)
+        except ArgumentError as error:
+            _fail(f"--{error.option.replace('_', '-')}: {error}", 2)
     options = dict(dtype=dtype, adapter=adapter, revision=revision, token=token, cache_dir=cache_dir, max_shard_size=max_shard_size,
                    overwrite=overwrite)  # fmt: skip
 

@@ -25,7 +25,7 @@ from pathlib import Path
 from urllib.parse import quote
 
 from .checkpoint import ADAPTER_FILES, LOADED_WEIGHT_FILES
-from .errors import UploadError
+from .errors import ArgumentError, UploadError
 from .hub import progress_bars
 from .hub_errors import hub_error_line
 
@@ -34,6 +34,33 @@ COMMIT_SHA = re.compile(r"[0-9a-fA-F]{40}")
 # Files in subfolders, and GGUF or other files that a tool reads only when named, are the owner's and stay.
 REPLACED_FILES = (*LOADED_WEIGHT_FILES, *ADAPTER_FILES)
 DEFAULT_COMMIT_MESSAGE = "Upload dense weights dequantized by nf4convert"
+# What git (and so the Hub) refuses in a branch name (git check-ref-format): a control character, space, ~ ^ : ? * [ \,
+# "..", "@{", "//", a part starting with "." or ending with ".lock", a name starting with "-" or "/", ending with
+# "/" or ".", or "@" alone.
+BAD_BRANCH = re.compile(r"[\x00-\x20\x7f~^:?*\[\\]|\.\.|@\{|//|(^|/)\.|\.lock(/|$)|^[-/]|[/.]$|^@$")
+
+
+def check_target(repo_id: str, revision: str | None) -> None:
+    """ArgumentError for a push that cannot happen, found before any work: a repo id the Hub refuses (huggingface_hub's
+    own check), a branch name git refuses, or huggingface_hub's offline switch (HF_HUB_OFFLINE) on."""
+    from huggingface_hub import constants  # noqa: PLC0415
+    from huggingface_hub.utils import HFValidationError, validate_repo_id  # noqa: PLC0415
+
+    from .hub import looks_like_repo_id
+
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as error:
+        raise ArgumentError(f"repo id {repo_id!r}: {str(error).split(':')[0].rstrip('.')}", option="push_to_hub") from None
+    if not looks_like_repo_id(repo_id):
+        raise ArgumentError(f"repo id {repo_id!r} is not a Hub repo id like 'me/model-bf16'", option="push_to_hub")
+    if revision is not None and not re.fullmatch(r"refs/pr/\d+", revision) and (revision == "" or BAD_BRANCH.search(revision)):
+        raise ArgumentError(f"branch {revision!r}: not a name git allows for a branch", option="push_branch")
+    if revision is not None and COMMIT_SHA.fullmatch(revision):
+        raise ArgumentError(f"{repo_id}: revision {revision!r} is a commit; an upload needs a branch (or refs/pr/N)",
+                            option="push_branch")  # fmt: skip
+    if constants.HF_HUB_OFFLINE:
+        raise ArgumentError(f"{repo_id}: HF_HUB_OFFLINE is set, so nothing can be pushed to the Hub", option="push_to_hub")
 
 
 def push_to_hub(
@@ -54,20 +81,20 @@ def push_to_hub(
     (``REPLACED_FILES``: an earlier push's shards, a ``.bin`` copy, an adapter's files) are deleted in the same
     commit, so the repo holds exactly the folder's weights. A ``revision`` that names a missing branch is created from the
     default branch; ``refs/pr/N`` must exist. ``token`` defaults to HF_TOKEN or the saved login; ``progress=False``
-    silences huggingface_hub's progress display for this call. Every failure raises ``UploadError`` with one line
-    naming the repo and the cause (network, token, HTTP status and the server's message).
+    silences huggingface_hub's progress display for this call. A repo id or branch name the Hub refuses, or
+    HF_HUB_OFFLINE on, is an ``ArgumentError`` (``check_target``); every other failure raises ``UploadError`` with one
+    line naming the repo and the cause (network, token, HTTP status and the server's message).
 
     Example:
         >>> push_to_hub(Path("Llama-3.2-1B-Instruct-bf16"), "me/Llama-3.2-1B-Instruct-bf16", private=True)
         'https://huggingface.co/me/Llama-3.2-1B-Instruct-bf16'
     """
+    check_target(repo_id, revision)  # before the folder's checks: nothing of the Hub is asked either way
     folder = Path(folder)
     if not folder.is_dir():
         raise UploadError(f"{folder}: no such folder to upload")
     if not any(folder.iterdir()):
         raise UploadError(f"{folder}: the folder is empty, nothing to upload")
-    if revision is not None and COMMIT_SHA.fullmatch(revision):
-        raise UploadError(f"{repo_id}: revision {revision!r} is a commit; an upload needs a branch (or refs/pr/N)")
 
     from huggingface_hub import HfApi  # noqa: PLC0415  (keeps CLI start-up fast)
 

@@ -201,9 +201,41 @@ def test_push_refuses_a_missing_or_empty_folder_without_asking_the_hub(hub, tmp_
     for folder, message in [(tmp_path / "missing", "no such folder"), (tmp_path / "empty", "the folder is empty")]:
         with pytest.raises(UploadError, match=message):
             push_to_hub(folder, "me/x", token=WRITE_TOKEN)
-    with pytest.raises(UploadError, match="is a commit"):
-        push_to_hub(tmp_path, "me/x", revision="0123456789abcdef0123456789abcdef01234567")
     assert not state.requests
+
+
+@pytest.mark.parametrize("repo_id, branch, message", [
+    ("me/x", "0123456789abcdef0123456789abcdef01234567", "is a commit"),
+    ("me/x.", None, "Repo id must use alphanumeric chars"),
+    ("me/" + "x" * 97, None, "maximum length is 96"),
+    ("me/x", "", "not a name git allows"),
+    ("me/x", "bad..branch~", "not a name git allows"),
+    ("me/x", "-x", "not a name git allows"),
+    ("me/x", "a.lock", "not a name git allows"),
+    ("me/x", None, "HF_HUB_OFFLINE is set"),
+])  # fmt: skip
+def test_a_push_that_cannot_happen_is_refused_before_any_work(hub, tmp_path, repo_id, branch, message, monkeypatch):
+    # each was found only after the whole conversion, as an upload failure (exit 1)
+    from nf4convert.errors import ArgumentError
+    from nf4convert.upload import push_to_hub
+
+    endpoint, state = hub
+    if "OFFLINE" in message:
+        from huggingface_hub import constants
+
+        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "config.json").write_text("{}")
+    with pytest.raises(ArgumentError, match=message):
+        push_to_hub(tmp_path / "out", repo_id, revision=branch, token=WRITE_TOKEN)
+    example = Path(__file__).resolve().parents[1] / "examples" / "tiny-llama-bnb-4bit"
+    env = client_env(endpoint, tmp_path / "home", **({"HF_HUB_OFFLINE": "1"} if "OFFLINE" in message else {}))
+    options = ["--push-branch", branch] if branch is not None else []
+    result = subprocess.run([sys.executable, "-m", "nf4convert", str(example), "-o", str(tmp_path / "cli"), "-q", "--push-to-hub",
+                             repo_id, *options], env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 2 and len(lines) == 1 and message in lines[0], result.stderr
+    assert not (tmp_path / "cli").exists() and not state.requests
 
 
 def test_cli_converts_verifies_then_pushes(hub, tmp_path):

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 from . import profile
+from .errors import ArgumentError
 from .checkpoint import ShardWriter, TensorInfo, TensorReader, Writeback
 from .dtypes import DTYPES
 from .formats import bnb4, bnb8, peft_lora
@@ -55,10 +56,25 @@ READ_AHEAD = 3  # pieces read before their make begins
 WRITE_AHEAD = 3  # pieces made and waiting for (or being written by) the writers; more than one write in flight
 
 
-def _knob(name: str, default: int) -> int:
-    """A positive integer from the environment (benchmark knobs), else ``default``."""
-    value = os.environ.get(name, "")
-    return int(value) if value.isdigit() and int(value) > 0 else default
+def _knob(name: str, default, *, least: int = 1):
+    """A whole number of at least ``least`` from the environment, ``default`` where it is unset or empty; ArgumentError
+    (one line, naming the variable) for anything else, found when a conversion starts (this module is imported then)."""
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return default
+    if not (value.isascii() and value.isdigit()) or int(value) < least:
+        raise ArgumentError(f"{name}={value!r}: not a whole number of {least} or more")
+    return int(value)
+
+
+def _switch(name: str, default: bool) -> bool:
+    """On (1/on/true/yes) or off (0/off/false/no) from the environment; ArgumentError for anything else."""
+    value = os.environ.get(name, "").strip().lower()
+    if value in ("1", "on", "true", "yes") or (not value and default):
+        return True
+    if value in ("0", "off", "false", "no") or not value:
+        return False
+    raise ArgumentError(f"{name}={value!r}: not 1/on/true/yes or 0/off/false/no")
 
 
 SHARDS_AT_ONCE = _knob("NF4CONVERT_SHARDS_AT_ONCE", 4)  # shards whose pieces are interleaved
@@ -72,11 +88,11 @@ MAX_MAKERS = _knob("NF4CONVERT_MAKERS", 8)
 # per two cores, at most 8: the other half of the cores read, write and hand pieces over. On the H200 machine's 16
 # cores (the 8B-shaped conversion, benchmarks/bench_convert.py) 8 processes took the pipeline to 4.2 s where threads
 # took 6.7; 12 processes starved the writers of cores and took 11.6.
-# NF4CONVERT_PROCESSES=0 keeps them on threads; a positive number is that many processes, whatever the cores.
-PROCESSES = os.environ.get("NF4CONVERT_PROCESSES", "").strip()
+# NF4CONVERT_PROCESSES=0 keeps them on threads; a positive number is that many processes, at most one per core.
+PROCESSES = _knob("NF4CONVERT_PROCESSES", None, least=0)
 PROCESS_MIN_CORES, MAX_PROCESSES = 8, 8
 # Start each range's writeback once written (checkpoint.Writeback); NF4CONVERT_WRITEBACK=0 (or off/false/no) not.
-WRITEBACK = os.environ.get("NF4CONVERT_WRITEBACK", "1").strip().lower() not in ("0", "off", "false", "no")
+WRITEBACK = _switch("NF4CONVERT_WRITEBACK", True)
 
 
 @dataclass
@@ -272,8 +288,8 @@ class CpuRoute:
 
         self.device = torch.device("cpu")
         cores = cpu_cores()  # a container's CPU quota counted
-        if processes is None:
-            processes = int(PROCESSES) if PROCESSES.isdigit() else None
+        if processes is None and PROCESSES is not None:
+            processes = min(PROCESSES, cores)
         if processes is None:
             processes = min(cores // 2, MAX_PROCESSES) if cores >= PROCESS_MIN_CORES else 0
         self._workers = None

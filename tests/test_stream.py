@@ -8,6 +8,7 @@ import os
 import random
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -581,16 +582,47 @@ def test_cuda_route_writes_the_cpu_route_bytes(tmp_path, piece_bytes):
     assert _files(tmp_path / "cuda") == _files(tmp_path / "cpu")
 
 
-@pytest.mark.parametrize("env,writeback,makers", [({}, True, 8), ({"NF4CONVERT_WRITEBACK": "Off", "NF4CONVERT_MAKERS": "3"}, False, 3),
-                                                  ({"NF4CONVERT_WRITEBACK": "0", "NF4CONVERT_MAKERS": "x"}, False, 8),
-                                                  ({"NF4CONVERT_WRITEBACK": "1", "NF4CONVERT_MAKERS": "0"}, True, 8)])  # fmt: skip
-def test_environment_knobs(env, writeback, makers):
+@pytest.mark.parametrize("env,writeback,makers,processes", [
+    ({}, True, 8, None), ({"NF4CONVERT_WRITEBACK": "Off", "NF4CONVERT_MAKERS": "3"}, False, 3, None),
+    ({"NF4CONVERT_WRITEBACK": " no ", "NF4CONVERT_MAKERS": "", "NF4CONVERT_PROCESSES": "0"}, False, 8, 0),
+    ({"NF4CONVERT_WRITEBACK": "1", "NF4CONVERT_PROCESSES": " 2"}, True, 8, 2),
+])  # fmt: skip
+def test_environment_knobs(env, writeback, makers, processes):
     import subprocess
 
     clean = {k: v for k, v in os.environ.items() if not k.startswith("NF4CONVERT_")}
-    code = "from nf4convert import stream; print(stream.WRITEBACK, stream.MAX_MAKERS)"
+    code = "from nf4convert import stream; print(stream.WRITEBACK, stream.MAX_MAKERS, stream.PROCESSES)"
     result = subprocess.run([sys.executable, "-c", code], env={**clean, **env}, capture_output=True, text=True, check=True)
-    assert result.stdout.split() == [str(writeback), str(makers)]
+    assert result.stdout.split() == [str(writeback), str(makers), str(processes)]
+
+
+@pytest.mark.parametrize("name, value", [("NF4CONVERT_PROCESSES", "abc"), ("NF4CONVERT_PROCESSES", "-1"),
+                                         ("NF4CONVERT_PROCESSES", "1.5"), ("NF4CONVERT_MAKERS", "0"),
+                                         ("NF4CONVERT_WRITERS", "-3"), ("NF4CONVERT_SHARDS_AT_ONCE", "x"),
+                                         ("NF4CONVERT_WRITEBACK", "maybe")])  # fmt: skip
+def test_a_bad_knob_is_one_line_naming_it(name, value, tmp_path):
+    # bad values were ignored without a word
+    import subprocess
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "tiny-llama-bnb-4bit"
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("NF4CONVERT_")}
+    result = subprocess.run([sys.executable, "-m", "nf4convert", str(example), "-o", str(tmp_path / "out"), "-q"],
+                            env={**clean, name: value}, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert result.returncode == 2 and result.stderr.strip() == f"Error: {name}={value!r}: " + (
+        "not 1/on/true/yes or 0/off/false/no" if name.endswith("WRITEBACK") else
+        f"not a whole number of {0 if name.endswith('PROCESSES') else 1} or more"), result.stderr  # fmt: skip
+    assert not (tmp_path / "out").exists()
+
+
+def test_processes_asked_for_are_at_most_one_per_core(monkeypatch):
+    from nf4convert import devices, workers
+
+    if not workers.usable():
+        pytest.skip("worker processes are Linux only")
+    monkeypatch.setattr(stream, "PROCESSES", 1000)
+    monkeypatch.setattr(devices, "cpu_cores", lambda: 2)
+    with stream.CpuRoute() as route:
+        assert route._workers is not None and route.makers == 2
 
 
 def _cgroups(tmp_path, own: str, files: dict) -> tuple[str, str]:
@@ -628,7 +660,7 @@ def test_cpu_cores_count_a_containers_quota(tmp_path, monkeypatch, own, files, c
 def test_the_cpu_route_sizes_itself_by_the_cores_it_may_keep_busy(monkeypatch):
     from nf4convert import devices, workers
 
-    monkeypatch.setattr(stream, "PROCESSES", "")
+    monkeypatch.setattr(stream, "PROCESSES", None)
     monkeypatch.setattr(devices, "cpu_cores", lambda: 3)  # under PROCESS_MIN_CORES: threads, one per core
     with stream.CpuRoute() as route:
         assert route._workers is None and route.makers == 3

@@ -380,10 +380,17 @@ def _plan_lines(prepared) -> list[str]:
              f"tensors: {len(plan.tensors)} (" + ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items())) + ")"]  # fmt: skip
     lines += [f"  {shard.filename}: {len(shard.tensors)} tensors, {shard.nbytes / 1e9:.3f} GB" for shard in plan.shards]
     lines.append(f"side files: {len(plan.side_files)} ({plan.side_bytes / 1e6:.1f} MB), config.json {'rewritten' if plan.config else 'none'}")
-    verdict = "enough" if prepared.free_bytes >= needed else "NOT enough"
-    lines.append(f"to write: {needed / 1e9:.3f} GB; free where it goes: {prepared.free_bytes / 1e9:.2f} GB ({verdict})")
+    lines.append(f"to write: {needed / 1e9:.3f} GB; free where it goes: {_space_verdict(prepared.free_bytes, needed)}")
     lines.append("dry run: nothing was written")
     return lines
+
+
+def _space_verdict(free: int, needed: int) -> str:
+    """A dry run's word on the free space, by the conversion's own rule (output.space_needed: the bytes and headroom)."""
+    from .output import space_needed, size_text
+
+    verdict = "enough" if free >= space_needed(needed) else f"NOT enough: {size_text(space_needed(needed))} needed with headroom"
+    return f"{size_text(free)} ({verdict})"
 
 
 def _verify(output, source, *, device, adapter, quiet, revision, token, cache_dir) -> bool:
@@ -519,9 +526,8 @@ def batch_command(sources, output_root, from_file, adapter, dtype, device, max_s
     failed = sum(row["status"] != done for row in rows)
     if dry_run and stopped is None:
         if free is not None:
-            verdict = "enough" if free >= needed else "NOT enough"
-            say(f"to write: {needed / 1e9:.3f} GB for {len(rows) - failed} planned; free where it goes: {free / 1e9:.2f} GB "
-                f"({verdict})", err=as_json)  # fmt: skip
+            say(f"to write: {needed / 1e9:.3f} GB for {len(rows) - failed} planned; free where it goes: "
+                f"{_space_verdict(free, needed)}", err=as_json)  # fmt: skip
         say("dry run: nothing was written", err=as_json)
     if stopped is not None:
         names = ", ".join(untried) if untried else "none"

@@ -46,7 +46,8 @@ def _reason(error: OSError) -> str:
 
 
 def check_destination(output: Path, *, overwrite: bool) -> None:
-    """OutputError if OUT is a file, or a non-empty folder and ``overwrite`` is off."""
+    """OutputError if OUT is a file, or a non-empty folder and ``overwrite`` is off, or where it goes cannot be
+    written (a read-only file system, no permission): found by a dry run too, not by the first write."""
     if output.is_symlink():
         raise OutputError(f"{output}: is a symbolic link; give the folder it points to, or a new name")
     cwd = Path.cwd().resolve()
@@ -59,6 +60,17 @@ def check_destination(output: Path, *, overwrite: bool) -> None:
             raise OutputError(f"{output}: exists and is not empty", option="overwrite")
     except OSError as error:
         raise OutputError(f"{output}: cannot be read ({_reason(error)})") from None
+    folder = _existing_ancestor(output)
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise OutputError(f"{folder}: cannot be written (a read-only file system or no permission); choose another output")
+
+
+def _existing_ancestor(output: Path) -> Path:
+    """The folder OUT is made in: its nearest existing ancestor (OUT's parents may be created)."""
+    folder = output.resolve().parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    return folder
 
 
 def placed(path: Path, folder: Path) -> str | None:
@@ -82,20 +94,28 @@ def check_not_source(output: Path, source: Path) -> None:
 
 def free_space(output: Path) -> int:
     """Free bytes on the file system OUT would be written to (its nearest existing ancestor); creates nothing."""
-    folder = output.resolve().parent
-    while not folder.exists() and folder != folder.parent:
-        folder = folder.parent
+    folder = _existing_ancestor(output)
     try:
         return shutil.disk_usage(folder).free
     except OSError as error:
         raise OutputError(f"{folder}: cannot be read ({_reason(error)})") from None
 
 
+def space_needed(output_bytes: int) -> int:
+    """What OUT's file system must have free for an output of ``output_bytes``: those and ``SPARE_BYTES`` of headroom."""
+    return output_bytes + SPARE_BYTES
+
+
+def size_text(nbytes: int) -> str:
+    return f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e9 else f"{nbytes / 1e6:.1f} MB"
+
+
 def check_free_space(output: Path, needed: int) -> None:
-    """OutputError unless OUT's file system has ``needed`` bytes (and some headroom) free."""
+    """OutputError unless OUT's file system has ``space_needed(needed)`` bytes free."""
     free = free_space(output)
-    if free < needed + SPARE_BYTES:
-        raise OutputError(f"{output.resolve().parent}: {free / 1e9:.2f} GB free, the output needs {needed / 1e9:.2f} GB")
+    if free < space_needed(needed):
+        raise OutputError(f"{output.resolve().parent}: {size_text(free)} free, the output needs {size_text(space_needed(needed))} "
+                          f"({size_text(needed)} and {SPARE_BYTES >> 20} MB of headroom)")  # fmt: skip
 
 
 @contextlib.contextmanager

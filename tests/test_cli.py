@@ -194,13 +194,33 @@ def test_interrupted_run_leaves_nothing(checkpoints, tmp_path, monkeypatch):
     assert not out.exists() and not list(tmp_path.glob(".*"))
 
 
+def test_a_dry_run_judges_the_space_and_the_destination_as_the_run_does(checkpoints, tmp_path, monkeypatch):
+    # a dry run said "(enough)" where the run then refused (it forgot the headroom), and onto a read-only folder
+    import os
+    import shutil as shutil_module
+
+    usage = shutil_module.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil_module, "disk_usage", lambda path: usage._replace(free=30_000_000))  # under the headroom
+    source, out = checkpoints["llama-nf4-dq"], tmp_path / "out"
+    assert "free where it goes: 30.0 MB (NOT enough: " in run(source, "-o", out, "--dry-run")
+    assert "30.0 MB free, the output needs" in run(source, "-o", out, "-q", code=1)
+    monkeypatch.setattr(shutil_module, "disk_usage", lambda path: usage._replace(free=10**12))
+    assert "free where it goes: 1000.00 GB (enough)" in run(source, "-o", out, "--dry-run")
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode, **kw: not mode & os.W_OK and real_access(path, mode, **kw))
+    for extra in (["--dry-run"], ["-q"]):
+        line = run(source, "-o", out / "sub", *extra, code=1).strip()
+        assert line == f"Error: {tmp_path}: cannot be written (a read-only file system or no permission); choose another output"
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
 def test_disk_full_is_one_line(checkpoints, tmp_path, monkeypatch):
     import shutil as shutil_module
 
     usage = shutil_module.disk_usage(tmp_path)
     monkeypatch.setattr(shutil_module, "disk_usage", lambda path: usage._replace(free=1000))
     output = run(checkpoints["llama-nf4-dq"], "-o", tmp_path / "out", "-q", code=1)
-    assert "GB free, the output needs" in output and not (tmp_path / "out").exists()
+    assert "0.0 MB free, the output needs" in output and "and 64 MB of headroom)" in output and not (tmp_path / "out").exists()
 
     from nf4convert import checkpoint
 

@@ -36,6 +36,7 @@ class VerifyReport:
     merged: int = 0  # of which an adapter's change was merged by peft
     device: str = "cpu"
     problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # checks that could not run (not problems: the weights may be right)
 
     @property
     def ok(self) -> bool:
@@ -159,13 +160,16 @@ class _Context(NamedTuple):
     planned: dict  # every planned tensor by name (a merge rebuilds its module's siblings)
     module_class: Callable  # module path -> the class transformers' model has there, or None
     parameter_shape: Callable  # tensor name -> the shape transformers' model gives it, or None
+    unbuilt: Callable  # -> why transformers could not build the model (once asked), or None
 
 
-def _meta_model(config: dict | None) -> tuple[Callable, Callable]:
-    """(module path -> its class, tensor name -> its shape) in the model transformers builds from ``config`` (on the
-    meta device, no weights), each None where that cannot be built or has no such part: verify's own answers to
-    "Linear or Conv1D?" and "what shape does the model load here?"."""
+def _meta_model(config: dict | None) -> tuple[Callable, Callable, Callable]:
+    """(module path -> its class, tensor name -> its shape, -> why there is no model) in the model transformers builds
+    from ``config`` (on the meta device, no weights), each None where that cannot be built or has no such part: verify's
+    own answers to "Linear or Conv1D?" and "what shape does the model load here?"."""
     import functools
+
+    failure = []
 
     @functools.lru_cache(maxsize=1)
     def model():
@@ -178,7 +182,8 @@ def _meta_model(config: dict | None) -> tuple[Callable, Callable]:
             architecture = getattr(transformers, (config.get("architectures") or [""])[0], None)
             with torch.device("meta"):
                 return architecture._from_config(built) if architecture else transformers.AutoModel.from_config(built)
-        except Exception:  # noqa: BLE001  (an unknown architecture: fall back to Linear, no shapes)
+        except Exception as error:  # noqa: BLE001  (an unknown architecture: fall back to Linear, no shapes; said in a note)
+            failure.append(f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
             return None
 
     def module_class(path: str):
@@ -197,7 +202,7 @@ def _meta_model(config: dict | None) -> tuple[Callable, Callable]:
             return None
         return tuple(held.shape) if hasattr(held, "shape") else None
 
-    return module_class, parameter_shape
+    return module_class, parameter_shape, lambda: failure[0] if failure else None
 
 
 # The reference twin of stream.PRODUCERS: (what makes it, whom a difference is blamed on). Each reference takes
@@ -501,6 +506,9 @@ def _verify(output: Path, folder: Path, adapter_folder, chosen, progress: bool, 
             problem = _compare(expected[name], produced[name], source_reader, output_reader, chosen, report, context)
             if problem:
                 report.problems.append(f"{name}: {problem}")
+    if context.unbuilt() is not None:
+        report.notes.append(f"config.json: transformers could not build the model from it ({context.unbuilt()}), so the "
+                            "shapes it loads and its Conv1D layers were not checked")  # fmt: skip
     return report
 
 
@@ -529,6 +537,7 @@ def report_lines(report: VerifyReport) -> list[str]:
     lines += [f"  MISMATCH {problem}" for problem in report.problems[:20]]
     if len(report.problems) > 20:
         lines.append(f"  ... and {len(report.problems) - 20} more problems")
+    lines += [f"  note: {note}" for note in report.notes]
     count = len(report.problems)
     lines.append(f"OK: bit-exact with {libraries}" if report.ok else f"FAILED: {count} problem{'s' if count != 1 else ''}")
     return lines

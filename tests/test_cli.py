@@ -214,6 +214,23 @@ def test_a_dry_run_judges_the_space_and_the_destination_as_the_run_does(checkpoi
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
+def test_verify_says_which_checks_it_could_not_run(tmp_path):
+    # a config transformers cannot build a model from: the shape and Conv1D checks were skipped without a word
+    example = Path(__file__).resolve().parents[1] / "examples" / "tiny-llama-bnb-4bit"
+    source = tmp_path / "src"
+    shutil.copytree(example, source)
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**config, "model_type": "no-such-architecture", "architectures": []}))
+    run(source, "-o", tmp_path / "out", "-q")
+    lines = run("verify", tmp_path / "out", source, "-q").splitlines()
+    assert lines[-1] == "OK: bit-exact with bitsandbytes"
+    assert lines[-2].startswith("  note: config.json: transformers could not build the model from it (")
+    assert lines[-2].endswith("so the shapes it loads and its Conv1D layers were not checked")
+    assert "note" not in run("verify", tmp_path / "out", source, "-q").replace(lines[-2], "")  # once
+    run(example, "-o", tmp_path / "plain", "-q")
+    assert "note" not in run("verify", tmp_path / "plain", example, "-q")
+
+
 def test_disk_full_is_one_line(checkpoints, tmp_path, monkeypatch):
     import shutil as shutil_module
 

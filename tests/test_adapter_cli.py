@@ -152,9 +152,11 @@ def test_adapter_as_source_and_verify_catches_a_wrong_merge(base, tmp_path):
 
 @pytest.mark.parametrize("case", ["ia3", "shape", "missing-target", "truncated", "layers-to-transform", "exclude",
                                   "pattern-misses", "pattern-invalid", "no-targets", "olora-any-case", "corda-prefix",
-                                  "dora-lora-bias", "targeted-without-tensors", "lora-and-saved"])  # fmt: skip
+                                  "dora-lora-bias", "targeted-without-tensors", "lora-and-saved", "one-layer-index",
+                                  "embedding-style-on-linear", "linear-style-on-embedding", "modules-to-save-str",
+                                  "bias-int", "init-int"])  # fmt: skip
 def test_bad_adapters_are_one_line_and_write_nothing(case, base, tmp_path):
-    source, _ = base
+    source, dense = base
     adapter = make_adapter(tmp_path / "adapter", "linear", seed=5)
     config = json.loads((adapter / "adapter_config.json").read_text())
     expected = {"ia3": "IA3", "shape": "do not fit the base's", "missing-target": "which the base checkpoint does not have",
@@ -163,7 +165,11 @@ def test_bad_adapters_are_one_line_and_write_nothing(case, base, tmp_path):
                 "pattern-invalid": "is not a valid pattern", "no-targets": "target_modules is None",
                 "olora-any-case": "init_lora_weights is 'OLoRA'", "corda-prefix": "init_lora_weights is 'corda_x'",
                 "dora-lora-bias": "lora_bias with use_dora: peft refuses", "lora-and-saved": "in modules_to_save too",
-                "targeted-without-tensors": "names 'model.layers.0.self_attn.v_proj', but the adapter has no LoRA"}[case]  # fmt: skip
+                "targeted-without-tensors": "names 'model.layers.0.self_attn.v_proj', but the adapter has no LoRA",
+                "one-layer-index": "layers_to_transform is set (0)", "modules-to-save-str": "modules_to_save is 'lm_head'",
+                "embedding-style-on-linear": "'model.layers.0.self_attn.q_proj' are embedding-style (lora_embedding_A/B)",
+                "linear-style-on-embedding": "'model.embed_tokens' are linear-style (lora_A/B), but 'model.embed_tokens' is an embedding",
+                "bias-int": "bias is 1", "init-int": "init_lora_weights is 3"}[case]  # fmt: skip
     if case == "ia3":
         config["peft_type"] = "IA3"
     elif case == "layers-to-transform":  # peft would give LoRA layers to layer 0 only and ignore the others' tensors
@@ -184,6 +190,30 @@ def test_bad_adapters_are_one_line_and_write_nothing(case, base, tmp_path):
         config["use_dora"] = config["lora_bias"] = True
     elif case == "lora-and-saved":
         config["modules_to_save"] = ["q_proj"]
+    elif case == "one-layer-index":  # peft gives LoRA layers to layer 0 only, for an int as for [0]
+        config["layers_to_transform"] = 0
+    elif case == "modules-to-save-str":  # peft fails loading these three
+        config["modules_to_save"] = "lm_head"
+    elif case == "bias-int":
+        config["bias"] = 1
+    elif case == "init-int":
+        config["init_lora_weights"] = 3
+    elif case in ("embedding-style-on-linear", "linear-style-on-embedding"):  # peft would load none of them there
+        from safetensors.torch import load_file, save_file
+
+        tensors = load_file(adapter / "adapter_model.safetensors")
+        if case == "embedding-style-on-linear":  # q_proj is square: the shapes fit either way
+            prefix = "base_model.model.model.layers.0.self_attn.q_proj."
+            tensors[prefix + "lora_embedding_A"] = tensors.pop(prefix + "lora_A.weight")
+            tensors[prefix + "lora_embedding_B"] = tensors.pop(prefix + "lora_B.weight")
+        else:
+            llama = _configs()["llama"]()
+            generator = torch.Generator().manual_seed(6)
+            prefix = "base_model.model.model.embed_tokens."
+            tensors[prefix + "lora_A.weight"] = torch.randn(4, llama.hidden_size, generator=generator)
+            tensors[prefix + "lora_B.weight"] = torch.randn(llama.vocab_size, 4, generator=generator)
+            config["target_modules"].append("embed_tokens")
+        save_file(tensors, adapter / "adapter_model.safetensors")
     elif case == "targeted-without-tensors":  # peft would give v_proj fresh LoRA layers and merge them
         from safetensors.torch import load_file, save_file
 
@@ -208,6 +238,9 @@ def test_bad_adapters_are_one_line_and_write_nothing(case, base, tmp_path):
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert result.exit_code == 1 and len(lines) == 1 and lines[0].startswith("Error: ") and expected in lines[0], result.output
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
+    if case.endswith(("-on-linear", "-on-embedding")):  # and verify --adapter does not call such a merge OK
+        line = run("verify", dense, source, "--adapter", adapter, "-q", "--device", "cpu", code=1).strip()
+        assert line.startswith("Error: ") and expected in line and "\n" not in line
 
 
 def test_adapter_files_beside_the_weights_never_reach_the_output(base, tmp_path):

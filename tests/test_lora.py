@@ -224,8 +224,8 @@ def test_config_defaults_are_peft_defaults():
     defaults = {f.name: (f.default_factory() if f.default is dataclasses.MISSING else f.default) for f in fields}
     for name, value in peft_lora.CONFIG_DEFAULTS.items():
         assert defaults[name] == value, name
-    for name in peft_lora.UNSUPPORTED_VARIANTS:
-        assert not defaults[name], name
+    for name, is_set in peft_lora.UNSUPPORTED_VARIANTS.items():
+        assert not is_set(defaults[name]), name
 
 
 # Error cases: one line naming the file and tensor or option.
@@ -289,6 +289,20 @@ def test_unsupported_configs(linear_adapter, tmp_path):
         (dict(init_lora_weights="pissa_niter_4"), "init_lora_weights is 'pissa_niter_4'"),
         (dict(init_lora_weights="olora"), "init_lora_weights is 'olora'"),
         (dict(layer_replication=[[0, 2]]), "layer_replication is set"),
+        # peft reads any layers_to_transform but null and [] as a restriction: an int is one layer, 0 and false too
+        (dict(layers_to_transform=0), "layers_to_transform is set (0)"),
+        (dict(layers_to_transform=False), "layers_to_transform is set (False)"),
+        (dict(layers_pattern="layers"), "layers_pattern without layers_to_transform: peft refuses"),
+        (dict(target_modules="model.*q_proj", layers_to_transform=[]), "layers_to_transform with a target_modules pattern"),
+        (dict(monteclora_config={}), "monteclora_config is set"),  # peft makes {} a MontecloraConfig
+        (dict(velora_config=False), "velora_config is set"),  # peft: "must be a VeloraConfig, a dict, or None"
+        # values peft fails on when loading
+        (dict(modules_to_save="lm_head"), "modules_to_save is 'lm_head', not a list of module names"),
+        (dict(modules_to_save=[3]), "modules_to_save is [3]"),
+        (dict(bias=1), "bias is 1"),
+        (dict(bias="some"), "bias is 'some'"),
+        (dict(init_lora_weights=3), "init_lora_weights is 3"),
+        (dict(init_lora_weights="uniform"), "init_lora_weights is 'uniform'"),
         (dict(use_dora="yes"), "use_dora is 'yes'"),
         (dict(r=5), "rank 5"),
         (dict(rank_pattern={"q_proj(": 2}), "not a valid regular expression"),
@@ -296,7 +310,50 @@ def test_unsupported_configs(linear_adapter, tmp_path):
     ):
         _edit_config(folder, **json.loads((linear_adapter / "adapter_config.json").read_text()))
         _edit_config(folder, **change)
-        assert words in _error(lambda: peft_lora.load_adapter(folder)), change
+        message = _error(lambda: peft_lora.load_adapter(folder))
+        assert words in message and "adapter_config.json" in message, change
+    # what peft reads as unset, or as a plain LoRA, merges
+    for change in (dict(layers_to_transform=[], layers_pattern="layers"), dict(exclude_modules=[], bias="lora_only"),
+                   dict(init_lora_weights="Gaussian"), dict(init_lora_weights="orthogonal"), dict(megatron_config={})):
+        _edit_config(folder, **json.loads((linear_adapter / "adapter_config.json").read_text()))
+        _edit_config(folder, **change)
+        assert peft_lora.load_adapter(folder).targets, change
+
+
+def _rename_lora(folder: Path, module: str, renames: dict):
+    _edit_tensors(folder, lambda t: t.update({f"base_model.model.{module}.{new}": t.pop(f"base_model.model.{module}.{old}")
+                                              for old, new in renames.items()}))  # fmt: skip
+
+
+def test_lora_tensors_of_the_other_layer_kind(linear_adapter, tmp_path, dense):
+    # peft makes the LoRA layer that the module's class calls for and loads only its own kind of tensors: the others
+    # are unexpected keys, and the module merges unchanged. Shapes alone fit here (q_proj is square).
+    folder = _copy(linear_adapter, tmp_path)
+    _rename_lora(folder, "model.layers.0.self_attn.q_proj", {"lora_A.weight": "lora_embedding_A", "lora_B.weight": "lora_embedding_B"})
+    message = _error(lambda: peft_lora.validate(peft_lora.load_adapter(folder), _base_shapes()))
+    assert "'model.layers.0.self_attn.q_proj' are embedding-style (lora_embedding_A/B)" in message
+    assert "is a Linear/Conv1D layer of the base model" in message
+    base_folder = dense("llama", "bf16")
+    from safetensors.torch import load_file
+
+    merged = _peft_merged(base_folder, folder, torch.bfloat16)
+    base = load_file(base_folder / "model.safetensors")
+    name = "model.layers.0.self_attn.q_proj.weight"
+    assert torch.equal(bits(merged[name]), bits(base[name]))  # peft: unchanged
+    assert not torch.equal(bits(merged["model.layers.1.self_attn.q_proj.weight"]), bits(base[name.replace(".0.", ".1.")]))
+
+    folder = _make_adapter(tmp_path / "e", "embedding", 19)  # embed_tokens [97, 72]: lora_A [5, 97] fits it as (in, out)
+    _rename_lora(folder, "model.embed_tokens", {"lora_embedding_A": "lora_A.weight", "lora_embedding_B": "lora_B.weight"})
+    message = _error(lambda: peft_lora.validate(peft_lora.load_adapter(folder), _base_shapes()))
+    assert "'model.embed_tokens' are linear-style (lora_A/B)" in message and "is an embedding layer" in message
+    merged = _peft_merged(base_folder, folder, torch.bfloat16)
+    saved = load_file(folder / "adapter_model.safetensors")["base_model.model.model.embed_tokens.base_layer.weight"]
+    assert torch.equal(bits(merged["model.embed_tokens.weight"]), bits(saved.to(torch.bfloat16)))  # no delta
+
+    # "all-linear" gives embeddings no LoRA layer at all
+    folder = _make_adapter(tmp_path / "a", "embedding", 23)
+    _edit_config(folder, target_modules="all-linear")
+    assert "which target_modules 'all-linear' does not name" in _error(lambda: peft_lora.load_adapter(folder))
 
 
 def test_shape_mismatch(linear_adapter, tmp_path):

@@ -61,14 +61,54 @@ CONFIG_DEFAULTS = {
     "ensure_weight_tying": False,
 }
 
+
+def _not_none(value) -> bool:
+    return value is not None
+
+
+def _truthy(value) -> bool:
+    return bool(value)
+
+
+def _sub_config(value) -> bool:  # LoraConfig.__post_init__ makes any dict, {} too, a (truthy) config object
+    return isinstance(value, dict) or bool(value)
+
+
+def _layer_indexes(value) -> bool:  # check_target_module_exists' is_using_layer_indexes: an int is a layer, 0 too
+    return value is not None and value != []
+
+
 # Config fields that, when set, make the merged model something other than base + LoRA/DoRA deltas: other LoRA
-# variants, layers added or copied (layer_replication, target_parameters, trainable tokens), Megatron layers.
-UNSUPPORTED_VARIANTS = (
-    "velora_config", "alora_invocation_tokens", "monteclora_config", "use_bdlora", "arrow_config", "kasa_config",
-    "use_qalora", "layer_replication", "target_parameters", "trainable_token_indices", "megatron_config",
-    # which modules get LoRA beyond target_modules: peft would leave some saved tensors unused
-    "exclude_modules", "layers_to_transform", "layers_pattern",
+# variants, layers added or copied (layer_replication, target_parameters, trainable tokens), Megatron layers, and
+# which modules get LoRA beyond target_modules (peft would leave some saved tensors unused). Each maps to "set" as
+# peft 0.21 tests it: ``is not None`` where it does (for the sub-configs, _get_lora_subconfig refuses any other
+# non-null value), else truthiness (``if config.layer_replication:``, resolve_lora_variant's ``bool(...)``).
+# layers_pattern only qualifies layers_to_transform: _read_config refuses it where peft does.
+UNSUPPORTED_VARIANTS = {
+    "velora_config": _not_none, "alora_invocation_tokens": _truthy, "monteclora_config": _sub_config,
+    "use_bdlora": _not_none, "arrow_config": _not_none, "kasa_config": _not_none, "use_qalora": _truthy,
+    "layer_replication": _truthy, "target_parameters": _truthy, "trainable_token_indices": _not_none,
+    "megatron_config": _truthy, "exclude_modules": _truthy, "layers_to_transform": _layer_indexes,
+}  # fmt: skip
+
+# init_lora_weights strings peft knows that only say how a new adapter starts (LoraLayer.update_layer; and
+# "gaussian" in any case, reset_lora_parameters); _base_mutating() tells the others.
+PLAIN_INITS = ("eva", "orthogonal")
+
+# Which base modules are embeddings. peft gives an nn.Embedding an Embedding LoRA layer (lora_embedding_A/B) and
+# every other layer a Linear one (lora_A/B; lora/layer.py dispatch_default), and loads only the tensors of the
+# kind it made: the others are unexpected keys, and the layer merges its zero-delta initialisation. Without the
+# model, the module's name tells: in transformers, every module of these names that holds a weight is an
+# nn.Embedding (or a subclass), and no Linear or Conv1D has one of them; any other module counts as Linear/Conv1D.
+EMBEDDING_MODULES = (
+    "embed_tokens", "wte", "wpe", "word_embeddings", "word_embedding", "token_embedding", "tok_embeddings", "embed_in",
+    "shared", "embedding", "embeddings", "position_embeddings", "position_embedding", "embed_positions",
+    "token_type_embeddings", "relative_attention_bias",
 )  # fmt: skip
+
+
+def _is_embedding(module: str) -> bool:
+    return module.rpartition(".")[2] in EMBEDDING_MODULES
 
 
 def _base_mutating(init) -> bool:
@@ -160,15 +200,32 @@ def _read_config(folder: Path) -> tuple[Path, dict]:
     for name, default in CONFIG_DEFAULTS.items():
         if config.get(name) is None:
             config[name] = default
-    for name in UNSUPPORTED_VARIANTS:
-        if config.get(name):
-            raise CheckpointError(f"{config_path}: {name} is set; only plain LoRA and DoRA adapters can be merged")
+    for name, is_set in UNSUPPORTED_VARIANTS.items():
+        if is_set(config.get(name)):
+            raise CheckpointError(f"{config_path}: {name} is set ({config[name]!r}); only plain LoRA and DoRA adapters "
+                                  "can be merged")  # fmt: skip
     init = config["init_lora_weights"]
     if _base_mutating(init):
         raise CheckpointError(
             f"{config_path}: init_lora_weights is {init!r}: the adapter fits a base model rewritten by that init, "
             "not the original one (convert it with peft's path_initial_model_for_weight_conversion first)"
         )
+    # Values peft refuses when it loads the adapter (LoraConfig.__post_init__, LoraLayer.update_layer,
+    # BaseTuner._mark_only_adapters_as_trainable, check_target_module_exists)
+    if not (isinstance(init, bool) or (isinstance(init, str) and (init.lower() == "gaussian" or init in PLAIN_INITS))):
+        raise CheckpointError(f"{config_path}: init_lora_weights is {init!r}, not true, false or an initialisation "
+                              "peft knows; peft refuses this config")  # fmt: skip
+    bias = config.get("bias", "none")
+    if not (isinstance(bias, str) and (bias in ("none", "all") or bias.endswith("_only"))):
+        raise CheckpointError(f"{config_path}: bias is {bias!r}, not 'none', 'all' or 'lora_only'; peft refuses "
+                              "this config")  # fmt: skip
+    saved = config.get("modules_to_save")
+    if not (saved is None or (isinstance(saved, list) and all(isinstance(m, str) for m in saved))):
+        raise CheckpointError(f"{config_path}: modules_to_save is {saved!r}, not a list of module names; peft "
+                              "refuses this config")  # fmt: skip
+    pattern = config.get("layers_pattern")
+    if pattern and config.get("layers_to_transform") is None:
+        raise CheckpointError(f"{config_path}: layers_pattern without layers_to_transform: peft refuses this config")
     for name in ("rank_pattern", "alpha_pattern"):
         if not isinstance(config[name], dict):
             raise CheckpointError(f"{config_path}: {name} is not an object")
@@ -187,6 +244,9 @@ def _read_config(folder: Path) -> tuple[Path, dict]:
             re.compile(targets)
         except re.error as error:
             raise CheckpointError(f"{config_path}: target_modules {targets!r} is not a valid pattern ({error})") from None
+        for name in ("layers_to_transform", "layers_pattern"):  # LoraConfig.__post_init__
+            if config.get(name) is not None:
+                raise CheckpointError(f"{config_path}: {name} with a target_modules pattern: peft refuses this config")
     return config_path, config
 
 
@@ -197,10 +257,10 @@ def _all_linear(targets) -> bool:
 def _targeted(config: dict, module: str) -> bool:
     """Whether peft gives ``module`` (a dotted path) LoRA layers under ``target_modules``
     (``tuners_utils.check_target_module_exists``): a string is a full-match pattern, except "all-linear"
-    (every linear layer but the output layer); a list names module path suffixes."""
+    (every Linear/Conv1D layer but the output layer); a list names module path suffixes."""
     targets = config["target_modules"]
     if _all_linear(targets):
-        return module.rpartition(".")[2] != "lm_head"
+        return module.rpartition(".")[2] != "lm_head" and not _is_embedding(module)
     if isinstance(targets, str):
         return re.fullmatch(targets, module) is not None
     return any(module == key or module.endswith("." + key) for key in targets)
@@ -243,12 +303,12 @@ def load_adapter(folder: Path) -> Adapter:
             # peft's load_state_dict puts these into the base parameters: "x.base_layer.weight" is x's own weight.
             replacements[rest.replace(".base_layer.", ".")] = (info, ".base_layer." in rest)
 
-    saved = config.get("modules_to_save") or []
+    saved = config.get("modules_to_save") or []  # _read_config checked: a list of names
     for module, roles in lora_modules.items():
         if not _targeted(config, module):  # peft would create no LoRA layer there and leave these tensors unused
             raise CheckpointError(f"{path}: tensor '{next(iter(roles.values())).name}' is for '{module}', which "
                                   f"target_modules {config['target_modules']!r} does not name")  # fmt: skip
-        if isinstance(saved, list) and any(isinstance(k, str) and (module == k or module.endswith("." + k)) for k in saved):
+        if any(module == k or module.endswith("." + k) for k in saved):
             raise CheckpointError(f"{path}: '{module}' has LoRA tensors and is in modules_to_save too (peft cannot load that)")
     targets: dict[str, LoraTarget] = {}
     for module, roles in lora_modules.items():
@@ -329,10 +389,11 @@ def _shape_of(value) -> tuple:
 
 def validate(adapter: Adapter, base: dict, *, config: dict | None = None) -> Adapter:
     """Check the adapter against the base checkpoint before anything is written; one-line CheckpointError for
-    each problem: a target the base lacks, a LoRA factor, magnitude or replacement whose shape does not fit
-    the base tensor's. ``base`` maps every base tensor name to its dense shape (or ``(shape, ...)``, or an
-    object with ``.shape``). Resolves each linear target's ``fan_in_fan_out`` as peft does, updating
-    ``adapter.targets``, and returns the adapter.
+    each problem: a target the base lacks, LoRA tensors of the other kind than the layer's (embedding-style on a
+    Linear/Conv1D, linear-style on an embedding: see EMBEDDING_MODULES), a LoRA factor, magnitude or replacement
+    whose shape does not fit the base tensor's. ``base`` maps every base tensor name to its dense shape (or
+    ``(shape, ...)``, or an object with ``.shape``). Resolves each linear target's ``fan_in_fan_out`` as peft does,
+    updating ``adapter.targets``, and returns the adapter.
 
     peft sets ``fan_in_fan_out`` from the layer's class, whatever the config says: True for a ``Conv1D``
     (GPT-2; weight stored (in, out)), False for ``nn.Linear`` (weight (out, in)). The shapes tell which one a
@@ -350,6 +411,12 @@ def validate(adapter: Adapter, base: dict, *, config: dict | None = None) -> Ada
                     hint = f" (it has '{other}': was the adapter trained on another model class?)"
             some = next(iter(target.tensors.values())).name
             raise CheckpointError(f"{path}: '{some}' changes '{name}', which the base checkpoint does not have{hint}")
+        if target.kind in ("linear", "embedding") and (target.kind == "embedding") != _is_embedding(target.module):
+            style, layer = "embedding-style (lora_embedding_A/B)", "a Linear/Conv1D layer"
+            if target.kind == "linear":
+                style, layer = "linear-style (lora_A/B)", "an embedding layer"
+            raise CheckpointError(f"{path}: the LoRA tensors for '{target.module}' are {style}, but "
+                                  f"'{target.module}' is {layer} of the base model (peft would load none of them there)")
         shape = _shape_of(base[name])
         replacement = target.tensors.get("base")
         if replacement is not None and tuple(replacement.shape) != shape:

@@ -444,7 +444,7 @@ def verify(output: str | Path, source: str, *, device: str = "auto", adapter: st
         raise ArgumentError("output is empty; give the converted checkpoint's folder", option="output")
     output = expanded(output, "output")
     if not output.is_dir():
-        raise SourceNotFoundError(f"{output}: no such folder")
+        raise SourceNotFoundError(f"{output}: {'a file, not a folder' if output.exists() else 'no such folder'}")
     chosen = pick_device(device)
     with _quiet_loggers():
         _reference_library("bitsandbytes")
@@ -452,21 +452,28 @@ def verify(output: str | Path, source: str, *, device: str = "auto", adapter: st
                                                       progress=progress)  # fmt: skip
         if adapter_folder is not None:
             _reference_library("peft")
+        if folder.resolve() == output.resolve():
+            raise ArgumentError(f"{output} is given as both OUT and SOURCE: the order is the converted checkpoint, then "
+                                "the bitsandbytes one")  # fmt: skip
         return _verify(output, folder, adapter_folder, chosen, progress, tqdm)
 
 
 @contextlib.contextmanager
 def _quiet_loggers():
     """bitsandbytes warns on import about an optional CPU matmul kernel that verification never uses, and peft about
-    the stand-in models it is handed: quiet while verifying, as the caller had them after."""
+    the stand-in models it is handed (in its log and as Python warnings: a config key it does not know, a layer class
+    it adjusts fan_in_fan_out for): quiet while verifying, as the caller had them after."""
     import logging
+    import warnings
 
     loggers = [logging.getLogger(name) for name in ("bitsandbytes.backends.cpu.ops", "peft")]
     levels = [logger.level for logger in loggers]
     for logger in loggers:
         logger.setLevel(logging.ERROR)
     try:
-        yield
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", module=r"peft(\.|$)")
+            yield
     finally:
         for logger, level in zip(loggers, levels):
             logger.setLevel(level)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -148,6 +150,24 @@ def test_adapter_as_source_and_verify_catches_a_wrong_merge(base, tmp_path):
     other = make_adapter(tmp_path / "other", "linear", seed=43)
     output = run("verify", out, source, "--adapter", other, "-q", "--device", "cpu", code=1)
     assert "q_proj.weight: " in output and "differ from bitsandbytes + peft" in output
+
+
+def test_verify_with_an_adapter_keeps_peft_quiet_and_knows_out_from_source(base, tmp_path):
+    # peft's warnings (a config key it does not know) came through verify's report, 26 lines; OUT given as SOURCE too
+    # listed hundreds of "quantization key remains" lines; a file as OUT was "no such folder"
+    source, dense = base
+    adapter = make_adapter(tmp_path / "adapter", "linear", seed=47, base_model=str(source))
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    (adapter / "adapter_config.json").write_text(json.dumps({**config, "a_key_from_a_later_peft": 1}))
+    run(source, "--adapter", adapter, "-o", tmp_path / "out", "-q", "--device", "cpu")
+    result = subprocess.run([sys.executable, "-m", "nf4convert", "verify", str(tmp_path / "out"), str(source), "--adapter",
+                             str(adapter), "-q", "--device", "cpu"], capture_output=True, text=True, timeout=600)  # fmt: skip
+    lines = (result.stdout + result.stderr).strip().splitlines()
+    assert result.returncode == 0 and len(lines) == 2 and lines[-1] == "OK: bit-exact with bitsandbytes and peft", lines
+    assert run("verify", source, source, "-q", code=2).strip() == (
+        f"Error: {source} is given as both OUT and SOURCE: the order is the converted checkpoint, then the bitsandbytes one")
+    (tmp_path / "a-file").write_text("x")
+    assert run("verify", tmp_path / "a-file", source, "-q", code=1).strip() == f"Error: {tmp_path / 'a-file'}: a file, not a folder"
 
 
 @pytest.mark.parametrize("case", ["ia3", "shape", "missing-target", "truncated", "layers-to-transform", "exclude",

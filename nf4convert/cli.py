@@ -499,6 +499,8 @@ def batch_command(sources, output_root, from_file, adapter, dtype, device, max_s
             else:
                 result = convert(source, device=device, **options)
                 row.update(output=str(result.output), status=done, tensors=result.tensors, bytes=result.bytes)
+                for warning in result.warnings:
+                    say(f"Warning: {source}: {warning}", err=True)
         except (KeyboardInterrupt, Terminated) as stop:
             row.update(status="interrupted", error="interrupted", output=str(getattr(stop, "output_planned", None) or planned))
             stopped = stop

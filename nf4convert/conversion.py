@@ -129,6 +129,16 @@ def named_sources(source, adapter) -> tuple[str, str | None]:
     return source, adapter
 
 
+def _infinite_warning(names: list[str]) -> str | None:
+    """What a conversion to fp16 says of the tensors it wrote with ±inf (values beyond fp16's range, 65504, in their
+    source or made so by a merge; torch's cast and bitsandbytes make them so too)."""
+    if not names:
+        return None
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    return (f"{len(names)} tensor{'s hold' if len(names) != 1 else ' holds'} ±inf in fp16, values beyond its range (65504): "
+            f"{shown}; --dtype bf16 or fp32 keeps them finite")
+
+
 def _plain_name(stem: str) -> bool:
     return isinstance(stem, str) and stem not in ("", ".", "..") and Path(stem).name == stem
 
@@ -380,8 +390,9 @@ def convert(
             n_tensors = len(plan.tensors)
             with tqdm(total=plan.tensor_bytes, unit="B", unit_scale=True, unit_divisor=1000, disable=not progress,
                       desc=f"{model_name(source)} -> {plan.dtype.name}", dynamic_ncols=True) as bar:  # fmt: skip
-                write_shards(plan, temporary, reader, chosen_device, progress=bar.update, route=route,
-                             tensor_done=lambda done: bar.set_postfix_str(f"{done}/{n_tensors} tensors", refresh=False))  # fmt: skip
+                infinite = write_shards(plan, temporary, reader, chosen_device, progress=bar.update, route=route,
+                                        tensor_done=lambda done: bar.set_postfix_str(f"{done}/{n_tensors} tensors",
+                                                                                     refresh=False))  # fmt: skip
             profile.mark("tensors written")
             card = card.result()
             lifecycle.write_side_files(plan, temporary, card.text)
@@ -390,7 +401,7 @@ def convert(
         profile.mark("in place")
         profile.report()
         result = ConvertResult(output, plan.dtype.name, len(plan.tensors), plan.n_dequantized, plan.tensor_bytes,
-                               time.perf_counter() - started, tuple(w for w in [card.warning] if w))  # fmt: skip
+                               time.perf_counter() - started, tuple(w for w in [card.warning, _infinite_warning(infinite)] if w))  # fmt: skip
     return result
 
 

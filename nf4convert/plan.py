@@ -114,6 +114,22 @@ def innermost(recipe: Recipe) -> "Copy | Dequantize4bit | Dequantize8bit":
     return recipe
 
 
+def may_exceed(tensor: "PlannedTensor") -> bool:
+    """Whether the output dtype may not hold the tensor's values: fp16 (largest 65504) made from a wider-ranged source
+    (a bf16/fp32 tensor, a 4-bit weight quantized from one, an 8-bit weight's fp32 scales) or with an adapter's change
+    added. Such tensors are checked for ±inf as they are written (stream._Pipeline), and named in a warning."""
+    if tensor.dtype != "F16":
+        return False
+    if isinstance(tensor.recipe, MergeLora):
+        return True
+    base = innermost(tensor.recipe)
+    if isinstance(base, Copy):
+        return base.source.dtype in ("BF16", "F32", "F64")
+    if isinstance(base, Dequantize4bit):
+        return base.weight.meta.get("dtype") != "float16"
+    return True
+
+
 @dataclass(frozen=True)
 class PlannedTensor:
     """One output tensor: what it is, where it goes (``offset`` from the start of its shard's data), how it is made."""

@@ -48,7 +48,7 @@ from .errors import ArgumentError
 from .checkpoint import ShardWriter, TensorInfo, TensorReader, Writeback
 from .dtypes import DTYPES
 from .formats import bnb4, bnb8, peft_lora
-from .plan import Copy, Dequantize4bit, Dequantize8bit, MergeLora, Plan, PlannedTensor, Transpose, innermost
+from .plan import Copy, Dequantize4bit, Dequantize8bit, MergeLora, Plan, PlannedTensor, Transpose, innermost, may_exceed
 
 CPU_PIECE_BYTES = 1 << 22  # output bytes per piece on the CPU: small, as every core holds one (and its fp32 scratch)
 CUDA_PIECE_BYTES = 1 << 24  # on CUDA: large copies and writes, a few pinned buffers of it
@@ -107,6 +107,7 @@ class Piece:
     count: int
     make: Optional[Callable] = None
     on_device: bool = False  # made on the route's device (its buffers pinned on CUDA), not on the CPU
+    watched: bool = False  # fp16 bytes checked for ±inf when written (plan.may_exceed)
 
 
 # --- producers: what each kind of recipe reads and makes ----------------------------------------------------
@@ -537,6 +538,7 @@ class _Pipeline:
         self._waited = dict.fromkeys(("read", "make", "write"), 0.0)
         self._pieces = 0
         self._started = _now()
+        self.infinite: set[str] = set()  # watched tensors written with ±inf (set.add under the GIL: one at a time)
 
     def __enter__(self):
         return self
@@ -572,10 +574,14 @@ class _Pipeline:
         return buffer[: piece.nbytes], event, buffer
 
     def _write(self, writer: ShardWriter, name: str, piece: Piece, made, event, buffer) -> None:
+        import torch
+
         started = _now()
         if event is not None:
             event.synchronize()
         writer.write(name, made, offset=piece.offset)
+        if piece.watched and name not in self.infinite and made.view(torch.float16).isinf().any():
+            self.infinite.add(name)
         self.route.pool(piece).give(buffer)
         self._timed("write", started)
         profile.mark("first piece written")
@@ -635,7 +641,9 @@ def _shard_pieces(writer: ShardWriter, shard, reader: TensorReader, route, tenso
     plain = [tensor for tensor in shard.tensors if isinstance(tensor.recipe, Copy)]
     made = [tensor for tensor in shard.tensors if not isinstance(tensor.recipe, Copy)]
     for tensor in plain + made:
+        watched = may_exceed(tensor)
         for piece in PRODUCERS[type(tensor.recipe)](tensor, reader, route):
+            piece.watched = watched
             yield writer, tensor.name, piece
         tensor_done()
 
@@ -653,9 +661,10 @@ def _interleaved(streams: list) -> Iterator:
 
 
 def write_shards(plan: Plan, folder: Path, reader: TensorReader, device, *, progress: Callable[[int], None],
-                 tensor_done: Callable[[int], None] = lambda done: None, route=None) -> None:  # fmt: skip
+                 tensor_done: Callable[[int], None] = lambda done: None, route=None) -> list[str]:  # fmt: skip
     """Write every shard of ``plan`` into ``folder``, making each tensor by its recipe on ``device``
-    (through ``route`` when given, closed here as one made here would be)."""
+    (through ``route`` when given, closed here as one made here would be). Returns the names of the tensors written
+    as fp16 with ±inf where their source may have held values beyond fp16's range (plan.may_exceed), in plan order."""
     done = 0
 
     def one_done() -> None:
@@ -686,6 +695,7 @@ def write_shards(plan: Plan, folder: Path, reader: TensorReader, device, *, prog
                 for writer in writers:
                     writer.discard()
                 raise
+            return [tensor.name for tensor in plan.tensors if tensor.name in pipeline.infinite]
     finally:
         if writeback is not None:
             writeback.close()

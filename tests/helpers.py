@@ -26,11 +26,13 @@ def random_weight(shape, dtype, *, generator=None, device="cpu"):
     return weight.to(dtype).to(device)
 
 
-def quantize(shape, *, quant_type, blocksize, nested, dtype, storage=torch.uint8, device="cpu", seed=None):
+def quantize(shape, *, quant_type, blocksize, nested, dtype, storage=torch.uint8, device="cpu", seed=None, scale=None):
     import bitsandbytes.functional as F
 
     generator = torch.Generator().manual_seed(seed if seed is not None else random.randrange(1 << 30))
     weight = random_weight(shape, dtype, generator=generator, device=device)
+    if scale is not None:
+        weight = weight * scale
     packed, state = F.quantize_4bit(
         weight, blocksize=blocksize, quant_type=quant_type, compress_statistics=nested, quant_storage=storage
     )

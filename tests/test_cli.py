@@ -231,6 +231,42 @@ def test_verify_says_which_checks_it_could_not_run(tmp_path):
     assert "note" not in run("verify", tmp_path / "plain", example, "-q")
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_fp16_beyond_its_range_is_named_in_a_warning(tmp_path, device):
+    # --dtype fp16 of a bf16 model turned values past 65504 into inf without a word
+    from safetensors.torch import load_file, save_file
+
+    from helpers import quantize
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    example = Path(__file__).resolve().parents[1] / "examples" / "tiny-llama-bnb-4bit"
+    source = tmp_path / "src"
+    shutil.copytree(example, source)
+    shard = next(path for path in sorted(source.glob("*.safetensors")) if "model.norm.weight" in load_file(path))
+    tensors = load_file(shard)
+    tensors["model.norm.weight"] = tensors["model.norm.weight"] * 1e6  # a plain bf16 tensor, cast to fp16
+    save_file(tensors, shard, metadata={"format": "pt"})
+    big = tmp_path / "big"  # a 4-bit weight quantized from bf16 values past fp16's range, dequantized to fp16
+    big.mkdir()
+    packed, state = quantize((64, 128), quant_type="nf4", blocksize=64, nested=True, dtype=torch.bfloat16, seed=5, scale=1e6)
+    small, small_state = quantize((64, 128), quant_type="nf4", blocksize=64, nested=True, dtype=torch.bfloat16, seed=6)
+    save_file({"big.weight": packed, **{f"big.weight.{k}": v for k, v in state.as_dict(packed=True).items()},
+               "small.weight": small, **{f"small.weight.{k}": v for k, v in small_state.as_dict(packed=True).items()}},
+              big / "model.safetensors", metadata={"format": "pt"})  # fmt: skip
+    for folder, name in ((source, "model.norm.weight"), (big, "big.weight")):
+        result = subprocess.run([sys.executable, "-m", "nf4convert", str(folder), "-o", str(tmp_path / f"{folder.name}-fp16"),
+                                 "--dtype", "fp16", "-q", "--device", device], capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        assert result.stderr.strip() == (f"Warning: 1 tensor holds ±inf in fp16, values beyond its range (65504): {name}; "
+                                         "--dtype bf16 or fp32 keeps them finite")  # fmt: skip
+        written = load_file(next((tmp_path / f"{folder.name}-fp16").glob("*.safetensors")))
+        assert torch.isinf(written[name]).any() and all(torch.isfinite(t.float()).all() for k, t in written.items() if k != name)
+        result = subprocess.run([sys.executable, "-m", "nf4convert", str(folder), "-o", str(tmp_path / f"{folder.name}-bf16"),
+                                 "--dtype", "bf16", "-q", "--device", device], capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert result.returncode == 0 and result.stderr == "", result.stderr
+
+
 def test_disk_full_is_one_line(checkpoints, tmp_path, monkeypatch):
     import shutil as shutil_module
 

@@ -66,7 +66,7 @@ def cpu_cores(cgroup_root: str = "/sys/fs/cgroup", own_cgroup: str = "/proc/self
     except OSError:
         return max(cores, 1)
     root = Path(cgroup_root)
-    folders = []  # (folder, quota file or None for v2, period file)
+    folders = []  # (a cgroup's folder, "v1" or None for v2)
     for line in lines:
         parts = line.split(":", 2)
         if len(parts) != 3 or not parts[2].startswith("/"):

@@ -44,9 +44,9 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 from . import profile
-from .errors import ArgumentError
 from .checkpoint import ShardWriter, TensorInfo, TensorReader, Writeback
 from .dtypes import DTYPES
+from .errors import ArgumentError
 from .formats import bnb4, bnb8, peft_lora
 from .plan import Copy, Dequantize4bit, Dequantize8bit, MergeLora, Plan, PlannedTensor, Transpose, innermost, may_exceed
 

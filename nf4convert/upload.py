@@ -42,7 +42,8 @@ BAD_BRANCH = re.compile(r"[\x00-\x20\x7f~^:?*\[\\]|\.\.|@\{|//|(^|/)\.|\.lock(/|
 
 def check_target(repo_id: str, revision: str | None) -> None:
     """ArgumentError for a push that cannot happen, found before any work: a repo id the Hub refuses (huggingface_hub's
-    own check), a branch name git refuses, or huggingface_hub's offline switch (HF_HUB_OFFLINE) on."""
+    own check), a branch name git refuses or a commit hash as the branch, or huggingface_hub's offline switch
+    (HF_HUB_OFFLINE) on."""
     from huggingface_hub import constants  # noqa: PLC0415
     from huggingface_hub.utils import HFValidationError, validate_repo_id  # noqa: PLC0415
 

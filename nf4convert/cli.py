@@ -126,6 +126,10 @@ class DefaultGroup(click.Group):
         if args and args[0] not in self.commands and not args[0].startswith("-"):
             _refuse_mistyped_command(args[0], list(self.commands))
             args = ["convert", *args]
+        elif args and args[0].startswith("-"):  # convert's options before SOURCE (nf4convert -q SOURCE, -- SOURCE)
+            own = {name for param in self.get_params(ctx) for name in (*param.opts, *param.secondary_opts)}
+            if args[0].split("=", 1)[0] not in own:
+                args = ["convert", *args]
         return super().parse_args(ctx, args)
 
 

@@ -464,6 +464,15 @@ def test_batch_keeps_going_and_reports(checkpoints, tmp_path):
     assert (tmp_path / "root" / "qwen2-tied-fp16" / "model.safetensors").exists()
 
 
+def test_convert_options_may_come_before_source(tmp_path):
+    # "nf4convert -q SOURCE" was "No such option '-q'": the group took the options for its own
+    example = Path(__file__).resolve().parents[1] / "examples" / "tiny-llama-bnb-4bit"
+    assert run("-q", example, "-o", tmp_path / "a").strip().startswith(f"{tmp_path / 'a'}: 39 tensors")
+    assert "float16" in run("--dtype", "fp16", "-q", example, "-o", tmp_path / "b")
+    assert "version" in run("--version") and "Usage:" in run("--help")
+    assert "No such option '--no-such-option'" in run("--no-such-option", example, code=2)
+
+
 def test_help_and_bad_arguments_import_no_torch():
     # torch costs ~2 s and bitsandbytes ~5 s to import: help and argument errors must not pay for them.
     code = """

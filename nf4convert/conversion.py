@@ -12,7 +12,7 @@ from pathlib import Path
 
 from .errors import ArgumentError, CheckpointError
 from .hub import commit_of, looks_like_repo_id, model_name
-from .paths import expanded
+from .paths import expanded, expanded_output
 from .plan import DEFAULT_SHARD_SIZE
 
 QUANT_SUFFIX = re.compile(r"-(?:bnb-)?(?:4bit|nf4|fp4|8bit|int8)$", re.IGNORECASE)
@@ -77,7 +77,7 @@ def check_batch_root(output_root, folders) -> None:
     every output would be written into a source. A root that holds them is fine: the outputs go beside them."""
     from .output import placed
 
-    root = expanded(output_root, "output")
+    root = expanded_output(output_root, "output")
     for name in folders:
         folder = expanded(name, "source") if name is not None else None
         if folder is None or not folder.is_dir():
@@ -99,7 +99,7 @@ def batch_output(output_root, stem: str, dtype: str) -> str:
 
 def _output_path(output_dir, stem: str, short_dtype: str) -> Path:
     """The default output: ``<output_dir or .>/<stem>-<dtype>``, ``~`` expanded."""
-    return expanded(output_dir or ".", "output_dir") / f"{stem}-{short_dtype}"
+    return expanded_output(output_dir or ".", "output_dir") / f"{stem}-{short_dtype}"
 
 
 @contextlib.contextmanager
@@ -301,7 +301,7 @@ def _prepare(source, output, *, dtype, adapter, revision, token, cache_dir, max_
     shard_limit = parse_size(max_shard_size)
     output_dtype(dtype)
     if output is not None:  # before any download
-        output = expanded(output, "output")
+        output = expanded_output(output, "output")
         lifecycle.check_destination(output, overwrite=overwrite)
     folder, adapter_folder, base, adapter = resolve_source(source, adapter, revision=revision, token=token,
                                                            cache_dir=cache_dir, progress=progress, headers=headers)  # fmt: skip

@@ -16,3 +16,13 @@ def expanded(name: str | os.PathLike, option: str) -> Path:
     except RuntimeError:
         user = os.fspath(name).split("/", 1)[0]
         raise ArgumentError(f"{os.fspath(name)}: no such user for '{user}'", option=option) from None
+
+
+def expanded_output(name: str | os.PathLike, option: str) -> Path:
+    """An output's name (OUT, an output root) as a Path: ``expanded``, and a ``..`` in its parents resolved now, as the
+    file system would where the folders exist (symlinks followed) and by the name where they do not, so that no
+    folder is made only to be stepped out of (``-o x/../y`` made an empty ``x``)."""
+    path = expanded(name, option)
+    if ".." in path.parent.parts:
+        path = path.parent.resolve() / path.name
+    return path

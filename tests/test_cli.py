@@ -464,6 +464,16 @@ def test_batch_keeps_going_and_reports(checkpoints, tmp_path):
     assert (tmp_path / "root" / "qwen2-tied-fp16" / "model.safetensors").exists()
 
 
+def test_an_output_named_through_a_missing_folder_makes_no_such_folder(tmp_path, monkeypatch):
+    # -o x/../y made x (to step out of it) and left it behind, empty; batch's -o root too
+    example = Path(__file__).resolve().parents[1] / "examples" / "tiny-llama-bnb-4bit"
+    monkeypatch.chdir(tmp_path)
+    run(example, "-o", "x/../y", "-q")
+    run("batch", example, "-o", "r/../s", "-q")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s", "y"] and (tmp_path / "y" / "config.json").exists()
+    assert [p.name for p in (tmp_path / "s").iterdir()] == ["tiny-llama-bf16"]
+
+
 def test_convert_options_may_come_before_source(tmp_path):
     # "nf4convert -q SOURCE" was "No such option '-q'": the group took the options for its own
     example = Path(__file__).resolve().parents[1] / "examples" / "tiny-llama-bnb-4bit"

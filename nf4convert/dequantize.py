@@ -173,7 +173,7 @@ def dequantize_4bit(
         try:
             from .kernels import launch  # noqa: PLC0415
         except ImportError as error:
-            if error.name != "triton":
+            if (error.name or "").split(".")[0] != "triton":
                 raise
             from .devices import no_triton
 

@@ -27,13 +27,15 @@ def no_triton(what: str) -> DependencyError:
                            "the CPU path (--device cpu, backend='cpu') works without it")  # fmt: skip
 
 
-def pick_device(device: str):
-    """``auto`` (an NVIDIA GPU when there is one and Triton to compile the kernel), ``cpu``, ``cuda`` or ``cuda:N`` ->
-    torch.device; ArgumentError otherwise, and for ``cuda`` on an AMD GPU; DependencyError for ``cuda`` without Triton."""
+def pick_device(device: str, *, kernel: bool = True):
+    """``auto`` (an NVIDIA GPU when there is one and, for our ``kernel``, Triton to compile it), ``cpu``, ``cuda`` or
+    ``cuda:N`` -> torch.device; ArgumentError otherwise, and for ``cuda`` on an AMD GPU; DependencyError for ``cuda``
+    without Triton where the kernel runs (``kernel=False``: verify, whose references are bitsandbytes and peft)."""
     import torch
 
     if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() and not on_amd_gpu() and has_triton() else "cpu")
+        triton = has_triton() if kernel else True
+        return torch.device("cuda" if torch.cuda.is_available() and not on_amd_gpu() and triton else "cpu")
     try:
         chosen = torch.device(device)
     except (RuntimeError, TypeError):
@@ -46,7 +48,7 @@ def pick_device(device: str):
         raise ArgumentError(f"device {device!r}: {AMD_GPU}; use cpu", option="device")
     if chosen.type == "cuda" and chosen.index is not None and chosen.index >= torch.cuda.device_count():
         raise ArgumentError(f"device {device!r}: there are {torch.cuda.device_count()} CUDA GPUs", option="device")
-    if chosen.type == "cuda" and not has_triton():
+    if chosen.type == "cuda" and kernel and not has_triton():
         raise no_triton(f"device {device!r}")
     return chosen
 

@@ -445,7 +445,7 @@ def verify(output: str | Path, source: str, *, device: str = "auto", adapter: st
     output = expanded(output, "output")
     if not output.is_dir():
         raise SourceNotFoundError(f"{output}: {'a file, not a folder' if output.exists() else 'no such folder'}")
-    chosen = pick_device(device)
+    chosen = pick_device(device, kernel=False)  # bitsandbytes recomputes: no Triton needed
     with _quiet_loggers():
         _reference_library("bitsandbytes")
         folder, adapter_folder, _, _ = resolve_source(source, adapter, revision=revision, token=token, cache_dir=cache_dir,

@@ -620,6 +620,8 @@ def test_without_triton_auto_takes_the_cpu_and_cuda_is_one_line(monkeypatch, tmp
     assert pick_device("auto") == torch.device("cpu")
     with pytest.raises(DependencyError, match=r"^device 'cuda:0' needs Triton, which is not installed"):
         pick_device("cuda:0")
+    # verify recomputes with bitsandbytes, not our kernel: it takes the GPU without Triton
+    assert pick_device("auto", kernel=False) == torch.device("cuda") and pick_device("cuda:0", kernel=False).type == "cuda"
     example = Path(__file__).resolve().parents[1] / "examples" / "tiny-llama-bnb-4bit"
     line = run(example, "-o", tmp_path / "out", "--device", "cuda", code=1).strip()
     assert line.startswith("Error: device 'cuda' needs Triton") and "\n" not in line and not (tmp_path / "out").exists()

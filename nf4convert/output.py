@@ -50,6 +50,7 @@ def check_destination(output: Path, *, overwrite: bool) -> None:
     written (a read-only file system, no permission): found by a dry run too, not by the first write."""
     if output.is_symlink():
         raise OutputError(f"{output}: is a symbolic link; give the folder it points to, or a new name")
+    _existing_ancestor(output)  # a symlink loop on the way is one line
     cwd = Path.cwd().resolve()
     if output.name in ("", ".", "..") or output.resolve() == cwd or output.resolve() in cwd.parents:
         raise OutputError(f"{output}: is the current folder or holds it; give the output a folder name of its own")
@@ -61,13 +62,18 @@ def check_destination(output: Path, *, overwrite: bool) -> None:
     except OSError as error:
         raise OutputError(f"{output}: cannot be read ({_reason(error)})") from None
     folder = _existing_ancestor(output)
+    if not folder.is_dir():
+        raise OutputError(f"{folder}: is a file, not a folder; the output cannot be made in it")
     if not os.access(folder, os.W_OK | os.X_OK):
         raise OutputError(f"{folder}: cannot be written (a read-only file system or no permission); choose another output")
 
 
 def _existing_ancestor(output: Path) -> Path:
     """The folder OUT is made in: its nearest existing ancestor (OUT's parents may be created)."""
-    folder = output.resolve().parent
+    try:
+        folder = output.resolve().parent
+    except (OSError, RuntimeError) as error:  # RuntimeError: a symlink loop (Python < 3.13)
+        raise OutputError(f"{output}: cannot be resolved ({error})") from None
     while not folder.exists() and folder != folder.parent:
         folder = folder.parent
     return folder
@@ -114,8 +120,8 @@ def check_free_space(output: Path, needed: int) -> None:
     """OutputError unless OUT's file system has ``space_needed(needed)`` bytes free."""
     free = free_space(output)
     if free < space_needed(needed):
-        raise OutputError(f"{output.resolve().parent}: {size_text(free)} free, the output needs {size_text(space_needed(needed))} "
-                          f"({size_text(needed)} and {SPARE_BYTES >> 20} MB of headroom)")  # fmt: skip
+        raise OutputError(f"{_existing_ancestor(output)}: {size_text(free)} free, the output needs "
+                          f"{size_text(space_needed(needed))} ({size_text(needed)} and {size_text(SPARE_BYTES)} of headroom)")  # fmt: skip
 
 
 @contextlib.contextmanager

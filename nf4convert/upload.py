@@ -36,8 +36,8 @@ REPLACED_FILES = (*LOADED_WEIGHT_FILES, *ADAPTER_FILES)
 DEFAULT_COMMIT_MESSAGE = "Upload dense weights dequantized by nf4convert"
 # What git (and so the Hub) refuses in a branch name (git check-ref-format): a control character, space, ~ ^ : ? * [ \,
 # "..", "@{", "//", a part starting with "." or ending with ".lock", a name starting with "-" or "/", ending with
-# "/" or ".", or "@" alone.
-BAD_BRANCH = re.compile(r"[\x00-\x20\x7f~^:?*\[\\]|\.\.|@\{|//|(^|/)\.|\.lock(/|$)|^[-/]|[/.]$|^@$")
+# "/" or ".", or HEAD.
+BAD_BRANCH = re.compile(r"[\x00-\x20\x7f~^:?*\[\\]|\.\.|@\{|//|(^|/)\.|\.lock(/|$)|^[-/]|[/.]$|^HEAD$")
 
 
 def check_target(repo_id: str, revision: str | None) -> None:

@@ -212,6 +212,15 @@ def test_a_dry_run_judges_the_space_and_the_destination_as_the_run_does(checkpoi
         line = run(source, "-o", out / "sub", *extra, code=1).strip()
         assert line == f"Error: {tmp_path}: cannot be written (a read-only file system or no permission); choose another output"
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+    monkeypatch.setattr(os, "access", real_access)
+    (tmp_path / "a-file").write_text("x")
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    for extra in (["--dry-run"], ["-q"]):  # the file was taken for a folder (the run failed later); the loop was a traceback
+        assert run(source, "-o", tmp_path / "a-file" / "out", *extra, code=1).strip() == (
+            f"Error: {tmp_path / 'a-file'}: is a file, not a folder; the output cannot be made in it")
+        line = run(source, "-o", tmp_path / "loop" / "out", *extra, code=1).strip()
+        assert line.startswith(f"Error: {tmp_path / 'loop' / 'out'}: cannot be resolved (") and "\n" not in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "loop"]
 
 
 def test_verify_says_which_checks_it_could_not_run(tmp_path):
@@ -273,7 +282,7 @@ def test_disk_full_is_one_line(checkpoints, tmp_path, monkeypatch):
     usage = shutil_module.disk_usage(tmp_path)
     monkeypatch.setattr(shutil_module, "disk_usage", lambda path: usage._replace(free=1000))
     output = run(checkpoints["llama-nf4-dq"], "-o", tmp_path / "out", "-q", code=1)
-    assert "0.0 MB free, the output needs" in output and "and 64 MB of headroom)" in output and not (tmp_path / "out").exists()
+    assert "0.0 MB free, the output needs" in output and "and 67.1 MB of headroom)" in output and not (tmp_path / "out").exists()
 
     from nf4convert import checkpoint
 

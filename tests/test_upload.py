@@ -212,6 +212,7 @@ def test_push_refuses_a_missing_or_empty_folder_without_asking_the_hub(hub, tmp_
     ("me/x", "bad..branch~", "not a name git allows"),
     ("me/x", "-x", "not a name git allows"),
     ("me/x", "a.lock", "not a name git allows"),
+    ("me/x", "HEAD", "not a name git allows"),
     ("me/x", None, "HF_HUB_OFFLINE is set"),
 ])  # fmt: skip
 def test_a_push_that_cannot_happen_is_refused_before_any_work(hub, tmp_path, repo_id, branch, message, monkeypatch):

@@ -474,8 +474,10 @@ def batch_command(sources, output_root, from_file, adapter, dtype, device, max_s
         _fail("no sources given (name them, or pass --from-file)", 2)
 
     def outputs():
+        from . import knobs
         from .conversion import batch_output, batch_stems, check_batch_root
 
+        knobs.check()  # once, before any source (each would fail alike)
         check_batch_root(output_root, [*sources, adapter])
         return [(stem, batch_output(output_root, stem, dtype)) for stem in batch_stems(sources)]
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
+from . import knobs
 from .errors import ArgumentError, CheckpointError
 from .hub import commit_of, looks_like_repo_id, model_name
 from .paths import expanded, expanded_output
@@ -291,6 +292,7 @@ def _prepare(source, output, *, dtype, adapter, revision, token, cache_dir, max_
     from .dtypes import output_dtype
     from .plan import make_plan, parse_size
 
+    knobs.check()  # a dry run refuses a bad NF4CONVERT_* value as the conversion does
     source, adapter = named_sources(source, adapter)
     if output is not None and (output_dir is not None or stem is not None):
         given = "output_dir" if output_dir is not None else "stem"

@@ -10,7 +10,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-ENABLED = os.environ.get("NF4CONVERT_PROFILE", "0") == "1"
+from . import knobs
+
+ENABLED = knobs.value("NF4CONVERT_PROFILE")
 _marks: dict[str, float] = {}
 _fields: dict = {}
 

@@ -43,10 +43,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
-from . import profile
+from . import knobs, profile
 from .checkpoint import ShardWriter, TensorInfo, TensorReader, Writeback
 from .dtypes import DTYPES
-from .errors import ArgumentError
 from .formats import bnb4, bnb8, peft_lora
 from .plan import Copy, Dequantize4bit, Dequantize8bit, MergeLora, Plan, PlannedTensor, Transpose, innermost, may_exceed
 
@@ -56,43 +55,22 @@ READ_AHEAD = 3  # pieces read before their make begins
 WRITE_AHEAD = 3  # pieces made and waiting for (or being written by) the writers; more than one write in flight
 
 
-def _knob(name: str, default, *, least: int = 1):
-    """A whole number of at least ``least`` from the environment, ``default`` where it is unset or empty; ArgumentError
-    (one line, naming the variable) for anything else, found when a conversion starts (this module is imported then)."""
-    value = os.environ.get(name, "").strip()
-    if not value:
-        return default
-    if not (value.isascii() and value.isdigit()) or int(value) < least:
-        raise ArgumentError(f"{name}={value!r}: not a whole number of {least} or more")
-    return int(value)
-
-
-def _switch(name: str, default: bool) -> bool:
-    """On (1/on/true/yes) or off (0/off/false/no) from the environment; ArgumentError for anything else."""
-    value = os.environ.get(name, "").strip().lower()
-    if value in ("1", "on", "true", "yes") or (not value and default):
-        return True
-    if value in ("0", "off", "false", "no") or not value:
-        return False
-    raise ArgumentError(f"{name}={value!r}: not 1/on/true/yes or 0/off/false/no")
-
-
-SHARDS_AT_ONCE = _knob("NF4CONVERT_SHARDS_AT_ONCE", 4)  # shards whose pieces are interleaved
-WRITERS = _knob("NF4CONVERT_WRITERS", 4)  # threads writing at once: one per shard written at once
+SHARDS_AT_ONCE = knobs.value("NF4CONVERT_SHARDS_AT_ONCE")  # shards whose pieces are interleaved
+WRITERS = knobs.value("NF4CONVERT_WRITERS")  # threads writing at once: one per shard written at once
 # Threads making pieces on the CPU route: one per core, at most 8. On the H200 machine's 16 cores 8 made more
 # than 16 (benchmarks/bench_cpu_scaling.py: 4.2-5.1 GB/s of bf16 against 3.8-4.1, the two runs of this code; the
 # 8B conversion's pipeline 6.0 s against 6.4, with 517 MB of memory against 678): the decode is bound by memory
 # and the interpreter's lock well before 16 cores, and the readers and writers need cores too.
-MAX_MAKERS = _knob("NF4CONVERT_MAKERS", 8)
+MAX_MAKERS = knobs.value("NF4CONVERT_MAKERS")
 # With 8 cores or more, the CPU route makes its 4-bit and 8-bit pieces in forked worker processes (workers.py), one
 # per two cores, at most 8: the other half of the cores read, write and hand pieces over. On the H200 machine's 16
 # cores (the 8B-shaped conversion, benchmarks/bench_convert.py) 8 processes took the pipeline to 4.2 s where threads
 # took 6.7; 12 processes starved the writers of cores and took 11.6.
 # NF4CONVERT_PROCESSES=0 keeps them on threads; a positive number is that many processes, at most one per core.
-PROCESSES = _knob("NF4CONVERT_PROCESSES", None, least=0)
+PROCESSES = knobs.value("NF4CONVERT_PROCESSES")
 PROCESS_MIN_CORES, MAX_PROCESSES = 8, 8
 # Start each range's writeback once written (checkpoint.Writeback); NF4CONVERT_WRITEBACK=0 (or off/false/no) not.
-WRITEBACK = _switch("NF4CONVERT_WRITEBACK", True)
+WRITEBACK = knobs.value("NF4CONVERT_WRITEBACK")
 
 
 @dataclass

@@ -599,19 +599,27 @@ def test_environment_knobs(env, writeback, makers, processes):
 @pytest.mark.parametrize("name, value", [("NF4CONVERT_PROCESSES", "abc"), ("NF4CONVERT_PROCESSES", "-1"),
                                          ("NF4CONVERT_PROCESSES", "1.5"), ("NF4CONVERT_MAKERS", "0"),
                                          ("NF4CONVERT_WRITERS", "-3"), ("NF4CONVERT_SHARDS_AT_ONCE", "x"),
-                                         ("NF4CONVERT_WRITEBACK", "maybe")])  # fmt: skip
-def test_a_bad_knob_is_one_line_naming_it(name, value, tmp_path):
-    # bad values were ignored without a word
+                                         ("NF4CONVERT_WRITEBACK", "maybe"), ("NF4CONVERT_PROFILE", "2"),
+                                         ("NF4CONVERT_FAST_LAUNCH", "fast")])  # fmt: skip
+@pytest.mark.parametrize("command", ["convert", "dry run", "batch"])
+def test_a_bad_knob_is_one_line_naming_it(name, value, command, tmp_path):
+    # bad values were ignored without a word; then a dry run let them pass, and a batch failed every source with them
     import subprocess
 
-    example = Path(__file__).resolve().parents[1] / "examples" / "tiny-llama-bnb-4bit"
+    from nf4convert import knobs
+
+    example = str(Path(__file__).resolve().parents[1] / "examples" / "tiny-llama-bnb-4bit")
+    arguments = {"convert": [example, "-o", str(tmp_path / "out"), "-q"],
+                 "dry run": [example, "-o", str(tmp_path / "out"), "--dry-run"],
+                 "batch": ["batch", example, str(tmp_path / "src2"), "-o", str(tmp_path / "out"), "-q"]}[command]  # fmt: skip
     clean = {k: v for k, v in os.environ.items() if not k.startswith("NF4CONVERT_")}
-    result = subprocess.run([sys.executable, "-m", "nf4convert", str(example), "-o", str(tmp_path / "out"), "-q"],
-                            env={**clean, name: value}, capture_output=True, text=True, timeout=300)  # fmt: skip
+    result = subprocess.run([sys.executable, "-m", "nf4convert", *arguments], env={**clean, name: value},
+                            capture_output=True, text=True, timeout=300)  # fmt: skip
+    switch = len(knobs.KNOBS[name]) == 1
     assert result.returncode == 2 and result.stderr.strip() == f"Error: {name}={value!r}: " + (
-        "not 1/on/true/yes or 0/off/false/no" if name.endswith("WRITEBACK") else
+        "not 1/on/true/yes or 0/off/false/no" if switch else
         f"not a whole number of {0 if name.endswith('PROCESSES') else 1} or more"), result.stderr  # fmt: skip
-    assert not (tmp_path / "out").exists()
+    assert result.stdout == "" and not (tmp_path / "out").exists()
 
 
 def test_processes_asked_for_are_at_most_one_per_core(monkeypatch):

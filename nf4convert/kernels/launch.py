@@ -12,6 +12,7 @@ import os
 import torch
 import triton
 
+from .. import knobs
 from . import configs
 from .nf4 import dequantize_4bit_kernel
 
@@ -61,7 +62,7 @@ def _plan(packed, absmax, code2, absmax2, offset, code, out, blocksize, nested_b
 
 _compiled: dict = {}
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-_fast_launch = _raw_stream is not None and not INTERPRET and os.environ.get("NF4CONVERT_FAST_LAUNCH", "1") != "0"
+_fast_launch = _raw_stream is not None and not INTERPRET and knobs.value("NF4CONVERT_FAST_LAUNCH")
 
 
 _runtime_knobs = getattr(getattr(triton, "knobs", None), "runtime", None)

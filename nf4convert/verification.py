@@ -24,6 +24,7 @@ from .checkpoint import (ADAPTER_FILES, INDEX_NAME, LOADED_WEIGHT_FILES, NAMED_W
 from .dtypes import DTYPES, OUTPUT_DTYPES
 from .errors import ArgumentError, CheckpointError, DependencyError, SourceNotFoundError
 from .paths import expanded
+from .skeleton import meta_model
 from .formats import bnb4, bnb8
 from .plan import QUANTIZED, Copy, Dequantize4bit, Dequantize8bit, MergeLora, PlannedTensor, Transpose, innermost, make_plan
 
@@ -88,9 +89,16 @@ def _skeleton_module(module: str, adapter, device, dtype, references: dict, laye
 
     lora = next((t for t in adapter.targets.values() if t.module == module and t.kind in ("linear", "embedding")), None)
     params = {name.rpartition(".")[2]: value for name, value in references.items()}
-    if lora is not None and lora.kind == "embedding":
-        shape = (lora.tensors["lora_embedding_A"].shape[1], lora.tensors["lora_embedding_B"].shape[0])
+    # The layer transformers' model has there, whatever kind of LoRA tensors the adapter holds: peft loads those of
+    # the kind its layer calls for only, so a mismatch shows as a weight peft leaves unchanged.
+    embedding = lora is not None and (lora.kind == "embedding" if layer_class is None else issubclass(layer_class, torch.nn.Embedding))
+    weight = params.get("weight")
+    if embedding:
+        shape = tuple(weight.shape) if weight is not None and lora.kind != "embedding" else (
+            lora.tensors["lora_embedding_A"].shape[1], lora.tensors["lora_embedding_B"].shape[0])  # fmt: skip
         layer = torch.nn.Embedding(*shape, device="meta")
+    elif lora is not None and lora.kind == "embedding":  # on a Linear/Conv1D of the model
+        layer = torch.nn.Linear(weight.shape[1], weight.shape[0], bias="bias" in params, device="meta")
     elif lora is not None and layer_class is not None and layer_class.__name__ == "Conv1D":
         layer = layer_class(lora.tensors["lora_B"].shape[0], lora.tensors["lora_A"].shape[1])
     elif lora is not None:
@@ -161,48 +169,6 @@ class _Context(NamedTuple):
     module_class: Callable  # module path -> the class transformers' model has there, or None
     parameter_shape: Callable  # tensor name -> the shape transformers' model gives it, or None
     unbuilt: Callable  # -> why transformers could not build the model (once asked), or None
-
-
-def _meta_model(config: dict | None) -> tuple[Callable, Callable, Callable]:
-    """(module path -> its class, tensor name -> its shape, -> why there is no model) in the model transformers builds
-    from ``config`` (on the meta device, no weights), each None where that cannot be built or has no such part: verify's
-    own answers to "Linear or Conv1D?" and "what shape does the model load here?"."""
-    import functools
-
-    failure = []
-
-    @functools.lru_cache(maxsize=1)
-    def model():
-        import torch
-        import transformers
-
-        try:
-            settings = {k: v for k, v in (config or {}).items() if k not in ("dtype", "torch_dtype")}
-            built = transformers.AutoConfig.for_model(**settings)
-            architecture = getattr(transformers, (config.get("architectures") or [""])[0], None)
-            with torch.device("meta"):
-                return architecture._from_config(built) if architecture else transformers.AutoModel.from_config(built)
-        except Exception as error:  # noqa: BLE001  (an unknown architecture: fall back to Linear, no shapes; said in a note)
-            failure.append(f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
-            return None
-
-    def module_class(path: str):
-        built = model()
-        try:
-            return type(built.get_submodule(path)) if built is not None else None
-        except AttributeError:
-            return None
-
-    def parameter_shape(name: str):
-        built = model()
-        module, _, leaf = name.rpartition(".")
-        try:
-            held = getattr(built.get_submodule(module), leaf) if built is not None else None
-        except AttributeError:
-            return None
-        return tuple(held.shape) if hasattr(held, "shape") else None
-
-    return module_class, parameter_shape, lambda: failure[0] if failure else None
 
 
 # The reference twin of stream.PRODUCERS: (what makes it, whom a difference is blamed on). Each reference takes
@@ -506,7 +472,7 @@ def _verify(output: Path, folder: Path, adapter_folder, chosen, progress: bool, 
         report.problems += [f"{name}: in the source, missing from the output" for name in sorted(set(expected) - set(produced))]
         report.problems += [f"{name}: in the output, not in the source" for name in sorted(set(produced) - set(expected))]
         names = sorted(set(expected) & set(produced))
-        context = _Context(expected, *_meta_model(plan.config))
+        context = _Context(expected, *meta_model(plan.config))
         report.problems += _layout_problems(plan.tensors, context)
         for name in tqdm(names, desc=f"verifying {output.name}", unit="tensor", disable=not progress, dynamic_ncols=True):
             report.checked += 1

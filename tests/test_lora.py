@@ -330,10 +330,11 @@ def test_lora_tensors_of_the_other_layer_kind(linear_adapter, tmp_path, dense):
     # are unexpected keys, and the module merges unchanged. Shapes alone fit here (q_proj is square).
     folder = _copy(linear_adapter, tmp_path)
     _rename_lora(folder, "model.layers.0.self_attn.q_proj", {"lora_A.weight": "lora_embedding_A", "lora_B.weight": "lora_embedding_B"})
-    message = _error(lambda: peft_lora.validate(peft_lora.load_adapter(folder), _base_shapes()))
+    base_folder = dense("llama", "bf16")
+    config = json.loads((base_folder / "config.json").read_text())  # q_proj's class, from transformers' model
+    message = _error(lambda: peft_lora.validate(peft_lora.load_adapter(folder), _base_shapes(), config=config))
     assert "'model.layers.0.self_attn.q_proj' are embedding-style (lora_embedding_A/B)" in message
     assert "is a Linear/Conv1D layer of the base model" in message
-    base_folder = dense("llama", "bf16")
     from safetensors.torch import load_file
 
     merged = _peft_merged(base_folder, folder, torch.bfloat16)
@@ -354,6 +355,26 @@ def test_lora_tensors_of_the_other_layer_kind(linear_adapter, tmp_path, dense):
     folder = _make_adapter(tmp_path / "a", "embedding", 23)
     _edit_config(folder, target_modules="all-linear")
     assert "which target_modules 'all-linear' does not name" in _error(lambda: peft_lora.load_adapter(folder))
+
+
+def test_the_layer_kind_rule_refuses_only_what_it_knows():
+    # embeddings are not all named like embed_tokens (openai-gpt's tokens_embed, CTRL's w): embedding-style LoRA on
+    # such a name was refused, where peft merges it; the model's own class decides, and an unknown one is taken
+    Target = type("Target", (), {})
+
+    def target(kind, module):
+        made = Target()
+        made.kind, made.module = kind, module
+        return made
+
+    classes = {"transformer.tokens_embed": torch.nn.Embedding, "transformer.h.0.attn.c_attn": torch.nn.Linear}
+    module_class = classes.get
+    assert not peft_lora._other_kind(target("embedding", "transformer.tokens_embed"), module_class)
+    assert peft_lora._other_kind(target("embedding", "transformer.h.0.attn.c_attn"), module_class)
+    assert not peft_lora._other_kind(target("embedding", "transformer.unknown"), module_class)  # no model: taken
+    assert peft_lora._other_kind(target("linear", "model.embed_tokens"), module_class)  # by name, no model asked
+    assert not peft_lora._other_kind(target("linear", "transformer.h.0.attn.c_attn"), module_class)
+    assert not peft_lora._other_kind(target("embedding", "model.embed_tokens"), lambda module: 1 / 0)  # not asked
 
 
 def test_shape_mismatch(linear_adapter, tmp_path):

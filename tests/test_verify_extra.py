@@ -303,3 +303,29 @@ def test_verify_leaves_the_loggers_as_it_found_them(converted):
         logger.setLevel(logging.INFO)
     assert verify(outputs["single"], str(source), device="cpu").ok
     assert [logger.level for logger in loggers] == [logging.INFO, logging.INFO]
+
+
+def test_verify_builds_the_layer_the_model_has_whatever_the_adapter_holds():
+    # verify's stand-in layer came from the adapter's kind of LoRA tensors: linear-style tensors on an embedding that
+    # convert cannot know by name (openai-gpt's tokens_embed) stood in a Linear, so peft merged them as convert did,
+    # where peft on the real model (an Embedding LoRA layer) loads none of them
+    from types import SimpleNamespace
+
+    import torch
+
+    from nf4convert.verification import _skeleton_module
+
+    info = lambda *shape: SimpleNamespace(shape=shape)  # noqa: E731
+    linear = SimpleNamespace(module="transformer.tokens_embed", kind="linear", tensors={"lora_A": info(4, 64), "lora_B": info(40, 4)})
+    adapter = SimpleNamespace(targets={"transformer.tokens_embed.weight": linear})
+    weight = torch.zeros(40, 64)
+    references = {"transformer.tokens_embed.weight": weight}
+    layer = _skeleton_module("transformer.tokens_embed", adapter, "cpu", torch.float32, references, torch.nn.Embedding)
+    assert type(layer) is torch.nn.Embedding and tuple(layer.weight.shape) == (40, 64)
+    layer = _skeleton_module("transformer.tokens_embed", adapter, "cpu", torch.float32, references, None)  # no model
+    assert type(layer) is torch.nn.Linear
+    embedding = SimpleNamespace(module="h.0.q", kind="embedding", tensors={"lora_embedding_A": info(4, 40),
+                                                                          "lora_embedding_B": info(64, 4)})  # fmt: skip
+    adapter = SimpleNamespace(targets={"h.0.q.weight": embedding})
+    layer = _skeleton_module("h.0.q", adapter, "cpu", torch.float32, {"h.0.q.weight": weight}, torch.nn.Linear)
+    assert type(layer) is torch.nn.Linear and (layer.in_features, layer.out_features) == (64, 40)

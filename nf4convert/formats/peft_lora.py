@@ -97,9 +97,12 @@ PLAIN_INITS = ("eva", "orthogonal")
 
 # Which base modules are embeddings. peft gives an nn.Embedding an Embedding LoRA layer (lora_embedding_A/B) and
 # every other layer a Linear one (lora_A/B; lora/layer.py dispatch_default), and loads only the tensors of the
-# kind it made: the others are unexpected keys, and the layer merges its zero-delta initialisation. Without the
-# model, the module's name tells: in transformers, every module of these names that holds a weight is an
-# nn.Embedding (or a subclass), and no Linear or Conv1D has one of them; any other module counts as Linear/Conv1D.
+# kind it made: the others are unexpected keys, and the layer merges its zero-delta initialisation. In transformers,
+# every module of these names that holds a weight is an nn.Embedding (or a subclass), and no Linear or Conv1D has one
+# of them, so linear-style tensors on such a name are refused at once. Many embeddings have other names (openai-gpt's
+# tokens_embed, CTRL's w, Gemma 3n's embed_tokens_per_layer, ...): embedding-style tensors on any other name are
+# checked against the class transformers' own model has there (skeleton.meta_model, built only then), and taken
+# where it cannot be built. verify builds its stand-in layers from that class too, so it sees what peft would do.
 EMBEDDING_MODULES = (
     "embed_tokens", "wte", "wpe", "word_embeddings", "word_embedding", "token_embedding", "tok_embeddings", "embed_in",
     "shared", "embedding", "embeddings", "position_embeddings", "position_embedding", "embed_positions",
@@ -109,6 +112,33 @@ EMBEDDING_MODULES = (
 
 def _is_embedding(module: str) -> bool:
     return module.rpartition(".")[2] in EMBEDDING_MODULES
+
+
+def _lazy_classes(config: dict | None):
+    """module path -> the class transformers' model has there, or None; the model built on the first question."""
+    built = []
+
+    def module_class(module: str):
+        if not built:
+            from ..skeleton import meta_model
+
+            built.append(meta_model(config)[0])
+        return built[0](module)
+
+    return module_class
+
+
+def _other_kind(target, module_class) -> bool:
+    """Whether ``target``'s LoRA tensors are of the other kind than its layer's (EMBEDDING_MODULES says how that is
+    known): peft would load none of them there."""
+    if target.kind == "linear":
+        return _is_embedding(target.module)
+    if _is_embedding(target.module):
+        return False
+    import torch
+
+    layer = module_class(target.module)
+    return layer is not None and not issubclass(layer, torch.nn.Embedding)
 
 
 def _base_mutating(init) -> bool:
@@ -403,6 +433,7 @@ def validate(adapter: Adapter, base: dict, *, config: dict | None = None) -> Ada
     """
     path = adapter.path
     orientation: dict[str, bool | None] = {}  # linear target -> fan_in_fan_out, None for a square weight
+    classes = _lazy_classes(config)
     for name, target in adapter.targets.items():
         if name not in base:
             hint = ""
@@ -411,7 +442,7 @@ def validate(adapter: Adapter, base: dict, *, config: dict | None = None) -> Ada
                     hint = f" (it has '{other}': was the adapter trained on another model class?)"
             some = next(iter(target.tensors.values())).name
             raise CheckpointError(f"{path}: '{some}' changes '{name}', which the base checkpoint does not have{hint}")
-        if target.kind in ("linear", "embedding") and (target.kind == "embedding") != _is_embedding(target.module):
+        if target.kind in ("linear", "embedding") and _other_kind(target, classes):
             style, layer = "embedding-style (lora_embedding_A/B)", "a Linear/Conv1D layer"
             if target.kind == "linear":
                 style, layer = "linear-style (lora_A/B)", "an embedding layer"

@@ -129,6 +129,12 @@ class DefaultGroup(click.Group):
         elif args and args[0].startswith("-"):  # convert's options before SOURCE (nf4convert -q SOURCE, -- SOURCE)
             own = {name for param in self.get_params(ctx) for name in (*param.opts, *param.secondary_opts)}
             if args[0].split("=", 1)[0] not in own:
+                from pathlib import Path
+
+                named = next((word for word in args if word in self.commands and word != "convert"
+                              and not Path(word).exists()), None)  # fmt: skip
+                if named is not None:
+                    raise click.UsageError(f"options of '{named}' go after its name: nf4convert {named} [OPTIONS] ...")
                 args = ["convert", *args]
         return super().parse_args(ctx, args)
 

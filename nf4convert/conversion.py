@@ -100,7 +100,7 @@ def batch_output(output_root, stem: str, dtype: str) -> str:
 
 def _output_path(output_dir, stem: str, short_dtype: str) -> Path:
     """The default output: ``<output_dir or .>/<stem>-<dtype>``, ``~`` expanded."""
-    return expanded_output(output_dir or ".", "output_dir") / f"{stem}-{short_dtype}"
+    return expanded_output(expanded(output_dir or ".", "output_dir") / f"{stem}-{short_dtype}", "output_dir")
 
 
 @contextlib.contextmanager

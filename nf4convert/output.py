@@ -69,14 +69,19 @@ def check_destination(output: Path, *, overwrite: bool) -> None:
 
 
 def _existing_ancestor(output: Path) -> Path:
-    """The folder OUT is made in: its nearest existing ancestor (OUT's parents may be created)."""
-    try:
-        folder = output.resolve().parent
-    except (OSError, RuntimeError) as error:  # RuntimeError: a symlink loop (Python < 3.13)
-        raise OutputError(f"{output}: cannot be resolved ({error})") from None
-    while not folder.exists() and folder != folder.parent:
-        folder = folder.parent
-    return folder
+    """The folder OUT is made in: its nearest existing ancestor (OUT's parents may be created), resolved. A symbolic
+    link loop on the way is one line, on every Python (from 3.13 ``resolve`` no longer raises for one)."""
+    import errno
+
+    for folder in output.absolute().parents:
+        try:
+            os.stat(folder)
+        except OSError as error:
+            if error.errno == errno.ELOOP:
+                raise OutputError(f"{folder}: cannot be resolved (a symbolic link loop)") from None
+            continue  # missing (or not a folder): its parent then
+        return folder.resolve()
+    return Path(output.absolute().anchor)
 
 
 def placed(path: Path, folder: Path) -> str | None:

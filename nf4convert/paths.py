@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .errors import ArgumentError
+from .errors import ArgumentError, OutputError
 
 
 def expanded(name: str | os.PathLike, option: str) -> Path:
@@ -23,6 +23,9 @@ def expanded_output(name: str | os.PathLike, option: str) -> Path:
     file system would where the folders exist (symlinks followed) and by the name where they do not, so that no
     folder is made only to be stepped out of (``-o x/../y`` made an empty ``x``)."""
     path = expanded(name, option)
-    if ".." in path.parent.parts:
-        path = path.parent.resolve() / path.name
+    if ".." in path.parts and path.name != "..":
+        try:
+            path = path.parent.resolve() / path.name
+        except (OSError, RuntimeError) as error:  # RuntimeError: a symlink loop (Python < 3.13)
+            raise OutputError(f"{os.fspath(name)}: cannot be resolved ({error})") from None
     return path

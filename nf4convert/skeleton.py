@@ -12,6 +12,7 @@ def meta_model(config: dict | None) -> tuple[Callable, Callable, Callable]:
     answers to "Linear, Conv1D or Embedding?" and "what shape does the model load here?" from transformers' own model
     (verify's, and the adapter check's where a name does not tell: formats/peft_lora.py). Built when first asked."""
     import functools
+    import logging
 
     failure = []
 
@@ -20,6 +21,9 @@ def meta_model(config: dict | None) -> tuple[Callable, Callable, Callable]:
         import torch
         import transformers
 
+        quiet = logging.getLogger("transformers")  # its config and model warnings are not this tool's output
+        level = quiet.level
+        quiet.setLevel(logging.ERROR)
         try:
             settings = {k: v for k, v in (config or {}).items() if k not in ("dtype", "torch_dtype")}
             built = transformers.AutoConfig.for_model(**settings)
@@ -29,6 +33,8 @@ def meta_model(config: dict | None) -> tuple[Callable, Callable, Callable]:
         except Exception as error:  # noqa: BLE001  (an unknown architecture: fall back to Linear, no shapes; said in a note)
             failure.append(f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
             return None
+        finally:
+            quiet.setLevel(level)
 
     def module_class(path: str):
         built = model()

@@ -92,13 +92,15 @@ def _skeleton_module(module: str, adapter, device, dtype, references: dict, laye
     # The layer transformers' model has there, whatever kind of LoRA tensors the adapter holds: peft loads those of
     # the kind its layer calls for only, so a mismatch shows as a weight peft leaves unchanged.
     embedding = lora is not None and (lora.kind == "embedding" if layer_class is None else issubclass(layer_class, torch.nn.Embedding))
-    weight = params.get("weight")
+    if lora is not None:  # the base weight's shape, (out, in) / (rows, columns), from the LoRA factors of either kind
+        first, second = (lora.tensors[role] for role in (("lora_embedding_A", "lora_embedding_B") if lora.kind == "embedding"
+                                                          else ("lora_B", "lora_A")))  # fmt: skip
+        dense = (first.shape[1], second.shape[0]) if lora.kind == "embedding" else (first.shape[0], second.shape[1])
+        dense = tuple(params["weight"].shape) if "weight" in params else dense
     if embedding:
-        shape = tuple(weight.shape) if weight is not None and lora.kind != "embedding" else (
-            lora.tensors["lora_embedding_A"].shape[1], lora.tensors["lora_embedding_B"].shape[0])  # fmt: skip
-        layer = torch.nn.Embedding(*shape, device="meta")
+        layer = torch.nn.Embedding(*dense, device="meta")
     elif lora is not None and lora.kind == "embedding":  # on a Linear/Conv1D of the model
-        layer = torch.nn.Linear(weight.shape[1], weight.shape[0], bias="bias" in params, device="meta")
+        layer = torch.nn.Linear(dense[1], dense[0], bias="bias" in params, device="meta")
     elif lora is not None and layer_class is not None and layer_class.__name__ == "Conv1D":
         layer = layer_class(lora.tensors["lora_B"].shape[0], lora.tensors["lora_A"].shape[1])
     elif lora is not None:

@@ -219,7 +219,9 @@ def test_a_dry_run_judges_the_space_and_the_destination_as_the_run_does(checkpoi
         assert run(source, "-o", tmp_path / "a-file" / "out", *extra, code=1).strip() == (
             f"Error: {tmp_path / 'a-file'}: is a file, not a folder; the output cannot be made in it")
         line = run(source, "-o", tmp_path / "loop" / "out", *extra, code=1).strip()
-        assert line.startswith(f"Error: {tmp_path / 'loop' / 'out'}: cannot be resolved (") and "\n" not in line
+        assert line == f"Error: {tmp_path / 'loop'}: cannot be resolved (a symbolic link loop)"
+        line = run(source, "-o", f"{tmp_path / 'loop'}/x/../out", *extra, code=1).strip()  # resolved for its '..'
+        assert line.startswith(f"Error: {tmp_path / 'loop'}/x/../out: cannot be resolved (") and "\n" not in line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "loop"]
 
 
@@ -481,6 +483,10 @@ def test_an_output_named_through_a_missing_folder_makes_no_such_folder(tmp_path,
     run("batch", example, "-o", "r/../s", "-q")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s", "y"] and (tmp_path / "y" / "config.json").exists()
     assert [p.name for p in (tmp_path / "s").iterdir()] == ["tiny-llama-bf16"]
+    (tmp_path / "t").mkdir()
+    monkeypatch.chdir(tmp_path / "t")
+    run("batch", example, "-o", "r/..", "-q")  # a root ending in '..': the output goes in t itself, and no r is made
+    assert [p.name for p in (tmp_path / "t").iterdir()] == ["tiny-llama-bf16"]
 
 
 def test_convert_options_may_come_before_source(tmp_path):
@@ -490,6 +496,7 @@ def test_convert_options_may_come_before_source(tmp_path):
     assert "float16" in run("--dtype", "fp16", "-q", example, "-o", tmp_path / "b")
     assert "version" in run("--version") and "Usage:" in run("--help")
     assert "No such option '--no-such-option'" in run("--no-such-option", example, code=2)
+    assert "options of 'verify' go after its name: nf4convert verify [OPTIONS]" in run("-q", "verify", tmp_path / "a", example, code=2)
 
 
 def test_help_and_bad_arguments_import_no_torch():

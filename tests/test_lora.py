@@ -335,6 +335,8 @@ def test_lora_tensors_of_the_other_layer_kind(linear_adapter, tmp_path, dense):
     message = _error(lambda: peft_lora.validate(peft_lora.load_adapter(folder), _base_shapes(), config=config))
     assert "'model.layers.0.self_attn.q_proj' are embedding-style (lora_embedding_A/B)" in message
     assert "is a Linear/Conv1D layer of the base model" in message
+    message = _error(lambda: peft_lora.validate(peft_lora.load_adapter(folder), _base_shapes()))  # no config: no model
+    assert "is not named like an embedding, and transformers cannot build the model from its config.json" in message
     from safetensors.torch import load_file
 
     merged = _peft_merged(base_folder, folder, torch.bfloat16)
@@ -359,7 +361,8 @@ def test_lora_tensors_of_the_other_layer_kind(linear_adapter, tmp_path, dense):
 
 def test_the_layer_kind_rule_refuses_only_what_it_knows():
     # embeddings are not all named like embed_tokens (openai-gpt's tokens_embed, CTRL's w): embedding-style LoRA on
-    # such a name was refused, where peft merges it; the model's own class decides, and an unknown one is taken
+    # such a name was refused, where peft merges it; the model's own class decides, and where it is unknown (a
+    # remote-code model) the adapter is refused, not merged where peft might load nothing
     Target = type("Target", (), {})
 
     def target(kind, module):
@@ -371,7 +374,7 @@ def test_the_layer_kind_rule_refuses_only_what_it_knows():
     module_class = classes.get
     assert not peft_lora._other_kind(target("embedding", "transformer.tokens_embed"), module_class)
     assert peft_lora._other_kind(target("embedding", "transformer.h.0.attn.c_attn"), module_class)
-    assert not peft_lora._other_kind(target("embedding", "transformer.unknown"), module_class)  # no model: taken
+    assert peft_lora._other_kind(target("embedding", "transformer.unknown"), module_class)  # no model: nothing tells
     assert peft_lora._other_kind(target("linear", "model.embed_tokens"), module_class)  # by name, no model asked
     assert not peft_lora._other_kind(target("linear", "transformer.h.0.attn.c_attn"), module_class)
     assert not peft_lora._other_kind(target("embedding", "model.embed_tokens"), lambda module: 1 / 0)  # not asked

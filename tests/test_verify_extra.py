@@ -324,6 +324,8 @@ def test_verify_builds_the_layer_the_model_has_whatever_the_adapter_holds():
     assert type(layer) is torch.nn.Embedding and tuple(layer.weight.shape) == (40, 64)
     layer = _skeleton_module("transformer.tokens_embed", adapter, "cpu", torch.float32, references, None)  # no model
     assert type(layer) is torch.nn.Linear
+    layer = _skeleton_module("transformer.tokens_embed", adapter, "cpu", torch.float32, {}, torch.nn.Embedding)  # no weight
+    assert type(layer) is torch.nn.Embedding and tuple(layer.weight.shape) == (40, 64)
     embedding = SimpleNamespace(module="h.0.q", kind="embedding", tensors={"lora_embedding_A": info(4, 40),
                                                                           "lora_embedding_B": info(64, 4)})  # fmt: skip
     adapter = SimpleNamespace(targets={"h.0.q.weight": embedding})

@@ -101,8 +101,10 @@ PLAIN_INITS = ("eva", "orthogonal")
 # every module of these names that holds a weight is an nn.Embedding (or a subclass), and no Linear or Conv1D has one
 # of them, so linear-style tensors on such a name are refused at once. Many embeddings have other names (openai-gpt's
 # tokens_embed, CTRL's w, Gemma 3n's embed_tokens_per_layer, ...): embedding-style tensors on any other name are
-# checked against the class transformers' own model has there (skeleton.meta_model, built only then), and taken
-# where it cannot be built. verify builds its stand-in layers from that class too, so it sees what peft would do.
+# checked against the class transformers' own model has there (skeleton.meta_model, built only then), and refused
+# where it cannot be built (a remote-code model: nothing tells). Linear-style tensors on an embedding of another name
+# (which only a hand-edited adapter holds: peft saves lora_embedding_* for embeddings) are not looked up, to spare
+# every adapter transformers' import; verify builds its stand-in layers from transformers' class, so it reports them.
 EMBEDDING_MODULES = (
     "embed_tokens", "wte", "wpe", "word_embeddings", "word_embedding", "token_embedding", "tok_embeddings", "embed_in",
     "shared", "embedding", "embeddings", "position_embeddings", "position_embedding", "embed_positions",
@@ -138,7 +140,7 @@ def _other_kind(target, module_class) -> bool:
     import torch
 
     layer = module_class(target.module)
-    return layer is not None and not issubclass(layer, torch.nn.Embedding)
+    return layer is None or not issubclass(layer, torch.nn.Embedding)
 
 
 def _base_mutating(init) -> bool:
@@ -443,11 +445,14 @@ def validate(adapter: Adapter, base: dict, *, config: dict | None = None) -> Ada
             some = next(iter(target.tensors.values())).name
             raise CheckpointError(f"{path}: '{some}' changes '{name}', which the base checkpoint does not have{hint}")
         if target.kind in ("linear", "embedding") and _other_kind(target, classes):
-            style, layer = "embedding-style (lora_embedding_A/B)", "a Linear/Conv1D layer"
+            style, layer = "embedding-style (lora_embedding_A/B)", "is a Linear/Conv1D layer of the base model"
             if target.kind == "linear":
-                style, layer = "linear-style (lora_A/B)", "an embedding layer"
-            raise CheckpointError(f"{path}: the LoRA tensors for '{target.module}' are {style}, but "
-                                  f"'{target.module}' is {layer} of the base model (peft would load none of them there)")
+                style, layer = "linear-style (lora_A/B)", "is an embedding layer of the base model"
+            elif classes(target.module) is None:
+                layer = ("is not named like an embedding, and transformers cannot build the model from its config.json "
+                         "to tell its class")  # fmt: skip
+            raise CheckpointError(f"{path}: the LoRA tensors for '{target.module}' are {style}, but '{target.module}' "
+                                  f"{layer} (peft would load none of them into another kind of layer)")  # fmt: skip
         shape = _shape_of(base[name])
         replacement = target.tensors.get("base")
         if replacement is not None and tuple(replacement.shape) != shape:

@@ -62,7 +62,8 @@ def _plan(packed, absmax, code2, absmax2, offset, code, out, blocksize, nested_b
 
 _compiled: dict = {}
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-_fast_launch = _raw_stream is not None and not INTERPRET and knobs.value("NF4CONVERT_FAST_LAUNCH")
+_fast_launch = None  # decided at the first eager launch (NF4CONVERT_FAST_LAUNCH read then, not at import: a compiled
+# model imports this module for _plan and never launches through here)
 
 
 _runtime_knobs = getattr(getattr(triton, "knobs", None), "runtime", None)
@@ -100,6 +101,8 @@ def launch(packed, absmax, code2, absmax2, offset, code, out, blocksize, nested_
     device_index = out.device.index
     guard = contextlib.nullcontext() if device_index == torch.cuda.current_device() else torch.cuda.device(device_index)
     with guard:
+        if _fast_launch is None:
+            _fast_launch = _raw_stream is not None and knobs.value("NF4CONVERT_FAST_LAUNCH")
         if not _fast_launch or _hooks_active():
             dequantize_4bit_kernel[grid](*args, **constexprs, num_warps=num_warps, enable_fp_fusion=False)
             return None

@@ -50,7 +50,7 @@ def check_destination(output: Path, *, overwrite: bool) -> None:
     written (a read-only file system, no permission): found by a dry run too, not by the first write."""
     if output.is_symlink():
         raise OutputError(f"{output}: is a symbolic link; give the folder it points to, or a new name")
-    _existing_ancestor(output)  # a symlink loop on the way is one line
+    folder = _existing_ancestor(output)  # first: a symlink loop on the way is one line
     cwd = Path.cwd().resolve()
     if output.name in ("", ".", "..") or output.resolve() == cwd or output.resolve() in cwd.parents:
         raise OutputError(f"{output}: is the current folder or holds it; give the output a folder name of its own")
@@ -61,7 +61,6 @@ def check_destination(output: Path, *, overwrite: bool) -> None:
             raise OutputError(f"{output}: exists and is not empty", option="overwrite")
     except OSError as error:
         raise OutputError(f"{output}: cannot be read ({_reason(error)})") from None
-    folder = _existing_ancestor(output)
     if not folder.is_dir():
         raise OutputError(f"{folder}: is a file, not a folder; the output cannot be made in it")
     if not os.access(folder, os.W_OK | os.X_OK):

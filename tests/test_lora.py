@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 import warnings
 from pathlib import Path
 
@@ -40,6 +41,8 @@ KINDS = {
     "embedding": ("llama", dict(r=5, lora_alpha=9, target_modules=["embed_tokens", "o_proj"]), torch.float16),
     "dora_embedding": ("llama", dict(r=3, lora_alpha=4, use_dora=True, target_modules=["embed_tokens", "gate_proj"]), torch.float32),
     "modules_to_save": ("llama", dict(r=2, lora_alpha=3, target_modules=["q_proj"], modules_to_save=["lm_head", "norm"]), torch.float32),
+    # peft gives no LoRA layer to a module inside a saved one (down_proj in mlp): it saves the whole mlp instead
+    "saved_ancestor": ("llama", dict(r=2, lora_alpha=3, target_modules=["q_proj", "down_proj"], modules_to_save=["mlp"]), torch.float32),
     "fan_in_fan_out": ("gpt2", dict(r=4, lora_alpha=6, fan_in_fan_out=True, target_modules=["c_attn", "c_proj", "c_fc"], bias="lora_only"), torch.bfloat16),
     "dora_fan_in_fan_out": ("gpt2", dict(r=3, lora_alpha=5, use_dora=True, fan_in_fan_out=True, target_modules=["c_attn", "c_fc"]), torch.float32),
     "lora_bias": ("gpt2", dict(r=4, lora_alpha=8, lora_bias=True, fan_in_fan_out=True, target_modules=["c_attn", "c_proj"]), torch.float32),
@@ -171,6 +174,7 @@ def test_merge_matches_peft(kind, dtype, dense, tmp_path):
         "dora_embedding": {"embedding", "linear"},
         "lora_bias": {"linear", "bias"},
         "modules_to_save": {"linear", "replace"},
+        "saved_ancestor": {"linear", "replace"},
         "fan_in_fan_out": {"linear", "replace"},
     }.get(kind, {"linear"})
     assert kinds == expected_kinds
@@ -299,6 +303,7 @@ def test_unsupported_configs(linear_adapter, tmp_path):
         # values peft fails on when loading
         (dict(modules_to_save="lm_head"), "modules_to_save is 'lm_head', not a list of module names"),
         (dict(modules_to_save=[3]), "modules_to_save is [3]"),
+        (dict(modules_to_save=["q_proj("]), "modules_to_save entry 'q_proj(' is not a valid pattern"),
         (dict(bias=1), "bias is 1"),
         (dict(bias="some"), "bias is 'some'"),
         (dict(init_lora_weights=3), "init_lora_weights is 3"),
@@ -314,10 +319,24 @@ def test_unsupported_configs(linear_adapter, tmp_path):
         assert words in message and "adapter_config.json" in message, change
     # what peft reads as unset, or as a plain LoRA, merges
     for change in (dict(layers_to_transform=[], layers_pattern="layers"), dict(exclude_modules=[], bias="lora_only"),
-                   dict(init_lora_weights="Gaussian"), dict(init_lora_weights="orthogonal"), dict(megatron_config={})):
+                   dict(init_lora_weights="Gaussian"), dict(init_lora_weights="orthogonal"), dict(megatron_config={}),
+                   dict(init_lora_weights=0), dict(init_lora_weights=""), dict(modules_to_save=["lm_head", "mlp\\.x"])):
         _edit_config(folder, **json.loads((linear_adapter / "adapter_config.json").read_text()))
         _edit_config(folder, **change)
         assert peft_lora.load_adapter(folder).targets, change
+
+
+def test_lora_under_a_saved_module(linear_adapter, tmp_path):
+    # peft matches each modules_to_save entry as a pattern on whole path components (check_target_module_exists) and
+    # gives no LoRA layer to a module in or under a saved one: its LoRA tensors would be unused, so they are refused
+    folder = _copy(linear_adapter, tmp_path)
+    for saved, words in ((["mlp"], r"mlp\.\w+_proj' has LoRA tensors and lies in 'mlp' of modules_to_save too"),
+                         ([r"layers\.1"], r"layers\.1\.\S+' has LoRA tensors and lies in 'layers\\\.1' of"),
+                         (["q_pro."], r"self_attn\.q_proj' has LoRA tensors and lies in 'q_pro\.' of"),
+                         (["o_proj"], r"self_attn\.o_proj' has LoRA tensors and is in modules_to_save too")):
+        _edit_config(folder, modules_to_save=saved)
+        message = _error(lambda: peft_lora.load_adapter(folder))
+        assert re.search(words, message) and "adapter_model.safetensors" in message, (saved, message)
 
 
 def _rename_lora(folder: Path, module: str, renames: dict):

@@ -244,7 +244,8 @@ def _read_config(folder: Path) -> tuple[Path, dict]:
         )
     # Values peft refuses when it loads the adapter (LoraConfig.__post_init__, LoraLayer.update_layer,
     # BaseTuner._mark_only_adapters_as_trainable, check_target_module_exists)
-    if not (isinstance(init, bool) or (isinstance(init, str) and (init.lower() == "gaussian" or init in PLAIN_INITS))):
+    # peft initialises nothing for any false value (0, "", ...: update_layer tests its truth) and loads the weights
+    if init and not (init is True or (isinstance(init, str) and (init.lower() == "gaussian" or init in PLAIN_INITS))):
         raise CheckpointError(f"{config_path}: init_lora_weights is {init!r}, not true, false or an initialisation "
                               "peft knows; peft refuses this config")  # fmt: skip
     bias = config.get("bias", "none")
@@ -255,6 +256,12 @@ def _read_config(folder: Path) -> tuple[Path, dict]:
     if not (saved is None or (isinstance(saved, list) and all(isinstance(m, str) for m in saved))):
         raise CheckpointError(f"{config_path}: modules_to_save is {saved!r}, not a list of module names; peft "
                               "refuses this config")  # fmt: skip
+    for entry in saved or ():  # peft matches each entry as a regular expression (_saved_whole)
+        try:
+            re.compile(rf"(^|.*\.){entry}($|\..*)")
+        except re.error as error:
+            raise CheckpointError(f"{config_path}: modules_to_save entry {entry!r} is not a valid pattern ({error}); "
+                                  "peft matches each entry as one") from None
     pattern = config.get("layers_pattern")
     if pattern and config.get("layers_to_transform") is None:
         raise CheckpointError(f"{config_path}: layers_pattern without layers_to_transform: peft refuses this config")
@@ -298,6 +305,16 @@ def _targeted(config: dict, module: str) -> bool:
     return any(module == key or module.endswith("." + key) for key in targets)
 
 
+def _saved_whole(config: dict, module: str) -> str | None:
+    """The ``modules_to_save`` entry under which peft gives ``module`` (a dotted path) no LoRA layer, or None: as
+    ``tuners_utils.check_target_module_exists``, an entry is a regular expression matched against whole components
+    of the path, so it names the module itself or any module above it (_read_config checked that each compiles)."""
+    for entry in config.get("modules_to_save") or ():
+        if re.match(rf"(^|.*\.){entry}($|\..*)", module):
+            return entry
+    return None
+
+
 def load_adapter(folder: Path) -> Adapter:
     """Read ``adapter_config.json`` and the header of ``adapter_model.safetensors`` (no tensor data) of a peft
     LoRA adapter, and map every base tensor it changes to a :class:`LoraTarget`.
@@ -335,13 +352,14 @@ def load_adapter(folder: Path) -> Adapter:
             # peft's load_state_dict puts these into the base parameters: "x.base_layer.weight" is x's own weight.
             replacements[rest.replace(".base_layer.", ".")] = (info, ".base_layer." in rest)
 
-    saved = config.get("modules_to_save") or []  # _read_config checked: a list of names
     for module, roles in lora_modules.items():
         if not _targeted(config, module):  # peft would create no LoRA layer there and leave these tensors unused
             raise CheckpointError(f"{path}: tensor '{next(iter(roles.values())).name}' is for '{module}', which "
                                   f"target_modules {config['target_modules']!r} does not name")  # fmt: skip
-        if any(module == k or module.endswith("." + k) for k in saved):
-            raise CheckpointError(f"{path}: '{module}' has LoRA tensors and is in modules_to_save too (peft cannot load that)")
+        if (entry := _saved_whole(config, module)) is not None:
+            where = "is in" if module == entry or module.endswith("." + entry) else f"lies in '{entry}' of"
+            raise CheckpointError(f"{path}: '{module}' has LoRA tensors and {where} modules_to_save too (peft gives it "
+                                  "no LoRA layer and would leave them unused)")  # fmt: skip
     targets: dict[str, LoraTarget] = {}
     for module, roles in lora_modules.items():
         for target in _module_targets(path, config_path, config, module, roles):
@@ -503,7 +521,8 @@ def validate(adapter: Adapter, base: dict, *, config: dict | None = None) -> Ada
         adapted = {t.module for t in adapter.targets.values() if t.kind in ("linear", "embedding", "replace")}
         for name, value in base.items():
             module = name.removesuffix(".weight")
-            if module != name and module not in adapted and len(_shape_of(value)) == 2 and _targeted(adapter.config, module):
+            if (module != name and module not in adapted and len(_shape_of(value)) == 2 and _targeted(adapter.config, module)
+                    and _saved_whole(adapter.config, module) is None):
                 raise CheckpointError(f"{path}: target_modules {targets!r} names '{module}', but the adapter has no LoRA "
                                       "tensors for it (peft would merge a freshly initialised LoRA layer there)")  # fmt: skip
 

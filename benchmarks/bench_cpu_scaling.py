@@ -30,7 +30,7 @@ def main() -> None:
     parser.add_argument("--process-chunks", default="32768,4194304", help="kernel chunk sizes in the worker processes")
     args = parser.parse_args()
 
-    import torch
+    import numpy as np
 
     from nf4convert.formats import bnb4
     from nf4convert.kernels import cpu
@@ -38,22 +38,22 @@ def main() -> None:
 
     cores = len(os.sched_getaffinity(0))
     counts = [int(x) for x in args.threads.split(",")] if args.threads else sorted({1, max(1, cores // 2), cores})
-    generator = torch.Generator().manual_seed(0)
+    rng = np.random.default_rng(0)
     n_packed = args.packed_mib << 20
     n = 2 * n_packed
     blocksize, nested_blocksize = 64, 256
-    packed = torch.randint(0, 256, (n_packed,), dtype=torch.uint8, generator=generator)
-    absmax = torch.randint(0, 256, (n // blocksize,), dtype=torch.uint8, generator=generator)
-    state = bnb4.QuantState4bit(absmax=absmax, shape=torch.Size([n]), dtype=torch.bfloat16, blocksize=blocksize,
-                                quant_type="nf4", offset=torch.tensor(0.03),
-                                state2=bnb4.NestedState(torch.rand(-(-absmax.numel() // nested_blocksize)) + 0.5,
-                                                        torch.linspace(-1, 1, 256), nested_blocksize))  # fmt: skip
-    pieces = list(bnb4.chunks(state, CPU_PIECE_BYTES // 2, torch.bfloat16))
+    packed = rng.integers(0, 256, n_packed, dtype=np.uint8)
+    absmax = rng.integers(0, 256, n // blocksize, dtype=np.uint8)
+    state = bnb4.QuantState4bit(absmax=absmax, shape=(n,), dtype="BF16", blocksize=blocksize, quant_type="nf4",
+                                offset=0.03,
+                                state2=bnb4.NestedState(rng.random(-(-absmax.size // nested_blocksize), dtype=np.float32) + 0.5,
+                                                        np.linspace(-1, 1, 256, dtype=np.float32), nested_blocksize))  # fmt: skip
+    pieces = list(bnb4.chunks(state, CPU_PIECE_BYTES // 2))
     route = CpuRoute(processes=0)  # the threads' rows: every make on the calling thread
-    code = bnb4.canonical_code("nf4")
+    code = np.float32(bnb4.CODES["nf4"])
 
     def run(threads: int, work) -> float:
-        return _in_threads(threads, len(pieces), lambda: torch.empty(CPU_PIECE_BYTES, dtype=torch.uint8), work)
+        return _in_threads(threads, len(pieces), lambda: np.empty(CPU_PIECE_BYTES, dtype=np.uint8), work)
 
     def route_make(index, out):
         first, count, piece = pieces[index]
@@ -63,16 +63,15 @@ def main() -> None:
         first, count, piece = pieces[index]
         scale_state = piece.state2
         cpu.dequantize(packed[first // 2 : first // 2 + (count + 1) // 2], piece.absmax, scale_state.code,
-                       scale_state.absmax, piece.offset, code, out[: 2 * count].view(torch.bfloat16),
-                       blocksize, nested_blocksize)  # fmt: skip
+                       scale_state.absmax, piece.offset, code, out[: 2 * count], "BF16", blocksize, nested_blocksize)  # fmt: skip
 
-    source = torch.empty(CPU_PIECE_BYTES // 2, dtype=torch.float32)
+    source = np.zeros(CPU_PIECE_BYTES // 2, dtype=np.float32)
 
     def copy_only(index, out):  # read 4 bytes, write 2, per element: the kernel's last pass alone
-        out.view(torch.bfloat16).copy_(source)
+        cpu.store(source, out.view(np.uint16), "BF16", nan=False)
 
     results = []
-    print(f"cores={cores} torch={torch.__version__} pieces={len(pieces)} out_gb={2 * n / 1e9:.2f}")
+    print(f"cores={cores} numpy={np.__version__} pieces={len(pieces)} out_gb={2 * n / 1e9:.2f}")
     for threads in counts:
         rows = [("copy", None, copy_only)]
         for chunk in [int(x) for x in args.chunks.split(",")]:
@@ -113,7 +112,7 @@ def _in_processes(processes, pieces, packed, code, blocksize, nested_blocksize) 
         read, out = slots
         first, count, piece = pieces[index]
         n_packed = (count + 1) // 2
-        read[:n_packed].copy_(packed[first // 2 : first // 2 + n_packed])
+        read[:n_packed] = packed[first // 2 : first // 2 + n_packed]
         workers.run(_dequantize_4bit_on_cpu, read[:n_packed], out[: 2 * count], piece)
 
     seconds = _in_threads(processes, len(pieces), lambda: (workers.slot(CPU_PIECE_BYTES), workers.slot(CPU_PIECE_BYTES)), feed)
@@ -122,15 +121,12 @@ def _in_processes(processes, pieces, packed, code, blocksize, nested_blocksize) 
 
 
 def _in_threads(threads: int, n_pieces: int, own, work) -> float:
-    """Seconds for ``threads`` threads (one torch thread each) to take pieces 0..n_pieces-1 in turn, each calling
-    ``work(index, mine)`` with ``mine = own()``, made once per thread."""
-    import torch
-
+    """Seconds for ``threads`` threads to take pieces 0..n_pieces-1 in turn, each calling ``work(index, mine)`` with
+    ``mine = own()``, made once per thread."""
     turn = iter(range(n_pieces))
     lock = threading.Lock()
 
     def taker() -> None:
-        torch.set_num_threads(1)
         mine = own()
         while True:
             with lock:

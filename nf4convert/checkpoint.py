@@ -353,6 +353,15 @@ def read_tensors(folder: Path) -> dict[str, TensorInfo]:
     return tensors
 
 
+def as_array(data):
+    """A numpy array as it is, a CPU tensor as a numpy array on its bytes (torch is not imported for numpy arrays)."""
+    if hasattr(data, "__array_interface__"):
+        return data
+    import torch
+
+    return data.contiguous().view(-1).view(torch.uint8).numpy()
+
+
 class TensorReader:
     """Reads tensors' bytes from their files, keeping the files open; tensors come back on the CPU.
 
@@ -383,20 +392,23 @@ class TensorReader:
         return handle
 
     def read(self, info: TensorInfo, first_byte: int = 0, count: int | None = None, out=None):
-        """Bytes ``[first_byte, first_byte + count)`` of a tensor as a uint8 tensor (into ``out`` if given).
+        """Bytes ``[first_byte, first_byte + count)`` of a tensor as a uint8 tensor, or into ``out`` (a uint8 numpy
+        array or CPU tensor, returned as ``out[:count]``).
 
         Positional reads (no shared file position): safe from several threads at once.
         """
-        import torch
-
         count = info.nbytes - first_byte if count is None else count
         if self._held is not None and info.path in self._held:
             first, end = info.begin + first_byte, info.begin + first_byte + count
             if not any(a <= first and end <= b for a, b in self._held[info.path]):
                 raise CheckpointError(f"{info.path}: tensor '{info.name}' ({info.nbytes} bytes) was not read from the Hub: "
                                       "a dry run reads only headers and quant states; a conversion downloads the weights")  # fmt: skip
-        buffer = torch.empty(count, dtype=torch.uint8) if out is None else out[:count]
-        view = memoryview(buffer.numpy()) if count else memoryview(b"")
+        if out is None:
+            import torch
+
+            out = torch.empty(count, dtype=torch.uint8)
+        buffer = out[:count]
+        view = memoryview(as_array(buffer)) if count else memoryview(b"")
         descriptor = self._file(info.path).fileno()
         done = 0
         try:
@@ -412,6 +424,12 @@ class TensorReader:
     def tensor(self, info: TensorInfo):
         data = self.read(info)
         return data.view(DTYPES[info.dtype].torch).reshape(info.shape)
+
+    def array(self, info: TensorInfo):
+        """A tensor's bytes as a flat uint8 numpy array (no torch)."""
+        import numpy as np
+
+        return self.read(info, out=np.empty(info.nbytes, dtype=np.uint8))
 
     def close(self):
         for handle in self._files.values():
@@ -575,11 +593,9 @@ class ShardWriter:
             view, position = view[done:], position + done
 
     def write(self, name: str, data, offset: int | None = None) -> None:
-        """Bytes (a CPU tensor, any dtype, contiguous) of tensor ``name``: appended after the bytes it has
-        (call in header order), or at byte ``offset`` of the tensor."""
-        import torch
-
-        view = memoryview(data.contiguous().view(-1).view(torch.uint8).numpy())
+        """Bytes (a contiguous numpy array or CPU tensor, any dtype) of tensor ``name``: appended after the bytes it
+        has (call in header order), or at byte ``offset`` of the tensor."""
+        view = memoryview(as_array(data)).cast("B")
         if not len(view) and name in self._begin:
             return  # an empty tensor is complete from the start (appending skips past it)
         if offset is None:

@@ -27,10 +27,25 @@ def no_triton(what: str) -> DependencyError:
                            "the CPU path (--device cpu, backend='cpu') works without it")  # fmt: skip
 
 
+def gpu_driver_present() -> bool:
+    """Whether this machine shows a GPU driver's device files (NVIDIA's /dev/nvidia*, AMD's /dev/kfd): without them
+    torch sees no CUDA device, so ``auto`` picks the CPU without importing torch (seconds with a CUDA build)."""
+    import glob
+    import os
+
+    return bool(glob.glob("/dev/nvidia[0-9]*")) or os.path.exists("/dev/kfd") or not os.path.isdir("/dev")
+
+
 def pick_device(device: str, *, kernel: bool = True):
     """``auto`` (an NVIDIA GPU when there is one and, for our ``kernel``, Triton to compile it), ``cpu``, ``cuda`` or
     ``cuda:N`` -> torch.device; ArgumentError otherwise, and for ``cuda`` on an AMD GPU; DependencyError for ``cuda``
-    without Triton where the kernel runs (``kernel=False``: verify, whose references are bitsandbytes and peft)."""
+    without Triton where the kernel runs (``kernel=False``: verify, whose references are bitsandbytes and peft).
+    Where torch is not needed to tell (``cpu``; ``auto`` on Linux without a GPU driver) and not imported yet, the
+    string "cpu": the CPU route runs without torch."""
+    import sys
+
+    if device == "cpu" or (device == "auto" and sys.platform.startswith("linux") and not gpu_driver_present()):
+        return "cpu" if sys.modules.get("torch") is None else sys.modules["torch"].device("cpu")
     import torch
 
     if device == "auto":

@@ -1,7 +1,7 @@
-"""The one table of dtypes: safetensors' names, torch's names, sizes, and which ones an output may take.
+"""The one table of dtypes: safetensors' names, torch's and numpy's, sizes, and which ones an output may take.
 
 Everything else (the CLI's --dtype choices, plan's casts, the shard writer, verify) reads this table.
-torch is not imported here, so the CLI can parse options without it.
+Neither torch nor numpy is imported here, so the CLI can parse options without them.
 """
 
 from __future__ import annotations
@@ -25,6 +25,16 @@ class DType:
 
         return getattr(torch, self.name)
 
+    @property
+    def numpy(self):
+        """The numpy dtype that holds this dtype's bits (its own where numpy has it; bf16 as uint16, fp8 as uint8)."""
+        import numpy as np
+
+        return np.dtype(_NUMPY.get(self.name, self.name))
+
+
+_NUMPY = {"bfloat16": "uint16", "float8_e4m3fn": "uint8", "float8_e5m2": "uint8"}
+
 
 DTYPES = {
     dtype.code: dtype
@@ -41,6 +51,17 @@ BY_NAME = {dtype.name: dtype for dtype in DTYPES.values()}
 OUTPUT_DTYPES = {name: BY_NAME[name] for name in ("bfloat16", "float16", "float32")}  # those with a short name
 # What --dtype / dtype= accept: "auto", the short names and torch's names.
 OUTPUT_CHOICES = ("auto", *(d.short for d in OUTPUT_DTYPES.values()), *OUTPUT_DTYPES)
+
+
+def to_float32(raw, code: str):
+    """The fp32 values (a numpy array) of ``raw``, the uint8 numpy bytes of float dtype ``code``: exact from F16 and
+    BF16, rounded to nearest even from F64 (as torch's casts from float64 to fp16/bf16 go through fp32)."""
+    import numpy as np
+
+    if code == "BF16":
+        return np.left_shift(raw.view(np.uint16).astype(np.uint32), 16).view(np.float32)
+    with np.errstate(all="ignore"):
+        return raw.view(DTYPES[code].numpy).astype(np.float32)
 
 
 def output_dtype(choice: str) -> DType | None:

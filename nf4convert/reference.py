@@ -35,6 +35,7 @@ Each step and why (read in bitsandbytes' csrc/kernels.cu, kDequantizeBlockwise, 
   same kernel (General8bit, fp32 out), so its products flush the same way.
 - ``+ offset`` is bitsandbytes' ``absmax += quant_state.offset``, a torch add of its own (no FMA with the
   product, no flush: torch's CUDA kernels are not built with fast math), in fp32.
+- A NaN (a NaN scale, or an infinite one times a zero code) is CUDA's canonical NaN: all bits but the sign set.
 - No FMA anywhere: each product is stored before anything else touches it. ``round_T`` is the one
   conversion of the fp32 product to the output dtype, round to nearest even (``__float2half_rn``,
   ``__float2bfloat16_rn`` in CUDA, ``Tensor.copy_`` here, which keeps fp16 subnormals as CUDA does).
@@ -265,4 +266,9 @@ def _dequantize_cpu(raw: torch.Tensor, quant_state: Any, dtype: torch.dtype) -> 
         else:
             blocks.mul_(scale[:, None])
         out[first_element:end_element].copy_(values[: end_element - first_element])
+    # A NaN scale (or inf * 0) makes NaNs: CUDA's arithmetic and conversions give the canonical one (all bits but the
+    # sign set), whatever bits the CPU's would have
+    nan = out.isnan()
+    if nan.any():
+        out.view({2: torch.int16, 4: torch.int32}[out.element_size()])[nan] = 0x7FFF if out.element_size() == 2 else 0x7FFFFFFF
     return out.view(shape)

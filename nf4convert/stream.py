@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 from . import knobs, profile
-from .checkpoint import ShardWriter, TensorInfo, TensorReader, Writeback
+from .checkpoint import ShardWriter, TensorInfo, TensorReader, Writeback, as_array
 from .dtypes import DTYPES
 from .formats import bnb4, bnb8, peft_lora
 from .plan import Copy, Dequantize4bit, Dequantize8bit, MergeLora, Plan, PlannedTensor, Transpose, innermost, may_exceed
@@ -94,7 +94,7 @@ class Piece:
 def _copy(tensor: PlannedTensor, reader: TensorReader, route) -> Iterator[Piece]:
     source = tensor.recipe.source
     source_type, target_type = DTYPES[source.dtype], DTYPES[tensor.dtype]
-    cast = route.cast(source_type.torch, target_type.torch) if source_type.torch != target_type.torch else None
+    cast = _cast(source.dtype, tensor.dtype) if source.dtype != tensor.dtype else None
     step = max(1, route.piece_bytes // max(source_type.itemsize, target_type.itemsize))  # elements
     n_elements = source.nbytes // source_type.itemsize
     for first in range(0, n_elements, step):
@@ -106,8 +106,8 @@ def _copy(tensor: PlannedTensor, reader: TensorReader, route) -> Iterator[Piece]
 def _dequantize_4bit(tensor: PlannedTensor, reader: TensorReader, route) -> Iterator[Piece]:
     weight = tensor.recipe.weight
     out_type = DTYPES[tensor.dtype]
-    state = bnb4.load_state(weight, reader, route.device)
-    for first, count, piece in bnb4.chunks(state, route.piece_bytes // out_type.itemsize, out_type.torch):
+    state = route.state_4bit(bnb4.load_state(weight, reader, tensor.dtype))
+    for first, count, piece in bnb4.chunks(state, route.piece_bytes // out_type.itemsize):
         yield Piece(first * out_type.itemsize, count * out_type.itemsize, weight.packed, first // 2, (count + 1) // 2,
                     route.dequantize_4bit(piece), on_device=True)  # fmt: skip
 
@@ -140,17 +140,20 @@ def _whole(tensor: PlannedTensor, reader: TensorReader, route, device="cpu"):
             piece.make.into(read, target)
         elif target.is_cuda:  # made on the host (a cast, bytes already in memory)
             made = torch.empty(piece.nbytes, dtype=torch.uint8)
-            piece.make(read, made)
+            piece.make(read.numpy(), made.numpy())
             target.copy_(made)
-        elif (event := piece.make(read, target)) is not None:
-            event.synchronize()
+        elif isinstance(piece.make, _DeviceMake):  # the CUDA route's piece into host memory
+            piece.make(read, target).synchronize()
+        else:  # the CPU route's makes take numpy arrays
+            piece.make(read.numpy(), target.numpy())
     return whole
 
 
 def _pieces_from_memory(data, source: TensorInfo, piece_bytes: int) -> Iterator[Piece]:
     """A tensor already made (raw bytes in host memory), handed to the writers piece by piece."""
-    for first in range(0, data.numel(), piece_bytes):
-        count = min(piece_bytes, data.numel() - first)
+    data = as_array(data)
+    for first in range(0, data.size, piece_bytes):
+        count = min(piece_bytes, data.size - first)
         yield Piece(first, count, source, 0, 0, _from_memory(data[first : first + count]))
 
 
@@ -186,7 +189,7 @@ def _merge_lora(tensor: PlannedTensor, reader: TensorReader, route) -> Iterator[
 
 def _from_memory(data):
     def make(read, out):
-        out.copy_(data)
+        out[:] = data
 
     return make
 
@@ -204,15 +207,19 @@ PRODUCERS: dict[type, Callable[[PlannedTensor, TensorReader, object], Iterator[P
 # --- routes: how pieces are made on a device ------------------------------------------------------------------
 
 
-def _cast(source_type, target_type):
+def _cast(source_dtype: str, target_dtype: str):
+    """A plain tensor's piece cast on the CPU, on either route (so both give the same bits): kernels/cpu.cast."""
+
     def make(read, out):
-        out.view(target_type).copy_(read.view(source_type))
+        from .kernels import cpu
+
+        cpu.cast(read, source_dtype, out, target_dtype)
 
     return make
 
 
 class _Buffers:
-    """Reused host buffers (pinned for CUDA). A buffer given back with an event is taken again only once
+    """Reused host buffers: uint8 numpy arrays, or pinned uint8 tensors for the pieces a GPU makes. A buffer given back with an event is taken again only once
     that event has passed (a copy may still be reading it); one whose event has passed is taken first."""
 
     def __init__(self, size: int, pinned: bool, slots=None, overflow: "_Buffers | None" = None):
@@ -223,10 +230,8 @@ class _Buffers:
         self._lock = threading.Lock()
 
     def take(self, nbytes: int):
-        import torch
-
         with self._lock:
-            fitting = [i for i, (buffer, _) in enumerate(self._free) if buffer.numel() >= nbytes]
+            fitting = [i for i, (buffer, _) in enumerate(self._free) if buffer.nbytes >= nbytes]
             ready = [i for i in fitting if self._free[i][1] is None or self._free[i][1].query()]
             index = (ready or fitting or [None])[0]
             buffer, event = self._free.pop(index) if index is not None else (None, None)
@@ -235,8 +240,14 @@ class _Buffers:
                 buffer = self._slots.slot(nbytes)
             if buffer is None:
                 return self._overflow.take(nbytes)
-        if buffer is None:
-            buffer = torch.empty(max(nbytes, self._size), dtype=torch.uint8, pin_memory=self._pinned)
+        if buffer is None and self._pinned:
+            import torch
+
+            buffer = torch.empty(max(nbytes, self._size), dtype=torch.uint8, pin_memory=True)
+        elif buffer is None:  # pageable memory: a numpy array (the CPU route needs no torch)
+            import numpy as np
+
+            buffer = np.empty(max(nbytes, self._size), dtype=np.uint8)
         if event is not None:
             event.synchronize()
         return buffer
@@ -252,7 +263,9 @@ class _Buffers:
 class CpuRoute:
     """Pieces made on the CPU, spread over the cores. Casts run on the makers' threads; 4-bit and 8-bit pieces run
     in worker processes (workers.py) where the machine has ``PROCESS_MIN_CORES`` cores or more, else on the threads
-    too. torch runs one thread per maker (the makers are the parallelism; more would oversubscribe the cores)."""
+    too. Pieces are numpy arrays, and 4-bit pieces and casts are made in numpy (kernels/cpu.py): torch is imported
+    only by what needs it (8-bit pieces, LoRA merges, Conv1D transposes), and then runs one thread per maker (the
+    makers are the parallelism; more would oversubscribe the cores)."""
 
     piece_bytes = CPU_PIECE_BYTES
 
@@ -260,12 +273,10 @@ class CpuRoute:
         """``processes``: worker processes (default: from the cores and NF4CONVERT_PROCESSES; 0 for none), with one
         maker thread each; ``workers``: maker threads where there are no worker processes (default: one per core,
         ``MAX_MAKERS`` at most)."""
-        import torch
-
         from . import workers as _workers
         from .devices import cpu_cores
 
-        self.device = torch.device("cpu")
+        self.device = "cpu"
         cores = cpu_cores()  # a container's CPU quota counted
         if processes is None and PROCESSES is not None:
             processes = min(PROCESSES, cores)
@@ -281,31 +292,35 @@ class CpuRoute:
         self.makers = self._workers.count if self._workers else workers or min(cores, MAX_MAKERS)
         self._buffers = _Buffers(self.piece_bytes, pinned=False)
         self._shared = _Buffers(self.piece_bytes, False, self._workers, overflow=self._buffers) if self._workers else None
-        self._threads = torch.get_num_threads()
+        self._threads = None  # torch's thread count before the route set it to one, once torch is in use
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc_info):
-        import torch
-
         if self._workers is not None:
             self._workers.close()
-        torch.set_num_threads(self._threads)  # the makers set one thread each
+        if self._threads is not None:
+            import torch
+
+            torch.set_num_threads(self._threads)
 
     def pool(self, piece: Piece) -> _Buffers:
         return self._shared if piece.on_device and self._shared is not None else self._buffers
 
     def warm(self, plan: Plan, reader: TensorReader) -> None:
-        pass  # nothing to start
+        """Where the plan needs torch (anything but plain tensors and 4-bit weights), import it now, one thread."""
+        if any(not isinstance(tensor.recipe, (Copy, Dequantize4bit)) for tensor in plan.tensors):
+            import torch
+
+            self._threads = torch.get_num_threads()
+            torch.set_num_threads(1)
 
     def maker_started(self) -> None:
-        import torch
+        pass
 
-        torch.set_num_threads(1)
-
-    def cast(self, source_type, target_type):
-        return _cast(source_type, target_type)
+    def state_4bit(self, state):
+        return state  # numpy arrays, as read
 
     def _made(self, function: Callable, *args) -> Callable:
         if self._workers is None:
@@ -320,17 +335,22 @@ class CpuRoute:
 
 
 def _dequantize_4bit_on_cpu(packed, out, state) -> None:
-    from .dequantize import dequantize_4bit
+    from .kernels import cpu
 
-    dequantize_4bit(packed, state, out=out.view(state.dtype), backend="cpu")
+    nested = state.state2
+    cpu.dequantize(packed, state.absmax, nested and nested.code, nested and nested.absmax, state.offset,
+                   bnb4.CODES[state.quant_type], out, state.dtype, state.blocksize, nested.blocksize if nested else 0)  # fmt: skip
 
 
 def _dequantize_8bit_on_cpu(codes, out, scb, columns: int, out_type) -> None:
     import torch
 
-    rows = codes.numel() // columns
-    made = bnb8.dequantize(codes.view(torch.int8).view(rows, columns), scb, out_type)
-    out.view(out_type).view(rows, columns).copy_(made)
+    from .workers import single_threaded_torch
+
+    single_threaded_torch()
+    rows = codes.size // columns
+    made = bnb8.dequantize(torch.from_numpy(codes).view(torch.int8).view(rows, columns), scb, out_type)
+    torch.from_numpy(out).view(out_type).view(rows, columns).copy_(made)
 
 
 class _Slot:
@@ -415,8 +435,9 @@ class CudaRoute:
 
         torch.cuda.set_device(self.device)
 
-    def cast(self, source_type, target_type):
-        return _cast(source_type, target_type)
+    def state_4bit(self, state):
+        """The quant state as read (numpy) as the kernel takes it: tensors on this route's GPU."""
+        return bnb4.on_device(state, self.device)
 
     def _run(self, read, out, compute):
         """Copy ``read`` in, ``compute(device bytes in, device bytes out) -> device result``, copy the result out."""
@@ -489,8 +510,8 @@ class _DeviceMake:
 
 
 def route_for(device):
-    """The route that makes pieces on ``device`` (a torch.device); a CUDA route starts at once, in the background."""
-    return CudaRoute(device) if device.type == "cuda" else CpuRoute()
+    """The route that makes pieces on ``device`` (a torch.device, or "cpu": devices.pick_device); a CUDA route starts at once, in the background."""
+    return CudaRoute(device) if getattr(device, "type", device) == "cuda" else CpuRoute()
 
 
 # --- the pipeline -------------------------------------------------------------------------------------------------
@@ -552,13 +573,11 @@ class _Pipeline:
         return buffer[: piece.nbytes], event, buffer
 
     def _write(self, writer: ShardWriter, name: str, piece: Piece, made, event, buffer) -> None:
-        import torch
-
         started = _now()
         if event is not None:
             event.synchronize()
         writer.write(name, made, offset=piece.offset)
-        if piece.watched and name not in self.infinite and _holds_inf(made.view(torch.float16)):
+        if piece.watched and name not in self.infinite and _holds_inf(as_array(made)):
             self.infinite.add(name)
         self.route.pool(piece).give(buffer)
         self._timed("write", started)
@@ -608,15 +627,13 @@ class _Pipeline:
             self.progress(piece.nbytes)
 
 
-def _holds_inf(values) -> bool:
-    """Whether an fp16 tensor holds ±inf: its extremes first (one pass, 10x cheaper than isinf on the CPU), the
-    elements only where those are not finite (a NaN hides them)."""
-    import math
+def _holds_inf(raw) -> bool:
+    """Whether fp16 bytes (a uint8 numpy array) hold ±inf: the largest magnitude's bits first (one pass and a
+    reduction), the elements only where that is inf or NaN (a NaN is larger: it hides them)."""
+    import numpy as np
 
-    import torch
-
-    low, high = (float(x) for x in torch.aminmax(values))
-    return not (math.isfinite(low) and math.isfinite(high)) and bool(values.isinf().any())
+    magnitudes = np.bitwise_and(raw.view(np.uint16), 0x7FFF)
+    return magnitudes.size > 0 and int(magnitudes.max()) >= 0x7C00 and bool((magnitudes == 0x7C00).any())
 
 
 def _now() -> float:

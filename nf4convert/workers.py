@@ -7,11 +7,14 @@ the 8B-shaped conversion's pipeline (benchmarks/bench_convert.py) took 6.7-6.9 s
 results-h200-cpu-scaling-v2-2026-11-24.log.
 
 - The workers are forked when the route is made, from the thread that makes it, before the pipeline's threads
-  start. They share what this process has imported (torch, numpy): nothing to import again.
+  start. They share what this process has imported (numpy, the CPU kernel): nothing to import again. torch is not
+  among it unless this process had it: a worker imports it only for a piece that needs it (8-bit), and then runs it
+  on one thread (:func:`single_threaded_torch`).
 - Each piece's input and output bytes lie in one shared anonymous mapping made before the fork (fixed slots of one
   piece each, handed out by the route's buffer pool). The maker thread that hands a piece to a worker sends the two
   offsets and the piece's small arguments, and waits for the answer. Tensors among those arguments travel as numpy
-  arrays: pickled as tensors, torch's pickler would move each into shared memory of its own.
+  arrays: pickled as tensors, torch's pickler would move each into shared memory of its own. The pieces' bytes are
+  numpy arrays on both sides.
 - A piece whose bytes are not both in the mapping (no slot was free, or a piece larger than a slot) is made on the
   calling thread by the same function: the same bytes either way.
 - Workers ignore Ctrl-C, SIGTERM and SIGHUP (output.STOP_SIGNALS): this process takes them and stops the workers,
@@ -47,25 +50,28 @@ class Workers:
     def __init__(self, count: int, slots: int, slot_bytes: int):
         import mmap
         import multiprocessing
+        import multiprocessing.util  # noqa: F401  (registers its exit handler, which must come before ours: below)
         import queue
         import signal
         import warnings
 
-        import torch
+        import numpy as np
 
         from .kernels import cpu  # noqa: F401  (imported here, so that no worker imports anything: see _serve)
         from .output import STOP_SIGNALS
 
         self.count, self._slots, self._slot_bytes = count, slots, slot_bytes
         mapping = mmap.mmap(-1, slots * slot_bytes)  # MAP_SHARED | MAP_ANONYMOUS: the children see its pages
-        self._memory = torch.frombuffer(mapping, dtype=torch.uint8)  # the mapping lives as long as a view of it
-        self._base, self._size = self._memory.data_ptr(), slots * slot_bytes
+        self._memory = np.frombuffer(mapping, dtype=np.uint8)  # the mapping lives as long as a view of it
+        self._base, self._size = self._memory.ctypes.data, slots * slot_bytes
         self._handed = 0
         self._idle: queue.SimpleQueue = queue.SimpleQueue()
         self._all: list = []
         context = multiprocessing.get_context("fork")
         # Closed at exit if not before (also when a signal stops this constructor): multiprocessing's own exit handler
-        # (registered earlier, so run later) would send them SIGTERM, which they ignore, and wait for them forever.
+        # (registered earlier, when multiprocessing.util was imported above, so run later) would send them SIGTERM,
+        # which they ignore, and wait for them forever. (torch imports it too; without torch it came only at the
+        # first start(), after this registration, and an unclosed route hung the exit.)
         atexit.register(self.close)
         # A stop signal between a fork and the worker's ignoring it would run this process's handler in the child (a
         # traceback from it): they wait, blocked, until each fork is done, here and (until it ignores them) there.
@@ -91,7 +97,7 @@ class Workers:
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
     def slot(self, nbytes: int):
-        """A fresh slot of the mapping (uint8 tensor of the slot's size), or None when ``nbytes`` does not fit one or
+        """A fresh slot of the mapping (uint8 numpy array of the slot's size), or None when ``nbytes`` does not fit one or
         every slot has been handed out. Slots are handed out once; the route's pool reuses them."""
         if nbytes > self._slot_bytes or self._handed == self._slots:
             return None
@@ -99,17 +105,17 @@ class Workers:
         self._handed += 1
         return self._memory[first : first + self._slot_bytes]
 
-    def holds(self, tensor) -> bool:
-        """Whether ``tensor``'s bytes lie in the mapping."""
-        return self._offset(tensor) is not None
+    def holds(self, array) -> bool:
+        """Whether the bytes of ``array`` (a numpy array) lie in the mapping."""
+        return self._offset(array) is not None
 
-    def _offset(self, tensor) -> int | None:
-        offset = tensor.data_ptr() - self._base
-        inside = tensor.is_contiguous() and 0 <= offset and offset + tensor.numel() * tensor.element_size() <= self._size
+    def _offset(self, array) -> int | None:
+        offset = array.ctypes.data - self._base
+        inside = array.flags.c_contiguous and 0 <= offset and offset + array.nbytes <= self._size
         return offset if inside else None
 
     def run(self, function: Callable, read, out, *args) -> None:
-        """``function(read, out, *args)`` in an idle worker when both byte tensors lie in the mapping, else here. An
+        """``function(read, out, *args)`` in an idle worker when both uint8 arrays lie in the mapping, else here. An
         exception it raises is raised here (as a RuntimeError with its text where it cannot travel)."""
         import pickle
         from multiprocessing.connection import wait
@@ -125,7 +131,7 @@ class Workers:
         process, pipe = worker
         alive = True
         try:
-            pipe.send((function, read_at, read.numel(), out_at, out.numel(), _portable(args)))
+            pipe.send((function, read_at, read.nbytes, out_at, out.nbytes, _portable(args)))
             if pipe not in wait([pipe, process.sentinel]):  # the worker ended before it answered
                 raise EOFError
             answer = pipe.recv_bytes()
@@ -166,19 +172,22 @@ def _serve(pipe, inherited: list, mapping, mask) -> None:
     import pickle
     import signal
 
-    import torch
+    import numpy as np
 
     from .kernels import cpu
     from .output import STOP_SIGNALS
+
+    global _IN_WORKER
+    _IN_WORKER = True
 
     for signum in STOP_SIGNALS:  # the parent's handlers came with the fork; the parent stops the workers
         signal.signal(signum, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # blocked by the parent around the fork
     for end in inherited:  # this worker's parent end, and the earlier workers' (forked along): not ours to hold
         end.close()
-    torch.set_num_threads(1)  # the processes are the parallelism
+    single_threaded_torch(imported_only=True)  # the processes are the parallelism
     cpu.CHUNK_BYTES = cpu.PROCESS_CHUNK_BYTES  # no interpreter lock to share: chunks that stay in the L2 cache
-    memory = torch.frombuffer(mapping, dtype=torch.uint8)
+    memory = np.frombuffer(mapping, dtype=np.uint8)
     parent = os.getppid()
     while True:
         try:
@@ -206,6 +215,20 @@ def _serve(pipe, inherited: list, mapping, mask) -> None:
             return
 
 
+_IN_WORKER = False  # set in a worker process
+
+
+def single_threaded_torch(imported_only: bool = False) -> None:
+    """In a worker process, torch on one thread (the processes are the parallelism): imported here unless
+    ``imported_only`` (then only if this process has it). Nothing in the parent, whose route sets it (stream.py)."""
+    if not _IN_WORKER or (imported_only and sys.modules.get("torch") is None):
+        return
+    import torch
+
+    if torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
+
+
 # --- arguments across the pipe -----------------------------------------------------------------------------------------
 
 
@@ -220,6 +243,8 @@ class _Tensor:
 
 def _portable(value):
     """``value`` with every tensor in it (in tuples and dataclasses too) as a :class:`_Tensor`."""
+    if sys.modules.get("torch") is None:  # no tensor can be among them
+        return value
     import torch
 
     def leaf(tensor):
@@ -232,10 +257,12 @@ def _portable(value):
 
 def _restored(value):
     """The inverse of :func:`_portable`: every :class:`_Tensor` a tensor again (on the same bytes)."""
-    import torch
 
     def leaf(carried):
         if isinstance(carried, _Tensor):
+            import torch
+
+            single_threaded_torch()
             return torch.from_numpy(carried.data).view(carried.dtype).view(carried.shape)
 
     return _rebuilt(value, leaf)

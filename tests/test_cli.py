@@ -621,6 +621,7 @@ def test_api_refuses_output_with_stem_and_empty_names(tmp_path):
 
 def test_without_triton_auto_takes_the_cpu_and_cuda_is_one_line(monkeypatch, tmp_path):
     # Triton is required on Linux only (no wheels elsewhere): without it, auto took the GPU and the kernel's import failed
+    import nf4convert.devices
     import nf4convert.kernels
     from helpers import quantize
     from nf4convert import dequantize_4bit
@@ -633,6 +634,7 @@ def test_without_triton_auto_takes_the_cpu_and_cuda_is_one_line(monkeypatch, tmp
         monkeypatch.delattr(nf4convert.kernels, name, raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(nf4convert.devices, "gpu_driver_present", lambda: True)
     assert pick_device("auto") == torch.device("cpu")
     with pytest.raises(DependencyError, match=r"^device 'cuda:0' needs Triton, which is not installed"):
         pick_device("cuda:0")
@@ -668,3 +670,31 @@ def test_an_amd_gpu_is_not_taken_for_an_nvidia_one(monkeypatch, tmp_path):
     example = Path(__file__).resolve().parents[1] / "examples" / "tiny-llama-bnb-4bit"
     line = run(example, "-o", tmp_path / "out", "--device", "cuda:0", code=2).strip()
     assert line.startswith("Error: device 'cuda:0': an AMD GPU (ROCm)") and not (tmp_path / "out").exists()
+
+
+NO_TORCH = """
+import sys
+sys.modules["torch"] = None  # what an import of a missing module meets: any import of torch fails
+from nf4convert.cli import main
+try:
+    main(sys.argv[1:])
+finally:
+    assert sys.modules["torch"] is None, "torch was imported"
+"""
+
+
+@pytest.mark.parametrize("processes", ["0", "2"])
+def test_the_cpu_route_runs_without_torch(processes, tmp_path):
+    # torch's import is seconds with a CUDA build: a 4-bit checkpoint on the CPU route (threads, or worker processes)
+    # never imports it, and gives the same bytes as a conversion in a process that has torch
+    example = Path(__file__).resolve().parents[1] / "examples" / "tiny-llama-bnb-4bit"
+    run(example, "-o", tmp_path / "with", "--device", "cpu", "--dtype", "fp16")
+    for device in ("cpu", "auto"):
+        out = tmp_path / f"without-{device}"
+        env = {**os.environ, "NF4CONVERT_PROCESSES": processes}
+        if device == "auto" and any(Path("/dev").glob("nvidia[0-9]*")):
+            continue  # a GPU's driver: auto asks torch
+        subprocess.run([sys.executable, "-c", NO_TORCH, str(example), "-o", str(out), "--device", device, "--dtype", "fp16",
+                        "-q"], check=True, timeout=300, env=env)  # fmt: skip
+        for name in ("model.safetensors", "config.json", "README.md"):
+            assert (out / name).read_bytes() == (tmp_path / "with" / name).read_bytes(), name

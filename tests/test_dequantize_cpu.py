@@ -229,13 +229,13 @@ def test_quant_state_from_checkpoint_and_chunks_match_bnb(nested, tmp_path):
     save_file({"w": packed, **stored}, tmp_path / "model.safetensors")
     with TensorReader() as reader:
         (weight,) = bnb4.find_weights(read_tensors(tmp_path), reader)
-        ours = bnb4.load_state(weight, reader, "cpu")
+        ours = bnb4.on_device(bnb4.load_state(weight, reader), "cpu")
     assert weight.name == "w" and ours.nested == nested and ours.shape == state.shape and ours.dtype == torch.float16
     expected = bnb_reference_cpu(packed, state)
     assert torch.equal(bits(nf4convert.dequantize_4bit(packed, ours, backend="cpu")), bits(expected))
     flat = packed.view(torch.uint8).view(-1)
     pieces = []
-    for first, count, piece in bnb4.chunks(ours, 1 if nested else 128 * 3 + 5, torch.float16):  # rounded to whole (nested) blocks
+    for first, count, piece in bnb4.chunks(ours, 1 if nested else 128 * 3 + 5):  # rounded to whole (nested) blocks
         pieces.append(nf4convert.dequantize_4bit(flat[first // 2 : first // 2 + (count + 1) // 2].contiguous(), piece, backend="cpu"))
     assert len(pieces) > 1
     assert torch.equal(bits(torch.cat(pieces)), bits(expected))

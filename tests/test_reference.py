@@ -451,3 +451,32 @@ def test_gpu_large_weight_in_chunks():
     truth = _cuda_truth(packed, state, torch.bfloat16)
     got = reference.dequantize_4bit(packed.cpu(), _cpu_state(state), dtype=torch.bfloat16, device="cpu")
     assert _mismatches(got, truth) == 0
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA: bitsandbytes' CUDA kernels are the truth")
+@pytest.mark.parametrize("nested", [False, True])
+def test_gpu_non_finite_scales_give_cudas_nan_bits(nested):
+    # A NaN or infinite scale (a quant state given to the API: checkpoints with one are refused) makes NaNs (inf times
+    # the zero code too). bitsandbytes' CUDA kernels give their canonical NaN; the reference and our CPU path give
+    # the same bits, the kernel too (the CPU's own NaN bits would differ).
+    import nf4convert
+
+    weight = torch.randn(64, 512, generator=torch.Generator().manual_seed(21))
+    packed, state = F.quantize_4bit(weight.cuda(), blocksize=64, quant_type="nf4", compress_statistics=nested)
+    if nested:
+        state.state2.absmax = state.state2.absmax.clone()
+        state.state2.absmax[1] = float("nan")
+        state.state2.absmax[0] = float("inf")
+    else:
+        state.absmax = state.absmax.clone()
+        state.absmax[3:9:2] = torch.tensor([float("nan"), float("inf"), -float("inf")], device="cuda")
+    cpu_state = _cpu_state(state)
+    for dtype in OUT_DTYPES:
+        truth = _cuda_truth(packed, state, dtype)
+        assert truth.isnan().any()
+        assert _mismatches(reference.dequantize_4bit(packed.cpu(), cpu_state, dtype=dtype, device="cpu"), truth) == 0
+        cpu_state.dtype = dtype
+        ours = nf4convert.dequantize_4bit(packed.cpu(), cpu_state, backend="cpu").view(truth.shape)
+        assert _mismatches(ours, truth) == 0, dtype
+        cuda_state = _to_cuda(cpu_state)
+        assert _mismatches(nf4convert.dequantize_4bit(packed, cuda_state).cpu().view(truth.shape), truth) == 0, dtype

@@ -10,6 +10,7 @@ import sys
 import threading
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
@@ -110,8 +111,8 @@ def test_worker_processes_write_the_threads_bytes(tmp_path, route):
 
 
 def _pid_into(read, out, extra):
-    out.view(torch.int64)[0] = os.getpid()
-    out.view(torch.int64)[1] = int(read.sum()) + extra.numel()
+    out.view(np.int64)[0] = os.getpid()  # the pieces' bytes are numpy arrays
+    out.view(np.int64)[1] = int(read.sum()) + extra.numel()
 
 
 def _die(read, out):
@@ -142,7 +143,7 @@ def test_an_exception_in_a_worker_is_raised_by_its_caller_and_the_worker_goes_on
         with pytest.raises(RuntimeError, match="^_TwoArguments: cannot rebuild$"):
             workers.run(_raise, read, out, "theirs")
         workers.run(_pid_into, read, out, torch.zeros(1))  # the one worker is still there
-        assert out.view(torch.int64)[0] != os.getpid()
+        assert out.view(np.int64)[0] != os.getpid()
     finally:
         workers.close()
 
@@ -210,11 +211,11 @@ def test_buffers_past_the_slots_come_from_the_private_pool_and_go_back_there():
         def slot(self, nbytes):
             if nbytes > 8 or len(self.given) == 2:
                 return None
-            self.given.append(torch.empty(8, dtype=torch.uint8))
+            self.given.append(np.empty(8, dtype=np.uint8))
             return self.given[-1]
 
         def holds(self, buffer):
-            return any(buffer.data_ptr() == given.data_ptr() for given in self.given)
+            return any(buffer.ctypes.data == given.ctypes.data for given in self.given)
 
     slots, private = Slots(), stream._Buffers(16, pinned=False)
     shared = stream._Buffers(16, False, slots, overflow=private)
@@ -234,11 +235,11 @@ def test_workers_run_in_other_processes_only_for_shared_bytes():
         assert workers.slot(65) is None  # larger than a slot
         read[:16] = 1
         workers.run(_pid_into, read[:16], out[:16], torch.zeros(5, dtype=torch.bfloat16))
-        pid, total = out[:16].view(torch.int64).tolist()
+        pid, total = out[:16].view(np.int64).tolist()
         assert pid != os.getpid() and total == 16 + 5
-        private = torch.zeros(16, dtype=torch.uint8)
+        private = np.zeros(16, dtype=np.uint8)
         workers.run(_pid_into, read[:16], private, torch.zeros(2))  # not in the mapping: made here
-        assert private.view(torch.int64).tolist() == [os.getpid(), 18]
+        assert private.view(np.int64).tolist() == [os.getpid(), 18]
         assert workers.slot(8) is not None and workers.slot(8) is None  # three slots, each handed out once
     finally:
         workers.close()
@@ -681,13 +682,14 @@ def test_the_cpu_route_sizes_itself_by_the_cores_it_may_keep_busy(monkeypatch):
 
 def test_holds_inf_sees_inf_behind_its_extremes():
     # the writers' ±inf check looks at a piece's extremes first; a NaN there must not hide an inf
-    values = torch.zeros(1000, dtype=torch.float16)
-    assert not stream._holds_inf(values)
+    values = np.zeros(1000, dtype=np.float16)
+    assert not stream._holds_inf(values.view(np.uint8))
     for extra in ([float("inf")], [float("-inf")], [float("nan"), float("inf")]):
-        changed = values.clone()
-        changed[: len(extra)] = torch.tensor(extra, dtype=torch.float16)
-        assert stream._holds_inf(changed)
-    changed = values.clone()
+        changed = values.copy()
+        changed[: len(extra)] = extra
+        assert stream._holds_inf(changed.view(np.uint8))
+    changed = values.copy()
     changed[3] = float("nan")
-    assert not stream._holds_inf(changed)
-    assert not stream._holds_inf(torch.full((9,), 65504.0, dtype=torch.float16))
+    assert not stream._holds_inf(changed.view(np.uint8))
+    assert not stream._holds_inf(np.full(9, 65504.0, dtype=np.float16).view(np.uint8))
+    assert not stream._holds_inf(np.zeros(0, dtype=np.uint8))

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator
 
 from ..checkpoint import shown, strict_json
-from ..dtypes import BY_NAME, DTYPES, OUTPUT_DTYPES
+from ..dtypes import BY_NAME, DTYPES, OUTPUT_DTYPES, to_float32
 from ..errors import ArgumentError, CheckpointError
 
 if TYPE_CHECKING:
@@ -63,14 +63,11 @@ def canonical_code(quant_type: str, device="cpu") -> torch.Tensor:
     return table
 
 
-def matches_canonical(quant_type: str, quant_map: torch.Tensor) -> bool:
-    """Whether a stored quant_map is the canonical table, up to the sign of FP4's zero."""
-    import torch
+def matches_canonical(quant_type: str, quant_map) -> bool:
+    """Whether a stored quant_map (fp32 numpy values) is the canonical table, up to the sign of FP4's zero."""
+    import numpy as np
 
-    if quant_map.numel() != 16:
-        return False
-    stored = quant_map.detach().to("cpu", torch.float32).reshape(16)
-    return bool(torch.equal(stored, canonical_code(quant_type)))  # +0.0 == -0.0 here
+    return quant_map.size == 16 and bool(np.array_equal(quant_map, np.float32(CODES[quant_type])))  # +0.0 == -0.0 here
 
 
 @dataclass
@@ -83,11 +80,12 @@ class NestedState:
 
 @dataclass
 class QuantState4bit:
-    """bitsandbytes' QuantState fields, for a weight read from a checkpoint (no bitsandbytes import)."""
+    """bitsandbytes' QuantState fields, for a weight read from a checkpoint (no bitsandbytes import): torch tensors
+    for the kernels' API, numpy arrays as read (load_state, the CPU route)."""
 
     absmax: torch.Tensor
-    shape: Any  # torch.Size
-    dtype: Any  # torch.dtype of the output
+    shape: Any  # torch.Size (a tuple in a state read by load_state)
+    dtype: Any  # torch.dtype of the output (its safetensors name, e.g. "BF16", in a state read by load_state)
     blocksize: int
     quant_type: str
     offset: torch.Tensor | None = None
@@ -295,7 +293,7 @@ def find_weights(tensors: dict[str, TensorInfo], reader: TensorReader) -> list[W
             raise CheckpointError(f"{info.path}: quant state '{key}' has no packed weight '{name}' in any shard")
         if info.dtype != "U8" or len(info.shape) != 1 or info.nbytes > MAX_STATE_BYTES:
             raise CheckpointError(f"{where}: quant state '{key}' is not a 1-D U8 tensor of at most {MAX_STATE_BYTES} JSON bytes")
-        meta = parse_meta(bytes(reader.read(info).numpy()), where=where)
+        meta = parse_meta(reader.array(info).tobytes(), where=where)
         if meta["quant_type"] != quant_type:
             raise CheckpointError(f"{where}: quant state key says {quant_type}, its JSON says {meta['quant_type']}")
         parts = {suffix: tensors[f"{name}.{suffix}"] for suffix in PARTS if f"{name}.{suffix}" in tensors}
@@ -357,53 +355,71 @@ def _check(weight: Weight4bit, reader: TensorReader) -> None:
         if not DTYPES[weight.parts[suffix].dtype].cast:
             raise CheckpointError(f"{where}: {suffix} is {weight.parts[suffix].dtype}, not floating point")
     quant_map = weight.parts["quant_map"]
-    if math.prod(quant_map.shape) != 16 or not matches_canonical(weight.quant_type, reader.tensor(quant_map)):
+    if math.prod(quant_map.shape) != 16 or not matches_canonical(weight.quant_type, _floats(reader, quant_map)):
         raise CheckpointError(f"{where}: quant_map is not bitsandbytes' {weight.quant_type} table")
     if weight.nested:  # small (one float per nested block, 256 codes), so read here as 8-bit scales are
-        import torch
-
         for suffix in ("nested_absmax", "nested_quant_map"):
-            _check_finite(where, suffix, reader.tensor(weight.parts[suffix]).float(), signed=suffix == "nested_quant_map")
+            _check_finite(where, suffix, _floats(reader, weight.parts[suffix]), signed=suffix == "nested_quant_map")
+
+
+def _floats(reader: TensorReader, info: TensorInfo):
+    """A float tensor's values as a flat fp32 numpy array (F64 rounded)."""
+    return to_float32(reader.array(info), info.dtype)
 
 
 def _check_finite(where: str, suffix: str, values, signed: bool = False) -> None:
-    """Refuse a quant-state table with a NaN or infinite value (or a negative one, where it holds absmaxes)."""
-    import torch
+    """Refuse a quant-state table (fp32 numpy values) with a NaN or infinite value (or a negative one, where it holds
+    absmaxes)."""
+    import numpy as np
 
-    if not bool(torch.isfinite(values).all()) or (not signed and bool((values < 0).any())):
+    if not bool(np.isfinite(values).all()) or (not signed and bool((values < 0).any())):
         raise CheckpointError(f"{where}: {suffix} holds a negative, NaN or infinite value; bitsandbytes writes "
                               "finite block absmaxes (every weight of such a block would come out NaN or inf)")  # fmt: skip
 
 
-def load_state(weight: Weight4bit, reader: TensorReader, device) -> QuantState4bit:
-    """The weight's quant state on ``device`` (a flat absmax as fp32), read from the checkpoint."""
-    import torch
-
+def load_state(weight: Weight4bit, reader: TensorReader, dtype: str | None = None) -> QuantState4bit:
+    """The weight's quant state as read from the checkpoint, in numpy (no torch): absmax flat (uint8 codes when
+    nested, else fp32), the nested absmax and code fp32, offset a float, dtype the output's safetensors name
+    (``dtype``, or the one the quant state names)."""
     meta = weight.meta
-    absmax = reader.tensor(weight.parts["absmax"])
     state2 = offset = None
     if weight.nested:
-        state2 = NestedState(
-            absmax=reader.tensor(weight.parts["nested_absmax"]).to(device, torch.float32).reshape(-1),
-            code=reader.tensor(weight.parts["nested_quant_map"]).to(device, torch.float32).reshape(-1),
-            blocksize=int(meta["nested_blocksize"]),
-        )
-        offset = torch.tensor(float(meta["nested_offset"]), dtype=torch.float32, device=device)
+        state2 = NestedState(absmax=_floats(reader, weight.parts["nested_absmax"]),
+                             code=_floats(reader, weight.parts["nested_quant_map"]),
+                             blocksize=int(meta["nested_blocksize"]))  # fmt: skip
+        offset = float(meta["nested_offset"])
+        absmax = reader.array(weight.parts["absmax"])
     else:  # a flat absmax (one float per block, 1/8 of the packed bytes): checked here, where it is read anyway
-        absmax = absmax.to(torch.float32)
+        absmax = _floats(reader, weight.parts["absmax"])
         _check_finite(f"{weight.packed.path}: {weight.name}", "absmax", absmax)
-    return QuantState4bit(absmax=absmax.to(device).reshape(-1), shape=torch.Size(meta["shape"]),
-                          dtype=OUTPUT_DTYPES[meta["dtype"]].torch, blocksize=int(meta["blocksize"]),
-                          quant_type=meta["quant_type"], offset=offset, state2=state2)  # fmt: skip
+    return QuantState4bit(absmax=absmax, shape=tuple(meta["shape"]), dtype=dtype or OUTPUT_DTYPES[meta["dtype"]].code,
+                          blocksize=int(meta["blocksize"]), quant_type=meta["quant_type"], offset=offset,
+                          state2=state2)  # fmt: skip
 
 
-def chunks(state: QuantState4bit, chunk_elements: int, dtype) -> Iterator[tuple[int, int, QuantState4bit]]:
-    """``(first element, element count, quant state of that piece)`` in chunks of whole (nested) blocks.
+def on_device(state: QuantState4bit, device) -> QuantState4bit:
+    """A state from :func:`load_state` as the kernels' torch API takes it: tensors on ``device``, torch dtypes."""
+    import torch
 
-    Each piece dequantizes on its own to ``dtype``: it holds exactly the absmax (and nested absmax)
+    def moved(array, dtype=None):
+        return torch.from_numpy(array).to(device, dtype)
+
+    state2 = None
+    offset = None if state.offset is None else torch.tensor(state.offset, dtype=torch.float32, device=device)
+    if state.nested:
+        nested = state.state2
+        state2 = NestedState(absmax=moved(nested.absmax), code=moved(nested.code), blocksize=nested.blocksize)
+    return QuantState4bit(absmax=moved(state.absmax), shape=torch.Size(state.shape), dtype=DTYPES[state.dtype].torch,
+                          blocksize=state.blocksize, quant_type=state.quant_type, offset=offset, state2=state2)  # fmt: skip
+
+
+def chunks(state: QuantState4bit, chunk_elements: int) -> Iterator[tuple[int, int, QuantState4bit]]:
+    """``(first element, element count, quant state of that piece)`` in chunks of whole (nested) blocks, for a state
+    in numpy or torch (its arrays sliced, its shape a 1-D one of the same kind).
+
+    Each piece dequantizes on its own: it holds exactly the absmax (and nested absmax)
     entries of its blocks. Its packed bytes are ``[first // 2, first // 2 + (count + 1) // 2)``.
     """
-    import torch
 
     n = math.prod(state.shape)
     nested_blocksize = state.state2.blocksize if state.nested else 1
@@ -417,6 +433,6 @@ def chunks(state: QuantState4bit, chunk_elements: int, dtype) -> Iterator[tuple[
             nested = state.state2
             state2 = NestedState(nested.absmax[first_block // nested_blocksize : -(-end_block // nested_blocksize)],
                                  nested.code, nested_blocksize)  # fmt: skip
-        yield first, count, QuantState4bit(absmax=state.absmax[first_block:end_block], shape=torch.Size([count]),
-                                           dtype=dtype, blocksize=state.blocksize, quant_type=state.quant_type,
+        yield first, count, QuantState4bit(absmax=state.absmax[first_block:end_block], shape=type(state.shape)([count]),
+                                           dtype=state.dtype, blocksize=state.blocksize, quant_type=state.quant_type,
                                            offset=state.offset, state2=state2)  # fmt: skip

@@ -22,7 +22,6 @@ from typing import List, Optional
 
 import torch
 
-from . import cpu
 from .launch import _plan
 from .nf4 import dequantize_4bit_kernel
 
@@ -52,9 +51,10 @@ dequantize_4bit_op = torch.library.triton_op("nf4convert::dequantize_4bit", _deq
 
 @torch.library.custom_op("nf4convert::dequantize_4bit_cpu", mutates_args=(), device_types="cpu", schema=SCHEMA)
 def dequantize_4bit_cpu_op(packed, absmax, code2, absmax2, offset, code, blocksize, nested_blocksize, shape, dtype):
+    from ..dequantize import on_cpu
+
     out = torch.empty(shape, dtype=dtype, device=packed.device)
-    cpu.dequantize(packed.contiguous().view(torch.uint8).view(-1), absmax, code2, absmax2, offset, code, out, blocksize,
-                   nested_blocksize)  # fmt: skip
+    on_cpu(packed.contiguous(), absmax, code2, absmax2, offset, code, out, blocksize, nested_blocksize)
     return out
 
 

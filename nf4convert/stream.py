@@ -264,8 +264,8 @@ class CpuRoute:
     """Pieces made on the CPU, spread over the cores. Casts run on the makers' threads; 4-bit and 8-bit pieces run
     in worker processes (workers.py) where the machine has ``PROCESS_MIN_CORES`` cores or more, else on the threads
     too. Pieces are numpy arrays, and 4-bit pieces and casts are made in numpy (kernels/cpu.py): torch is imported
-    only by what needs it (8-bit pieces, LoRA merges, Conv1D transposes), and then runs one thread per maker (the
-    makers are the parallelism; more would oversubscribe the cores)."""
+    only by what needs it (_needs_torch: 8-bit pieces, LoRA merges, Conv1D transposes, fp16 out), and then runs one
+    thread per maker (the makers are the parallelism; more would oversubscribe the cores)."""
 
     piece_bytes = CPU_PIECE_BYTES
 
@@ -309,8 +309,8 @@ class CpuRoute:
         return self._shared if piece.on_device and self._shared is not None else self._buffers
 
     def warm(self, plan: Plan, reader: TensorReader) -> None:
-        """Where the plan needs torch (anything but plain tensors and 4-bit weights), import it now, one thread."""
-        if any(not isinstance(tensor.recipe, (Copy, Dequantize4bit)) for tensor in plan.tensors):
+        """Where the plan needs torch (_needs_torch), import it now, on one thread."""
+        if any(_needs_torch(tensor) for tensor in plan.tensors):
             import torch
 
             self._threads = torch.get_num_threads()
@@ -334,6 +334,17 @@ class CpuRoute:
         return self._made(_dequantize_8bit_on_cpu, scb, columns, out_type)
 
 
+def _needs_torch(tensor: PlannedTensor) -> bool:
+    """Whether the CPU route makes ``tensor`` with torch: anything but plain tensors and 4-bit weights (8-bit weights,
+    LoRA merges, Conv1D transposes), and whatever it stores in a dtype that numpy converts slowly (cpu.uses_torch)."""
+    from .kernels import cpu
+
+    recipe = tensor.recipe
+    if isinstance(recipe, Copy):
+        return recipe.source.dtype != tensor.dtype and cpu.uses_torch(tensor.dtype)
+    return not isinstance(recipe, Dequantize4bit) or cpu.uses_torch(tensor.dtype)
+
+
 def _dequantize_4bit_on_cpu(packed, out, state) -> None:
     from .kernels import cpu
 
@@ -345,9 +356,6 @@ def _dequantize_4bit_on_cpu(packed, out, state) -> None:
 def _dequantize_8bit_on_cpu(codes, out, scb, columns: int, out_type) -> None:
     import torch
 
-    from .workers import single_threaded_torch
-
-    single_threaded_torch()
     rows = codes.size // columns
     made = bnb8.dequantize(torch.from_numpy(codes).view(torch.int8).view(rows, columns), scb, out_type)
     torch.from_numpy(out).view(out_type).view(rows, columns).copy_(made)

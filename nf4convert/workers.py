@@ -8,8 +8,8 @@ results-h200-cpu-scaling-v2-2026-11-24.log.
 
 - The workers are forked when the route is made, from the thread that makes it, before the pipeline's threads
   start. They share what this process has imported (numpy, the CPU kernel): nothing to import again. torch is not
-  among it unless this process had it: a worker imports it only for a piece that needs it (8-bit), and then runs it
-  on one thread (:func:`single_threaded_torch`).
+  among it unless this process had it: a worker imports it only for a piece that needs it (8-bit, fp16 out), and
+  then runs it on one thread.
 - Each piece's input and output bytes lie in one shared anonymous mapping made before the fork (fixed slots of one
   piece each, handed out by the route's buffer pool). The maker thread that hands a piece to a worker sends the two
   offsets and the piece's small arguments, and waits for the answer. Tensors among those arguments travel as numpy
@@ -177,15 +177,13 @@ def _serve(pipe, inherited: list, mapping, mask) -> None:
     from .kernels import cpu
     from .output import STOP_SIGNALS
 
-    global _IN_WORKER
-    _IN_WORKER = True
 
     for signum in STOP_SIGNALS:  # the parent's handlers came with the fork; the parent stops the workers
         signal.signal(signum, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # blocked by the parent around the fork
     for end in inherited:  # this worker's parent end, and the earlier workers' (forked along): not ours to hold
         end.close()
-    single_threaded_torch(imported_only=True)  # the processes are the parallelism
+    one_thread = _one_torch_thread()  # the processes are the parallelism
     cpu.CHUNK_BYTES = cpu.PROCESS_CHUNK_BYTES  # no interpreter lock to share: chunks that stay in the L2 cache
     memory = np.frombuffer(mapping, dtype=np.uint8)
     parent = os.getppid()
@@ -201,7 +199,10 @@ def _serve(pipe, inherited: list, mapping, mask) -> None:
             return
         function, read_at, read_count, out_at, out_count, args = job
         try:
-            function(memory[read_at : read_at + read_count], memory[out_at : out_at + out_count], *_restored(args))
+            args = _restored(args)
+            one_thread = one_thread or _one_torch_thread()
+            function(memory[read_at : read_at + read_count], memory[out_at : out_at + out_count], *args)
+            one_thread = one_thread or _one_torch_thread()  # a piece that imported it (fp16, 8-bit)
             answer = pickle.dumps(None)
         except BaseException as error:  # noqa: BLE001  (handed to the caller, who raises it)
             try:
@@ -215,18 +216,12 @@ def _serve(pipe, inherited: list, mapping, mask) -> None:
             return
 
 
-_IN_WORKER = False  # set in a worker process
-
-
-def single_threaded_torch(imported_only: bool = False) -> None:
-    """In a worker process, torch on one thread (the processes are the parallelism): imported here unless
-    ``imported_only`` (then only if this process has it). Nothing in the parent, whose route sets it (stream.py)."""
-    if not _IN_WORKER or (imported_only and sys.modules.get("torch") is None):
-        return
-    import torch
-
-    if torch.get_num_threads() != 1:
+def _one_torch_thread() -> bool:
+    """In a worker: torch on one thread once this process has it (the processes are the parallelism); whether it has."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
         torch.set_num_threads(1)
+    return torch is not None
 
 
 # --- arguments across the pipe -----------------------------------------------------------------------------------------
@@ -262,7 +257,6 @@ def _restored(value):
         if isinstance(carried, _Tensor):
             import torch
 
-            single_threaded_torch()
             return torch.from_numpy(carried.data).view(carried.dtype).view(carried.shape)
 
     return _rebuilt(value, leaf)

@@ -331,3 +331,27 @@ def test_verify_builds_the_layer_the_model_has_whatever_the_adapter_holds():
     adapter = SimpleNamespace(targets={"h.0.q.weight": embedding})
     layer = _skeleton_module("h.0.q", adapter, "cpu", torch.float32, {"h.0.q.weight": weight}, torch.nn.Linear)
     assert type(layer) is torch.nn.Linear and (layer.in_features, layer.out_features) == (64, 40)
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "fp32"])
+def test_nans_in_a_cast_plain_tensor_are_canonical_and_verify_ok(tmp_path, dtype):
+    # A plain tensor holding NaNs (payloads of all kinds), cast to another dtype: each becomes CUDA's canonical NaN
+    # on the CPU route (torch's NaN bits depend on the CPU), and verify's reference says the same
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    source = build(tmp_path / "src-bnb-4bit", "llama-nf4-dq", seed=22)
+    shard = next(p for p in sorted(source.glob("*.safetensors")) if any("norm" in k for k in load_file(p)))
+    tensors = load_file(shard)
+    name = next(k for k in tensors if k.endswith("norm.weight") and tensors[k].dtype == torch.bfloat16)
+    bits = tensors[name].clone().view(torch.int16)
+    bits[:4] = torch.tensor([0x7FC0, -0x0040, 0x7F81, 0x7FFF], dtype=torch.int16)  # quiet, negative, signalling, max
+    tensors[name] = bits.view(torch.bfloat16)
+    save_file(tensors, shard, metadata={"format": "pt"})
+    out = tmp_path / "out"
+    run(source, "-o", out, "-q", "--device", "cpu", "--dtype", dtype)
+    written = next(load_file(p)[name] for p in out.glob("*.safetensors") if name in load_file(p))
+    integer = {"fp16": torch.int16, "fp32": torch.int32}[dtype]
+    assert written[:4].view(integer).tolist() == [0x7FFF if dtype == "fp16" else 0x7FFFFFFF] * 4
+    assert not written[4:].isnan().any()
+    assert "OK: bit-exact" in run("verify", out, source, "-q", "--device", "cpu")

@@ -17,12 +17,12 @@ AVX512 machines a per-row absmax in some cases; on Intel CPUs with AVX512-FP16, 
 CUDA's in about 1 element of 5000).
 
 Work goes in chunks of whole quant blocks, through one reused fp32 scratch of a chunk: gathered, scaled, rounded.
-How large a chunk is best depends on who else decodes. Threads of one process take the interpreter's lock back
-after each call, so their chunks are large (few calls; on the H200 machine's 16 cores, 16 threads made 3.6-4.1 GB/s
-of bf16 at 4 MiB chunks and 1.4 at 128 KiB: benchmarks/bench_cpu_scaling.py). A process of its own (the CPU route's
-worker processes, workers.py) has no one to wait for, and there a chunk small enough to stay in the core's L2 cache
-between its passes keeps memory to the packed bytes in and the output out, leaving the memory bus to the
-writers beside it: ``PROCESS_CHUNK_BYTES``, which each worker takes as its ``CHUNK_BYTES``.
+Each pass is one numpy call, which lets go of Python's lock; a chunk that stays in a core's L2 cache between the
+passes keeps memory traffic to the packed bytes in and the output out. On this project's 2-core development machine
+(numpy 2.4, benchmarks/bench_cpu_scaling.py, results-cpu-scaling-numpy-2026-11-24.log) 128 KiB of packed bytes per
+chunk made 1.2 GB/s of bf16 on one thread and 1.9 on two, against 0.6 and 1.1 at 4 MiB; smaller chunks gained a
+little on one thread and lost on two, where the calls wait on the lock: ``CHUNK_BYTES``. A worker process (the CPU
+route's, workers.py) has no one to share the lock with and takes ``PROCESS_CHUNK_BYTES`` as its ``CHUNK_BYTES``.
 
 Casts of plain tensors (:func:`cast`) live here too: every float conversion of the converter is this module's.
 """
@@ -33,8 +33,8 @@ import numpy as np
 
 from ..dtypes import DTYPES, to_float32
 
-CHUNK_BYTES = 1 << 22  # packed bytes per chunk on threads: 32 MiB of fp32 scratch
-PROCESS_CHUNK_BYTES = 1 << 15  # in a worker process: 256 KiB of fp32 scratch, in a core's L2 cache
+CHUNK_BYTES = 1 << 17  # packed bytes per chunk: 1 MiB of fp32 scratch
+PROCESS_CHUNK_BYTES = 1 << 15  # in a worker process: 256 KiB of fp32 scratch
 FLT_MIN = 1.1754943508222875e-38  # smallest normal fp32
 LIFT = 2.0**24  # x * 2^24 is normal wherever round24(x) could be, so fp32 rounds it with the unbounded exponent
 # |code| >= 0.0052 for every non-zero entry (NF4 0.0796, FP4 1/192 and up): a product can only be

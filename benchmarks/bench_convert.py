@@ -236,6 +236,8 @@ def main():
     parser.add_argument("--warm", action="store_true", help="first convert a one-layer checkpoint of the same shapes "
                         "once on each nf4convert route, untimed: Triton's cache filled, as after a user's first run (a route given its own "
                         "TRITON_CACHE_DIR is not: cuda+TRITON_CACHE_DIR=/tmp/empty is a fresh machine's first run)")
+    parser.add_argument("--dtype", default=None, choices=["bf16", "fp16"],
+                        help="the nf4convert routes' --dtype (default: the checkpoint's, bf16; dd writes as many bytes)")
     parser.add_argument("--json")
     options = parser.parse_args()
     import torch
@@ -252,7 +254,9 @@ def main():
     if "adapter" in options.routes or "peft" in options.routes:
         shutil.rmtree(adapter, ignore_errors=True)
         build_adapter(adapter, options.layers)
-    cli = [sys.executable, "-m", "nf4convert.cli", str(source), "-q", "--overwrite", "-o"]
+    module = [sys.executable, "-m", "nf4convert.cli"]
+    dtype = ["--dtype", options.dtype] if options.dtype else []
+    cli = [*module, str(source), "-q", "--overwrite", *dtype, "-o"]
     routes = {
         "dd": lambda out: ["bash", "-c", f"mkdir -p {out} && dd if=/dev/zero of={out}/model.bin bs=64M iflag=count_bytes count={dense} "
                                          "status=none"],  # fmt: skip
@@ -283,7 +287,7 @@ def main():
         for label, base, env in chosen:
             if base.startswith("nf4convert") and "TRITON_CACHE_DIR" not in env:  # its own cache: a fresh machine's first run
                 device = "cuda" if "cuda" in base else "cpu"
-                subprocess.run([*cli[:-4], str(example), "-q", "--overwrite", "-o", str(workdir / "warm"), "--device", device],
+                subprocess.run([*module, str(example), "-q", "--overwrite", *dtype, "-o", str(workdir / "warm"), "--device", device],
                                check=True, env={**os.environ, **env}, cwd=env.get("CWD"))  # fmt: skip
         shutil.rmtree(workdir / "warm", ignore_errors=True)
         shutil.rmtree(example, ignore_errors=True)

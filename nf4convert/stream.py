@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 import threading
 from collections import deque
 from dataclasses import dataclass
@@ -282,17 +283,22 @@ class CpuRoute:
             processes = min(PROCESSES, cores)
         if processes is None:
             processes = min(cores // 2, MAX_PROCESSES) if cores >= PROCESS_MIN_CORES else 0
-        self._workers = None
-        if processes > 0 and _workers.usable():
-            slots = 2 * (READ_AHEAD + processes + WRITE_AHEAD + 2)  # a read and a made piece for each one in flight
-            try:
-                self._workers = _workers.Workers(processes, slots, self.piece_bytes)
-            except OSError:  # no processes to be had (memory, a limit on their number): threads then
-                self._workers = None
-        self.makers = self._workers.count if self._workers else workers or min(cores, MAX_MAKERS)
+        self._workers = self._shared = None
         self._buffers = _Buffers(self.piece_bytes, pinned=False)
-        self._shared = _Buffers(self.piece_bytes, False, self._workers, overflow=self._buffers) if self._workers else None
+        if processes > 0 and _workers.usable():
+            self._fork(processes)
+        self.makers = self._workers.count if self._workers else workers or min(cores, MAX_MAKERS)
         self._threads = None  # torch's thread count before the route set it to one, once torch is in use
+
+    def _fork(self, processes: int) -> None:
+        from . import workers as _workers
+
+        slots = 2 * (READ_AHEAD + processes + WRITE_AHEAD + 2)  # a read and a made piece for each one in flight
+        try:
+            self._workers = _workers.Workers(processes, slots, self.piece_bytes)
+        except OSError:  # no processes to be had (memory, a limit on their number): threads then
+            self._workers = None
+        self._shared = _Buffers(self.piece_bytes, False, self._workers, overflow=self._buffers) if self._workers else None
 
     def __enter__(self):
         return self
@@ -309,15 +315,25 @@ class CpuRoute:
         return self._shared if piece.on_device and self._shared is not None else self._buffers
 
     def warm(self, plan: Plan, reader: TensorReader) -> None:
-        """Where the plan needs torch (_needs_torch), import it now, on one thread."""
-        if any(_needs_torch(tensor) for tensor in plan.tensors):
+        """Where the plan needs torch (_needs_torch), import it now, on one thread, and fork the workers again if they
+        were forked without it: each would import it on its own (on the H200 machine, fp16 out: 2.8 GB of memory with
+        the workers, and the pipeline 3x slower), where forked now they share this process's pages of it."""
+        if self._threads is None and any(_needs_torch(tensor) for tensor in plan.tensors):
+            had_torch = sys.modules.get("torch") is not None
             import torch
 
             self._threads = torch.get_num_threads()
-            torch.set_num_threads(1)
+            torch.set_num_threads(1)  # this thread's setting, which the workers forked from it take
+            if self._workers is not None and not had_torch:
+                count = self._workers.count
+                self._workers.close()
+                self._fork(count)  # as many as the makers the pipeline has: on threads if no fork is to be had
 
     def maker_started(self) -> None:
-        pass
+        """torch on one thread in each maker thread (its setting is the thread's own), where torch is in use."""
+        torch = sys.modules.get("torch")
+        if torch is not None and self._threads is not None:
+            torch.set_num_threads(1)
 
     def state_4bit(self, state):
         return state  # numpy arrays, as read

@@ -693,3 +693,27 @@ def test_holds_inf_sees_inf_behind_its_extremes():
     assert not stream._holds_inf(changed.view(np.uint8))
     assert not stream._holds_inf(np.full(9, 65504.0, dtype=np.float16).view(np.uint8))
     assert not stream._holds_inf(np.zeros(0, dtype=np.uint8))
+
+
+def test_workers_forked_without_torch_are_forked_again_when_the_plan_needs_it():
+    # Each worker would import torch on its own (2.8 GB with 8 workers on the H200 machine, fp16 out): once the plan
+    # needs torch, it is imported here and the workers forked again, sharing its pages, on one torch thread
+    import subprocess
+
+    code = """if True:
+        import sys, types
+        from nf4convert.stream import CpuRoute
+        route = CpuRoute(processes=2)
+        before = [p.pid for p, _ in route._workers._all]
+        assert sys.modules.get("torch") is None
+        bf16 = types.SimpleNamespace(recipe=None, dtype="BF16")  # not a recipe numpy makes: torch's work
+        route.warm(types.SimpleNamespace(tensors=[bf16]), None)
+        after = [p.pid for p, _ in route._workers._all]
+        import torch
+        assert set(before).isdisjoint(after) and len(after) == 2 and route.makers == 2, (before, after)
+        assert torch.get_num_threads() == 1
+        route.__exit__(None, None, None)
+        print("ok", torch.get_num_threads() > 1 or len(__import__("os").sched_getaffinity(0)) == 1)
+    """
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.split() == ["ok", "True"], result.stderr

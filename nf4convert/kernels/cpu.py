@@ -29,6 +29,8 @@ Casts of plain tensors (:func:`cast`) live here too: every float conversion of t
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from ..dtypes import DTYPES, to_float32
@@ -172,4 +174,13 @@ def dequantize(packed, absmax, code2, absmax2, offset, code, out, dtype: str, bl
 def cast(source: np.ndarray, source_dtype: str, out: np.ndarray, dtype: str) -> None:
     """Plain tensor bytes of float ``source_dtype`` into ``out`` (bytes of float ``dtype``), as torch's CPU casts
     round every number; a NaN becomes ``CANONICAL_NAN[dtype]`` (torch's NaN bits depend on the CPU)."""
+    if uses_torch(dtype):  # torch's cast, straight from the source dtype: one pass, on torch's threads where it has them
+        import torch
+
+        target = torch.from_numpy(out).view(DTYPES[dtype].torch)
+        target.copy_(torch.from_numpy(source).view(DTYPES[source_dtype].torch))
+        if math.isnan(float(target.sum())):  # a NaN makes the sum NaN (so may inf - inf): one pass, 17x cheaper than isnan
+            nan = target.isnan()
+            target.view(torch.int16)[nan] = CANONICAL_NAN[dtype]
+        return
     store(to_float32(source, source_dtype), out.view(DTYPES[dtype].numpy), dtype)

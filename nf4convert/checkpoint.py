@@ -354,9 +354,12 @@ def read_tensors(folder: Path) -> dict[str, TensorInfo]:
 
 
 def as_array(data):
-    """A numpy array as it is, a CPU tensor as a numpy array on its bytes (torch is not imported for numpy arrays)."""
+    """A numpy array as it is (made contiguous), a CPU tensor as a numpy array on its bytes (torch is not imported for
+    numpy arrays)."""
     if hasattr(data, "__array_interface__"):
-        return data
+        import numpy as np
+
+        return np.ascontiguousarray(data)
     import torch
 
     return data.contiguous().view(-1).view(torch.uint8).numpy()

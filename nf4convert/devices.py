@@ -28,12 +28,14 @@ def no_triton(what: str) -> DependencyError:
 
 
 def gpu_driver_present() -> bool:
-    """Whether this machine shows a GPU driver's device files (NVIDIA's /dev/nvidia*, AMD's /dev/kfd): without them
-    torch sees no CUDA device, so ``auto`` picks the CPU without importing torch (seconds with a CUDA build)."""
+    """Whether this machine shows a GPU driver's device files (NVIDIA's /dev/nvidia*, AMD's /dev/kfd, WSL2's /dev/dxg,
+    through which Windows lends its GPUs): without them torch sees no CUDA device, so ``auto`` picks the CPU without
+    importing torch (seconds with a CUDA build)."""
     import glob
     import os
 
-    return bool(glob.glob("/dev/nvidia[0-9]*")) or os.path.exists("/dev/kfd") or not os.path.isdir("/dev")
+    return (bool(glob.glob("/dev/nvidia[0-9]*")) or any(os.path.exists(f"/dev/{name}") for name in ("kfd", "dxg"))
+            or not os.path.isdir("/dev"))  # fmt: skip
 
 
 def pick_device(device: str, *, kernel: bool = True):

@@ -107,7 +107,7 @@ def _copy(tensor: PlannedTensor, reader: TensorReader, route) -> Iterator[Piece]
 def _dequantize_4bit(tensor: PlannedTensor, reader: TensorReader, route) -> Iterator[Piece]:
     weight = tensor.recipe.weight
     out_type = DTYPES[tensor.dtype]
-    state = route.state_4bit(bnb4.load_state(weight, reader, tensor.dtype))
+    state = route.state_4bit(bnb4.load_state(weight, reader, dtype=tensor.dtype))
     for first, count, piece in bnb4.chunks(state, route.piece_bytes // out_type.itemsize):
         yield Piece(first * out_type.itemsize, count * out_type.itemsize, weight.packed, first // 2, (count + 1) // 2,
                     route.dequantize_4bit(piece), on_device=True)  # fmt: skip
@@ -323,11 +323,12 @@ class CpuRoute:
             import torch
 
             self._threads = torch.get_num_threads()
-            torch.set_num_threads(1)  # this thread's setting, which the workers forked from it take
             if self._workers is not None and not had_torch:
+                torch.set_num_threads(1)  # this thread's setting, which the workers forked from it take
                 count = self._workers.count
                 self._workers.close()
                 self._fork(count)  # as many as the makers the pipeline has: on threads if no fork is to be had
+                torch.set_num_threads(self._threads)  # this thread merges and transposes: on every core
 
     def maker_started(self) -> None:
         """torch on one thread in each maker thread (its setting is the thread's own), where torch is in use."""

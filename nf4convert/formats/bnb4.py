@@ -377,7 +377,7 @@ def _check_finite(where: str, suffix: str, values, signed: bool = False) -> None
                               "finite block absmaxes (every weight of such a block would come out NaN or inf)")  # fmt: skip
 
 
-def load_state(weight: Weight4bit, reader: TensorReader, dtype: str | None = None) -> QuantState4bit:
+def load_state(weight: Weight4bit, reader: TensorReader, *, dtype: str | None = None) -> QuantState4bit:
     """The weight's quant state as read from the checkpoint, in numpy (no torch): absmax flat (uint8 codes when
     nested, else fp32), the nested absmax and code fp32, offset a float, dtype the output's safetensors name
     (``dtype``, or the one the quant state names)."""

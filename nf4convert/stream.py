@@ -220,8 +220,9 @@ def _cast(source_dtype: str, target_dtype: str):
 
 
 class _Buffers:
-    """Reused host buffers: uint8 numpy arrays, or pinned uint8 tensors for the pieces a GPU makes. A buffer given back with an event is taken again only once
-    that event has passed (a copy may still be reading it); one whose event has passed is taken first."""
+    """Reused host buffers: uint8 numpy arrays, or pinned uint8 tensors for the pieces a GPU makes. A buffer given back
+    with an event is taken again only once that event has passed (a copy may still be reading it); one whose event
+    has passed is taken first."""
 
     def __init__(self, size: int, pinned: bool, slots=None, overflow: "_Buffers | None" = None):
         """``slots``: a fixed supply of buffers (the CPU route's shared mapping: ``slot(nbytes)`` a fresh one or None,
@@ -288,7 +289,7 @@ class CpuRoute:
         if processes > 0 and _workers.usable():
             self._fork(processes)
         self.makers = self._workers.count if self._workers else workers or min(cores, MAX_MAKERS)
-        self._threads = None  # torch's thread count before the route set it to one, once torch is in use
+        self._threads = None  # torch's thread count here once the plan needs torch (None: it does not), kept at exit
 
     def _fork(self, processes: int) -> None:
         from . import workers as _workers
@@ -315,9 +316,10 @@ class CpuRoute:
         return self._shared if piece.on_device and self._shared is not None else self._buffers
 
     def warm(self, plan: Plan, reader: TensorReader) -> None:
-        """Where the plan needs torch (_needs_torch), import it now, on one thread, and fork the workers again if they
-        were forked without it: each would import it on its own (on the H200 machine, fp16 out: 2.8 GB of memory with
-        the workers, and the pipeline 3x slower), where forked now they share this process's pages of it."""
+        """Where the plan needs torch (_needs_torch), import it now (the makers and workers then run it on one thread
+        each), and fork the workers again if they were forked without it: each would import it on its own (on the H200
+        machine, fp16 out: 2.8 GB of memory with the workers, and the pipeline 3x slower), where forked now they share
+        this process's pages of it."""
         if self._threads is None and any(_needs_torch(tensor) for tensor in plan.tensors):
             had_torch = sys.modules.get("torch") is not None
             import torch
@@ -535,7 +537,8 @@ class _DeviceMake:
 
 
 def route_for(device):
-    """The route that makes pieces on ``device`` (a torch.device, or "cpu": devices.pick_device); a CUDA route starts at once, in the background."""
+    """The route that makes pieces on ``device`` (a torch.device, or "cpu": devices.pick_device); a CUDA route starts
+    at once, in the background."""
     return CudaRoute(device) if getattr(device, "type", device) == "cuda" else CpuRoute()
 
 

@@ -354,12 +354,9 @@ def read_tensors(folder: Path) -> dict[str, TensorInfo]:
 
 
 def as_array(data):
-    """A numpy array as it is (made contiguous), a CPU tensor as a numpy array on its bytes (torch is not imported for
-    numpy arrays)."""
+    """A numpy array as it is, a CPU tensor as a numpy array on its bytes (torch is not imported for numpy arrays)."""
     if hasattr(data, "__array_interface__"):
-        import numpy as np
-
-        return np.ascontiguousarray(data)
+        return data
     import torch
 
     return data.contiguous().view(-1).view(torch.uint8).numpy()
@@ -598,7 +595,9 @@ class ShardWriter:
     def write(self, name: str, data, offset: int | None = None) -> None:
         """Bytes (a contiguous numpy array or CPU tensor, any dtype) of tensor ``name``: appended after the bytes it
         has (call in header order), or at byte ``offset`` of the tensor."""
-        view = memoryview(as_array(data)).cast("B")
+        import numpy as np
+
+        view = memoryview(np.ascontiguousarray(as_array(data))).cast("B")
         if not len(view) and name in self._begin:
             return  # an empty tensor is complete from the start (appending skips past it)
         if offset is None:

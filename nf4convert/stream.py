@@ -289,7 +289,7 @@ class CpuRoute:
         if processes > 0 and _workers.usable():
             self._fork(processes)
         self.makers = self._workers.count if self._workers else workers or min(cores, MAX_MAKERS)
-        self._threads = None  # torch's thread count here once the plan needs torch (None: it does not), kept at exit
+        self._threads = None  # torch's thread count here once torch is in use (None: it is not), restored at exit
 
     def _fork(self, processes: int) -> None:
         from . import workers as _workers
@@ -320,12 +320,13 @@ class CpuRoute:
         each), and fork the workers again if they were forked without it: each would import it on its own (on the H200
         machine, fp16 out: 2.8 GB of memory with the workers, and the pipeline 3x slower), where forked now they share
         this process's pages of it."""
-        if self._threads is None and any(_needs_torch(tensor) for tensor in plan.tensors):
-            had_torch = sys.modules.get("torch") is not None
+        had_torch = sys.modules.get("torch") is not None
+        needs_torch = any(_needs_torch(tensor) for tensor in plan.tensors)
+        if self._threads is None and (had_torch or needs_torch):  # torch in use: casts take it too (cpu.cast)
             import torch
 
             self._threads = torch.get_num_threads()
-            if self._workers is not None and not had_torch:
+            if self._workers is not None and needs_torch and not had_torch:
                 torch.set_num_threads(1)  # this thread's setting, which the workers forked from it take
                 count = self._workers.count
                 self._workers.close()
@@ -335,7 +336,7 @@ class CpuRoute:
     def maker_started(self) -> None:
         """torch on one thread in each maker thread (its setting is the thread's own), where torch is in use."""
         torch = sys.modules.get("torch")
-        if torch is not None and self._threads is not None:
+        if torch is not None:
             torch.set_num_threads(1)
 
     def state_4bit(self, state):

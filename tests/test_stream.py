@@ -724,3 +724,24 @@ def test_workers_forked_without_torch_are_forked_again_when_the_plan_needs_it():
     import torch
 
     assert result.stdout.split() == ["1", str(torch.get_num_threads())], result.stdout
+
+
+def test_makers_run_torch_on_one_thread_wherever_it_is_imported(tmp_path, monkeypatch):
+    # With torch imported already (an API caller), casts take torch's own cast (cpu.cast): one torch thread per maker,
+    # not torch's default in each (the makers are the parallelism), and the caller's count back afterwards
+    import nf4convert
+    from nf4convert.kernels import cpu
+
+    seen = set()
+    cast = cpu.cast
+
+    def spy(*args):
+        seen.add((threading.current_thread().name.split("_")[0], torch.get_num_threads()))
+        return cast(*args)
+
+    monkeypatch.setattr(cpu, "cast", spy)
+    monkeypatch.setenv("NF4CONVERT_PROCESSES", "0")
+    threads = torch.get_num_threads()
+    example = Path(__file__).resolve().parents[1] / "examples" / "tiny-llama-bnb-4bit"
+    nf4convert.convert(str(example), str(tmp_path / "out"), dtype="fp32", device="cpu", progress=False)
+    assert seen == {("nf4convert-make", 1)} and torch.get_num_threads() == threads

@@ -104,9 +104,9 @@ def ftz_multiply(values: np.ndarray, scale: np.ndarray) -> np.ndarray:
 
 
 def uses_torch(dtype: str) -> bool:
-    """Whether storing ``dtype`` takes torch: fp16, whose conversion numpy makes one element at a time (12x torch's
-    vectorized one on normal results, 400x on fp16 subnormals, measured on an AVX512 CPU with numpy 2.4); bf16 and
-    fp32 are numpy's own work (:func:`store`)."""
+    """Whether storing ``dtype`` takes torch: fp16, whose conversion numpy makes one element at a time (8x slower than
+    torch's vectorized one on normal results, 290x on fp16 subnormals: benchmarks/bench_fp16_cast.py on an AVX512 CPU
+    with numpy 2.4, results-fp16-cast-2026-11-24.log); bf16 and fp32 are numpy's own work (:func:`store`)."""
     return dtype == "F16"
 
 

@@ -266,9 +266,18 @@ def _dequantize_cpu(raw: torch.Tensor, quant_state: Any, dtype: torch.dtype) -> 
         else:
             blocks.mul_(scale[:, None])
         out[first_element:end_element].copy_(values[: end_element - first_element])
-    # A NaN scale (or inf * 0) makes NaNs: CUDA's arithmetic and conversions give the canonical one (all bits but the
-    # sign set), whatever bits the CPU's would have
-    nan = out.isnan()
+    # A NaN scale (or inf * 0) makes NaNs: CUDA's arithmetic and conversions give the canonical one
+    return canonical_nans(out).view(shape)
+
+
+CANONICAL_NAN = {2: 0x7FFF, 4: 0x7FFFFFFF, 8: 0x7FFFFFFFFFFFFFFF}  # by element size: all bits but the sign set
+_INTEGER = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def canonical_nans(values: torch.Tensor) -> torch.Tensor:
+    """``values`` (a contiguous float tensor) with every NaN made CUDA's canonical NaN, whatever bits the CPU's
+    arithmetic or cast gave it; in place, and returned."""
+    nan = values.isnan()
     if nan.any():
-        out.view({2: torch.int16, 4: torch.int32}[out.element_size()])[nan] = 0x7FFF if out.element_size() == 2 else 0x7FFFFFFF
-    return out.view(shape)
+        values.view(_INTEGER[values.element_size()])[nan] = CANONICAL_NAN[values.element_size()]
+    return values

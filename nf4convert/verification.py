@@ -79,13 +79,12 @@ def _reference_transpose(tensor: PlannedTensor, reader: TensorReader, device, co
 def _reference_copy(tensor: PlannedTensor, reader: TensorReader, device, context: "_Context"):
     """The source tensor, cast by torch where the dtype changes; a NaN then as CUDA's canonical NaN (all bits but the
     sign), as the converter casts on every route (torch's own NaN bits depend on the CPU)."""
+    from .reference import canonical_nans
+
     source = reader.tensor(tensor.recipe.source)
     cast = source.to(DTYPES[tensor.dtype].torch)
     if cast.dtype != source.dtype and cast.is_floating_point():
-        nan = cast.isnan()
-        if nan.any():
-            cast = cast.clone()
-            cast.view(_bits(cast).dtype)[nan] = {2: 0x7FFF, 4: 0x7FFFFFFF, 8: 0x7FFFFFFFFFFFFFFF}[cast.element_size()]
+        cast = canonical_nans(cast.contiguous())  # a cast is a new tensor: the source's bytes stay as read
     return cast
 
 

@@ -116,8 +116,10 @@ def innermost(recipe: Recipe) -> "Copy | Dequantize4bit | Dequantize8bit":
 
 def may_exceed(tensor: "PlannedTensor") -> bool:
     """Whether the output dtype may not hold the tensor's values: fp16 (largest 65504) made from a wider-ranged source
-    (a bf16/fp32 tensor, a 4-bit weight quantized from one, an 8-bit weight's fp32 scales) or with an adapter's change
-    added. Such tensors are checked for ±inf as they are written (stream._Pipeline), and named in a warning."""
+    (a bf16/fp32 tensor, a 4-bit weight quantized from one, an 8-bit weight's fp32 scales), from a double-quantized
+    4-bit weight (its blocks' rebuilt scale, nested code * nested absmax + offset, can exceed their own absmax: an fp16
+    weight at 65504 can come back as inf, from bitsandbytes too) or with an adapter's change added. Such tensors are
+    checked for ±inf as they are written (stream._Pipeline), and named in a warning."""
     if tensor.dtype != "F16":
         return False
     if isinstance(tensor.recipe, MergeLora):
@@ -126,7 +128,7 @@ def may_exceed(tensor: "PlannedTensor") -> bool:
     if isinstance(base, Copy):
         return base.source.dtype in ("BF16", "F32", "F64")
     if isinstance(base, Dequantize4bit):
-        return base.weight.meta.get("dtype") != "float16"
+        return base.weight.meta.get("dtype") != "float16" or base.weight.nested
     return True
 
 

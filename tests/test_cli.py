@@ -265,7 +265,19 @@ def test_fp16_beyond_its_range_is_named_in_a_warning(tmp_path, device):
     save_file({"big.weight": packed, **{f"big.weight.{k}": v for k, v in state.as_dict(packed=True).items()},
                "small.weight": small, **{f"small.weight.{k}": v for k, v in small_state.as_dict(packed=True).items()}},
               big / "model.safetensors", metadata={"format": "pt"})  # fmt: skip
-    for folder, name in ((source, "model.norm.weight"), (big, "big.weight")):
+    # An fp16 weight at fp16's largest value, double-quantized by bitsandbytes: the rebuilt scale of its blocks
+    # (nested code * nested absmax + offset) is 65859.8, so bitsandbytes' dequantize (and ours) gives inf in fp16.
+    import bitsandbytes.functional as F
+
+    nested = tmp_path / "nested"
+    nested.mkdir()
+    weight = torch.zeros(256, 64, dtype=torch.float16)
+    weight[:204, 0], weight[204:, 0] = 65504.0, 1.0
+    packed, state = F.quantize_4bit(weight.view(8, -1), blocksize=64, quant_type="nf4", compress_statistics=True)
+    save_file({"top.weight": packed, **{f"top.weight.{k}": v for k, v in state.as_dict(packed=True).items()},
+               "small.weight": small, **{f"small.weight.{k}": v for k, v in small_state.as_dict(packed=True).items()}},
+              nested / "model.safetensors", metadata={"format": "pt"})  # fmt: skip
+    for folder, name in ((source, "model.norm.weight"), (big, "big.weight"), (nested, "top.weight")):
         result = subprocess.run([sys.executable, "-m", "nf4convert", str(folder), "-o", str(tmp_path / f"{folder.name}-fp16"),
                                  "--dtype", "fp16", "-q", "--device", device], capture_output=True, text=True, timeout=300)  # fmt: skip
         assert result.returncode == 0, result.stderr

@@ -177,7 +177,6 @@ def _serve(pipe, inherited: list, mapping, mask) -> None:
     from .kernels import cpu
     from .output import STOP_SIGNALS
 
-
     for signum in STOP_SIGNALS:  # the parent's handlers came with the fork; the parent stops the workers
         signal.signal(signum, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # blocked by the parent around the fork
@@ -199,10 +198,9 @@ def _serve(pipe, inherited: list, mapping, mask) -> None:
             return
         function, read_at, read_count, out_at, out_count, args = job
         try:
-            args = _restored(args)
+            args = _restored(args)  # may import torch (tensors among the arguments), as may an earlier piece (fp16)
             one_thread = one_thread or _one_torch_thread()
             function(memory[read_at : read_at + read_count], memory[out_at : out_at + out_count], *args)
-            one_thread = one_thread or _one_torch_thread()  # a piece that imported it (fp16, 8-bit)
             answer = pickle.dumps(None)
         except BaseException as error:  # noqa: BLE001  (handed to the caller, who raises it)
             try:

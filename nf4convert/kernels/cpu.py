@@ -45,8 +45,8 @@ LIFT = 2.0**24  # x * 2^24 is normal wherever round24(x) could be, so fp32 round
 TINY_SCALE = FLT_MIN / 0.005
 
 # CUDA's canonical NaN of each float dtype (safetensors' names)
-CANONICAL_NAN = {"F64": 0x7FFFFFFFFFFFFFFF, "F32": 0x7FFFFFFF, "F16": 0x7FFF, "BF16": 0x7FFF}
-_INTEGER = {8: np.uint64, 4: np.uint32, 2: np.uint16}
+CANONICAL_NAN = {"F32": 0x7FFFFFFF, "F16": 0x7FFF, "BF16": 0x7FFF}  # the output dtypes'
+_INTEGER = {4: np.uint32, 2: np.uint16}
 
 _quad_tables: dict = {}
 

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_dequant import copy_bandwidth, graph_us  # noqa: E402
+from bench_dequant import _write_kernel, copy_bandwidth, graph_us  # noqa: E402
 
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -93,12 +93,6 @@ def tma_kernel(in_desc, out_desc, n_tiles, R: tl.constexpr, STAGES: tl.constexpr
 
 
 @triton.jit
-def write_kernel(target, BLOCK: tl.constexpr):
-    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    tl.store(target + offsets, tl.zeros([BLOCK], dtype=target.dtype.element_ty))
-
-
-@triton.jit
 def tma_write_kernel(out_desc, R: tl.constexpr, W: tl.constexpr):
     out_desc.store([tl.program_id(0) * R, 0], tl.zeros([R, W], dtype=out_desc.dtype))
 
@@ -142,7 +136,7 @@ def variants(n, out_dtype, sms):
             table[f"write.tma.r{r}.w{warps}"] = (call, True)
     for block, warps in ((2048, 4), (4096, 8)):
         def call(s, t, block=block, warps=warps):
-            write_kernel[(n // block,)](t, BLOCK=block, num_warps=warps)
+            _write_kernel[(n // block,)](t, BLOCK=block, num_warps=warps)
         table[f"write.plain.b{block}.w{warps}"] = (call, True)
     return table
 

@@ -104,6 +104,15 @@ def test_convert_verify_and_load(variant, checkpoints, tmp_path):
         result = model(**_inputs(arch))
         return (result.logits if arch != "bert" else result.last_hidden_state).float()
 
+    # Newer transformers dequantize a Conv1D layer into an nn.Linear (weight (out, in)), whose forward rounds otherwise
+    # than Conv1D's addmm: there the weights are compared, transposed back, and the logits for closeness only.
+    swapped = {name for name, module in dequantized.named_modules()
+               if isinstance(module, torch.nn.Linear) and type(dense.get_submodule(name)).__name__ == "Conv1D"}
+    for name, weight in dense.state_dict().items():
+        theirs = dequantized.state_dict()[name]
+        theirs = theirs.T if name.rpartition(".")[0] in swapped and name.endswith(".weight") else theirs
+        assert torch.equal(weight, theirs) if exact else (weight.float() - theirs.float()).abs().max() <= 0.01, name
+    exact = exact and not swapped
     with torch.no_grad():
         got, four_bit, reference = forward(dense), forward(quantized), forward(dequantized)
     assert torch.equal(got, reference) if exact else (got - reference).abs().max() <= 0.01 * reference.abs().max()

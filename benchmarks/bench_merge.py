@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from bench_convert import build_adapter, build_source
-from nf4convert.checkpoint import TensorReader
+from nf4convert.safetensors_io.read import TensorReader
 from nf4convert.formats import peft_lora
 from nf4convert.plan import MergeLora, make_plan
 from nf4convert.stream import _whole, route_for

@@ -263,7 +263,7 @@ def prepare(source: str | os.PathLike, output=None, *, dtype="auto", adapter=Non
         return _prepare(source, output, dtype=dtype, adapter=adapter, revision=revision, token=token, cache_dir=cache_dir,
                         max_shard_size=max_shard_size, overwrite=overwrite, output_dir=output_dir, stem=stem,
                         reader=reader, progress=progress)  # fmt: skip
-    from .checkpoint import TensorReader
+    from .safetensors_io.read import TensorReader
     from .errors import Nf4ConvertError
     from .hub import HeadersOnly
 
@@ -367,7 +367,7 @@ def convert(
     from . import card as _card  # noqa: F401  (imported here, not first on the side thread: see _side_thread)
     from . import output as lifecycle
     from . import profile
-    from .checkpoint import TensorReader
+    from .safetensors_io.read import TensorReader
     from .devices import pick_device
     from .stream import route_for, write_shards
 

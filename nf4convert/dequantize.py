@@ -72,19 +72,6 @@ def _fields(packed: torch.Tensor, quant_state: Any, out: Optional[torch.Tensor],
     return absmax, code2, absmax2, offset, nested_blocksize
 
 
-def on_cpu(packed, absmax, code2, absmax2, offset, code, out, blocksize: int, nested_blocksize: int) -> None:
-    """The exact CPU path (kernels/cpu.py, numpy) on CPU tensors: ``packed`` contiguous bytes into contiguous ``out``."""
-    from .dtypes import BY_NAME
-    from .kernels import cpu  # noqa: PLC0415
-
-    def array(tensor):
-        return None if tensor is None else tensor.detach().contiguous().numpy()
-
-    cpu.dequantize(packed.detach().reshape(-1).view(torch.uint8).numpy(), array(absmax), array(code2), array(absmax2),
-                   None if offset is None else float(offset), array(code), out.detach().view(-1).view(torch.uint8).numpy(),
-                   BY_NAME[str(out.dtype).removeprefix("torch.")].code, blocksize, nested_blocksize)  # fmt: skip
-
-
 def _refuse_amd(device: torch.device) -> None:
     """An AMD GPU's tensors (torch's "cuda" on a ROCm build): the Triton kernel (NVIDIA PTX) cannot run there. Its own
     function, apart from _pick_backend's raises: in that one, on torch 2.11 (Python 3.12), Dynamo then failed on its
@@ -178,7 +165,9 @@ def dequantize_4bit(
     if out is None:
         out = torch.empty(shape, dtype=quant_state.dtype, device=packed.device)
     if backend == "cpu":
-        on_cpu(packed, absmax, code2, absmax2, offset, code, out, quant_state.blocksize, nested_blocksize)
+        from .kernels.cpu import dequantize_tensors
+
+        dequantize_tensors(packed, absmax, code2, absmax2, offset, code, out, quant_state.blocksize, nested_blocksize)
     else:
         try:
             from .kernels import launch  # noqa: PLC0415

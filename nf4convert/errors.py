@@ -9,7 +9,8 @@ resolve says which in ``option`` ("overwrite", "token", ...), and the CLI turns 
     ├── CheckpointError      a checkpoint file that is missing, truncated, corrupt, or not convertible
     ├── OutputError          the output cannot be written (exists, no space, not writable)
     ├── UploadError          pushing the output to the Hub failed
-    └── DependencyError      a library the path taken needs cannot be imported (verify's bitsandbytes, peft; Triton on CUDA)
+    ├── DependencyError      a library the path taken needs cannot be imported (verify's bitsandbytes, peft; Triton on CUDA)
+    └── InternalError        a broken invariant of nf4convert itself: a bug to report (also a RuntimeError)
 """
 
 
@@ -44,3 +45,8 @@ class UploadError(Nf4ConvertError):
 class DependencyError(Nf4ConvertError):
     """A library that the path taken needs (verify's references: bitsandbytes, and peft for an adapter; Triton for the
     CUDA kernel) cannot be imported: a finding about the installation, never reported as a difference in the weights."""
+
+
+class InternalError(Nf4ConvertError, RuntimeError):
+    """A broken invariant of nf4convert's own code (a piece written where the plan put none): a bug, reported in one
+    line like any other failure, never a traceback."""

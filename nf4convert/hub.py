@@ -197,7 +197,7 @@ def resolve(source: str, *, revision: str | None = None, token: str | None = Non
 def _check_cached_weights(source: str, folder: Path) -> None:
     """Offline, the cache's snapshot must hold the weights its index lists. huggingface_hub 0.24 returns a snapshot
     without them (a dry run's, which fetched everything else) as if complete; the plan would then blame the repo."""
-    from .checkpoint import read_index  # noqa: PLC0415
+    from .safetensors_io.read import read_index  # noqa: PLC0415
 
     weight_map = read_index(folder)
     if weight_map is not None and any(not (folder / name).is_file() for name in set(weight_map.values())):
@@ -206,7 +206,7 @@ def _check_cached_weights(source: str, folder: Path) -> None:
 
 
 def _headers_only_patterns() -> list[str]:
-    from .checkpoint import ADAPTER_WEIGHTS  # noqa: PLC0415  (an adapter's own weights are small and read whole)
+    from .files import ADAPTER_WEIGHTS  # noqa: PLC0415  (an adapter's own weights are small and read whole)
 
     return [pattern for pattern in ALLOW_PATTERNS if pattern != "*.safetensors"] + [ADAPTER_WEIGHTS]
 
@@ -223,7 +223,8 @@ def _copy_for_plan(source: str, downloaded: Path, headers: HeadersOnly, token: s
     from huggingface_hub import HfApi  # noqa: PLC0415
     from huggingface_hub.utils import tqdm as hub_tqdm  # noqa: PLC0415  (hidden with huggingface_hub's bars)
 
-    from .checkpoint import ADAPTER_WEIGHTS, read_index, series_members  # noqa: PLC0415
+    from .files import ADAPTER_WEIGHTS  # noqa: PLC0415
+    from .safetensors_io.read import read_index, series_members
 
     weight_map = read_index(downloaded)
     cached = {p.relative_to(downloaded).as_posix() for p in downloaded.rglob("*.safetensors") if p.is_file()}
@@ -331,13 +332,13 @@ def _sparse_file(reader: _RangeReader, source: str, name: str, path: Path, bar) 
     header as any checkpoint's is read (checkpoint.read_header). (name, path, its tensors, the byte ranges held)."""
     import struct  # noqa: PLC0415
 
-    from .checkpoint import _HEADER_LIMIT, read_header  # noqa: PLC0415
+    from .safetensors_io.read import HEADER_LIMIT, read_header  # noqa: PLC0415
 
     data, size = reader.read(name, 0, _FIRST_BYTES)
     pieces = [(0, data)]
     if len(data) >= 8:
         (length,) = struct.unpack("<Q", data[:8])
-        if len(data) < 8 + length <= min(size, 8 + _HEADER_LIMIT):  # else read_header names the problem
+        if len(data) < 8 + length <= min(size, 8 + HEADER_LIMIT):  # else read_header names the problem
             pieces.append((len(data), reader.read(name, len(data), 8 + length)[0]))
     with _scratch_errors(source):
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -14,7 +14,7 @@ import shutil
 import signal
 from pathlib import Path
 
-from .checkpoint import INDEX_NAME
+from .files import INDEX_NAME
 from .errors import OutputError
 
 PARTIAL_SUFFIX = ".nf4convert-partial"

@@ -21,8 +21,9 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 from pathlib import Path
 
-from .checkpoint import (ADAPTER_FILES, LOADED_WEIGHT_FILES, NAMED_WEIGHT_FILES, TensorInfo, TensorReader, inside,
-                         read_tensors, shown, strict_json)
+from .files import ADAPTER_FILES, LOADED_WEIGHT_FILES, NAMED_WEIGHT_FILES, inside
+from .safetensors_io.read import TensorInfo, TensorReader, read_tensors
+from .strict_json import shown, strict_json
 from .dtypes import DTYPES, OUTPUT_DTYPES, DType, output_dtype
 from .errors import ArgumentError, CheckpointError
 from .formats import bnb4, bnb8, conv1d, peft_lora

@@ -45,7 +45,8 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 from . import knobs, profile
-from .checkpoint import ShardWriter, TensorInfo, TensorReader, Writeback, as_array
+from .safetensors_io.write import ShardWriter, Writeback
+from .safetensors_io.read import TensorInfo, TensorReader, as_array
 from .dtypes import DTYPES
 from .formats import bnb4, bnb8, peft_lora
 from .plan import Copy, Dequantize4bit, Dequantize8bit, MergeLora, Plan, PlannedTensor, Transpose, innermost, may_exceed

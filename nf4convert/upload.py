@@ -24,7 +24,7 @@ from fnmatch import fnmatchcase
 from pathlib import Path
 from urllib.parse import quote
 
-from .checkpoint import ADAPTER_FILES, LOADED_WEIGHT_FILES
+from .files import ADAPTER_FILES, LOADED_WEIGHT_FILES
 from .errors import ArgumentError, UploadError
 from .hub import progress_bars
 from .hub_errors import hub_error_line

@@ -19,8 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, NamedTuple
 
-from .checkpoint import (ADAPTER_FILES, INDEX_NAME, LOADED_WEIGHT_FILES, NAMED_WEIGHT_FILES, TensorInfo, TensorReader,
-                         read_index, read_tensors, strict_json)
+from .files import ADAPTER_FILES, INDEX_NAME, LOADED_WEIGHT_FILES, NAMED_WEIGHT_FILES
+from .safetensors_io.read import TensorInfo, TensorReader, read_index, read_tensors
+from .strict_json import strict_json
 from .dtypes import DTYPES, OUTPUT_DTYPES
 from .errors import ArgumentError, CheckpointError, DependencyError, SourceNotFoundError
 from .paths import expanded
@@ -321,7 +322,8 @@ def _carried_problems(plan, output: Path) -> list[str]:
 def _metadata_problems(produced: dict[str, TensorInfo]) -> list[str]:
     """Each weight file's ``__metadata__`` is what the conversion writes ({"format": "pt"}): transformers 4.x refuses
     another format, or loads it through TensorFlow or Flax."""
-    from .checkpoint import SHARD_METADATA, read_header
+    from .safetensors_io.write import SHARD_METADATA
+    from .safetensors_io.read import read_header
 
     problems = []
     for file in sorted({info.path for info in produced.values()}):

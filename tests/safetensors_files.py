@@ -63,7 +63,7 @@ def safetensors_reads(path: Path) -> tuple[dict, dict] | None:
 
 def our_reads(path: Path) -> tuple[dict, dict]:
     """The same through nf4convert's read_header and TensorReader."""
-    from nf4convert.checkpoint import TensorReader, read_header
+    from nf4convert.safetensors_io.read import TensorReader, read_header
 
     tensors, metadata = read_header(path)
     reader = TensorReader()

@@ -16,7 +16,7 @@ from click.testing import CliRunner
 
 from checkpoints import _configs, build
 from helpers import bits
-from nf4convert.checkpoint import read_tensors
+from nf4convert.safetensors_io.read import read_tensors
 from nf4convert.cli import main
 
 pytest.importorskip("peft")

@@ -8,7 +8,7 @@ import torch
 from checkpoints8 import VARIANTS, build, model_class
 from helpers import OUT_DTYPES, bits
 
-from nf4convert.checkpoint import TensorReader, read_header, read_tensors
+from nf4convert.safetensors_io.read import TensorReader, read_header, read_tensors
 from nf4convert.errors import CheckpointError
 from nf4convert.formats import bnb8
 

@@ -307,13 +307,13 @@ def test_disk_full_is_one_line(checkpoints, tmp_path, monkeypatch):
     output = run(checkpoints["llama-nf4-dq"], "-o", tmp_path / "out", "-q", code=1)
     assert "0.0 MB free, the output needs" in output and "and 67.1 MB of headroom)" in output and not (tmp_path / "out").exists()
 
-    from nf4convert import checkpoint
+    from nf4convert.safetensors_io import write as writing
 
     def no_space(self, name, data, offset=None):
         raise OSError(28, "No space left on device")
 
     monkeypatch.undo()
-    monkeypatch.setattr(checkpoint.ShardWriter, "write", no_space)
+    monkeypatch.setattr(writing.ShardWriter, "write", no_space)
     output = run(checkpoints["llama-nf4-dq"], "-o", tmp_path / "out", "-q", code=1)
     assert "No space left on device" in output and not (tmp_path / "out").exists()
     assert not list(tmp_path.glob(".*nf4convert*"))

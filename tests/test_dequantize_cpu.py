@@ -221,7 +221,7 @@ def test_quant_state_from_checkpoint_and_chunks_match_bnb(nested, tmp_path):
     # whole (nested) blocks dequantize, one by one, to the same bits as the whole weight.
     from safetensors.torch import save_file
 
-    from nf4convert.checkpoint import TensorReader, read_tensors
+    from nf4convert.safetensors_io.read import TensorReader, read_tensors
     from nf4convert.formats import bnb4
 
     packed, state = quantize((37, 911), quant_type="fp4", blocksize=128, nested=nested, dtype=torch.float16, seed=5)

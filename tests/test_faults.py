@@ -524,12 +524,12 @@ def test_folders_made_for_an_interrupted_output_go_too(tmp_path):
 
 
 def test_folders_made_for_a_failed_output_go_and_the_users_stay(tmp_path, monkeypatch):
-    from nf4convert import checkpoint
+    from nf4convert.safetensors_io import write as writing
 
     def no_space(self, name, data, offset=None):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(checkpoint.ShardWriter, "write", no_space)
+    monkeypatch.setattr(writing.ShardWriter, "write", no_space)
     (tmp_path / "mine").mkdir()  # the user's (empty) folder: only those this run made go
     line = one_error_line(run(EXAMPLE, "-o", tmp_path / "mine" / "new" / "deeper" / "out", "-q", "--device", "cpu", code=1))
     assert "No space left on device" in line

@@ -22,7 +22,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from nf4convert.checkpoint import read_tensors
+from nf4convert.safetensors_io.read import read_tensors
 from nf4convert.errors import CheckpointError
 from safetensors_files import join, our_reads, random_tensors, retile, safetensors_reads, split
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from helpers import bits
-from nf4convert.checkpoint import TensorReader
+from nf4convert.safetensors_io.read import TensorReader
 from nf4convert.errors import CheckpointError
 from nf4convert.formats import peft_lora
 

@@ -12,7 +12,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from helpers import quantize
-from nf4convert.checkpoint import ShardWriter, TensorReader, read_tensors
+from nf4convert.safetensors_io.write import ShardWriter
+from nf4convert.safetensors_io.read import TensorReader, read_tensors
 from nf4convert.errors import ArgumentError, CheckpointError
 from nf4convert.plan import Copy, Dequantize4bit, make_plan, parse_size
 

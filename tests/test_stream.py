@@ -18,7 +18,8 @@ from safetensors.torch import save_file
 
 from helpers import bnb_reference_cpu, quantize
 from nf4convert import stream
-from nf4convert.checkpoint import ShardWriter, TensorReader
+from nf4convert.safetensors_io.write import ShardWriter
+from nf4convert.safetensors_io.read import TensorReader
 from nf4convert.formats import bnb8
 from nf4convert.plan import make_plan
 
@@ -403,7 +404,7 @@ def _recording_sync_file_range(monkeypatch, result=0, pause=0.0):
     """Replace libc's sync_file_range with a recorder: (path, position, length) of each call."""
     import time
 
-    from nf4convert import checkpoint
+    from nf4convert.safetensors_io import write as writing
 
     calls = []
 
@@ -412,29 +413,29 @@ def _recording_sync_file_range(monkeypatch, result=0, pause=0.0):
         time.sleep(pause)
         return result
 
-    monkeypatch.setattr(checkpoint, "_sync_file_range", lambda: record)
+    monkeypatch.setattr(writing, "_sync_file_range", lambda: record)
     return calls
 
 
 @needs_proc
 def test_writeback_is_asked_for_every_range_written(tmp_path, monkeypatch):
-    from nf4convert import checkpoint
+    from nf4convert.safetensors_io import write as writing
 
     source, _ = _checkpoint(tmp_path / "src", 10)
     calls = _recording_sync_file_range(monkeypatch)
     asked = []
-    original = checkpoint.Writeback.request
+    original = writing.Writeback.request
 
     def request(self, descriptor, position, length):
         asked.append((os.path.basename(os.readlink(f"/proc/self/fd/{descriptor}")), position, length))
         original(self, descriptor, position, length)
 
-    monkeypatch.setattr(checkpoint.Writeback, "request", request)
+    monkeypatch.setattr(writing.Writeback, "request", request)
     descriptors = len(os.listdir("/proc/self/fd"))
     plan = _convert(source, tmp_path / "out", SmallPieces(workers=2), shard_size=60_000)
     assert len(os.listdir("/proc/self/fd")) == descriptors  # the writeback's own descriptors are closed
     assert not [t for t in threading.enumerate() if t.name == "nf4convert-writeback"]
-    assert calls and all(flags == checkpoint.Writeback.SYNC_FILE_RANGE_WRITE for *_, flags in calls)
+    assert calls and all(flags == writing.Writeback.SYNC_FILE_RANGE_WRITE for *_, flags in calls)
     assert {call[:3] for call in calls} <= set(asked)  # the calls made are ranges asked for
     for shard in plan.shards:
         ranges = sorted((position, position + length) for name, position, length in asked if name == shard.filename)
@@ -457,13 +458,13 @@ def _closed(descriptor):
 def test_writeback_stops_at_its_first_failure_and_close_drops_the_queue(tmp_path, monkeypatch):
     import time
 
-    from nf4convert import checkpoint
+    from nf4convert.safetensors_io import write as writing
 
     path = tmp_path / "f"
     path.write_bytes(b"x" * 4096)
     calls = _recording_sync_file_range(monkeypatch, result=-1)
     with open(path, "rb") as file:
-        writeback = checkpoint.Writeback()
+        writeback = writing.Writeback()
         own = writeback.open(file.fileno())
         for position in range(0, 4096, 1024):
             writeback.request(own, position, 1024)
@@ -476,7 +477,7 @@ def test_writeback_stops_at_its_first_failure_and_close_drops_the_queue(tmp_path
 
     calls = _recording_sync_file_range(monkeypatch, pause=0.05)  # a disk that keeps each call waiting
     with open(path, "rb") as file:
-        writeback = checkpoint.Writeback()
+        writeback = writing.Writeback()
         own = writeback.open(file.fileno())
         for position in range(200):
             writeback.request(own, position, 1)
@@ -508,25 +509,25 @@ def test_writeback_off_or_failing_changes_no_byte(tmp_path, monkeypatch):
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux's call")
 def test_sync_file_range_is_found_and_queues_a_range(tmp_path):
-    from nf4convert import checkpoint
+    from nf4convert.safetensors_io import write as writing
 
-    call = checkpoint._sync_file_range()
+    call = writing._sync_file_range()
     assert call is not None
     path = tmp_path / "f"
     path.write_bytes(b"x" * 10_000)
     with open(path, "rb+") as file:
-        assert call(file.fileno(), 0, 10_000, checkpoint.Writeback.SYNC_FILE_RANGE_WRITE) == 0
-        assert call(-1, 0, 1, checkpoint.Writeback.SYNC_FILE_RANGE_WRITE) == -1  # a bad descriptor fails, no raise
+        assert call(file.fileno(), 0, 10_000, writing.Writeback.SYNC_FILE_RANGE_WRITE) == 0
+        assert call(-1, 0, 1, writing.Writeback.SYNC_FILE_RANGE_WRITE) == -1  # a bad descriptor fails, no raise
 
 
 @needs_proc
 def test_a_shard_writer_that_fails_to_start_closes_what_it_opened(tmp_path, monkeypatch):
-    from nf4convert import checkpoint
+    from nf4convert.safetensors_io import write as writing
 
     source, _ = _checkpoint(tmp_path / "src", 12)
     tensors = make_plan(source, dtype="bf16").shards[0].tensors
     _recording_sync_file_range(monkeypatch)
-    writeback = checkpoint.Writeback()
+    writeback = writing.Writeback()
     descriptors = len(os.listdir("/proc/self/fd"))
 
     def full_disk(self, view, position):

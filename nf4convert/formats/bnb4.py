@@ -17,14 +17,14 @@ import struct
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator
 
-from ..checkpoint import shown, strict_json
+from ..strict_json import shown, strict_json
 from ..dtypes import BY_NAME, DTYPES, OUTPUT_DTYPES, to_float32
 from ..errors import ArgumentError, CheckpointError
 
 if TYPE_CHECKING:
     import torch
 
-    from ..checkpoint import TensorInfo, TensorReader
+    from ..safetensors_io.read import TensorInfo, TensorReader
 
 # bitsandbytes' CUDA kernels decode the nibble with constants of their own and ignore the stored
 # quant_map, so these tables, not the checkpoint's, are the truth. FP4 nibble 8 is -0.0 there

@@ -35,14 +35,14 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..checkpoint import TensorInfo
+from ..safetensors_io.read import TensorInfo
 from ..dtypes import DTYPES, OUTPUT_DTYPES
 from ..errors import CheckpointError
 
 if TYPE_CHECKING:
     import torch
 
-    from ..checkpoint import TensorReader
+    from ..safetensors_io.read import TensorReader
 
 PARTS = ("SCB", "weight_format")
 # The tensors whose bytes the plan reads (one float per row, one byte): a headers-only copy holds just these.

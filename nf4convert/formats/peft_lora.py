@@ -38,7 +38,9 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..checkpoint import ADAPTER_WEIGHTS, TensorInfo, inside, read_header, strict_json
+from ..files import ADAPTER_WEIGHTS, inside
+from ..safetensors_io.read import TensorInfo, read_header
+from ..strict_json import strict_json
 from ..dtypes import DTYPES
 from ..errors import CheckpointError
 from . import conv1d

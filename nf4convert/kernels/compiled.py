@@ -51,10 +51,10 @@ dequantize_4bit_op = torch.library.triton_op("nf4convert::dequantize_4bit", _deq
 
 @torch.library.custom_op("nf4convert::dequantize_4bit_cpu", mutates_args=(), device_types="cpu", schema=SCHEMA)
 def dequantize_4bit_cpu_op(packed, absmax, code2, absmax2, offset, code, blocksize, nested_blocksize, shape, dtype):
-    from ..dequantize import on_cpu
+    from .cpu import dequantize_tensors
 
     out = torch.empty(shape, dtype=dtype, device=packed.device)
-    on_cpu(packed.contiguous(), absmax, code2, absmax2, offset, code, out, blocksize, nested_blocksize)
+    dequantize_tensors(packed.contiguous(), absmax, code2, absmax2, offset, code, out, blocksize, nested_blocksize)
     return out
 
 

@@ -1,0 +1,80 @@
+"""Which files of a checkpoint folder are what (weights, indexes, adapters, files to carry over), and which may be
+read: the one owner of these lists, read by the plan, verify, the Hub download and the push alike."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .errors import CheckpointError
+from .strict_json import shown
+
+
+# What reading refuses, and where that is stricter than safetensors itself (safetensors/src/tensor.rs,
+# read_metadata and Metadata::validate, which safe_open runs on the whole file):
+# - as safetensors: a header over 100 MB (its MAX_HEADER_SIZE, decimal) or past the end of the file; a header
+#   that is not UTF-8 JSON (serde_json: no NaN/Infinity, no lone surrogates, nesting bounded) or not an object;
+#   an entry whose dtype, shape or data_offsets is missing or not of the right type (sizes are usize: integers,
+#   not bools or floats, 0 <= x < 2**64, shape product and bit count without overflow); tensors that, sorted by
+#   offsets, do not begin where the previous one ends (the first at 0), whose byte count does not match; a last
+#   end that is not exactly the data size (trailing bytes too); `__metadata__` that is not a str -> str map.
+# - stricter: duplicate keys (serde keeps the last tensor silently), keys besides dtype/shape/data_offsets in an
+#   entry, empty or non-printable tensor names (they would break one-line messages), dtypes without a torch
+#   type here (F4, F6_*, F8_E8M0, C64, ...).
+ADAPTER_WEIGHTS = "adapter_model.safetensors"  # peft's file name: an adapter beside a checkpoint is not part of it
+
+
+INDEX_NAME = "model.safetensors.index.json"  # transformers' name for the index (the only one it looks for)
+
+
+# Files that hold a model's weights, by what reads them (one list, three uses: the plan never carries them over, verify
+# names any in OUT that a conversion did not write, a push deletes a repo's that the output lacks). LOADED: read as
+# the weights unasked: safetensors and PyTorch .bin (transformers, vLLM, with their indexes), .pt (vLLM), .pth (Meta's
+# and Mistral's reference code), transformers 4's TF and Flax weights. NAMED: read only when a tool is pointed at
+# them (GGUF, other checkpoints). ADAPTER: a peft adapter's, with which transformers loads the base it names plus
+# the adapter instead of the weights beside it.
+LOADED_WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json", "*.pt", "*.pth",
+                       "*.h5", "*.msgpack")  # fmt: skip
+
+
+NAMED_WEIGHT_FILES = ("*.ckpt", "*.gguf")
+
+
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.*")
+
+
+def plain_relative(folder: Path, file, where: str) -> str:
+    """``file`` if it names a ``.safetensors`` file by a plain relative path inside ``folder``."""
+    from pathlib import PureWindowsPath
+
+    if not isinstance(file, str) or not file:
+        raise CheckpointError(f"{where}: file name {shown(file)} is not a non-empty string")
+    parts = file.split("/")
+    if (not file.isprintable() or "\\" in file or PureWindowsPath(file).drive or file.startswith("/")
+            or any(part in ("", ".", "..") for part in parts)):  # fmt: skip
+        raise CheckpointError(f"{where}: file name {shown(file)} is not a plain relative path inside {folder}")
+    if any(len(part.encode("utf-8", "surrogatepass")) > 255 for part in parts):  # no file system takes more
+        raise CheckpointError(f"{where}: file name {shown(file)} is too long")
+    if not file.endswith(".safetensors"):
+        raise CheckpointError(f"{where}: file name {shown(file)} is not a .safetensors file")
+    return file
+
+
+def inside(folder: Path, file: str, *, what: str = "checkpoint") -> Path:
+    """``folder / file``, refused when it resolves (through symlinks) outside ``folder`` (the ``what`` folder: a
+    checkpoint's, or an adapter's, whose files are read by the same rule).
+
+    A symlink whose target stays inside the folder is fine. So is the Hub cache's layout, where
+    ``<repo>/snapshots/<rev>/<file>`` is a symlink to ``<repo>/blobs/<hash>``: a snapshot folder may read
+    its repo's blobs, nothing else. Any other way out (an index name was checked already, so a symlink
+    that a git clone or an archive planted) could put a file the user never meant to share into the output.
+    """
+    path = folder / file
+    try:
+        root = folder.resolve()
+        real = path.resolve()
+        blobs = (root.parent.parent / "blobs").resolve() if root.parent.name == "snapshots" else None
+    except (OSError, RuntimeError) as error:  # RuntimeError: a symlink loop (Python < 3.13)
+        raise CheckpointError(f"{path}: cannot be resolved ({error})") from None
+    if real == root or root in real.parents or (blobs is not None and real.parent == blobs):
+        return path
+    raise CheckpointError(f"{path}: is a link to {real}, outside the {what} folder; copy the file into the folder instead")

@@ -34,7 +34,7 @@ def main() -> None:
 
     from nf4convert.formats import bnb4
     from nf4convert.kernels import cpu
-    from nf4convert.stream import CPU_PIECE_BYTES, CpuRoute
+    from nf4convert.pipeline.routes.cpu import CPU_PIECE_BYTES, CpuRoute
 
     cores = len(os.sched_getaffinity(0))
     counts = [int(x) for x in args.threads.split(",")] if args.threads else sorted({1, max(1, cores // 2), cores})
@@ -103,8 +103,8 @@ def _in_processes(processes, pieces, packed, code, blocksize, nested_blocksize) 
     ``processes`` threads copies a piece's packed bytes into its slot of the shared mapping (as a reader would) and
     hands the piece to a worker, which decodes it into another slot; ``code``, ``blocksize`` and the nested
     blocksize come with each piece's quant state."""
-    from nf4convert.stream import CPU_PIECE_BYTES, _dequantize_4bit_on_cpu
-    from nf4convert.workers import Workers
+    from nf4convert.pipeline.routes.cpu import CPU_PIECE_BYTES, _dequantize_4bit_on_cpu
+    from nf4convert.pipeline.routes.workers import Workers
 
     workers = Workers(processes, 2 * processes, CPU_PIECE_BYTES)
 

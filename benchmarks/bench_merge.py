@@ -16,8 +16,10 @@ import torch
 from bench_convert import build_adapter, build_source
 from nf4convert.safetensors_io.read import TensorReader
 from nf4convert.formats import peft_lora
-from nf4convert.plan import MergeLora, make_plan
-from nf4convert.stream import _whole, route_for
+from nf4convert.kinds import MergeLora
+from nf4convert.plan import make_plan
+from nf4convert.pipeline.piece import whole as _whole
+from nf4convert.pipeline.routes import route_for
 
 
 def timed(fn, sync):
@@ -49,7 +51,7 @@ def main():
                 best = None
                 for _ in range(3):
                     base = dataclasses.replace(tensor, recipe=tensor.recipe.base)
-                    # as stream._merge_lora does: whole on the device where the route can, else through the host
+                    # as kinds/merge_lora.py does: whole on the device where the route can, else through the host
                     where = "cpu" if options.via_host else route.device
                     whole, t_whole = timed(lambda: _whole(base, reader, route, where), sync)
                     weight = whole.view(torch.bfloat16).view(tensor.shape)

@@ -1,24 +1,26 @@
-"""The command line: parsing and messages only; the work is in conversion.py and verification.py.
+"""The command line: parse, call the API (``run.py``), render results (``render.py``) and errors.
 
-torch, Triton and bitsandbytes are imported inside the commands, so ``--help`` and argument errors are
-instant. Every failure is one ``Error:`` line and a non-zero exit: 1 for bad input or a failed run, 2 for
-a usage error, 130 for Ctrl-C, 143 for SIGTERM and 129 for SIGHUP (each removes what was partly written).
+Every failure is one ``Error:`` line and a non-zero exit: 1 for bad input or a failed run, 2 for a usage error, 130 for
+Ctrl-C, 143 for SIGTERM and 129 for SIGHUP (each removes what was partly written). The API is imported inside the
+commands (it brings numpy, and with it seconds of start-up where torch follows), so ``--help`` and argument errors
+are instant.
 """
 
 from __future__ import annotations
 
+import json
 import signal
 import sys
-import threading
-from functools import partial
+from dataclasses import dataclass
 
 import click
 
 from . import __version__
 from .dtypes import OUTPUT_CHOICES
-from .output import STOP_SIGNALS
+from .errors import ArgumentError, Interrupted, Nf4ConvertError, Terminated
+from .signals import StopSignals
+from .sizes import DEFAULT_SHARD_SIZE
 
-DEFAULT_SHARD_SIZE = "5GB"  # plan.DEFAULT_SHARD_SIZE (plan imports what --help must not); a test checks they agree
 
 # What a library error's ``option`` becomes on the command line.
 HINTS = {
@@ -30,57 +32,14 @@ HINTS = {
     "max_shard_size": "see --max-shard-size",
     "adapter": "see --adapter",
 }
-# output.STOP_SIGNALS stop a run: SIGINT as KeyboardInterrupt, SIGTERM and SIGHUP as Terminated; each exits 128 + its
-# number once what was partly written is removed.
-_received: list = []  # the stop signals this command received
-_process = [False]  # running as the process's own command line (not a test's CliRunner)
-_running = [False]  # a command is running: a signal deferred out of an import is sent again only then
-_resend = threading.Lock()  # a resend and the end of the command (handlers restored) never interleave
-_written: list = [None]  # the OUT this command completed: a later stop (in --verify, the push) keeps it
 
 
-class Terminated(BaseException):
-    """SIGTERM or SIGHUP, raised in the main thread so that cleanup runs as for Ctrl-C."""
+@dataclass
+class _Command:
+    """What one command line's run knows of itself (click's ``ctx.obj``)."""
 
-    def __init__(self, signum: int = signal.SIGTERM):
-        super().__init__(signum)
-        self.signum = signum
-
-
-def _inside_import(frame) -> bool:
-    while frame is not None:
-        if frame.f_code.co_filename.startswith("<frozen importlib"):
-            return True
-        frame = frame.f_back
-    return False
-
-
-def _unraisable(previous, unraisable) -> None:
-    """A stop signal raised in a destructor or weakref callback, which Python cannot propagate: not printed as a
-    traceback; ``_run`` reports the signal (``_received``) when the command returns."""
-    if not isinstance(unraisable.exc_value, (KeyboardInterrupt, Terminated)):
-        previous(unraisable)
-
-
-def _on_signal(signum, frame):
-    """Stop the main thread with KeyboardInterrupt (SIGINT) or Terminated, but never inside an import: an exception
-    raised in importlib's own code can leave a module's import lock held, and a thread importing that module then
-    waits forever (the run hung on Ctrl-C that way). There the signal is sent again 50 ms later."""
-    _received.append(signum)
-    if not _running[0]:
-        return  # the command is over (a resend raced its end): nothing left to stop
-    if _inside_import(frame) and hasattr(signal, "pthread_kill"):
-        timer = threading.Timer(0.05, _send_again, (threading.main_thread().ident, signum))
-        timer.daemon = True  # never holds up the exit
-        timer.start()
-        return
-    raise KeyboardInterrupt if signum == signal.SIGINT else Terminated(signum)
-
-
-def _send_again(thread: int, signum: int) -> None:
-    with _resend:
-        if _running[0]:
-            signal.pthread_kill(thread, signum)
+    stops: StopSignals
+    process: bool  # running as the process's own command line (not a test's CliRunner)
 
 
 class DefaultGroup(click.Group):
@@ -88,19 +47,13 @@ class DefaultGroup(click.Group):
 
     def main(self, args=None, *rest, **kwargs):
         kwargs.pop("standalone_mode", None)
-        process = args is None  # the process's own command line (not a test's CliRunner)
+        process = args is None
         args = sys.argv[1:] if args is None else list(args)
         if not args:
             args = ["--help"]
-        # A signal the caller ignores (nohup, trap '' INT) stays ignored.
-        previous = {number: signal.signal(number, _on_signal) for number in STOP_SIGNALS
-                    if signal.getsignal(number) is not signal.SIG_IGN}  # fmt: skip
-        _received.clear()
-        _process[0], _running[0], _written[0] = process, True, None
-        unraisable_hook, sys.unraisablehook = sys.unraisablehook, partial(_unraisable, sys.unraisablehook)
-        try:
+        with StopSignals() as stops:
             try:
-                code = super().main(args, *rest, standalone_mode=False, **kwargs)
+                code = super().main(args, *rest, standalone_mode=False, obj=_Command(stops, process), **kwargs)
                 code = code if isinstance(code, int) else 0
             except click.ClickException as error:  # a bad option or argument: one line, not the usage text
                 error_line(f"{error.format_message()} (see 'nf4convert --help')")
@@ -111,15 +64,8 @@ class DefaultGroup(click.Group):
             except SystemExit as exiting:  # a failed run (_fail, a failed verify or batch) ends as a finished one does
                 code = _exit_code(exiting)
             if process:
-                with _resend:
-                    _running[0] = False  # our handlers stay: a stop signal from here on is recorded, not raised
+                stops.finish()
                 _exit_now(code)
-        finally:
-            with _resend:
-                _running[0] = False
-                for number, handler in previous.items():
-                    signal.signal(number, handler)
-            sys.unraisablehook = unraisable_hook
         sys.exit(code)
 
     def parse_args(self, ctx, args):
@@ -148,10 +94,10 @@ def _exit_code(exiting: SystemExit) -> int:
 
 
 def _exit_now(code: int) -> None:
-    """End the run, finished or failed, without the interpreter's teardown: with torch (and CUDA) loaded,
-    destructors, the CUDA context and pinned memory take ~0.5 s to unwind, for nothing (every file is closed and in
-    place, or removed, by now), and a Ctrl-C in that time would print a traceback from torch's exit callbacks.
-    Every run ends so, with torch or without (the CPU route runs without it): one way out."""
+    """End the run, finished or failed, without the interpreter's teardown: with torch (and CUDA) loaded, destructors,
+    the CUDA context and pinned memory take a while to unwind, for nothing (every file is closed and in place, or
+    removed, by now), and a Ctrl-C in that time would print a traceback from torch's exit callbacks. Every run ends
+    so, with torch or without: one way out."""
     import os
 
     for stream in (sys.stdout, sys.stderr):
@@ -167,7 +113,6 @@ def _refuse_mistyped_command(word: str, commands: list[str]) -> None:
     """A first word that is no folder, no repo id and close to a command is a typo, not a SOURCE."""
     import difflib
 
-    from .errors import ArgumentError
     from .hub import looks_like_repo_id
     from .paths import expanded
 
@@ -193,21 +138,29 @@ def _fail(text: str, code: int = 1):
     sys.exit(code)
 
 
-def _stopped(stop: BaseException | None, signum: int):
+def _command() -> _Command:
+    return click.get_current_context().obj
+
+
+def _stopped(stop: BaseException | None, signum: int, kept=None):
     """A stop signal's line and exit: what was partly written is gone by now; an OUT that was complete before the
-    signal could act is kept and named. The process ends without the interpreter's teardown, which would wait
-    for any worker thread still running."""
+    signal could act (``kept``, or the stop's ``output_complete``) is named. The process ends without the interpreter's
+    teardown, which would wait for any worker thread still running."""
     word = "interrupted" if signum == signal.SIGINT else "terminated"
-    complete = getattr(stop, "output_complete", None) or _written[0]
+    complete = getattr(stop, "output_complete", None) or kept
     if complete:
         error_line(f"{word}; {complete} was complete and is kept")
     elif stop is None:  # the exception was swallowed where it was raised (a destructor): the work ran to its end
         error_line(f"{word} as the work finished")
     else:
         error_line(f"{word}; nothing was written")
-    if _process[0]:
-        _exit_now(128 + signum)
-    sys.exit(128 + signum)
+    _end(128 + signum)
+
+
+def _end(code: int):
+    if _command().process:
+        _exit_now(code)
+    sys.exit(code)
 
 
 def say(text: str, *, err: bool = False) -> None:
@@ -228,22 +181,20 @@ def message(error) -> str:
     return f"{error} ({hint})" if hint else str(error)
 
 
-def _run(action):
-    """Run ``action``; user mistakes and bad input become one line and a non-zero exit."""
-    from .errors import Nf4ConvertError
-
+def _run(action, *, stops_reported: bool = False, kept=lambda: None):
+    """Run ``action``; user mistakes and bad input become one line and a non-zero exit. ``stops_reported``: the action
+    reports the stop signals it met itself (a batch's table); ``kept()``: the output the action completed, if any."""
     try:
         result = action()
-    except KeyboardInterrupt as stop:
+    except (Interrupted, KeyboardInterrupt) as stop:
         _stopped(stop, signal.SIGINT)
     except Terminated as stop:
         _stopped(stop, stop.signum)
     except Nf4ConvertError as error:
-        from .errors import ArgumentError
-
         _fail(message(error), 2 if isinstance(error, ArgumentError) else 1)  # a bad option value is a usage error
-    if _received:  # a stop signal whose exception a destructor swallowed: still a stopped run
-        _stopped(None, _received[0])
+    received = _command().stops.received
+    if received and not stops_reported:  # a stop signal whose exception a destructor swallowed: still a stopped run
+        _stopped(None, received[0], kept())
     return result
 
 
@@ -338,7 +289,6 @@ def convert_command(source, output, adapter, dtype, device, max_shard_size, over
     if dry_run and (then_verify or push_to):
         _fail("--dry-run writes nothing, so there is nothing to --verify or --push-to-hub", 2)
     if push_to:
-        from .errors import ArgumentError
         from .upload import check_target
 
         try:
@@ -347,73 +297,40 @@ def convert_command(source, output, adapter, dtype, device, max_shard_size, over
             _fail(f"--{error.option.replace('_', '-')}: {error}", 2)
     options = dict(dtype=dtype, adapter=adapter, revision=revision, token=token, cache_dir=cache_dir, max_shard_size=max_shard_size,
                    overwrite=overwrite)  # fmt: skip
+    converted = []  # the output, once complete
 
     def action():
-        if dry_run:
-            from .conversion import prepare
-            from .devices import pick_device
+        from . import render, run
 
-            pick_device(device)  # what the conversion would refuse, the dry run refuses too
-            for line in _plan_lines(prepare(source, output, progress=not quiet, headers_only=True, **options)):
+        if dry_run:
+            for line in render.plan_lines(run.dry_run_plan(source, output, device=device, progress=not quiet, **options)):
                 say(line)
             return True
-        from .conversion import convert
+        def show(result) -> None:
+            if isinstance(result, run.ConvertResult):
+                converted.append(result.output)
+                say(render.summary(result))
+                for warning in result.warnings:
+                    say(f"Warning: {warning}", err=True)
+            elif isinstance(result, run.VerifyReport):
+                _show_report(result)
+                if not result.ok and push_to:
+                    error_line(f"verification failed; {converted[0]} was not pushed to {push_to}")
+            else:
+                say(f"pushed to {result.url}")
 
-        result = convert(source, output, device=device, progress=not quiet, **options)
-        _written[0] = result.output  # complete: a stop from here on (--verify, the push) leaves it
-        say(_summary(result))
-        for warning in result.warnings:
-            say(f"Warning: {warning}", err=True)
-        if then_verify and not _verify(result.output, source, device=device, adapter=adapter, quiet=quiet, revision=revision,
-                                       token=token, cache_dir=cache_dir):  # fmt: skip
-            if push_to:
-                error_line(f"verification failed; {result.output} was not pushed to {push_to}")
-            return False
-        if push_to:
-            from .upload import push_to_hub
+        return run.convert_then(source, output, device=device, verify=then_verify, push_to=push_to, private=private,
+                                push_branch=push_branch, progress=not quiet, on_step=show, **options)  # fmt: skip
 
-            url = push_to_hub(result.output, push_to, private=private, token=token, revision=push_branch, progress=not quiet)
-            say(f"pushed to {url}")
-        return True
-
-    if not _run(action):
+    if not _run(action, kept=lambda: converted[0] if converted else None):
         sys.exit(1)
 
 
-def _plan_lines(prepared) -> list[str]:
-    plan = prepared.plan
-    needed = plan.tensor_bytes + plan.side_bytes
-    from collections import Counter
+def _show_report(report) -> None:
+    from .verification import report_lines
 
-    kinds = Counter(tensor.recipe.label for tensor in plan.tensors)
-    shown = f"{prepared.headers_only} (its headers and quant states read from the Hub; no weights downloaded)"
-    lines = [f"source: {shown if prepared.headers_only else plan.folder}", f"output: {prepared.output} ({plan.dtype.name})",
-             f"tensors: {len(plan.tensors)} (" + ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items())) + ")"]  # fmt: skip
-    lines += [f"  {shard.filename}: {len(shard.tensors)} tensors, {shard.nbytes / 1e9:.3f} GB" for shard in plan.shards]
-    lines.append(f"side files: {len(plan.side_files)} ({plan.side_bytes / 1e6:.1f} MB), config.json {'rewritten' if plan.config else 'none'}")
-    lines.append(f"to write: {needed / 1e9:.3f} GB; free where it goes: {_space_verdict(prepared.free_bytes, needed)}")
-    lines.append("dry run: nothing was written")
-    return lines
-
-
-def _space_verdict(free: int, needed: int) -> str:
-    """A dry run's word on the free space, by the conversion's own rule (output.space_needed: the bytes and headroom)."""
-    from .output import space_needed, size_text
-
-    verdict = "enough" if free >= space_needed(needed) else f"NOT enough: {size_text(space_needed(needed))} needed with headroom"
-    return f"{size_text(free)} ({verdict})"
-
-
-def _verify(output, source, *, device, adapter, quiet, revision, token, cache_dir) -> bool:
-    from .hub import progress_bars
-    from .verification import report_lines, verify
-
-    with progress_bars(not quiet):  # the downloads' bars too
-        report = verify(output, source, device=device, adapter=adapter, revision=revision, token=token,
-                        cache_dir=cache_dir, progress=not quiet)  # fmt: skip
     for line in report_lines(report):
         say(line)
-    return report.ok
 
 
 @main.command("verify")
@@ -434,8 +351,15 @@ def verify_command(output, source, device, adapter, quiet, revision, token, cach
     Example:
       nf4convert verify Llama-3.2-1B-Instruct-bf16 unsloth/Llama-3.2-1B-Instruct-bnb-4bit
     """
-    if not _run(lambda: _verify(output, source, device=device, adapter=adapter, quiet=quiet, revision=revision, token=token,
-                                cache_dir=cache_dir)):  # fmt: skip
+    def action():
+        from .run import verify_output
+
+        report = verify_output(output, source, device=device, adapter=adapter, revision=revision, token=token,
+                               cache_dir=cache_dir, progress=not quiet)  # fmt: skip
+        _show_report(report)
+        return report.ok
+
+    if not _run(action):
         sys.exit(1)
 
 
@@ -464,106 +388,56 @@ def batch_command(sources, output_root, from_file, adapter, dtype, device, max_s
       nf4convert batch --from-file models.txt -o converted/ --json
       nf4convert batch --from-file models.txt -o converted/ --dry-run
     """
-    import json
-    import re
-    import time
-
     sources = list(sources)
     if from_file is not None:
+        from .run import read_source_list
+
         try:
-            lines = from_file.read().splitlines()
+            sources += read_source_list(from_file.read())
         except UnicodeDecodeError as error:
             _fail(f"--from-file {from_file.name}: not UTF-8 text (byte {error.start}: {error.reason})", 2)
-        # '#' begins a comment at a line's start or after whitespace only: one inside a path (h#1/x) is the path's
-        listed = [re.sub(r"(?:^|\s)#.*", "", line).strip() for line in lines]
-        sources += [source for source in listed if source]
     if not sources:
         _fail("no sources given (name them, or pass --from-file)", 2)
 
-    def outputs():
-        from . import knobs
-        from .conversion import batch_output, batch_stems, check_batch_root
+    def failed(row, error) -> None:
+        if isinstance(error, Nf4ConvertError):
+            row.error = message(error)
+        if not as_json:
+            error_line(row.error)
 
-        knobs.check()  # once, before any source (each would fail alike)
-        check_batch_root(output_root, [*sources, adapter])
-        return [(stem, batch_output(output_root, stem, dtype)) for stem in batch_stems(sources)]
+    def action():
+        from .run import batch
 
-    rows, stopped, needed, free = [], None, 0, None
-    done = "planned" if dry_run else "ok"
-    for source, (stem, planned) in zip(sources, _run(outputs)):
-        started = time.perf_counter()
-        row = {"source": source, "output": planned, "status": "failed", "error": None, "tensors": None, "bytes": None,
-               "seconds": None}  # fmt: skip
-        try:
-            from .conversion import convert, prepare
+        return batch(sources, output_root, dtype=dtype, device=device, dry_run=dry_run, adapter=adapter, revision=revision,
+                     token=token, cache_dir=cache_dir, max_shard_size=max_shard_size, overwrite=overwrite,
+                     progress=not quiet and not as_json, on_error=failed,
+                     on_warning=lambda source, warning: say(f"Warning: {source}: {warning}", err=True))  # fmt: skip
 
-            options = dict(dtype=dtype, adapter=adapter, revision=revision, token=token, cache_dir=cache_dir,
-                           max_shard_size=max_shard_size, overwrite=overwrite, progress=not quiet and not as_json,
-                           output_dir=output_root, stem=stem)  # fmt: skip
-            if dry_run:
-                from .devices import pick_device
-
-                pick_device(device)  # what the conversion would refuse, the dry run refuses too
-                prepared = prepare(source, headers_only=True, **options)
-                plan = prepared.plan
-                row.update(output=str(prepared.output), status=done, tensors=len(plan.tensors), bytes=plan.tensor_bytes)
-                needed += plan.tensor_bytes + plan.side_bytes
-                free = prepared.free_bytes
-            else:
-                result = convert(source, device=device, **options)
-                row.update(output=str(result.output), status=done, tensors=result.tensors, bytes=result.bytes)
-                for warning in result.warnings:
-                    say(f"Warning: {source}: {warning}", err=True)
-        except (KeyboardInterrupt, Terminated) as stop:
-            row.update(status="interrupted", error="interrupted", output=str(getattr(stop, "output_planned", None) or planned))
-            stopped = stop
-            if getattr(stop, "output_complete", None):
-                row.update(output=str(stop.output_complete), status="ok")
-        except Exception as error:  # noqa: BLE001  (one source's failure, whatever it is, must not stop the others)
-            from .errors import Nf4ConvertError
-
-            row["error"] = message(error) if isinstance(error, Nf4ConvertError) else f"internal error: {type(error).__name__}: {error}"
-            row["output"] = str(getattr(error, "output_planned", None) or planned)
-            if not as_json:
-                error_line(row["error"])
-        row["seconds"] = round(time.perf_counter() - started, 1)
-        rows.append(row)
-        if stopped is not None:
-            break
-    untried = sources[len(rows) :]
-    rows += [{"source": s, "output": None, "status": "not attempted", "error": None, "tensors": None, "bytes": None, "seconds": None}
-             for s in untried]  # fmt: skip
+    result = _run(action, stops_reported=True)
     if as_json:
-        for row in rows:
-            say(json.dumps(row))
+        for row in result.rows:
+            say(json.dumps(row.as_dict()))
     else:
-        _table(rows)
-    failed = sum(row["status"] != done for row in rows)
-    if dry_run and stopped is None:
-        if free is not None:
-            say(f"to write: {needed / 1e9:.3f} GB for {len(rows) - failed} planned; free where it goes: "
-                f"{_space_verdict(free, needed)}", err=as_json)  # fmt: skip
+        from .render import table
+
+        for line in table(result.rows):
+            say(line)
+    if dry_run and result.stopped is None:
+        from .render import space_verdict
+
+        if result.free is not None:
+            say(f"to write: {result.needed / 1e9:.3f} GB for {len(result.rows) - result.failed} planned; free where it goes: "
+                f"{space_verdict(result.free, result.needed)}", err=as_json)  # fmt: skip
         say("dry run: nothing was written", err=as_json)
-    if stopped is not None:
+    if result.stopped is not None:
+        untried = result.untried
         names = ", ".join(untried) if untried else "none"
-        signum = stopped.signum if isinstance(stopped, Terminated) else signal.SIGINT
-        error_line(f"{'terminated' if isinstance(stopped, Terminated) else 'interrupted'}; not attempted: {names}")
-        if _process[0]:
-            _exit_now(128 + signum)
-        sys.exit(128 + signum)
-    if failed:
-        say(f"{failed} of {len(sources)} failed", err=True)
+        terminated = isinstance(result.stopped, Terminated)
+        error_line(f"{'terminated' if terminated else 'interrupted'}; not attempted: {names}")
+        _end(128 + (result.stopped.signum if terminated else signal.SIGINT))
+    if result.failed:
+        say(f"{result.failed} of {len(sources)} failed", err=True)
         sys.exit(1)
-
-
-def _table(rows) -> None:
-    header = ("source", "status", "output", "tensors", "size", "seconds")
-    cells = [header] + [(row["source"], row["status"], row["output"] or "-", str(row["tensors"] or "-"),
-                         f"{row['bytes'] / 1e9:.2f} GB" if row["bytes"] is not None else "-",
-                         f"{row['seconds']:.1f}" if row["seconds"] is not None else "-") for row in rows]  # fmt: skip
-    widths = [max(len(cell[i]) for cell in cells) for i in range(len(header))]
-    for cell in cells:
-        say("  ".join(value.ljust(width) for value, width in zip(cell, widths)).rstrip())
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Every failure a user can meet has its own type and a one-line message naming the file, tensor or option.
+"""Every failure a user can meet has its own type and a one-line message naming the file, tensor or option; the
+fields an error carries are declared on its class here.
 
 Library messages name parameters as the Python API spells them; an error that a parameter could
 resolve says which in ``option`` ("overwrite", "token", ...), and the CLI turns that into a flag.
@@ -10,8 +11,15 @@ resolve says which in ``option`` ("overwrite", "token", ...), and the CLI turns 
     ├── OutputError          the output cannot be written (exists, no space, not writable)
     ├── UploadError          pushing the output to the Hub failed
     ├── DependencyError      a library the path taken needs cannot be imported (verify's bitsandbytes, peft; Triton on CUDA)
+    ├── WorkerError          a worker process of the CPU route stopped (killed by the system: out of memory?)
     └── InternalError        a broken invariant of nf4convert itself: a bug to report (also a RuntimeError)
+
+A stop signal under the command line is no failure: it is raised as :class:`Interrupted` (SIGINT, a
+KeyboardInterrupt) or :class:`Terminated` (SIGTERM, SIGHUP), which unwind a run like any failure and remove what was
+partly written.
 """
+
+from pathlib import Path
 
 
 class Nf4ConvertError(Exception):
@@ -47,6 +55,27 @@ class DependencyError(Nf4ConvertError):
     CUDA kernel) cannot be imported: a finding about the installation, never reported as a difference in the weights."""
 
 
+class WorkerError(Nf4ConvertError):
+    """A worker process of the CPU route stopped under a conversion (the system killed it, most often for memory)."""
+
+
 class InternalError(Nf4ConvertError, RuntimeError):
     """A broken invariant of nf4convert's own code (a piece written where the plan put none): a bug, reported in one
     line like any other failure, never a traceback."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C (SIGINT), as the command line raises it."""
+
+    signum = 2
+    output_complete: Path | None = None  # an OUT that was complete before the signal could act: kept
+
+
+class Terminated(BaseException):
+    """SIGTERM or SIGHUP, raised in the main thread so that cleanup runs as for Ctrl-C."""
+
+    output_complete: Path | None = None  # as Interrupted's
+
+    def __init__(self, signum: int = 15):
+        super().__init__(signum)
+        self.signum = signum

@@ -3,6 +3,8 @@ read: the one owner of these lists, read by the plan, verify, the Hub download a
 
 from __future__ import annotations
 
+import fnmatch
+import os
 from pathlib import Path
 
 from .errors import CheckpointError
@@ -78,3 +80,53 @@ def inside(folder: Path, file: str, *, what: str = "checkpoint") -> Path:
     if real == root or root in real.parents or (blobs is not None and real.parent == blobs):
         return path
     raise CheckpointError(f"{path}: is a link to {real}, outside the {what} folder; copy the file into the folder instead")
+
+
+# Files a converted checkpoint must not carry over: the old weights, their indexes, a peft adapter's own files (an
+# adapter beside the weights is not part of the dense model), VCS data and download leftovers.
+SKIPPED_FILES = (*LOADED_WEIGHT_FILES, *NAMED_WEIGHT_FILES, *ADAPTER_FILES, ".gitattributes", "*.lock", "*.incomplete")
+
+
+SKIPPED_DIRS = {".cache", ".git", ".huggingface", "__pycache__"}
+
+
+# Files the conversion writes anew instead of carrying over (sinks/side_files.py): the dense config, the model card.
+WRITTEN_ANEW = ("config.json", "README.md")
+
+
+def carried_files(folder: Path) -> list[Path]:
+    """Files to carry over unchanged (relative paths): everything but weights, indexes, caches, the config and the
+    model card (both written anew)."""
+    def unreadable(error: OSError):  # rglob would skip such a folder without a word
+        raise CheckpointError(f"{error.filename}: cannot be read ({error.strerror or error}); its files would be missing from "
+                              "the output") from None  # fmt: skip
+
+    kept = []
+    for root, dirs, files in os.walk(folder, onerror=unreadable):  # a link to a folder is not followed: not carried
+        dirs[:] = sorted(d for d in dirs if d not in SKIPPED_DIRS)
+        for name in files:
+            path = Path(root) / name
+            relative = path.relative_to(folder)
+            if relative.as_posix() in WRITTEN_ANEW or any(fnmatch.fnmatch(name, p) for p in SKIPPED_FILES):
+                continue
+            inside(folder, relative.as_posix())  # a link out of the folder is never copied into the output
+            if not path.is_file():  # found now: a file missing from the output would go unnoticed (verify too)
+                if path.is_symlink() and not path.exists():
+                    raise CheckpointError(f"{path}: is a link to {os.readlink(path)}, which does not exist (an interrupted "
+                                          "download?); it would be missing from the output")  # fmt: skip
+                raise CheckpointError(f"{path}: is not a regular file (a pipe, socket or device); it cannot be carried "
+                                      "into the output")  # fmt: skip
+            if not os.access(path, os.R_OK):  # found now, not as the output's write failing after every tensor
+                raise CheckpointError(f"{path}: cannot be read (permission denied); it is carried over into the output")
+            kept.append(relative)
+    return sorted(kept)
+
+
+# Files no conversion writes that would change how a loader reads the folder (weights in other formats, an adapter's),
+# named as such in _unexpected_files; weight files and indexes at the root are _weight_file_problems'.
+FOREIGN_FILES = tuple(pattern for pattern in (*ADAPTER_FILES, *LOADED_WEIGHT_FILES, *NAMED_WEIGHT_FILES)
+                      if not pattern.startswith("*.safetensors"))  # fmt: skip
+
+
+# What a folder may hold beside the conversion's files without changing what it is: git's and caches' own.
+IGNORED_FILES = (".gitattributes",)

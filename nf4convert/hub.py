@@ -28,7 +28,7 @@ ALLOW_PATTERNS = [
 # Fetched first when the caller checks a repo before its weights (``precheck``): enough to tell a checkpoint that is
 # not a bitsandbytes one, or an adapter, without downloading gigabytes.
 CONFIG_FILES = ["config.json", "adapter_config.json"]
-# A headers-only copy holds, of each weight file, its header and the tensors whose bytes a plan reads (plan.PLAN_READS:
+# A headers-only copy holds, of each weight file, its header and the tensors whose bytes a plan reads (formats.PLAN_READS:
 # quant states, code tables, nested absmax, 8-bit scales and formats, all small) up to this size each; reading any
 # other bytes of it is an error (checkpoint.TensorReader), never zeros.
 PLAN_TENSOR_BYTES = 1 << 24
@@ -214,7 +214,7 @@ def _headers_only_patterns() -> list[str]:
 def _copy_for_plan(source: str, downloaded: Path, headers: HeadersOnly, token: str | None) -> Path:
     """The repo as a plan reads it: ``downloaded`` (a Hub cache snapshot of everything but the weights) itself where
     it holds the weights already; else a copy in ``headers``: those files copied, and each weight file the plan reads
-    (as checkpoint.read_tensors chooses them) at its size, sparse, holding its header and the tensors of plan.PLAN_READS
+    (as checkpoint.read_tensors chooses them) at its size, sparse, holding its header and the tensors of formats.PLAN_READS
     (fetched with range requests, several at once)."""
     import fnmatch  # noqa: PLC0415
     import shutil  # noqa: PLC0415
@@ -351,9 +351,9 @@ def _sparse_file(reader: _RangeReader, source: str, name: str, path: Path, bar) 
 
 
 def _plan_runs(tensors: dict, held: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """The byte ranges to fetch for a file's tensors that a plan reads (plan.PLAN_READS, at most PLAN_TENSOR_BYTES each;
+    """The byte ranges to fetch for a file's tensors that a plan reads (formats.PLAN_READS, at most PLAN_TENSOR_BYTES each;
     a larger one is the plan's to refuse, by its size alone) not held yet, neighbours merged."""
-    from .plan import PLAN_READS  # noqa: PLC0415
+    from .formats import PLAN_READS  # noqa: PLC0415
 
     wanted = sorted((t.begin, t.end) for t in tensors.values()
                     if 0 < t.nbytes <= PLAN_TENSOR_BYTES and PLAN_READS.search(t.name)

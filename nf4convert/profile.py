@@ -10,9 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from . import knobs
-
-ENABLED = knobs.value("NF4CONVERT_PROFILE")
+_enabled = [False]  # this run's settings.profile, set by start()
 _marks: dict[str, float] = {}
 _fields: dict = {}
 
@@ -26,8 +24,10 @@ def process_age() -> float:
         return -1.0
 
 
-def start(moment: str) -> None:
-    """A new report (what an earlier run that failed before reporting left is dropped), its first mark ``moment``."""
+def start(moment: str, *, enabled: bool) -> None:
+    """A new report (what an earlier run that failed before reporting left is dropped), its first mark ``moment``;
+    ``enabled`` is the run's ``Settings.profile`` (off, every call here is a no-op)."""
+    _enabled[0] = enabled
     _marks.clear()
     _fields.clear()
     mark(moment)
@@ -35,19 +35,19 @@ def start(moment: str) -> None:
 
 def mark(moment: str) -> None:
     """Note the process's age now, under ``moment`` (the first time it is reached)."""
-    if ENABLED and moment not in _marks:
+    if _enabled[0] and moment not in _marks:
         _marks[moment] = round(process_age(), 3)
 
 
 def record(**fields) -> None:
     """Fields of the report (the pipeline's stage figures)."""
-    if ENABLED:
+    if _enabled[0]:
         _fields.update(fields)
 
 
 def report() -> None:
     """Print the report (once) on stderr."""
-    if ENABLED and _marks:
+    if _enabled[0] and _marks:
         import json
         import sys
 

@@ -45,13 +45,13 @@ def nibbles(packed: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def bnb_reference_cpu(packed, state):
-    """What bitsandbytes' CUDA kernels give, computed on the CPU: nf4convert.reference.dequantize_4bit.
+    """What bitsandbytes' CUDA kernels give, computed on the CPU: nf4convert.verification.reference.cuda_arithmetic.dequantize_4bit.
 
     bitsandbytes' native CPU op is not the reference (per-row absmax on AVX512 machines, +0.0 for FP4
     nibble 8, no flush-to-zero in its nested decode); the reference module says why each step is as it is,
     and tests/test_reference.py checks it against the native op where that is right and against the CUDA
     kernels on a GPU.
     """
-    from nf4convert.reference import dequantize_4bit
+    from nf4convert.verification.reference.cuda_arithmetic import dequantize_4bit
 
     return dequantize_4bit(packed, state, dtype=state.dtype, device="cpu")

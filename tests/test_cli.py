@@ -185,10 +185,10 @@ def test_verify_catches_tampering(checkpoints, tmp_path):
 
 
 def test_interrupted_run_leaves_nothing(checkpoints, tmp_path, monkeypatch):
-    from nf4convert import plan, stream
+    from nf4convert.kinds import Copy
 
     calls = {"n": 0}
-    original = stream.PRODUCERS[plan.Copy]
+    original = Copy.produce
 
     def fail_after_some(*args, **kwargs):
         calls["n"] += 1
@@ -196,7 +196,7 @@ def test_interrupted_run_leaves_nothing(checkpoints, tmp_path, monkeypatch):
             raise KeyboardInterrupt
         return original(*args, **kwargs)
 
-    monkeypatch.setitem(stream.PRODUCERS, plan.Copy, fail_after_some)
+    monkeypatch.setattr(Copy, "produce", fail_after_some)
     out = tmp_path / "out"
     output = CliRunner().invoke(main, [str(checkpoints["llama-nf4-dq"]), "-o", str(out), "-q"])
     assert output.exit_code == 130 and "interrupted" in output.output

@@ -63,7 +63,7 @@ def test_output_under_a_file_or_unwritable_place_is_one_line(tmp_path):
 def test_read_only_file_system_is_one_line(tmp_path, monkeypatch, where):
     import errno
 
-    from nf4convert import output
+    from nf4convert.sinks import output
 
     def read_only(*args, **kwargs):
         raise OSError(errno.EROFS, "Read-only file system")
@@ -85,14 +85,14 @@ def test_absurd_shard_sizes_are_one_line(tmp_path, size):
 
 WRAPPER = """
 import os, signal, sys
-from nf4convert import plan, stream
-original, calls = stream.PRODUCERS[plan.Copy], [0]
+from nf4convert.kinds import Copy
+original, calls = Copy.produce, [0]
 def producer(*args):
     calls[0] += 1
     if calls[0] == 3:  # to the whole process group (workers too, as a terminal's Ctrl-C) where it leads one
         (os.killpg if os.getpgrp() == os.getpid() else os.kill)(os.getpid(), getattr(signal, sys.argv[1]))
     yield from original(*args)
-stream.PRODUCERS[plan.Copy] = producer
+Copy.produce = producer
 from nf4convert.cli import main
 main(sys.argv[2:])
 """
@@ -114,12 +114,12 @@ def test_signal_while_writing_leaves_nothing(tmp_path, signal_name, code, word, 
 
 KILLED_WORKER = """
 import os, signal, sys
-from nf4convert import stream
+from nf4convert.pipeline.routes import cpu
 parent = os.getpid()
 def killed(*args):
     if os.getpid() != parent:
         os.kill(os.getpid(), signal.SIGKILL)
-stream._dequantize_4bit_on_cpu = killed
+cpu._dequantize_4bit_on_cpu = killed
 from nf4convert.cli import main
 main(sys.argv[1:])
 """
@@ -141,7 +141,7 @@ def test_a_worker_process_killed_is_one_line_and_leaves_nothing(tmp_path):
 # or inside a destructor (where Python cannot raise it: it is reported when the command returns).
 MOMENT_WRAPPER = """
 import os, pathlib, signal, sys
-from nf4convert import output
+from nf4convert.sinks import output
 sig = getattr(signal, sys.argv[1])
 if sys.argv[2] == "staged":
     mkdir = pathlib.Path.mkdir
@@ -164,8 +164,8 @@ elif sys.argv[2] == "in-place":
         os.kill(os.getpid(), sig)
     output.move_into_place = moved
 else:
-    from nf4convert import plan, stream
-    original, calls = stream.PRODUCERS[plan.Copy], [0]
+    from nf4convert.kinds import Copy
+    original, calls = Copy.produce, [0]
     class Signals:
         def __del__(self):
             os.kill(os.getpid(), sig)
@@ -175,7 +175,7 @@ else:
         if calls[0] == 3:
             Signals()
         yield from original(*args)
-    stream.PRODUCERS[plan.Copy] = producer
+    Copy.produce = producer
 from nf4convert.cli import main
 main(sys.argv[3:])
 """
@@ -217,14 +217,14 @@ def test_a_signal_deferred_out_of_an_import_is_not_sent_after_the_command(monkey
     # (the caller's own handlers are back by then: a test run, or the process, would be stopped by it)
     import signal
 
-    from nf4convert import cli
+    from nf4convert.signals import StopSignals
 
     sent = []
     monkeypatch.setattr(signal, "pthread_kill", lambda thread, signum: sent.append(signum))
-    monkeypatch.setattr(cli, "_running", [True])
-    cli._send_again(0, signal.SIGINT)
-    cli._running[0] = False
-    cli._send_again(0, signal.SIGINT)
+    with StopSignals() as stops:
+        stops._send_again(0, signal.SIGINT)
+        stops.finish()
+        stops._send_again(0, signal.SIGINT)
     assert sent == [signal.SIGINT]
 
 
@@ -374,7 +374,7 @@ def test_conventions_help_typos_aliases_and_quiet_summary(tmp_path):
 
 
 def test_runs_to_one_output_never_share_or_replace_each_other(tmp_path):
-    from nf4convert import output
+    from nf4convert.sinks import output
     from nf4convert.errors import OutputError
 
     out = tmp_path / "out"
@@ -453,7 +453,7 @@ def test_an_output_name_at_the_file_systems_limit_is_written_and_replaced(tmp_pa
     name = "é" * 120 + "-bf16" + "x" * 5  # 250 bytes
     sibling = "é" * 120 + "-bf16" + "y" * 5  # the same first bytes
     assert len(os.fsencode(name)) == 250
-    from nf4convert import output
+    from nf4convert.sinks import output
 
     stem = output._beside(Path(name), output.PARTIAL_SUFFIX, room=output.PID_ROOM)
     theirs = output._beside(Path(sibling), output.PARTIAL_SUFFIX, room=output.PID_ROOM)

@@ -275,7 +275,7 @@ def plan_lines(result) -> list[str]:
 
 def test_a_hub_dry_run_reads_headers_and_quant_states_and_downloads_no_weights(hub, tmp_path):
     from nf4convert.safetensors_io.read import read_header
-    from nf4convert.plan import PLAN_READS
+    from nf4convert.formats import PLAN_READS
 
     endpoint, source = hub
     scratch = tmp_path / "tmp"

@@ -15,7 +15,9 @@ from helpers import quantize
 from nf4convert.safetensors_io.write import ShardWriter
 from nf4convert.safetensors_io.read import TensorReader, read_tensors
 from nf4convert.errors import ArgumentError, CheckpointError
-from nf4convert.plan import Copy, Dequantize4bit, make_plan, parse_size
+from nf4convert.kinds import Copy, Dequantize4bit
+from nf4convert.plan import make_plan
+from nf4convert.sizes import parse_size
 
 pytest.importorskip("bitsandbytes")
 
@@ -151,12 +153,6 @@ def test_side_files_linked_out_of_the_folder_are_refused(tmp_path):
     (folder / "tokenizer_extra.txt").unlink()
     os.symlink(folder / "tokenizer.json", folder / "tokenizer_alias.json")  # a link inside the folder is fine
     assert "tokenizer_alias.json" in [str(p) for p in make_plan(folder).side_files]
-
-
-def test_one_default_shard_size():
-    from nf4convert import cli, plan
-
-    assert cli.DEFAULT_SHARD_SIZE == plan.DEFAULT_SHARD_SIZE
 
 
 def test_a_weight_that_is_both_4bit_and_8bit_is_refused(tmp_path):

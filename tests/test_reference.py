@@ -19,7 +19,7 @@ from helpers import OUT_DTYPES, bits, nibbles, quantize
 
 F = pytest.importorskip("bitsandbytes.functional")
 
-from nf4convert import reference  # noqa: E402
+from nf4convert.verification.reference import cuda_arithmetic as reference  # noqa: E402
 from nf4convert.errors import CheckpointError  # noqa: E402
 
 FLT_MIN = 2.0**-126

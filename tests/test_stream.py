@@ -17,13 +17,18 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from helpers import bnb_reference_cpu, quantize
-from nf4convert import stream
+from nf4convert.pipeline import core as pipeline_core
+from nf4convert.pipeline import piece as pieces
+from nf4convert.pipeline.routes.cpu import CpuRoute
+from nf4convert.settings import Settings
+from nf4convert.sinks.safetensors import write_shards
 from nf4convert.safetensors_io.write import ShardWriter
 from nf4convert.safetensors_io.read import TensorReader
 from nf4convert.formats import bnb8
 from nf4convert.plan import make_plan
 
 pytest.importorskip("bitsandbytes")
+import bitsandbytes.functional as F  # noqa: E402
 
 
 def _checkpoint(folder, seed):
@@ -45,7 +50,7 @@ def _checkpoint(folder, seed):
     codes = torch.randint(-127, 128, (rows, columns), dtype=torch.int8, generator=generator)
     scb = torch.rand(rows, generator=generator) * 3 + 0.01
     tensors.update({"int8.weight": codes, "int8.SCB": scb, "int8.weight_format": torch.tensor(0, dtype=torch.uint8)})
-    expected["int8.weight"] = bnb8.reference_dequantize(codes, scb, torch.bfloat16)
+    expected["int8.weight"] = F.int8_vectorwise_dequant(codes, scb).to(torch.bfloat16)
     plain = {
         "norm.weight": torch.randn(rng.randrange(700, 1500), generator=generator),
         "half.weight": torch.randn(rng.randrange(300, 700), 3, generator=generator).half(),
@@ -64,16 +69,16 @@ def _checkpoint(folder, seed):
     return folder, expected
 
 
-class SmallPieces(stream.CpuRoute):
+class SmallPieces(CpuRoute):
     piece_bytes = 4096  # many pieces per weight: a few quant blocks (or one 8-bit row) each
 
 
-def _convert(source, out, route, shard_size=10**9):
+def _convert(source, out, route, shard_size=10**9, settings=None):
     plan = make_plan(source, dtype="bf16", max_shard_size=shard_size)
     out.mkdir()
     progress = []
     with TensorReader() as reader:
-        stream.write_shards(plan, out, reader, torch.device("cpu"), progress=progress.append, route=route)
+        write_shards(plan, out, reader, torch.device("cpu"), progress=progress.append, route=route, settings=settings)
     assert sum(progress) == plan.tensor_bytes
     return plan
 
@@ -96,11 +101,11 @@ def test_pieces_on_every_thread_give_the_reference_bytes(tmp_path, seed):
                 want_bytes = want.contiguous().view(-1).view(torch.uint8)
                 assert torch.equal(got.view(-1).view(torch.uint8), want_bytes), tensor.name
     # One maker with default pieces writes the very same files.
-    _convert(source, tmp_path / "one", stream.CpuRoute(workers=1, processes=0), shard_size=60_000)
+    _convert(source, tmp_path / "one", CpuRoute(workers=1, processes=0), shard_size=60_000)
     assert _files(tmp_path / "one") == _files(tmp_path / "small")
 
 
-@pytest.mark.parametrize("route", [SmallPieces, stream.CpuRoute])
+@pytest.mark.parametrize("route", [SmallPieces, CpuRoute])
 def test_worker_processes_write_the_threads_bytes(tmp_path, route):
     source, _ = _checkpoint(tmp_path / "src", 5)
     _convert(source, tmp_path / "threads", route(workers=2, processes=0), shard_size=60_000)
@@ -133,7 +138,7 @@ def _raise(read, out, kind):
 
 def test_an_exception_in_a_worker_is_raised_by_its_caller_and_the_worker_goes_on():
     from nf4convert.errors import ArgumentError
-    from nf4convert.workers import Workers
+    from nf4convert.pipeline.routes.workers import Workers
 
     workers = Workers(1, 2, 64)
     read, out = workers.slot(16)[:16], workers.slot(16)[:16]
@@ -154,7 +159,7 @@ def test_workers_end_with_a_parent_killed_outright(tmp_path):
     import subprocess
     import time
 
-    code = ("import os, signal; from nf4convert.stream import CpuRoute; route = CpuRoute(processes=2); "
+    code = ("import os, signal; from nf4convert.pipeline.routes.cpu import CpuRoute; route = CpuRoute(processes=2); "
             "print(*[p.pid for p, _ in route._workers._all], flush=True); os.kill(os.getpid(), signal.SIGKILL)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)  # returns at EOF
     pids = [int(pid) for pid in result.stdout.split()]
@@ -176,7 +181,7 @@ def _state(pid: int) -> str:
 FORK_WINDOW = """
 import os, signal, sys, threading, time
 import torch
-from nf4convert import output, workers
+from nf4convert.pipeline.routes import workers
 from nf4convert.kernels import cpu
 def stop(signum, frame):  # as the CLI's handler does: an exception, which a child would print with a traceback
     raise KeyboardInterrupt
@@ -218,8 +223,8 @@ def test_buffers_past_the_slots_come_from_the_private_pool_and_go_back_there():
         def holds(self, buffer):
             return any(buffer.ctypes.data == given.ctypes.data for given in self.given)
 
-    slots, private = Slots(), stream._Buffers(16, pinned=False)
-    shared = stream._Buffers(16, False, slots, overflow=private)
+    slots, private = Slots(), pieces.Buffers(16, pinned=False)
+    shared = pieces.Buffers(16, False, slots, overflow=private)
     first, second, third, large = shared.take(8), shared.take(8), shared.take(8), shared.take(12)
     assert slots.holds(first) and slots.holds(second) and not slots.holds(third) and not slots.holds(large)
     for buffer in (first, second, third, large):
@@ -228,7 +233,7 @@ def test_buffers_past_the_slots_come_from_the_private_pool_and_go_back_there():
 
 
 def test_workers_run_in_other_processes_only_for_shared_bytes():
-    from nf4convert.workers import Workers
+    from nf4convert.pipeline.routes.workers import Workers
 
     workers = Workers(2, 3, 64)
     try:
@@ -250,13 +255,13 @@ def test_a_route_never_closed_still_lets_the_process_exit():
     # multiprocessing's exit handler sends the workers SIGTERM (which they ignore) and waits: they are closed first.
     import subprocess
 
-    code = "from nf4convert.stream import CpuRoute; route = CpuRoute(processes=2); assert route._workers is not None"
+    code = "from nf4convert.pipeline.routes.cpu import CpuRoute; route = CpuRoute(processes=2); assert route._workers is not None"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
 def test_a_worker_that_dies_is_one_error():
     from nf4convert.errors import Nf4ConvertError
-    from nf4convert.workers import Workers
+    from nf4convert.pipeline.routes.workers import Workers
 
     workers = Workers(1, 2, 64)
     read, out = workers.slot(8)[:8], workers.slot(8)[:8]
@@ -277,11 +282,11 @@ def test_a_worker_that_dies_is_one_error():
 @pytest.mark.parametrize("at_once", [2, 4, 16])
 def test_shards_written_at_once_give_the_same_bytes(tmp_path, monkeypatch, at_once):
     source, _ = _checkpoint(tmp_path / "src", 8)
-    monkeypatch.setattr(stream, "SHARDS_AT_ONCE", 1)
-    plan = _convert(source, tmp_path / "one-by-one", SmallPieces(workers=2, processes=0), shard_size=60_000)
+    plan = _convert(source, tmp_path / "one-by-one", SmallPieces(workers=2, processes=0), shard_size=60_000,
+                    settings=Settings(shards_at_once=1))
     assert len(plan.shards) > 2
-    monkeypatch.setattr(stream, "SHARDS_AT_ONCE", at_once)
-    _convert(source, tmp_path / "at-once", SmallPieces(workers=2, processes=0), shard_size=60_000)
+    _convert(source, tmp_path / "at-once", SmallPieces(workers=2, processes=0), shard_size=60_000,
+             settings=Settings(shards_at_once=at_once))
     assert _files(tmp_path / "at-once") == _files(tmp_path / "one-by-one")
 
 
@@ -294,17 +299,17 @@ def test_pieces_come_plain_tensors_first_and_shards_interleaved(tmp_path, monkey
                 and "Copy" in [recipes[t.name] for t in shard.tensors]]  # fmt: skip
     assert contrary and len(plan.shards) > 2
     pushed = []
-    original = stream._Pipeline.push
+    original = pipeline_core.Pipeline.push
 
     def push(self, writer, name, piece):
         pushed.append((writer.path.name, name))
         return original(self, writer, name, piece)
 
-    monkeypatch.setattr(stream._Pipeline, "push", push)
-    monkeypatch.setattr(stream, "SHARDS_AT_ONCE", 2)
+    monkeypatch.setattr(pipeline_core.Pipeline, "push", push)
     (tmp_path / "out").mkdir()
     with TensorReader() as reader:
-        stream.write_shards(plan, tmp_path / "out", reader, torch.device("cpu"), progress=lambda n: None, route=SmallPieces())
+        write_shards(plan, tmp_path / "out", reader, torch.device("cpu"), progress=lambda n: None, route=SmallPieces(),
+                     settings=Settings(shards_at_once=2))
     for shard in plan.shards:  # within each shard, every plain tensor's pieces before any made tensor's
         kinds = [recipes[name] for file, name in pushed if file == shard.filename]
         assert kinds == sorted(kinds, key=lambda kind: kind != "Copy"), shard.filename
@@ -326,7 +331,7 @@ class _Event:
 
 
 def test_a_buffer_whose_copy_is_done_is_taken_before_one_still_copying():
-    buffers = stream._Buffers(64, pinned=False)
+    buffers = pieces.Buffers(64, pinned=False)
     busy, idle = torch.empty(64, dtype=torch.uint8), torch.empty(64, dtype=torch.uint8)
     busy_event, idle_event = _Event(False), _Event(True)
     buffers.give(busy, busy_event)
@@ -340,11 +345,10 @@ def test_a_buffer_whose_copy_is_done_is_taken_before_one_still_copying():
 def test_a_new_profile_report_drops_what_a_failed_run_left(monkeypatch, capsys):
     from nf4convert import profile
 
-    monkeypatch.setattr(profile, "ENABLED", True)
     monkeypatch.setattr(profile, "process_age", iter([1.0, 2.0, 5.0, 6.0, 7.0]).__next__)
-    profile.start("convert called")
+    profile.start("convert called", enabled=True)
     profile.mark("device picked")  # a run that fails here never reports
-    profile.start("convert called")
+    profile.start("convert called", enabled=True)
     profile.mark("device picked")
     profile.mark("device picked")  # the first time a moment is reached counts
     profile.report()
@@ -500,9 +504,8 @@ def test_writeback_off_or_failing_changes_no_byte(tmp_path, monkeypatch):
     _convert(source, tmp_path / "on", SmallPieces(workers=2), shard_size=60_000)
     _recording_sync_file_range(monkeypatch, result=-1)
     _convert(source, tmp_path / "failing", SmallPieces(workers=2), shard_size=60_000)
-    monkeypatch.setattr(stream, "WRITEBACK", False)
     calls = _recording_sync_file_range(monkeypatch)
-    _convert(source, tmp_path / "off", SmallPieces(workers=2), shard_size=60_000)
+    _convert(source, tmp_path / "off", SmallPieces(workers=2), shard_size=60_000, settings=Settings(writeback=False))
     assert not calls
     assert _files(tmp_path / "on") == _files(tmp_path / "failing") == _files(tmp_path / "off")
 
@@ -570,17 +573,19 @@ def test_positional_writes_in_any_order(tmp_path):
 @pytest.mark.parametrize("piece_bytes", [512, 1 << 20])  # 512: every piece outgrows its slot
 def test_cuda_route_writes_the_cpu_route_bytes(tmp_path, piece_bytes):
     source, _ = _checkpoint(tmp_path / "src", 7)
-    _convert(source, tmp_path / "cpu", stream.CpuRoute(), shard_size=60_000)
+    _convert(source, tmp_path / "cpu", CpuRoute(), shard_size=60_000)
 
-    class Route(stream.CudaRoute):
+    from nf4convert.pipeline.routes.cuda import CudaRoute
+
+    class Route(CudaRoute):
         pass
 
     Route.piece_bytes = piece_bytes
     plan = make_plan(source, dtype="bf16", max_shard_size=60_000)
     (tmp_path / "cuda").mkdir()
     with TensorReader() as reader:
-        stream.write_shards(plan, tmp_path / "cuda", reader, torch.device("cuda"), progress=lambda n: None,
-                            route=Route(torch.device("cuda")))  # fmt: skip
+        write_shards(plan, tmp_path / "cuda", reader, torch.device("cuda"), progress=lambda n: None,
+                     route=Route(torch.device("cuda")))
     assert _files(tmp_path / "cuda") == _files(tmp_path / "cpu")
 
 
@@ -593,7 +598,7 @@ def test_environment_knobs(env, writeback, makers, processes):
     import subprocess
 
     clean = {k: v for k, v in os.environ.items() if not k.startswith("NF4CONVERT_")}
-    code = "from nf4convert import stream; print(stream.WRITEBACK, stream.MAX_MAKERS, stream.PROCESSES)"
+    code = "from nf4convert.settings import Settings; s = Settings.from_env(); print(s.writeback, s.makers, s.processes)"
     result = subprocess.run([sys.executable, "-c", code], env={**clean, **env}, capture_output=True, text=True, check=True)
     assert result.stdout.split() == [str(writeback), str(makers), str(processes)]
 
@@ -608,7 +613,7 @@ def test_a_bad_knob_is_one_line_naming_it(name, value, command, tmp_path):
     # bad values were ignored without a word; then a dry run let them pass, and a batch failed every source with them
     import subprocess
 
-    from nf4convert import knobs
+    from nf4convert.settings import VARIABLES, Settings
 
     example = str(Path(__file__).resolve().parents[1] / "examples" / "tiny-llama-bnb-4bit")
     arguments = {"convert": [example, "-o", str(tmp_path / "out"), "-q"],
@@ -617,7 +622,8 @@ def test_a_bad_knob_is_one_line_naming_it(name, value, command, tmp_path):
     clean = {k: v for k, v in os.environ.items() if not k.startswith("NF4CONVERT_")}
     result = subprocess.run([sys.executable, "-m", "nf4convert", *arguments], env={**clean, name: value},
                             capture_output=True, text=True, timeout=300)  # fmt: skip
-    switch = len(knobs.KNOBS[name]) == 1
+    assert name in VARIABLES
+    switch = isinstance(getattr(Settings(), name.removeprefix("NF4CONVERT_").lower()), bool)
     assert result.returncode == 2 and result.stderr.strip() == f"Error: {name}={value!r}: " + (
         "not 1/on/true/yes or 0/off/false/no" if switch else
         f"not a whole number of {0 if name.endswith('PROCESSES') else 1} or more"), result.stderr  # fmt: skip
@@ -625,13 +631,13 @@ def test_a_bad_knob_is_one_line_naming_it(name, value, command, tmp_path):
 
 
 def test_processes_asked_for_are_at_most_one_per_core(monkeypatch):
-    from nf4convert import devices, workers
+    from nf4convert import devices
+    from nf4convert.pipeline.routes import workers
 
     if not workers.usable():
         pytest.skip("worker processes are Linux only")
-    monkeypatch.setattr(stream, "PROCESSES", 3)  # a small excess: a lost cap fails here, not in 1000 forks
     monkeypatch.setattr(devices, "cpu_cores", lambda: 2)
-    with stream.CpuRoute() as route:
+    with CpuRoute(Settings(processes=3)) as route:  # a small excess: a lost cap fails here, not in 1000 forks
         assert route._workers is not None and route.makers == 2
 
 
@@ -668,32 +674,32 @@ def test_cpu_cores_count_a_containers_quota(tmp_path, monkeypatch, own, files, c
 
 
 def test_the_cpu_route_sizes_itself_by_the_cores_it_may_keep_busy(monkeypatch):
-    from nf4convert import devices, workers
+    from nf4convert import devices
+    from nf4convert.pipeline.routes import workers
 
-    monkeypatch.setattr(stream, "PROCESSES", None)
     monkeypatch.setattr(devices, "cpu_cores", lambda: 3)  # under PROCESS_MIN_CORES: threads, one per core
-    with stream.CpuRoute() as route:
+    with CpuRoute() as route:
         assert route._workers is None and route.makers == 3
     if not workers.usable():
         return
     monkeypatch.setattr(devices, "cpu_cores", lambda: 9)  # one process per two cores
-    with stream.CpuRoute() as route:
+    with CpuRoute() as route:
         assert route._workers is not None and route.makers == 4
 
 
 def test_holds_inf_sees_inf_behind_its_extremes():
     # the writers' ±inf check looks at a piece's extremes first; a NaN there must not hide an inf
     values = np.zeros(1000, dtype=np.float16)
-    assert not stream._holds_inf(values.view(np.uint8))
+    assert not pipeline_core.holds_inf(values.view(np.uint8))
     for extra in ([float("inf")], [float("-inf")], [float("nan"), float("inf")]):
         changed = values.copy()
         changed[: len(extra)] = extra
-        assert stream._holds_inf(changed.view(np.uint8))
+        assert pipeline_core.holds_inf(changed.view(np.uint8))
     changed = values.copy()
     changed[3] = float("nan")
-    assert not stream._holds_inf(changed.view(np.uint8))
-    assert not stream._holds_inf(np.full(9, 65504.0, dtype=np.float16).view(np.uint8))
-    assert not stream._holds_inf(np.zeros(0, dtype=np.uint8))
+    assert not pipeline_core.holds_inf(changed.view(np.uint8))
+    assert not pipeline_core.holds_inf(np.full(9, 65504.0, dtype=np.float16).view(np.uint8))
+    assert not pipeline_core.holds_inf(np.zeros(0, dtype=np.uint8))
 
 
 def test_workers_forked_without_torch_are_forked_again_when_the_plan_needs_it():
@@ -704,13 +710,13 @@ def test_workers_forked_without_torch_are_forked_again_when_the_plan_needs_it():
     code = """if True:
         import sys, types
         import numpy as np
-        from nf4convert.stream import CpuRoute
+        from nf4convert.pipeline.routes.cpu import CpuRoute
         def threads_into(read, out):
             out.view(np.int64)[0] = sys.modules["torch"].get_num_threads()
         route = CpuRoute(processes=2)
         before = [p.pid for p, _ in route._workers._all]
         assert sys.modules.get("torch") is None
-        bf16 = types.SimpleNamespace(recipe=None, dtype="BF16")  # not a recipe numpy makes: torch's work
+        bf16 = types.SimpleNamespace(recipe=types.SimpleNamespace(numpy_made=False), dtype="BF16")  # torch's work
         route.warm(types.SimpleNamespace(tensors=[bf16]), None)
         after = [p.pid for p, _ in route._workers._all]
         import torch

@@ -313,7 +313,7 @@ def test_verify_builds_the_layer_the_model_has_whatever_the_adapter_holds():
 
     import torch
 
-    from nf4convert.verification import _skeleton_module
+    from nf4convert.verification.reference.merge_lora import _skeleton_module
 
     info = lambda *shape: SimpleNamespace(shape=shape)  # noqa: E731
     linear = SimpleNamespace(module="transformer.tokens_embed", kind="linear", tensors={"lora_A": info(4, 64), "lora_B": info(40, 4)})

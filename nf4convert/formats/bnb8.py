@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 
 from ..safetensors_io.read import TensorInfo
 from ..dtypes import DTYPES, OUTPUT_DTYPES
-from ..errors import CheckpointError
+from ..errors import ArgumentError, CheckpointError
 
 if TYPE_CHECKING:
     import torch
@@ -54,7 +54,6 @@ ROW_MAJOR = 0
 
 # Exactly fp32(1/127): the literal bitsandbytes multiplies by.
 INV_127 = 7.874015718698502e-3
-
 
 
 @dataclass(frozen=True)
@@ -165,27 +164,15 @@ def dequantize(weight: torch.Tensor, scb: torch.Tensor, out_dtype: torch.dtype) 
     import torch
 
     if weight.dtype != torch.int8 or scb.dtype != torch.float32:
-        raise ValueError(f"8-bit dequantize takes an int8 weight and float32 scales, not {weight.dtype}, {scb.dtype}")
+        raise ArgumentError(f"8-bit dequantize takes an int8 weight and float32 scales, not {weight.dtype}, {scb.dtype}")
     if weight.dim() != 2 or scb.shape != weight.shape[:1]:
         shapes = f"{list(weight.shape)} and {list(scb.shape)}"
-        raise ValueError(f"8-bit dequantize takes a weight [rows, in] and scales [rows], not {shapes}")
+        raise ArgumentError(f"8-bit dequantize takes a weight [rows, in] and scales [rows], not {shapes}")
     if weight.device != scb.device:
-        raise ValueError(f"8-bit dequantize: weight on {weight.device}, scales on {scb.device}")
+        raise ArgumentError(f"8-bit dequantize: weight on {weight.device}, scales on {scb.device}")
     if out_dtype not in tuple(dtype.torch for dtype in OUTPUT_DTYPES.values()):
-        raise ValueError(f"8-bit dequantize writes float16, bfloat16 or float32, not {out_dtype}")
+        raise ArgumentError(f"8-bit dequantize writes float16, bfloat16 or float32, not {out_dtype}")
     # int8 * fp32 promotes to fp32 exactly; then the second multiply in place (same rounding, one buffer).
     scaled = weight * scb.view(-1, 1)
     scaled.mul_(INV_127)
     return scaled if out_dtype == torch.float32 else scaled.to(out_dtype)
-
-
-def reference_dequantize(weight: torch.Tensor, scb: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """What bitsandbytes + transformers compute (for verify): ``int8_vectorwise_dequant`` then the cast.
-
-    bitsandbytes 0.50 registers one implementation of this op for all devices, the plain torch
-    expression ``A * stats.view(-1, 1) * 7.874015718698502e-3`` (``bitsandbytes/_ops.py``): no native
-    CPU kernel that could vary with the machine's instruction set, unlike its 4-bit CPU op.
-    """
-    import bitsandbytes.functional as F
-
-    return F.int8_vectorwise_dequant(weight, scb).to(out_dtype)

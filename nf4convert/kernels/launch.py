@@ -12,7 +12,7 @@ import os
 import torch
 import triton
 
-from .. import knobs
+from ..settings import Settings
 from . import configs
 from .nf4 import dequantize_4bit_kernel
 
@@ -102,7 +102,7 @@ def launch(packed, absmax, code2, absmax2, offset, code, out, blocksize, nested_
     guard = contextlib.nullcontext() if device_index == torch.cuda.current_device() else torch.cuda.device(device_index)
     with guard:
         if _fast_launch is None:
-            _fast_launch = _raw_stream is not None and knobs.value("NF4CONVERT_FAST_LAUNCH")
+            _fast_launch = _raw_stream is not None and Settings.from_env().fast_launch
         if not _fast_launch or _hooks_active():
             dequantize_4bit_kernel[grid](*args, **constexprs, num_warps=num_warps, enable_fp_fusion=False)
             return None

@@ -52,6 +52,8 @@ from typing import Any, Mapping
 
 import torch
 
+from ...errors import ArgumentError
+
 CHUNK_ELEMENTS = 1 << 20  # elements per CPU chunk (rounded down to whole blocks): 4 MiB of fp32 scratch
 FLT_MIN = 2.0**-126  # smallest normal fp32
 _LIFT = 2.0**24  # x * 2^24 is normal whenever round24(x) can be normal, so fp32 rounds it with 24 bits
@@ -78,7 +80,7 @@ def dequantize_4bit(packed: torch.Tensor, quant_state: Any, *, dtype: torch.dtyp
     if device.type == "cuda":
         return _dequantize_cuda(raw, quant_state, dtype, device)
     if device.type != "cpu":
-        raise ValueError(f"device {device} is not supported: the reference runs on cpu or cuda")
+        raise ArgumentError(f"device {device} is not supported: the reference runs on cpu or cuda")
     return _dequantize_cpu(raw.cpu(), quant_state, dtype)
 
 
@@ -91,7 +93,7 @@ def quant_state_from_tensors(tensors: Mapping[str, torch.Tensor], device, *, fil
     """
     import bitsandbytes.functional as F
 
-    from .errors import CheckpointError
+    from ...errors import CheckpointError
 
     # the weight's name: every key is "<name>.<part>", the packed JSON one "<name>.quant_state.bitsandbytes__nf4"
     names = sorted({key.partition(".quant_state.")[0] if ".quant_state." in key else key.rpartition(".")[0]
@@ -122,37 +124,37 @@ def _as_bytes(packed: torch.Tensor) -> torch.Tensor:
 
 def _check(n_bytes: int, quant_state: Any, dtype: torch.dtype) -> None:
     if dtype not in OUT_DTYPES:
-        raise ValueError(f"dtype must be float16, bfloat16 or float32, not {dtype}")
+        raise ArgumentError(f"dtype must be float16, bfloat16 or float32, not {dtype}")
     if quant_state.quant_type not in ("nf4", "fp4"):
-        raise ValueError(f"quant_type must be 'nf4' or 'fp4', not {quant_state.quant_type!r}")
+        raise ArgumentError(f"quant_type must be 'nf4' or 'fp4', not {quant_state.quant_type!r}")
     if quant_state.blocksize not in BLOCKSIZES:
-        raise ValueError(f"blocksize must be one of {BLOCKSIZES}, not {quant_state.blocksize!r}")
+        raise ArgumentError(f"blocksize must be one of {BLOCKSIZES}, not {quant_state.blocksize!r}")
     n_elements = math.prod(quant_state.shape)
     if n_bytes != (n_elements + 1) // 2:
-        raise ValueError(
+        raise ArgumentError(
             f"{n_bytes} packed bytes do not hold shape {tuple(quant_state.shape)} ({(n_elements + 1) // 2} expected)"
         )
     n_blocks = -(-n_elements // quant_state.blocksize)
     if quant_state.absmax.numel() != n_blocks:
-        raise ValueError(f"absmax has {quant_state.absmax.numel()} entries, {n_blocks} expected")
+        raise ArgumentError(f"absmax has {quant_state.absmax.numel()} entries, {n_blocks} expected")
     if not quant_state.nested:
         if not quant_state.absmax.is_floating_point():
-            raise ValueError(f"absmax must be floating point without a nested state, not {quant_state.absmax.dtype}")
+            raise ArgumentError(f"absmax must be floating point without a nested state, not {quant_state.absmax.dtype}")
         return
     state2 = quant_state.state2
     if quant_state.absmax.dtype != torch.uint8:
-        raise ValueError(f"nested absmax must be uint8, not {quant_state.absmax.dtype}")
+        raise ArgumentError(f"nested absmax must be uint8, not {quant_state.absmax.dtype}")
     if getattr(state2, "dtype", torch.float32) != torch.float32:
-        raise ValueError(f"nested dtype must be float32 (what bitsandbytes writes), not {state2.dtype}")
+        raise ArgumentError(f"nested dtype must be float32 (what bitsandbytes writes), not {state2.dtype}")
     blocksize2 = state2.blocksize
     if not isinstance(blocksize2, int) or blocksize2 <= 0 or blocksize2 & (blocksize2 - 1):
-        raise ValueError(f"nested blocksize must be a power of two, not {blocksize2!r}")
+        raise ArgumentError(f"nested blocksize must be a power of two, not {blocksize2!r}")
     if state2.absmax.numel() != -(-n_blocks // blocksize2):
-        raise ValueError(f"nested absmax has {state2.absmax.numel()} entries, {-(-n_blocks // blocksize2)} expected")
+        raise ArgumentError(f"nested absmax has {state2.absmax.numel()} entries, {-(-n_blocks // blocksize2)} expected")
     if state2.code.numel() != 256:
-        raise ValueError(f"nested quant map has {state2.code.numel()} entries, 256 expected")
+        raise ArgumentError(f"nested quant map has {state2.code.numel()} entries, 256 expected")
     if quant_state.offset is None or torch.as_tensor(quant_state.offset).numel() != 1:
-        raise ValueError("nested quant state has no single offset")
+        raise ArgumentError("nested quant state has no single offset")
 
 
 def _dequantize_cuda(raw: torch.Tensor, quant_state: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -29,7 +29,7 @@ import dataclasses
 import sys
 from typing import Callable
 
-from .errors import Nf4ConvertError
+from ...errors import WorkerError
 
 STOPPED = ("a worker process of the CPU route stopped (killed by the system: out of memory?); NF4CONVERT_PROCESSES=0 "
            "makes the pieces on threads instead")
@@ -57,8 +57,8 @@ class Workers:
 
         import numpy as np
 
-        from .kernels import cpu  # noqa: F401  (imported here, so that no worker imports anything: see _serve)
-        from .output import STOP_SIGNALS
+        from ...kernels import cpu  # noqa: F401  (imported here, so that no worker imports anything: see _serve)
+        from ...signals import STOP_SIGNALS
 
         self.count, self._slots, self._slot_bytes = count, slots, slot_bytes
         mapping = mmap.mmap(-1, slots * slot_bytes)  # MAP_SHARED | MAP_ANONYMOUS: the children see its pages
@@ -127,7 +127,7 @@ class Workers:
         worker = self._idle.get()
         if worker is None:  # one has died: every caller, waiting or to come, fails as its caller did
             self._idle.put(None)
-            raise Nf4ConvertError(STOPPED)
+            raise WorkerError(STOPPED)
         process, pipe = worker
         alive = True
         try:
@@ -137,7 +137,7 @@ class Workers:
             answer = pipe.recv_bytes()
         except (EOFError, OSError):
             alive = False
-            raise Nf4ConvertError(STOPPED) from None
+            raise WorkerError(STOPPED) from None
         finally:  # a job that could not be sent leaves the worker as it was
             self._idle.put(worker if alive else None)
         failure = pickle.loads(answer)
@@ -174,8 +174,8 @@ def _serve(pipe, inherited: list, mapping, mask) -> None:
 
     import numpy as np
 
-    from .kernels import cpu
-    from .output import STOP_SIGNALS
+    from ...kernels import cpu
+    from ...signals import STOP_SIGNALS
 
     for signum in STOP_SIGNALS:  # the parent's handlers came with the fork; the parent stops the workers
         signal.signal(signum, signal.SIG_IGN)

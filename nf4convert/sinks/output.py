@@ -8,19 +8,15 @@ user's old folder, untouched). Every OSError on this path becomes one OutputErro
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
-import signal
 from pathlib import Path
 
-from .files import INDEX_NAME
-from .errors import OutputError
+
+from ..errors import OutputError
+from ..sizes import size_text
 
 PARTIAL_SUFFIX = ".nf4convert-partial"
-# Signals that stop a run: SIGINT (Ctrl-C), SIGTERM (kill, timeout, docker stop), SIGHUP (a closed terminal or ssh
-# session). cli.py turns them into exceptions; signals_held holds them while OUT is put in place.
-STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
 OLD_SUFFIX = ".nf4convert-old"
 NAME_MAX = 255  # bytes in one file name on Linux's and macOS's file systems
 PID_ROOM = len("-4194304")  # a staging name ends with the run's pid; Linux's largest
@@ -116,10 +112,6 @@ def space_needed(output_bytes: int) -> int:
     return output_bytes + SPARE_BYTES
 
 
-def size_text(nbytes: int) -> str:
-    return f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e9 else f"{nbytes / 1e6:.1f} MB"
-
-
 def check_free_space(output: Path, needed: int) -> None:
     """OutputError unless OUT's file system has ``space_needed(needed)`` bytes free."""
     free = free_space(output)
@@ -179,35 +171,6 @@ def _remove(temporary: Path, made: list[Path]) -> None:
             break  # not empty (another run put something there), or not ours to remove: it, and those above, stay
 
 
-@contextlib.contextmanager
-def signals_held(output: Path):
-    """SIGINT, SIGTERM and SIGHUP wait while OUT is put in place and the run winds down (main thread only), so that
-    none can leave the user's OUT half-replaced or a complete OUT reported as not written. A signal that came is
-    delivered at the end, its exception marked ``output_complete = OUT`` when the block finished."""
-    import threading
-
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    came: list[int] = []
-    previous = {number: signal.signal(number, lambda signum, frame: came.append(signum)) for number in STOP_SIGNALS}
-    try:
-        yield
-    finally:
-        for number, handler in previous.items():
-            signal.signal(number, handler)
-    if came:
-        handler = previous[came[0]]
-        if handler is signal.SIG_DFL:
-            signal.raise_signal(came[0])  # the default action: the process ends (OUT is complete)
-        elif callable(handler):
-            try:
-                handler(came[0], None)
-            except BaseException as stop:
-                stop.output_complete = output
-                raise
-
-
 def _alive(pid: str) -> bool:
     try:
         os.kill(int(pid), 0)
@@ -216,26 +179,6 @@ def _alive(pid: str) -> bool:
     except (ValueError, OSError):  # not a pid of ours to judge (or not ours to signal): leave its folder alone
         return True
     return True
-
-
-def index_json(plan) -> dict:
-    """model.safetensors.index.json for a sharded output, as transformers writes it."""
-    weight_map = {tensor.name: tensor.shard for tensor in plan.tensors}
-    return {"metadata": {"total_size": plan.tensor_bytes}, "weight_map": dict(sorted(weight_map.items()))}
-
-
-def write_side_files(plan, folder: Path, card: str | None = None) -> None:
-    """Carried files, config.json (dense), the model card and, for several shards, the index."""
-    for relative in plan.side_files:
-        target = folder / relative
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(plan.folder / relative, target)
-    if plan.config is not None:
-        (folder / "config.json").write_text(json.dumps(plan.config, indent=2) + "\n")
-    if card is not None:
-        (folder / "README.md").write_text(card, encoding="utf-8")
-    if len(plan.shards) > 1:
-        (folder / INDEX_NAME).write_text(json.dumps(index_json(plan), indent=2) + "\n")
 
 
 def move_into_place(temporary: Path, output: Path, *, overwrite: bool = False) -> None:

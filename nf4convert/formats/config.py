@@ -1,0 +1,96 @@
+"""A checkpoint's config.json: read strictly, what it says of quantization, tying and the vocabulary, and the dense
+model's config written from it (no quantization_config anywhere, the output dtype recorded)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..dtypes import DType
+from ..errors import CheckpointError
+from ..files import inside
+from ..strict_json import strict_json
+
+
+def read_config(folder: Path) -> dict | None:
+    path = folder / "config.json"
+    if not path.exists() and not path.is_symlink():  # a dangling link is a config that cannot be read, not none
+        return None
+    inside(folder, "config.json")
+    try:
+        raw = path.read_bytes()
+    except OSError as error:
+        raise CheckpointError(f"{path}: cannot be read ({error.strerror or error})") from None
+    config = strict_json(raw, str(path))
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path}: not a JSON object")
+    return config
+
+
+def dense_config(config: dict, dtype: DType) -> dict:
+    """config.json for the dense model: quantization_config gone everywhere, the dtype recorded."""
+
+    def strip(node):
+        if isinstance(node, dict):
+            return {k: strip(v) for k, v in node.items() if k != "quantization_config"}
+        if isinstance(node, list):
+            return [strip(v) for v in node]
+        return node
+
+    result = strip(config)
+    result["torch_dtype"] = dtype.name
+    result["dtype"] = dtype.name
+    return result
+
+
+def quantization_config(config) -> dict | None:
+    """config.json's quantization_config (a nested model config's, for a multimodal model), if any."""
+    if not isinstance(config, dict):
+        return None
+    if isinstance(config.get("quantization_config"), dict):
+        return config["quantization_config"]
+    nested = (quantization_config(value) for value in config.values() if isinstance(value, dict))
+    return next((found for found in nested if found is not None), None)
+
+
+def tied(config: dict) -> bool:
+    """Whether the model (or its text model) ties lm_head to the input embeddings; transformers' default is True."""
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    return bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", True)))
+
+
+def vocab_size(config: dict):
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    return config.get("vocab_size", text.get("vocab_size"))
+
+
+def not_bitsandbytes(config: dict) -> str | None:
+    """Why a checkpoint's config.json says it holds no bitsandbytes weights, or None where it may hold some.
+
+    transformers writes a ``quantization_config`` into config.json when it saves a quantized model; for bitsandbytes
+    its ``quant_method`` is "bitsandbytes" with ``load_in_4bit`` or ``load_in_8bit`` (older versions wrote the
+    flags without a ``quant_method``: not refused). With ``llm_int8_has_fp16_weight`` an 8-bit model keeps and saves
+    its weights in fp16: bitsandbytes never quantized them."""
+    found = []
+
+    def visit(node):
+        if isinstance(node, dict):
+            if isinstance(node.get("quantization_config"), dict):
+                found.append(node["quantization_config"])
+            for value in node.values():
+                visit(value)
+        elif isinstance(node, list):
+            for value in node:
+                visit(value)
+
+    visit(config)
+    if not found:
+        return "config.json has no quantization_config: the weights are not quantized (already dense?)"
+    methods = [q.get("quant_method") for q in found]
+    if not any(not isinstance(m, str) or "bitsandbytes" in m.lower() for m in methods):
+        return f"config.json's quantization_config has quant_method {methods[0]!r}, not bitsandbytes (not convertible here)"
+    dense_int8 = [q for q in found if q.get("load_in_8bit") is True and q.get("llm_int8_has_fp16_weight") is True
+                  and q.get("load_in_4bit") is not True]  # fmt: skip
+    if len(dense_int8) == len(found):
+        return ("saved with llm_int8_has_fp16_weight=True, so its weights are dense fp16 already (bitsandbytes never "
+                "quantized them): remove quantization_config from config.json and load it as a dense model")  # fmt: skip
+    return None

@@ -1,0 +1,106 @@
+"""A piece: a slice of one output tensor and how it is made, the unit every stage of the pipeline moves; the host
+buffers pieces are read and made into; and a tensor made whole from its pieces.
+
+A kind's producer (``kinds/``) cuts its tensor into pieces of at most ``route.piece_bytes`` (whole quant blocks, whole
+8-bit rows); a route (``pipeline/routes/``) gives each piece its ``make``.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Iterator, Optional
+
+from ..safetensors_io.read import TensorInfo, TensorReader, as_array
+
+if TYPE_CHECKING:
+    from ..plan import PlannedTensor
+
+
+@dataclass
+class Piece:
+    """``nbytes`` output bytes at byte ``offset`` of an output tensor, made from ``count`` bytes of ``source``
+    from byte ``first``; ``make(read, out) -> event or None`` fills ``out`` (None: the bytes read are the output)."""
+
+    offset: int
+    nbytes: int
+    source: TensorInfo
+    first: int
+    count: int
+    make: Optional[Callable] = None
+    on_device: bool = False  # made on the route's device (its buffers pinned on CUDA), not on the CPU
+    watched: bool = False  # fp16 bytes checked for ±inf when written (plan.may_exceed)
+
+
+def whole(tensor: "PlannedTensor", reader: TensorReader, route, device="cpu"):
+    """A planned tensor made whole through ``route``, as raw bytes (a uint8 tensor) in ``device``'s memory: what a
+    transpose or a merge needs, and what a sink that takes whole tensors (GGUF) is fed."""
+    import torch
+
+    made = torch.empty(tensor.nbytes, dtype=torch.uint8, device=device)
+    for piece in tensor.recipe.produce(tensor, reader, route):
+        read = reader.read(piece.source, piece.first, piece.count)
+        target = made[piece.offset : piece.offset + piece.nbytes]
+        if piece.make is None:
+            target.copy_(read)
+        else:
+            route.make_into(piece, read, target)
+    return made
+
+
+def pieces_from_memory(data, source: TensorInfo, piece_bytes: int) -> Iterator[Piece]:
+    """A tensor already made (raw bytes in host memory), handed to the writers piece by piece."""
+    data = as_array(data)
+    for first in range(0, data.size, piece_bytes):
+        count = min(piece_bytes, data.size - first)
+        yield Piece(first, count, source, 0, 0, from_memory(data[first : first + count]))
+
+
+def from_memory(data):
+    def make(read, out):
+        out[:] = data
+
+    return make
+
+
+class Buffers:
+    """Reused host buffers: uint8 numpy arrays, or pinned uint8 tensors for the pieces a GPU makes. A buffer given back
+    with an event is taken again only once that event has passed (a copy may still be reading it); one whose event
+    has passed is taken first."""
+
+    def __init__(self, size: int, pinned: bool, slots=None, overflow: "Buffers | None" = None):
+        """``slots``: a fixed supply of buffers (the CPU route's shared mapping: ``slot(nbytes)`` a fresh one or None,
+        ``holds(buffer)``); a request it cannot meet goes to ``overflow``, and such a buffer goes back there."""
+        self._size, self._pinned, self._slots, self._overflow = size, pinned, slots, overflow
+        self._free: list = []
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int):
+        with self._lock:
+            fitting = [i for i, (buffer, _) in enumerate(self._free) if buffer.nbytes >= nbytes]
+            ready = [i for i in fitting if self._free[i][1] is None or self._free[i][1].query()]
+            index = (ready or fitting or [None])[0]
+            buffer, event = self._free.pop(index) if index is not None else (None, None)
+        if buffer is None and self._slots is not None:
+            with self._lock:
+                buffer = self._slots.slot(nbytes)
+            if buffer is None:
+                return self._overflow.take(nbytes)
+        if buffer is None and self._pinned:
+            import torch
+
+            buffer = torch.empty(max(nbytes, self._size), dtype=torch.uint8, pin_memory=True)
+        elif buffer is None:  # pageable memory: a numpy array (the CPU route needs no torch)
+            import numpy as np
+
+            buffer = np.empty(max(nbytes, self._size), dtype=np.uint8)
+        if event is not None:
+            event.synchronize()
+        return buffer
+
+    def give(self, buffer, event=None) -> None:
+        if self._slots is not None and not self._slots.holds(buffer):
+            self._overflow.give(buffer, event)
+            return
+        with self._lock:
+            self._free.append((buffer, event))

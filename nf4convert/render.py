@@ -1,0 +1,47 @@
+"""The text the command line prints for each result: a conversion's summary, a dry run's plan, a batch's table."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from .sinks.output import space_needed
+from .sizes import size_text
+
+
+def summary(result) -> str:
+    """A ``ConvertResult`` in one line."""
+    return (f"{result.output}: {result.tensors} tensors ({result.dequantized} dequantized), "
+            f"{result.bytes / 1e9:.2f} GB {result.dtype}, {result.seconds:.1f} s")  # fmt: skip
+
+
+def space_verdict(free: int, needed: int) -> str:
+    """A dry run's word on the free space, by the conversion's own rule (the bytes and headroom)."""
+    enough = free >= space_needed(needed)
+    verdict = "enough" if enough else f"NOT enough: {size_text(space_needed(needed))} needed with headroom"
+    return f"{size_text(free)} ({verdict})"
+
+
+def plan_lines(prepared) -> list[str]:
+    """A dry run's plan (a ``conversion.Prepared``): source, output, tensors by kind, shards, bytes, free space."""
+    plan = prepared.plan
+    needed = plan.tensor_bytes + plan.side_bytes
+    kinds = Counter(tensor.recipe.label for tensor in plan.tensors)
+    shown = f"{prepared.headers_only} (its headers and quant states read from the Hub; no weights downloaded)"
+    lines = [f"source: {shown if prepared.headers_only else plan.folder}", f"output: {prepared.output} ({plan.dtype.name})",
+             f"tensors: {len(plan.tensors)} (" + ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items())) + ")"]  # fmt: skip
+    lines += [f"  {shard.filename}: {len(shard.tensors)} tensors, {shard.nbytes / 1e9:.3f} GB" for shard in plan.shards]
+    config = "rewritten" if plan.config else "none"
+    lines.append(f"side files: {len(plan.side_files)} ({plan.side_bytes / 1e6:.1f} MB), config.json {config}")
+    lines.append(f"to write: {needed / 1e9:.3f} GB; free where it goes: {space_verdict(prepared.free_bytes, needed)}")
+    lines.append("dry run: nothing was written")
+    return lines
+
+
+def table(rows) -> list[str]:
+    """A batch's rows (``run.Row``) as an aligned table."""
+    header = ("source", "status", "output", "tensors", "size", "seconds")
+    cells = [header] + [(row.source, row.status, row.output or "-", str(row.tensors or "-"),
+                         f"{row.bytes / 1e9:.2f} GB" if row.bytes is not None else "-",
+                         f"{row.seconds:.1f}" if row.seconds is not None else "-") for row in rows]  # fmt: skip
+    widths = [max(len(cell[i]) for cell in cells) for i in range(len(header))]
+    return ["  ".join(value.ljust(width) for value, width in zip(cell, widths)).rstrip() for cell in cells]

@@ -1,0 +1,155 @@
+"""What a command runs, as API functions that return result objects: a conversion and what follows it (verify, the
+push), and a batch of conversions (a row per source, a summary). The command line only parses, calls and renders.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from .conversion import ConvertResult, Prepared, convert, prepare
+from .devices import pick_device
+from .errors import Interrupted, Nf4ConvertError, Terminated
+from .settings import Settings
+from .sinks.naming import batch_output, batch_stems, check_batch_root
+from .verification import VerifyReport
+
+
+@dataclass
+class Pushed:
+    """A finished output uploaded to the Hub."""
+
+    url: str
+
+
+def dry_run_plan(source, output=None, *, device: str = "auto", **options) -> Prepared:
+    """Plan a conversion without writing anything (a Hub SOURCE's weights are not downloaded): what a conversion would
+    refuse, this refuses too (a ``device`` that is not there, an output that exists)."""
+    pick_device(device)
+    return prepare(source, output, headers_only=True, **options)
+
+
+def convert_then(source, output=None, *, device: str = "auto", verify: bool = False, push_to: str | None = None,
+                 private: bool = False, push_branch: str | None = None, progress: bool = True,
+                 on_step: Callable[[object], None] = lambda result: None, **options) -> bool:  # fmt: skip
+    """Convert, then verify the output (if asked), then push it (if asked and verified); each step's result
+    (``ConvertResult``, ``VerifyReport``, :class:`Pushed`) goes to ``on_step`` as it comes. Whether every step passed.
+    A stop signal after the output was complete says so (``output_complete``): it is kept."""
+    from .upload import push_to_hub
+
+    result: ConvertResult = convert(source, output, device=device, progress=progress, **options)
+    try:
+        on_step(result)
+        if verify:
+            report = verify_output(result.output, source, device=device, adapter=options.get("adapter"),
+                                   revision=options.get("revision"), token=options.get("token"),
+                                   cache_dir=options.get("cache_dir"), progress=progress)  # fmt: skip
+            on_step(report)
+            if not report.ok:
+                return False
+        if push_to:
+            on_step(Pushed(push_to_hub(result.output, push_to, private=private, token=options.get("token"),
+                                       revision=push_branch, progress=progress)))  # fmt: skip
+    except (Interrupted, Terminated) as stop:
+        stop.output_complete = stop.output_complete or result.output
+        raise
+    return True
+
+
+def verify_output(output, source, *, progress: bool = True, **options) -> VerifyReport:
+    """``verification.verify`` with huggingface_hub's download bars shown or hidden as ``progress`` says."""
+    from .hub import progress_bars
+    from .verification import verify
+
+    with progress_bars(progress):
+        return verify(output, source, progress=progress, **options)
+
+
+@dataclass
+class Row:
+    """One source of a batch, as the table and ``--json`` show it."""
+
+    source: str
+    output: str | None
+    status: str = "failed"  # ok, planned, failed, interrupted, not attempted
+    error: str | None = None
+    tensors: int | None = None
+    bytes: int | None = None
+    seconds: float | None = None
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class BatchResult:
+    rows: list[Row] = field(default_factory=list)
+    stopped: BaseException | None = None  # the stop signal that ended the batch (the rest not attempted)
+    needed: int = 0  # a dry run's bytes to write, all planned sources together
+    free: int | None = None  # a dry run's free bytes where the outputs go
+
+    @property
+    def failed(self) -> int:
+        done = {"ok", "planned"}
+        return sum(row.status not in done for row in self.rows)
+
+    @property
+    def untried(self) -> list[str]:
+        return [row.source for row in self.rows if row.status == "not attempted"]
+
+
+def read_source_list(text: str) -> list[str]:
+    """The sources a ``--from-file`` list names, one a line: ``#`` at a line's start or after whitespace begins a comment
+    (one inside a path, ``h#1/x``, is the path's)."""
+    listed = [re.sub(r"(?:^|\s)#.*", "", line).strip() for line in text.splitlines()]
+    return [source for source in listed if source]
+
+
+def batch(sources: list[str], output_root, *, dtype: str = "auto", device: str = "auto", dry_run: bool = False,
+          adapter=None, on_error: Callable[[Row, Exception], None] = lambda row, error: None,
+          on_warning: Callable[[str, str], None] = lambda source, warning: None, **options) -> BatchResult:  # fmt: skip
+    """Convert (or with ``dry_run`` plan) each source into ``output_root``, going on past failures; a stop signal
+    ends the batch (the sources after it are "not attempted"). ``on_error(row, error)`` sees each failed row as it
+    fails (and may reword its ``error``), ``on_warning(source, warning)`` each conversion's warnings as they come."""
+    Settings.from_env()  # once, before any source (each would fail alike)
+    check_batch_root(output_root, [*sources, adapter])
+    planned = [(stem, batch_output(output_root, stem, dtype)) for stem in batch_stems(sources)]
+    result = BatchResult()
+    done = "planned" if dry_run else "ok"
+    for source, (stem, output) in zip(sources, planned):
+        started = time.perf_counter()
+        row = Row(source, output)
+
+        def named(folder: Path, row=row) -> None:
+            row.output = str(folder)
+
+        try:
+            common = dict(dtype=dtype, adapter=adapter, output_dir=output_root, stem=stem, on_output=named, **options)
+            if dry_run:
+                prepared = dry_run_plan(source, device=device, **common)
+                plan = prepared.plan
+                row.status, row.tensors, row.bytes = done, len(plan.tensors), plan.tensor_bytes
+                result.needed += plan.tensor_bytes + plan.side_bytes
+                result.free = prepared.free_bytes
+            else:
+                converted = convert(source, device=device, **common)
+                row.output, row.status, row.tensors, row.bytes = str(converted.output), done, converted.tensors, converted.bytes
+                for warning in converted.warnings:
+                    on_warning(source, warning)
+        except (Interrupted, Terminated, KeyboardInterrupt) as stop:
+            row.status = row.error = "interrupted"
+            result.stopped = stop
+            if getattr(stop, "output_complete", None):
+                row.output, row.status = str(stop.output_complete), "ok"
+        except Exception as error:  # noqa: BLE001  (one source's failure, whatever it is, must not stop the others)
+            row.error = str(error) if isinstance(error, Nf4ConvertError) else f"internal error: {type(error).__name__}: {error}"
+            on_error(row, error)
+        row.seconds = round(time.perf_counter() - started, 1)
+        result.rows.append(row)
+        if result.stopped is not None:
+            break
+    result.rows += [Row(source, None, "not attempted") for source in sources[len(result.rows) :]]
+    return result

@@ -1,0 +1,91 @@
+"""The safetensors sink: a plan streamed into its shards through the pipeline, and the index beside them.
+
+Every shard's header is written first (the plan fixed every offset), so pieces land in any order. Two orders follow:
+
+- shards are written ``settings.shards_at_once`` at a time, their pieces interleaved: buffered writes to one file
+  serialize on its lock, writes to several run side by side;
+- within a shard, plain tensors come first: they need no GPU, so they are written while the CUDA route starts.
+
+Each range written has its writeback started at once (``safetensors_io.write.Writeback``), so the disk works from
+the first byte rather than from when the page cache's dirty threshold is reached.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, Iterator
+
+from ..pipeline.core import Pipeline
+from ..pipeline.routes import route_for
+from ..plan import Plan, may_exceed
+from ..safetensors_io.read import TensorReader
+from ..safetensors_io.write import ShardWriter, Writeback
+from ..settings import Settings
+
+
+def _shard_pieces(writer: ShardWriter, shard, reader: TensorReader, route, tensor_done: Callable[[], None]):
+    """(writer, tensor name, piece) for every piece of one shard, its plain tensors first."""
+    plain = [tensor for tensor in shard.tensors if tensor.recipe.plain]
+    made = [tensor for tensor in shard.tensors if not tensor.recipe.plain]
+    for tensor in plain + made:
+        watched = may_exceed(tensor)
+        for piece in tensor.recipe.produce(tensor, reader, route):
+            piece.watched = watched
+            yield writer, tensor.name, piece
+        tensor_done()
+
+
+def _interleaved(streams: list) -> Iterator:
+    """One item of each stream in turn until all are done."""
+    streams = list(streams)
+    while streams:
+        for stream in list(streams):
+            item = next(stream, None)
+            if item is None:
+                streams.remove(stream)
+            else:
+                yield item
+
+
+def write_shards(plan: Plan, folder: Path, reader: TensorReader, device, *, progress: Callable[[int], None],
+                 tensor_done: Callable[[int], None] = lambda done: None, route=None,
+                 settings: Settings | None = None) -> list[str]:  # fmt: skip
+    """Write every shard of ``plan`` into ``folder``, making each tensor by its recipe on ``device``
+    (through ``route`` when given, closed here as one made here would be). Returns the names of the tensors written
+    as fp16 with ±inf where their source may have held values beyond fp16's range (plan.may_exceed), in plan order."""
+    done = 0
+
+    def one_done() -> None:
+        nonlocal done
+        done += 1
+        tensor_done(done)
+
+    settings = settings or Settings()
+    writeback = Writeback() if settings.writeback else None
+    try:
+        with route or route_for(device, settings) as route, \
+                Pipeline(route, reader, progress, writers=settings.writers) as pipeline:
+            route.warm(plan, reader)
+            writers: list[ShardWriter] = []
+            try:
+                for start in range(0, len(plan.shards), settings.shards_at_once):
+                    group = plan.shards[start : start + settings.shards_at_once]
+                    opened = []
+                    for shard in group:
+                        opened.append(ShardWriter(folder / shard.filename, shard.tensors, writeback))
+                        writers.append(opened[-1])
+                    streams = [_shard_pieces(writer, shard, reader, route, one_done) for writer, shard in zip(opened, group)]
+                    for writer, name, piece in _interleaved(streams):
+                        pipeline.push(writer, name, piece)
+                    pipeline.drain()
+                    for writer in opened:
+                        writer.close()
+            except BaseException:
+                pipeline.close()  # no write may still be running when its file closes
+                for writer in writers:
+                    writer.discard()
+                raise
+            return [tensor.name for tensor in plan.tensors if tensor.name in pipeline.infinite]
+    finally:
+        if writeback is not None:
+            writeback.close()

@@ -1,0 +1,93 @@
+"""SOURCE and ADAPTER, as a user names them, resolved to folders of files: a local folder, a Hub repo (``hub.py``
+downloads only what a conversion reads), or a repo already in the Hub cache; a SOURCE that is itself a peft adapter
+stands for the base its config names. Refused here, as early as can be known: an empty name, an adapter given twice,
+a Hub checkpoint whose config.json says it is not bitsandbytes (before its weights are downloaded). Convert and
+verify both start here."""
+
+from __future__ import annotations
+
+import os
+from functools import partial
+from pathlib import Path
+
+from .errors import ArgumentError, CheckpointError
+from .formats.config import not_bitsandbytes, read_config
+from .paths import expanded
+
+
+def as_text(name):
+    """A source or adapter as the API takes it (a str or an os.PathLike) in the str the rest of the code reads."""
+    return os.fspath(name) if name is not None else None
+
+
+def named_sources(source, adapter) -> tuple[str, str | None]:
+    """``source`` and ``adapter`` as the API takes them (str or os.PathLike) in the str the rest of the code reads;
+    ArgumentError for an empty one, which would otherwise be the current folder."""
+    source, adapter = as_text(source), as_text(adapter)
+    for name, value in (("source", source), ("adapter", adapter)):
+        if value is not None and not value.strip():
+            raise ArgumentError(f"{name} is empty; give a folder or a Hub repo id" + ("" if name == "source" else ", or None"),
+                                option=name)  # fmt: skip
+    return source, adapter
+
+
+def _refuse_early(folder: Path, *, source: str) -> None:
+    """A Hub SOURCE's precheck, on its config files alone: refuse before downloading weights when its config.json
+    says it is not a bitsandbytes checkpoint. An adapter (its base is checked when fetched), a repo without
+    config.json and a config.json that does not parse are left to the weights and the plan, as local folders are."""
+    if (folder / "adapter_config.json").is_file() or not (folder / "config.json").is_file():
+        return
+
+    try:
+        config = read_config(folder)  # strict and depth-limited, as the plan reads it
+    except CheckpointError:
+        return
+    reason = not_bitsandbytes(config) if config is not None else None
+    if reason is not None:
+        raise CheckpointError(f"{source}: not a bitsandbytes checkpoint: {reason}; its weights were not downloaded")
+
+
+def reworded(error: CheckpointError, folder: Path) -> CheckpointError:
+    """A plan's refusal of a local checkpoint, with the reason its config.json gives where it gives one (a model saved
+    with ``llm_int8_has_fp16_weight`` has no 8-bit weights: that, not their absence, is what the user needs to know)."""
+
+    try:
+        config = read_config(folder)
+    except CheckpointError:
+        return error
+    reason = not_bitsandbytes(config) if config is not None else None
+    if reason is None or "llm_int8_has_fp16_weight" not in reason:
+        return error
+    return CheckpointError(f"{folder}: {reason}")
+
+
+def resolve_source(source: str | os.PathLike, adapter: str | os.PathLike | None = None, *, revision=None, token=None,
+                   cache_dir=None, progress=True, headers=None):  # fmt: skip
+    """(checkpoint folder, adapter folder or None, the base's name, the adapter's name or None): SOURCE resolved,
+    and ADAPTER; a SOURCE that is itself a peft adapter (``adapter_config.json``, no ADAPTER given) stands for
+    the base its config names, with it merged (a folder that also holds model weights is a checkpoint).
+    ``revision`` applies to SOURCE (a local folder has none); a Hub checkpoint whose config.json says it is not
+    bitsandbytes is refused before its weights are downloaded; ``progress=False`` hides download bars; ``headers``
+    (a ``hub.HeadersOnly``): the checkpoint's weights are not downloaded, its folder is their copy for a plan."""
+    from .errors import SourceNotFoundError
+    from .formats import peft_lora
+    from .hub import resolve
+
+    source, adapter = as_text(source), as_text(adapter)
+    fetch = dict(token=token, cache_dir=cache_dir, progress=progress)
+    folder = resolve(source, revision=revision, precheck=partial(_refuse_early, source=source), headers=headers, **fetch)
+    adapter_folder = resolve(adapter, **fetch) if adapter is not None else None
+    weights = [p for p in folder.glob("*.safetensors") if p.name != peft_lora.WEIGHTS_NAME]
+    if adapter_folder is not None and (folder / peft_lora.CONFIG_NAME).is_file() and not weights:
+        raise ArgumentError(f"{source} is a peft adapter (it has {peft_lora.CONFIG_NAME} and no model weights) and an "
+                            "adapter is given too: give the base checkpoint as SOURCE", option="adapter")  # fmt: skip
+    if adapter_folder is None and (folder / peft_lora.CONFIG_NAME).is_file() and not weights:
+        base = peft_lora.load_adapter(folder).base_model_name_or_path
+        if not base:
+            raise SourceNotFoundError(f"{folder / peft_lora.CONFIG_NAME}: an adapter whose base_model_name_or_path is "
+                                      "not set; name the base as SOURCE and this as the adapter", option="adapter")  # fmt: skip
+        adapter_folder, folder = folder, resolve(base, precheck=partial(_refuse_early, source=base), headers=headers, **fetch)
+        return folder, adapter_folder, base, str(adapter_folder.resolve()) if expanded(source, "source").exists() else source
+    if adapter is not None and expanded(adapter, "adapter").exists():
+        adapter = str(expanded(adapter, "adapter").resolve())  # a folder, never mistaken for a Hub repo id
+    return folder, adapter_folder, source, adapter

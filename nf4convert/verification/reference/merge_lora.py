@@ -1,0 +1,95 @@
+"""The reference of a merged tensor: peft's own merge. The tensor's module alone, in a stand-in model holding the
+references of its base tensors, then ``PeftModel.from_pretrained(...).merge_and_unload()``: what the user's route
+runs, with none of our merge code."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+from ...dtypes import DTYPES
+
+BLAME = "bitsandbytes + peft"
+
+
+def _skeleton_module(module: str, adapter, device, dtype, references: dict, layer_class):
+    """A stand-in for one module of the base model holding ``references`` (its tensors, by full name): the layer
+    class the model has there (``layer_class``, read from transformers' own model on the meta device: Linear,
+    Conv1D or Embedding, which decides what peft does), or a plain holder for a modules_to_save module. peft
+    then does all of the merging."""
+    import torch
+
+    lora = next((t for t in adapter.targets.values() if t.module == module and t.kind in ("linear", "embedding")), None)
+    params = {name.rpartition(".")[2]: value for name, value in references.items()}
+    # The layer transformers' model has there, whatever kind of LoRA tensors the adapter holds: peft loads those of
+    # the kind its layer calls for only, so a mismatch shows as a weight peft leaves unchanged.
+    embedding = lora is not None and (lora.kind == "embedding" if layer_class is None else issubclass(layer_class, torch.nn.Embedding))
+    if lora is not None:  # the base weight's shape, (out, in) / (rows, columns), from the LoRA factors of either kind
+        first, second = (lora.tensors[role] for role in (("lora_embedding_A", "lora_embedding_B") if lora.kind == "embedding"
+                                                          else ("lora_B", "lora_A")))  # fmt: skip
+        dense = (first.shape[1], second.shape[0]) if lora.kind == "embedding" else (first.shape[0], second.shape[1])
+        dense = tuple(params["weight"].shape) if "weight" in params else dense
+    if embedding:
+        layer = torch.nn.Embedding(*dense, device="meta")
+    elif lora is not None and lora.kind == "embedding":  # on a Linear/Conv1D of the model
+        layer = torch.nn.Linear(dense[1], dense[0], bias="bias" in params, device="meta")
+    elif lora is not None and layer_class is not None and layer_class.__name__ == "Conv1D":
+        layer = layer_class(lora.tensors["lora_B"].shape[0], lora.tensors["lora_A"].shape[1])
+    elif lora is not None:
+        shape = (lora.tensors["lora_A"].shape[1], lora.tensors["lora_B"].shape[0])
+        layer = torch.nn.Linear(*shape, bias="bias" in params, device="meta")
+    else:
+        layer = torch.nn.Module()
+    for name, value in params.items():
+        setattr(layer, name, torch.nn.Parameter(value, requires_grad=False))
+    if lora is not None and "weight" not in params:  # a stand-in whose weight is not checked
+        if lora.kind == "embedding":
+            shape = (lora.tensors["lora_embedding_A"].shape[1], lora.tensors["lora_embedding_B"].shape[0])
+        else:
+            shape = (lora.tensors["lora_A"].shape[1], lora.tensors["lora_B"].shape[0])
+            shape = shape if type(layer).__name__ == "Conv1D" else shape[::-1]
+        layer.weight = torch.nn.Parameter(torch.ones(shape, dtype=dtype, device=device), requires_grad=False)
+    if lora is not None and lora.kind == "linear" and "bias" not in params and type(layer).__name__ == "Conv1D":
+        del layer.bias  # Conv1D always has one; the base has none
+        layer.bias = None
+    return layer
+
+
+def reference(tensor, reader, device, context):
+    """peft's own merge: the tensor's module alone in a stand-in model holding the bitsandbytes reference of its
+    base tensors, then ``PeftModel.from_pretrained(...).merge_and_unload()`` (what the user's route runs)."""
+    import torch
+    from peft import PeftConfig, PeftModel
+
+    recipe = tensor.recipe
+    module = tensor.name.rpartition(".")[0]
+    # every tensor of this module the adapter changes (a weight and, with lora_bias, its bias) is rebuilt
+    siblings = {name: t for name, t in context.planned.items() if name.rpartition(".")[0] == module}
+    references = {}
+    for name, sibling in siblings.items():
+        base = sibling.recipe.base if sibling.recipe.kind == "merge_lora" else sibling.recipe
+        recomputed = context.recompute(dataclasses.replace(sibling, recipe=base), reader, device)
+        references[name] = recomputed.to(device).reshape(sibling.shape)
+    dtype = DTYPES[tensor.dtype].torch
+    root = torch.nn.Module()
+    modules = {module: _skeleton_module(module, recipe.adapter, device, dtype, references, context.module_class(module))}
+    if not any(t.module == module and t.kind in ("linear", "embedding") for t in recipe.adapter.targets.values()):
+        # a modules_to_save module alone: peft refuses a model with no LoRA target, so one stands beside it
+        lora = next(t for t in recipe.adapter.targets.values() if t.kind in ("linear", "embedding"))
+        modules[lora.module] = _skeleton_module(lora.module, recipe.adapter, device, dtype, {}, context.module_class(lora.module))
+    for path, layer in modules.items():
+        parent = root
+        parts = path.split(".")
+        for part in parts[:-1]:
+            if not hasattr(parent, part):
+                parent.add_module(part, torch.nn.Module())
+            parent = getattr(parent, part)
+        parent.add_module(parts[-1], layer)
+    config = PeftConfig.from_pretrained(str(recipe.adapter.folder))
+    config.task_type = None  # a bare module tree: no causal-LM wrapper
+    config.inference_mode = True
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        peft_model = PeftModel.from_pretrained(root, str(recipe.adapter.folder), config=config, torch_device=str(device))
+        merged = peft_model.merge_and_unload()
+    return merged.get_parameter(tensor.name).detach()

@@ -108,7 +108,7 @@ def paired_seconds(first, second, rounds=6, reps=15):
     gc.disable()
     try:
         for round_ in range(rounds):
-            for index in ((0, 1) if round_ % 2 == 0 else (1, 0)):
+            for index in (0, 1) if round_ % 2 == 0 else (1, 0):
                 fn = (first, second)[index]
                 for _ in range(reps):
                     started = time.perf_counter()
@@ -151,7 +151,9 @@ def stack_times(make_model, weights, counts, x, mode, check, options=None):
     low, high = min(counts), max(counts)
     result = {"exact": exact, "graphs": graphs, "forward_us": {str(n): forwards[n] for n in counts}}
     for index, name in enumerate(("eager", "compiled")):
-        per_layer = (forwards[high][index] - forwards[low][index]) / (high - low) if high > low else forwards[low][index] / low
+        per_layer = (
+            (forwards[high][index] - forwards[low][index]) / (high - low) if high > low else forwards[low][index] / low
+        )
         result[f"{name}_us_per_layer"] = per_layer
         result[f"{name}_fixed_us"] = forwards[low][index] - low * per_layer
     return result
@@ -217,8 +219,10 @@ def list_kernels(shape, dtype=torch.float16, weights_only=True, mode=None, layer
         model(x), compiled(x)
     torch.cuda.synchronize()
     eager_s, compiled_s = paired_seconds(lambda: model(x), lambda: compiled(x))
-    print(f"===== {layers} layers, mode {mode}: per layer of a synchronized forward, eager {eager_s / layers * 1e6:.1f} us, "
-          f"compiled {compiled_s / layers * 1e6:.1f} us")  # fmt: skip
+    print(
+        f"===== {layers} layers, mode {mode}: per layer of a synchronized forward, eager {eager_s / layers * 1e6:.1f} us, "
+        f"compiled {compiled_s / layers * 1e6:.1f} us"
+    )
     for name, forward in (("eager", model), ("compiled", compiled)):
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
             for _ in range(5):
@@ -227,7 +231,9 @@ def list_kernels(shape, dtype=torch.float16, weights_only=True, mode=None, layer
         print(f"===== {name}: 5 forwards of {layers} weights")
         print(profiler.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
     for name, forward in (("eager", model), ("compiled", compiled)):
-        print(f"===== {name}: host time of a {layers}-weight forward, {host_us(lambda: forward(x), calls=500):.1f} us; cProfile:")
+        print(
+            f"===== {name}: host time of a {layers}-weight forward, {host_us(lambda: forward(x), calls=500):.1f} us; cProfile:"
+        )
         profiler = cProfile.Profile()
         profiler.enable()
         for _ in range(500):
@@ -250,8 +256,10 @@ def host_diagnostics(shape, harness_iterations, inductor):
     diagnostics["compiled_host_us"] = host_us(lambda: compiled_op(packed, state))
     try:
         fresh()
-        unguarded, _ = compile_counted(lambda p, s: nf4convert.dequantize_4bit(p, s),
-                                       options={**inductor, "guard_filter_fn": lambda entries: [False] * len(entries)})  # fmt: skip
+        unguarded, _ = compile_counted(
+            lambda p, s: nf4convert.dequantize_4bit(p, s),
+            options={**inductor, "guard_filter_fn": lambda entries: [False] * len(entries)},
+        )
         diagnostics["compiled_no_guards_host_us"] = host_us(lambda: unguarded(packed, state))
     except Exception as error:  # noqa: BLE001  (a torch without guard_filter_fn: reported)
         diagnostics["compiled_no_guards_host_us"] = f"{type(error).__name__}: {error}"[:200]
@@ -268,8 +276,11 @@ def host_diagnostics(shape, harness_iterations, inductor):
     diagnostics["profile"] = text.getvalue()[-3500:]
     if harness_iterations:
         fresh()
-        weights = [quantized(s, dtype, seed) for seed, (_, _, hidden, intermediate, dtype) in enumerate(HARNESS)
-                   for s in ((intermediate, hidden), (intermediate, hidden), (hidden, intermediate))]  # fmt: skip
+        weights = [
+            quantized(s, dtype, seed)
+            for seed, (_, _, hidden, intermediate, dtype) in enumerate(HARNESS)
+            for s in ((intermediate, hidden), (intermediate, hidden), (hidden, intermediate))
+        ]
         compiled_op, _ = compile_counted(lambda p, s: nf4convert.dequantize_4bit(p, s), options=inductor)
         harness = {}
         with torch._dynamo.config.patch(recompile_limit=64):  # one graph per weight shape
@@ -293,27 +304,53 @@ def main():
     import bitsandbytes
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", default="16,48", help="layer counts of the stacks, comma-separated: the per-layer "
-                        "cost is the slope between the smallest and largest, the fixed cost per forward what remains")
+    parser.add_argument(
+        "--layers",
+        default="16,48",
+        help="layer counts of the stacks, comma-separated: the per-layer "
+        "cost is the slope between the smallest and largest, the fixed cost per forward what remains",
+    )
     parser.add_argument("--shapes", help="e.g. 1024x1024,28672x8192 (default: all)")
     parser.add_argument("--dtypes", help="e.g. fp16 (default: fp16,bf16)")
-    parser.add_argument("--guards", choices=GUARD_FILTERS, default="all", help="compile the stacks with Dynamo's guards "
-                        "(all), or without those on module state, the quant states' included (torch's "
-                        "skip_guard_on_all_nn_modules_unsafe: what the guards cost per layer)")
+    parser.add_argument(
+        "--guards",
+        choices=GUARD_FILTERS,
+        default="all",
+        help="compile the stacks with Dynamo's guards "
+        "(all), or without those on module state, the quant states' included (torch's "
+        "skip_guard_on_all_nn_modules_unsafe: what the guards cost per layer)",
+    )
     parser.add_argument("--json")
     parser.add_argument("--table", help="print the table of an earlier --json file and stop")
-    parser.add_argument("--kernels", metavar="SHAPE", help="only list the GPU kernels (torch.profiler) of an eager and a "
-                        "compiled 4-layer weights forward of SHAPE, e.g. 14336x4096 (with TORCH_LOGS=output_code: the code)")
+    parser.add_argument(
+        "--kernels",
+        metavar="SHAPE",
+        help="only list the GPU kernels (torch.profiler) of an eager and a "
+        "compiled 4-layer weights forward of SHAPE, e.g. 14336x4096 (with TORCH_LOGS=output_code: the code)",
+    )
     parser.add_argument("--kernels-dtype", choices=DTYPES, default="fp16")
     parser.add_argument("--kernels-forward", choices=("weights", "layers"), default="weights")
-    parser.add_argument("--kernels-mode", choices=("default", "reduce-overhead"), default="default",
-                        help="compile the listed forward plainly or with CUDA graphs")
+    parser.add_argument(
+        "--kernels-mode",
+        choices=("default", "reduce-overhead"),
+        default="default",
+        help="compile the listed forward plainly or with CUDA graphs",
+    )
     parser.add_argument("--kernels-layers", type=int, default=4)
-    parser.add_argument("--host-only", action="store_true", help="only where a compiled call's host time goes and the "
-                        "seed harness, on the first of --shapes")
+    parser.add_argument(
+        "--host-only",
+        action="store_true",
+        help="only where a compiled call's host time goes and the seed harness, on the first of --shapes",
+    )
     parser.add_argument("--harness-iterations", type=int, default=1000, help="rounds of the seed harness (0: none)")
-    parser.add_argument("--inductor", action="append", default=[], metavar="KEY=VALUE", help="an Inductor option for "
-                        "every compile of this run, as torch.compile(options=...) gives it, e.g. size_asserts=0 (repeatable)")
+    parser.add_argument(
+        "--inductor",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an Inductor option for "
+        "every compile of this run, as torch.compile(options=...) gives it, e.g. size_asserts=0 (repeatable)",
+    )
     options = parser.parse_args()
     import torch._inductor.config  # noqa: PLC0415
 
@@ -327,17 +364,28 @@ def main():
         saved = json.load(open(options.table))
         return print_table(saved["env"], saved["rows"])
     if options.kernels:
-        return list_kernels(tuple(int(n) for n in options.kernels.split("x")), DTYPES[options.kernels_dtype],
-                            options.kernels_forward == "weights", None if options.kernels_mode == "default" else
-                            options.kernels_mode, options.kernels_layers)  # fmt: skip
+        return list_kernels(
+            tuple(int(n) for n in options.kernels.split("x")),
+            DTYPES[options.kernels_dtype],
+            options.kernels_forward == "weights",
+            None if options.kernels_mode == "default" else options.kernels_mode,
+            options.kernels_layers,
+        )
     shapes = [tuple(int(n) for n in s.split("x")) for s in options.shapes.split(",")] if options.shapes else SHAPES
     guard_filter = GUARD_FILTERS[options.guards]
     stack_options = {**inductor, **({"guard_filter_fn": getattr(torch.compiler, guard_filter)} if guard_filter else {})}
     counts = sorted({int(n) for n in options.layers.split(",")})
     dtypes = {name: DTYPES[name] for name in options.dtypes.split(",")} if options.dtypes else DTYPES
-    env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-           "bitsandbytes": bitsandbytes.__version__, "date": datetime.date.today().isoformat(), "layers": counts,
-           "guards": options.guards, "inductor": {key: inductor.get(key, getattr(torch._inductor.config, key, None)) for key in INDUCTOR_KEYS}}  # fmt: skip
+    env = {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "bitsandbytes": bitsandbytes.__version__,
+        "date": datetime.date.today().isoformat(),
+        "layers": counts,
+        "guards": options.guards,
+        "inductor": {key: inductor.get(key, getattr(torch._inductor.config, key, None)) for key in INDUCTOR_KEYS},
+    }
     print(" ".join(f"{k}={v}" for k, v in env.items()), flush=True)
     rows = []
     for shape in [] if options.host_only else shapes:
@@ -355,16 +403,27 @@ def main():
             row["op"] = {
                 "exact": same_bits([compiled_op(packed, state)], [eager_op()]),
                 "eager_us": do_bench(eager_op, warmup=25, rep=100, return_mode="median") * 1e3,
-                "compiled_us": do_bench(lambda: compiled_op(packed, state), warmup=25, rep=100, return_mode="median") * 1e3,
+                "compiled_us": do_bench(lambda: compiled_op(packed, state), warmup=25, rep=100, return_mode="median")
+                * 1e3,
                 "eager_host_us": host_us(eager_op),
                 "compiled_host_us": host_us(lambda: compiled_op(packed, state)),
             }
             x = torch.randn(1, shape[1], dtype=dtype, device="cuda")
-            for kind, weights_only, mode in (("layers", False, None), ("weights", True, None),
-                                             ("layers_graphs", False, "reduce-overhead"), ("weights_graphs", True, "reduce-overhead")):  # fmt: skip
-                row[kind] = stack_times(lambda ws, w=weights_only: Layers([Layer(p, s) for p, s in ws], weights_only=w),
-                                        weights, counts, x, mode, close if kind.startswith("layers") else same_bits,
-                                        stack_options)  # fmt: skip
+            for kind, weights_only, mode in (
+                ("layers", False, None),
+                ("weights", True, None),
+                ("layers_graphs", False, "reduce-overhead"),
+                ("weights_graphs", True, "reduce-overhead"),
+            ):
+                row[kind] = stack_times(
+                    lambda ws, w=weights_only: Layers([Layer(p, s) for p, s in ws], weights_only=w),
+                    weights,
+                    counts,
+                    x,
+                    mode,
+                    close if kind.startswith("layers") else same_bits,
+                    stack_options,
+                )
             dense_weights = [nf4convert.dequantize_4bit(p, s) for p, s in weights]
             row["dense"] = stack_times(Dense, dense_weights, counts, x, None, close, stack_options)
             rows.append(row)
@@ -382,13 +441,34 @@ def main():
 
 def print_table(env, rows):
     counts = env["layers"] if isinstance(env["layers"], list) else [env["layers"]]
-    print(f"\n{env['gpu']}, torch {env['torch']}, Triton {env['triton']}, {env['date']}; stacks of {counts} layers; us. "
-          "op: do_bench median / host per call. layers, weights, dense: per layer (the slope between the stacks), "
-          f"fixed: per forward beyond its layers, eager/compiled; forward x: a {counts[-1]}-layer forward, compiled over eager "
-          "(layers/weights/dense)")  # fmt: skip
-    header = ["shape", "dtype", "op eager", "op compiled", "op host eager", "op host compiled", "layers eager", "layers compiled",
-              "x", "weights eager", "weights compiled", "x", "dense eager", "dense compiled", "x", "fixed layers",
-              "fixed weights", "forward x", "graphs", "exact"]  # fmt: skip
+    print(
+        f"\n{env['gpu']}, torch {env['torch']}, Triton {env['triton']}, {env['date']}; stacks of {counts} layers; us. "
+        "op: do_bench median / host per call. layers, weights, dense: per layer (the slope between the stacks), "
+        f"fixed: per forward beyond its layers, eager/compiled; forward x: a {counts[-1]}-layer forward, compiled over eager "
+        "(layers/weights/dense)"
+    )
+    header = [
+        "shape",
+        "dtype",
+        "op eager",
+        "op compiled",
+        "op host eager",
+        "op host compiled",
+        "layers eager",
+        "layers compiled",
+        "x",
+        "weights eager",
+        "weights compiled",
+        "x",
+        "dense eager",
+        "dense compiled",
+        "x",
+        "fixed layers",
+        "fixed weights",
+        "forward x",
+        "graphs",
+        "exact",
+    ]
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for row in rows:
@@ -399,7 +479,9 @@ def print_table(env, rows):
 def _cells(row, suffix, count):
     op, layers, weights = row["op"], row["layers" + suffix], row["weights" + suffix]
     dense = None if suffix else row.get("dense")  # the control is compiled without CUDA graphs only
-    cells = [row["shape"] + suffix, row["dtype"]] + [f"{op[k]:.1f}" for k in ("eager_us", "compiled_us", "eager_host_us", "compiled_host_us")]
+    cells = [row["shape"] + suffix, row["dtype"]] + [
+        f"{op[k]:.1f}" for k in ("eager_us", "compiled_us", "eager_host_us", "compiled_host_us")
+    ]
     for stack in (layers, weights, dense):
         if stack is None:
             cells += ["-"] * 3
@@ -407,9 +489,13 @@ def _cells(row, suffix, count):
         eager, compiled = stack["eager_us_per_layer"], stack["compiled_us_per_layer"]
         cells += [f"{eager:.1f}", f"{compiled:.1f}", f"{compiled / eager:.2f}"]
     for stack in (layers, weights):
-        cells.append(f"{stack['eager_fixed_us']:.0f}/{stack['compiled_fixed_us']:.0f}" if "eager_fixed_us" in stack else "-")
-    ratios = [f"{s['forward_us'][str(count)][1] / s['forward_us'][str(count)][0]:.2f}" if s and "forward_us" in s else "-"
-              for s in (layers, weights, dense)]  # fmt: skip
+        cells.append(
+            f"{stack['eager_fixed_us']:.0f}/{stack['compiled_fixed_us']:.0f}" if "eager_fixed_us" in stack else "-"
+        )
+    ratios = [
+        f"{s['forward_us'][str(count)][1] / s['forward_us'][str(count)][0]:.2f}" if s and "forward_us" in s else "-"
+        for s in (layers, weights, dense)
+    ]
     cells.append("/".join(ratios))
     cells.append(f"{layers['graphs']}/{weights['graphs']}")
     cells.append(str(op["exact"] and layers["exact"] and weights["exact"] and (dense or {}).get("exact", True)))

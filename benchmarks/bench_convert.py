@@ -41,7 +41,9 @@ import time
 from pathlib import Path
 
 
-LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256)
+LLAMA_8B = dict(
+    hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256
+)
 PEFT_ROUTE = """
 import sys, torch
 from peft import PeftModel
@@ -66,10 +68,15 @@ def _weights(layers: int, vocab_size: int = LLAMA_8B["vocab_size"]):
     yield "model.embed_tokens.weight", (vocab_size, hidden), False
     for i in range(layers):
         prefix = f"model.layers.{i}"
-        for name, shape in (("self_attn.q_proj", (hidden, hidden)), ("self_attn.k_proj", (kv, hidden)),
-                            ("self_attn.v_proj", (kv, hidden)), ("self_attn.o_proj", (hidden, hidden)),
-                            ("mlp.gate_proj", (inter, hidden)), ("mlp.up_proj", (inter, hidden)),
-                            ("mlp.down_proj", (hidden, inter))):  # fmt: skip
+        for name, shape in (
+            ("self_attn.q_proj", (hidden, hidden)),
+            ("self_attn.k_proj", (kv, hidden)),
+            ("self_attn.v_proj", (kv, hidden)),
+            ("self_attn.o_proj", (hidden, hidden)),
+            ("mlp.gate_proj", (inter, hidden)),
+            ("mlp.up_proj", (inter, hidden)),
+            ("mlp.down_proj", (hidden, inter)),
+        ):
             yield f"{prefix}.{name}.weight", shape, True
         yield f"{prefix}.input_layernorm.weight", (hidden,), False
         yield f"{prefix}.post_attention_layernorm.weight", (hidden,), False
@@ -77,7 +84,9 @@ def _weights(layers: int, vocab_size: int = LLAMA_8B["vocab_size"]):
     yield "lm_head.weight", (vocab_size, hidden), False
 
 
-def build_source(folder: Path, layers: int, shard_bytes: int = 5 * 10**9, vocab_size: int = LLAMA_8B["vocab_size"]) -> int:
+def build_source(
+    folder: Path, layers: int, shard_bytes: int = 5 * 10**9, vocab_size: int = LLAMA_8B["vocab_size"]
+) -> int:
     """Write the synthesized checkpoint; returns the bytes of its dense bf16 output."""
     import torch
     from bitsandbytes.functional import create_dynamic_map
@@ -105,15 +114,28 @@ def build_source(folder: Path, layers: int, shard_bytes: int = 5 * 10**9, vocab_
         dense += 2 * n
         if quantized:
             blocks = n // 64
-            meta = {"quant_type": "nf4", "blocksize": 64, "dtype": "bfloat16", "shape": list(shape), "nested_blocksize": 256,
-                    "nested_dtype": "float32", "nested_offset": 0.0312}  # fmt: skip
+            meta = {
+                "quant_type": "nf4",
+                "blocksize": 64,
+                "dtype": "bfloat16",
+                "shape": list(shape),
+                "nested_blocksize": 256,
+                "nested_dtype": "float32",
+                "nested_offset": 0.0312,
+            }
             tensors = {
                 name: torch.randint(0, 256, (n // 2, 1), dtype=torch.uint8, device=device, generator=generator).cpu(),
-                f"{name}.absmax": torch.randint(0, 256, (blocks,), dtype=torch.uint8, device=device, generator=generator).cpu(),
+                f"{name}.absmax": torch.randint(
+                    0, 256, (blocks,), dtype=torch.uint8, device=device, generator=generator
+                ).cpu(),
                 f"{name}.quant_map": quant_map.clone(),
-                f"{name}.nested_absmax": (torch.rand(-(-blocks // 256), device=device, generator=generator) * 0.05 + 1e-3).cpu(),
+                f"{name}.nested_absmax": (
+                    torch.rand(-(-blocks // 256), device=device, generator=generator) * 0.05 + 1e-3
+                ).cpu(),
                 f"{name}.nested_quant_map": nested_map.clone(),
-                f"{name}.quant_state.bitsandbytes__nf4": torch.tensor(list(json.dumps(meta).encode()), dtype=torch.uint8),
+                f"{name}.quant_state.bitsandbytes__nf4": torch.tensor(
+                    list(json.dumps(meta).encode()), dtype=torch.uint8
+                ),
             }
         else:
             tensors = {name: (torch.randn(shape, device=device, generator=generator) * 0.02).to(torch.bfloat16).cpu()}
@@ -130,9 +152,18 @@ def build_source(folder: Path, layers: int, shard_bytes: int = 5 * 10**9, vocab_
         path.rename(target)
         weight_map.update({key: target.name for key in shards[index - 1]})
     (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    config = LlamaConfig(**{**LLAMA_8B, "vocab_size": vocab_size}, num_hidden_layers=layers, tie_word_embeddings=False, torch_dtype="bfloat16").to_dict()
-    config["quantization_config"] = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                                                       bnb_4bit_compute_dtype=torch.bfloat16).to_dict()  # fmt: skip
+    config = LlamaConfig(
+        **{**LLAMA_8B, "vocab_size": vocab_size},
+        num_hidden_layers=layers,
+        tie_word_embeddings=False,
+        torch_dtype="bfloat16",
+    ).to_dict()
+    config["quantization_config"] = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.bfloat16,
+    ).to_dict()
     (folder / "config.json").write_text(json.dumps(config, indent=2, default=str))
     return dense
 
@@ -149,8 +180,12 @@ def build_adapter(folder: Path, layers: int, rank: int = 16) -> None:
     for name, shape, quantized in _weights(layers):
         if quantized:
             module = "base_model.model." + name.removesuffix(".weight")
-            tensors[f"{module}.lora_A.weight"] = (torch.randn(rank, shape[1], generator=generator) * 0.01).to(torch.bfloat16)
-            tensors[f"{module}.lora_B.weight"] = (torch.randn(shape[0], rank, generator=generator) * 0.01).to(torch.bfloat16)
+            tensors[f"{module}.lora_A.weight"] = (torch.randn(rank, shape[1], generator=generator) * 0.01).to(
+                torch.bfloat16
+            )
+            tensors[f"{module}.lora_B.weight"] = (torch.randn(shape[0], rank, generator=generator) * 0.01).to(
+                torch.bfloat16
+            )
     save_file(tensors, folder / "adapter_model.safetensors", metadata={"format": "pt"})
 
 
@@ -159,8 +194,9 @@ def measure(command: list[str], env: dict | None = None, cwd: str | None = None)
     pipeline profile (NF4CONVERT_PROFILE=1) when it printed one."""
     with tempfile.TemporaryFile() as stderr:  # a file, not a pipe: a chatty route cannot block on it
         started = time.perf_counter()
-        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr, env={**os.environ, **(env or {})},
-                                   cwd=cwd)
+        process = subprocess.Popen(
+            command, stdout=subprocess.DEVNULL, stderr=stderr, env={**os.environ, **(env or {})}, cwd=cwd
+        )
         peak_anon = peak_rss = peak_tree = 0
         status = Path(f"/proc/{process.pid}/status")
         samples = 0
@@ -180,14 +216,28 @@ def measure(command: list[str], env: dict | None = None, cwd: str | None = None)
         text = stderr.read().decode(errors="replace")
         if process.returncode != 0:
             raise SystemExit(f"{command[0]} failed:\n{text[-3000:]}")
-    run = {"seconds": seconds, "peak_anon_mb": peak_anon / 1024, "peak_rss_mb": peak_rss / 1024,
-           "peak_tree_pss_mb": peak_tree / 1024}
-    profiles = [json.loads(line) for line in text.splitlines() if line.startswith(('{"profile"', '{"pipeline_seconds"'))]
+    run = {
+        "seconds": seconds,
+        "peak_anon_mb": peak_anon / 1024,
+        "peak_rss_mb": peak_rss / 1024,
+        "peak_tree_pss_mb": peak_tree / 1024,
+    }
+    profiles = [
+        json.loads(line) for line in text.splitlines() if line.startswith(('{"profile"', '{"pipeline_seconds"'))
+    ]
     if profiles:  # this code's report, or the older one-line pipeline figures (a route run @ older code)
         old = profiles[-1].get("profile") is None
-        run["profile"] = profiles[-1]["profile"] if not old else {
-            "marks": {"reported": profiles[-1]["process_seconds"]}, "pipeline": {
-                "seconds": profiles[-1]["pipeline_seconds"], **{k: profiles[-1][k] for k in ("pieces", "busy", "waited")}}}
+        run["profile"] = (
+            profiles[-1]["profile"]
+            if not old
+            else {
+                "marks": {"reported": profiles[-1]["process_seconds"]},
+                "pipeline": {
+                    "seconds": profiles[-1]["pipeline_seconds"],
+                    **{k: profiles[-1][k] for k in ("pieces", "busy", "waited")},
+                },
+            }
+        )
     return run
 
 
@@ -216,7 +266,8 @@ def _profile(run: dict) -> str:
     waited = "/".join(f"{pipeline['waited'][s]:.1f}" for s in ("read", "make", "write"))
     first = marks.get("first piece written")
     return (f"{first:.1f} | " if first is not None else "- | ") + (
-        f"{pipeline['seconds']:.1f} | {marks['reported']:.1f} | {busy} | {waited} |")
+        f"{pipeline['seconds']:.1f} | {marks['reported']:.1f} | {busy} | {waited} |"
+    )
 
 
 def sync_seconds() -> float:
@@ -230,14 +281,25 @@ def main():
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--no-transformers", action="store_true")
-    parser.add_argument("--routes", default="dd,cuda,cpu,transformers,adapter,peft",
-                        help="dd, cuda, cpu, transformers, adapter, peft; a route may add environment variables "
-                             "(cuda+NF4CONVERT_SHARDS_AT_ONCE=1) and other code to run (cuda@DIR: nf4convert from DIR)")
-    parser.add_argument("--warm", action="store_true", help="first convert a one-layer checkpoint of the same shapes "
-                        "once on each nf4convert route, untimed: Triton's cache filled, as after a user's first run (a route given its own "
-                        "TRITON_CACHE_DIR is not: cuda+TRITON_CACHE_DIR=/tmp/empty is a fresh machine's first run)")
-    parser.add_argument("--dtype", default=None, choices=["bf16", "fp16"],
-                        help="the nf4convert routes' --dtype (default: the checkpoint's, bf16; dd writes as many bytes)")
+    parser.add_argument(
+        "--routes",
+        default="dd,cuda,cpu,transformers,adapter,peft",
+        help="dd, cuda, cpu, transformers, adapter, peft; a route may add environment variables "
+        "(cuda+NF4CONVERT_SHARDS_AT_ONCE=1) and other code to run (cuda@DIR: nf4convert from DIR)",
+    )
+    parser.add_argument(
+        "--warm",
+        action="store_true",
+        help="first convert a one-layer checkpoint of the same shapes "
+        "once on each nf4convert route, untimed: Triton's cache filled, as after a user's first run (a route given its own "
+        "TRITON_CACHE_DIR is not: cuda+TRITON_CACHE_DIR=/tmp/empty is a fresh machine's first run)",
+    )
+    parser.add_argument(
+        "--dtype",
+        default=None,
+        choices=["bf16", "fp16"],
+        help="the nf4convert routes' --dtype (default: the checkpoint's, bf16; dd writes as many bytes)",
+    )
     parser.add_argument("--json")
     options = parser.parse_args()
     import torch
@@ -248,7 +310,10 @@ def main():
     shutil.rmtree(source, ignore_errors=True)
     dense = build_source(source, options.layers)
     source_bytes = sum(p.stat().st_size for p in source.glob("*.safetensors"))
-    print(f"source: {source_bytes / 1e9:.2f} GB in {time.perf_counter() - started:.1f} s; dense output {dense / 1e9:.2f} GB", flush=True)
+    print(
+        f"source: {source_bytes / 1e9:.2f} GB in {time.perf_counter() - started:.1f} s; dense output {dense / 1e9:.2f} GB",
+        flush=True,
+    )
 
     adapter = workdir / "lora-r16"
     if "adapter" in options.routes or "peft" in options.routes:
@@ -258,16 +323,25 @@ def main():
     dtype = ["--dtype", options.dtype] if options.dtype else []
     cli = [*module, str(source), "-q", "--overwrite", *dtype, "-o"]
     routes = {
-        "dd": lambda out: ["bash", "-c", f"mkdir -p {out} && dd if=/dev/zero of={out}/model.bin bs=64M iflag=count_bytes count={dense} "
-                                         "status=none"],  # fmt: skip
+        "dd": lambda out: [
+            "bash",
+            "-c",
+            f"mkdir -p {out} && dd if=/dev/zero of={out}/model.bin bs=64M iflag=count_bytes count={dense} status=none",
+        ],
         "nf4convert cuda": lambda out: [*cli, str(out), "--device", "cuda"],
         "nf4convert cpu": lambda out: [*cli, str(out), "--device", "cpu"],
         "transformers": lambda out: [sys.executable, "-c", TRANSFORMERS_ROUTE, str(source), str(out)],
         "nf4convert cuda + adapter": lambda out: [*cli, str(out), "--device", "cuda", "--adapter", str(adapter)],
         "transformers + peft": lambda out: [sys.executable, "-c", PEFT_ROUTE, str(source), str(out), str(adapter)],
     }
-    wanted = {"dd": "dd", "cuda": "nf4convert cuda", "cpu": "nf4convert cpu", "transformers": "transformers",
-              "adapter": "nf4convert cuda + adapter", "peft": "transformers + peft"}  # fmt: skip
+    wanted = {
+        "dd": "dd",
+        "cuda": "nf4convert cuda",
+        "cpu": "nf4convert cpu",
+        "transformers": "transformers",
+        "adapter": "nf4convert cuda + adapter",
+        "peft": "transformers + peft",
+    }
     chosen = []
     for route in options.routes.split(","):
         route, _, code = route.partition("@")
@@ -277,18 +351,43 @@ def main():
             if code:  # run from there too: `python -m` puts the current folder first on the path
                 env["PYTHONPATH"] = f"{Path(code).resolve()}:{os.environ.get('PYTHONPATH', '')}"
                 env["CWD"] = str(Path(code).resolve())
-            label = wanted[base] + "".join(f" {k.removeprefix('NF4CONVERT_').lower()}={v}" for k, v in env.items()
-                                            if k not in ("PYTHONPATH", "CWD")) + (f" ({Path(code).name})" if code else "")  # fmt: skip
-            label += " (again)" * sum(1 for c in chosen if c[0].removesuffix(" (again)") == label)  # dd twice: both rows
+            label = (
+                wanted[base]
+                + "".join(
+                    f" {k.removeprefix('NF4CONVERT_').lower()}={v}"
+                    for k, v in env.items()
+                    if k not in ("PYTHONPATH", "CWD")
+                )
+                + (f" ({Path(code).name})" if code else "")
+            )
+            label += " (again)" * sum(
+                1 for c in chosen if c[0].removesuffix(" (again)") == label
+            )  # dd twice: both rows
             chosen.append((label, wanted[base], env))
     if options.warm:
         example = workdir / "warm-source"
         build_source(example, 1, vocab_size=1024)
         for label, base, env in chosen:
-            if base.startswith("nf4convert") and "TRITON_CACHE_DIR" not in env:  # its own cache: a fresh machine's first run
+            if (
+                base.startswith("nf4convert") and "TRITON_CACHE_DIR" not in env
+            ):  # its own cache: a fresh machine's first run
                 device = "cuda" if "cuda" in base else "cpu"
-                subprocess.run([*module, str(example), "-q", "--overwrite", *dtype, "-o", str(workdir / "warm"), "--device", device],
-                               check=True, env={**os.environ, **env}, cwd=env.get("CWD"))  # fmt: skip
+                subprocess.run(
+                    [
+                        *module,
+                        str(example),
+                        "-q",
+                        "--overwrite",
+                        *dtype,
+                        "-o",
+                        str(workdir / "warm"),
+                        "--device",
+                        device,
+                    ],
+                    check=True,
+                    env={**os.environ, **env},
+                    cwd=env.get("CWD"),
+                )
         shutil.rmtree(workdir / "warm", ignore_errors=True)
         shutil.rmtree(example, ignore_errors=True)
     results = {}
@@ -306,10 +405,16 @@ def main():
         run["output_gb"] = sum(p.stat().st_size for p in out.iterdir() if p.is_file()) / 1e9
         results[name] = run
         print(name, json.dumps(run), flush=True)
-        if name.startswith("nf4convert cpu") and "nf4convert cuda" in results and (workdir / "out-nf4convert-cuda").exists():
+        if (
+            name.startswith("nf4convert cpu")
+            and "nf4convert cuda" in results
+            and (workdir / "out-nf4convert-cuda").exists()
+        ):
             cuda_out = workdir / "out-nf4convert-cuda"
-            same = all(subprocess.run(["cmp", "-s", str(path), str(out / path.name)]).returncode == 0
-                       for path in sorted(cuda_out.glob("*.safetensors")))  # fmt: skip
+            same = all(
+                subprocess.run(["cmp", "-s", str(path), str(out / path.name)]).returncode == 0
+                for path in sorted(cuda_out.glob("*.safetensors"))
+            )
             results[name]["identical_to_cuda"] = same
             print(f"cuda and {name.removeprefix('nf4convert ')} outputs identical: {same}", flush=True)
         if name != "nf4convert cuda" or not any(c[0].startswith("nf4convert cpu") for c in chosen):
@@ -319,20 +424,28 @@ def main():
     import transformers
 
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
-    print(f"\n{gpu}, {os.cpu_count()} CPU cores, torch {torch.__version__}, transformers {transformers.__version__}, "
-          f"Python {platform.python_version()}, {datetime.date.today().isoformat()}; {options.layers} layers, "
-          f"{dense / 1e9:.2f} GB of bf16 out")  # fmt: skip
-    print("| route | s (exit) | GB/s | x dd | s (+sync) | GB/s | x dd | peak RssAnon | peak Pss with children | first write at s | pipeline s | done at s "
-          "| busy r/m/w s | waited r/m/w s |")
+    print(
+        f"\n{gpu}, {os.cpu_count()} CPU cores, torch {torch.__version__}, transformers {transformers.__version__}, "
+        f"Python {platform.python_version()}, {datetime.date.today().isoformat()}; {options.layers} layers, "
+        f"{dense / 1e9:.2f} GB of bf16 out"
+    )
+    print(
+        "| route | s (exit) | GB/s | x dd | s (+sync) | GB/s | x dd | peak RssAnon | peak Pss with children | first write at s | pipeline s | done at s "
+        "| busy r/m/w s | waited r/m/w s |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    dds = [r for name, r in results.items() if name.startswith("dd")]  # `dd` moves within a run: x dd is against its fastest
+    dds = [
+        r for name, r in results.items() if name.startswith("dd")
+    ]  # `dd` moves within a run: x dd is against its fastest
     dd = {k: min(r[k] for r in dds) for k in ("seconds", "synced_seconds")} if dds else None
     for name, r in results.items():
         ratio = f"{r['seconds'] / dd['seconds']:.2f}" if dd else "-"
         ratio_synced = f"{r['synced_seconds'] / dd['synced_seconds']:.2f}" if dd else "-"
-        print(f"| {name} | {r['seconds']:.1f} | {dense / 1e9 / r['seconds']:.2f} | {ratio} | {r['synced_seconds']:.1f} | "
-              f"{dense / 1e9 / r['synced_seconds']:.2f} | {ratio_synced} | {r['peak_anon_mb']:.0f} MB | "
-              f"{r['peak_tree_pss_mb']:.0f} MB | {_profile(r)}")  # fmt: skip
+        print(
+            f"| {name} | {r['seconds']:.1f} | {dense / 1e9 / r['seconds']:.2f} | {ratio} | {r['synced_seconds']:.1f} | "
+            f"{dense / 1e9 / r['synced_seconds']:.2f} | {ratio_synced} | {r['peak_anon_mb']:.0f} MB | "
+            f"{r['peak_tree_pss_mb']:.0f} MB | {_profile(r)}"
+        )
     if options.json:
         Path(options.json).write_text(json.dumps({"gpu": gpu, "dense_bytes": dense, "results": results}, indent=1))
     if options.workdir is None:

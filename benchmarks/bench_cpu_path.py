@@ -38,10 +38,14 @@ def main() -> None:
     ours = _median_ms(lambda: dequantize_4bit(packed, state, backend="cpu"))
     theirs = _median_ms(lambda: F.dequantize_4bit(packed, state))
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    print(f"{platform.processor() or platform.machine()}, {cores} cores, torch {torch.__version__}, bitsandbytes "
-          f"{bitsandbytes.__version__}, {datetime.date.today()}")  # fmt: skip
-    print(f"4096x4096 NF4 (double quantization, blocksize 64) -> bf16, median of 15 calls: nf4convert backend='cpu' "
-          f"{ours:.1f} ms; bitsandbytes.functional.dequantize_4bit on the CPU {theirs:.1f} ms")  # fmt: skip
+    print(
+        f"{platform.processor() or platform.machine()}, {cores} cores, torch {torch.__version__}, bitsandbytes "
+        f"{bitsandbytes.__version__}, {datetime.date.today()}"
+    )
+    print(
+        f"4096x4096 NF4 (double quantization, blocksize 64) -> bf16, median of 15 calls: nf4convert backend='cpu' "
+        f"{ours:.1f} ms; bitsandbytes.functional.dequantize_4bit on the CPU {theirs:.1f} ms"
+    )
 
 
 if __name__ == "__main__":

@@ -25,8 +25,12 @@ def main() -> None:
     parser.add_argument("--chunks", default="4194304,131072,32768", help="kernel chunk sizes, packed bytes")
     parser.add_argument("--packed-mib", type=int, default=512, help="the weight's packed size")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--processes", default="", help="comma-separated worker-process counts: pieces made as the "
-                        "route makes them in worker processes (empty: none)")
+    parser.add_argument(
+        "--processes",
+        default="",
+        help="comma-separated worker-process counts: pieces made as the "
+        "route makes them in worker processes (empty: none)",
+    )
     parser.add_argument("--process-chunks", default="32768,4194304", help="kernel chunk sizes in the worker processes")
     args = parser.parse_args()
 
@@ -44,10 +48,19 @@ def main() -> None:
     blocksize, nested_blocksize = 64, 256
     packed = rng.integers(0, 256, n_packed, dtype=np.uint8)
     absmax = rng.integers(0, 256, n // blocksize, dtype=np.uint8)
-    state = bnb4.QuantState4bit(absmax=absmax, shape=(n,), dtype="BF16", blocksize=blocksize, quant_type="nf4",
-                                offset=0.03,
-                                state2=bnb4.NestedState(rng.random(-(-absmax.size // nested_blocksize), dtype=np.float32) + 0.5,
-                                                        np.linspace(-1, 1, 256, dtype=np.float32), nested_blocksize))  # fmt: skip
+    state = bnb4.QuantState4bit(
+        absmax=absmax,
+        shape=(n,),
+        dtype="BF16",
+        blocksize=blocksize,
+        quant_type="nf4",
+        offset=0.03,
+        state2=bnb4.NestedState(
+            rng.random(-(-absmax.size // nested_blocksize), dtype=np.float32) + 0.5,
+            np.linspace(-1, 1, 256, dtype=np.float32),
+            nested_blocksize,
+        ),
+    )
     pieces = list(bnb4.chunks(state, CPU_PIECE_BYTES // 2))
     route = CpuRoute(processes=0)  # the threads' rows: every make on the calling thread
     code = np.float32(bnb4.CODES["nf4"])
@@ -62,8 +75,18 @@ def main() -> None:
     def kernel_only(index, out):
         first, count, piece = pieces[index]
         scale_state = piece.state2
-        cpu.dequantize(packed[first // 2 : first // 2 + (count + 1) // 2], piece.absmax, scale_state.code,
-                       scale_state.absmax, piece.offset, code, out[: 2 * count], "BF16", blocksize, nested_blocksize)  # fmt: skip
+        cpu.dequantize(
+            packed[first // 2 : first // 2 + (count + 1) // 2],
+            piece.absmax,
+            scale_state.code,
+            scale_state.absmax,
+            piece.offset,
+            code,
+            out[: 2 * count],
+            "BF16",
+            blocksize,
+            nested_blocksize,
+        )
 
     source = np.zeros(CPU_PIECE_BYTES // 2, dtype=np.float32)
 
@@ -86,16 +109,24 @@ def main() -> None:
     for processes in [int(x) for x in args.processes.split(",") if x]:
         for chunk in [int(x) for x in args.process_chunks.split(",")]:
             cpu.PROCESS_CHUNK_BYTES = chunk  # what the workers forked next take as their chunk
-            best = min(_in_processes(processes, pieces, packed, code, blocksize, nested_blocksize)
-                       for _ in range(args.repeats))
-            row = {"threads": f"{processes} processes", "what": "route", "chunk": chunk, "seconds": best,
-                   "out_gbps": 2 * n / best / 1e9}
+            best = min(
+                _in_processes(processes, pieces, packed, code, blocksize, nested_blocksize) for _ in range(args.repeats)
+            )
+            row = {
+                "threads": f"{processes} processes",
+                "what": "route",
+                "chunk": chunk,
+                "seconds": best,
+                "out_gbps": 2 * n / best / 1e9,
+            }
             results.append(row)
             print(json.dumps(row), flush=True)
     print("| threads | what | chunk (packed bytes) | s | GB/s out |")
     print("|---|---|---|---|---|")
     for row in results:
-        print(f"| {row['threads']} | {row['what']} | {row['chunk'] or '-'} | {row['seconds']:.3f} | {row['out_gbps']:.2f} |")
+        print(
+            f"| {row['threads']} | {row['what']} | {row['chunk'] or '-'} | {row['seconds']:.3f} | {row['out_gbps']:.2f} |"
+        )
 
 
 def _in_processes(processes, pieces, packed, code, blocksize, nested_blocksize) -> float:
@@ -115,7 +146,9 @@ def _in_processes(processes, pieces, packed, code, blocksize, nested_blocksize) 
         read[:n_packed] = packed[first // 2 : first // 2 + n_packed]
         workers.run(_dequantize_4bit_on_cpu, read[:n_packed], out[: 2 * count], piece)
 
-    seconds = _in_threads(processes, len(pieces), lambda: (workers.slot(CPU_PIECE_BYTES), workers.slot(CPU_PIECE_BYTES)), feed)
+    seconds = _in_threads(
+        processes, len(pieces), lambda: (workers.slot(CPU_PIECE_BYTES), workers.slot(CPU_PIECE_BYTES)), feed
+    )
     workers.close()
     return seconds
 

@@ -51,15 +51,31 @@ VARIANTS = {
     "t2k.w8.ev": dict(tile_bytes=2048, num_warps=8, evict=True),
 }
 # --variants grid: every tile size and warp count (plain and streaming stores), for choosing a GPU's table.
-GRID = {f"t{tile // 1024 or 0.5}k.w{warps}{'.cs' if cs else ''}": dict(tile_bytes=tile, num_warps=warps, evict=False, streaming_stores=cs)
-        for tile in (1024, 2048, 4096, 8192) for warps in (2, 4, 8) for cs in (False, True)}  # fmt: skip
+GRID = {
+    f"t{tile // 1024 or 0.5}k.w{warps}{'.cs' if cs else ''}": dict(
+        tile_bytes=tile, num_warps=warps, evict=False, streaming_stores=cs
+    )
+    for tile in (1024, 2048, 4096, 8192)
+    for warps in (2, 4, 8)
+    for cs in (False, True)
+}
 # --variants evgrid: the same with evict_first hints (what the default table uses above 2 MiB packed).
-EV_GRID = {f"t{tile // 1024}k.w{warps}.ev": dict(tile_bytes=tile, num_warps=warps, evict=True)
-           for tile in (1024, 2048, 4096, 8192) for warps in (2, 4, 8)}  # fmt: skip
+EV_GRID = {
+    f"t{tile // 1024}k.w{warps}.ev": dict(tile_bytes=tile, num_warps=warps, evict=True)
+    for tile in (1024, 2048, 4096, 8192)
+    for warps in (2, 4, 8)
+}
 # --variants persistent: fixed grids of 2-16 programs per SM looping over tiles, with the hints.
-PERSISTENT = {f"pers{per_sm}.t{tile // 1024}k.w4.ev": dict(tile_bytes=tile, num_warps=4, evict=True, programs_per_sm=per_sm)
-              for per_sm in (2, 4, 8, 16) for tile in (2048, 4096)}  # fmt: skip
-HARNESS = [(2, 3333, 2048, 8192, torch.float16), (5, 777, 1024, 4096, torch.bfloat16), (3, 2048, 4096, 14336, torch.bfloat16)]
+PERSISTENT = {
+    f"pers{per_sm}.t{tile // 1024}k.w4.ev": dict(tile_bytes=tile, num_warps=4, evict=True, programs_per_sm=per_sm)
+    for per_sm in (2, 4, 8, 16)
+    for tile in (2048, 4096)
+}
+HARNESS = [
+    (2, 3333, 2048, 8192, torch.float16),
+    (5, 777, 1024, 4096, torch.bfloat16),
+    (3, 2048, 4096, 14336, torch.bfloat16),
+]
 
 
 def variant_set(text):
@@ -70,8 +86,9 @@ def variant_set(text):
     known = {**VARIANTS, **GRID, **EV_GRID, **PERSISTENT}
     unknown = [name for name in text.split(",") if name not in known]
     if unknown:
-        raise argparse.ArgumentTypeError(f"unknown variant {unknown[0]!r}: one of {', '.join(sets)} or names such as "
-                                         f"{', '.join(list(EV_GRID)[:3])}")  # fmt: skip
+        raise argparse.ArgumentTypeError(
+            f"unknown variant {unknown[0]!r}: one of {', '.join(sets)} or names such as {', '.join(list(EV_GRID)[:3])}"
+        )
     return {name: known[name] for name in text.split(",")}
 
 
@@ -93,12 +110,26 @@ def make_methods():
         n_absmax = state.absmax.numel()
         absmax = torch.empty(n_absmax, dtype=torch.float32, device=packed.device)
         stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
-        lib.cdequantize_blockwise_fp32(_ptr(state.state2.code), _ptr(state.absmax), _ptr(state.state2.absmax),
-                                       _ptr(absmax), ctypes.c_int(state.state2.blocksize), ctypes.c_int(n_absmax), stream)  # fmt: skip
+        lib.cdequantize_blockwise_fp32(
+            _ptr(state.state2.code),
+            _ptr(state.absmax),
+            _ptr(state.state2.absmax),
+            _ptr(absmax),
+            ctypes.c_int(state.state2.blocksize),
+            ctypes.c_int(n_absmax),
+            stream,
+        )
         absmax += state.offset
         name = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}[state.dtype]
-        getattr(lib, f"cdequantize_blockwise_{name}_nf4")(None, _ptr(packed), _ptr(absmax), _ptr(out),
-                                                          ctypes.c_int(state.blocksize), ctypes.c_int(out.numel()), stream)  # fmt: skip
+        getattr(lib, f"cdequantize_blockwise_{name}_nf4")(
+            None,
+            _ptr(packed),
+            _ptr(absmax),
+            _ptr(out),
+            ctypes.c_int(state.blocksize),
+            ctypes.c_int(out.numel()),
+            stream,
+        )
         return out
 
     methods["bnb_ctypes"] = bnb_ctypes
@@ -106,8 +137,18 @@ def make_methods():
         from unsloth.kernels.nf4 import dequantize_nf4
 
         def unsloth(packed, state):
-            return dequantize_nf4(packed, state.absmax, state.state2.code, state.state2.absmax, state.offset,
-                                  state.code, state.blocksize, state.state2.blocksize, state.shape, state.dtype)  # fmt: skip
+            return dequantize_nf4(
+                packed,
+                state.absmax,
+                state.state2.code,
+                state.state2.absmax,
+                state.offset,
+                state.code,
+                state.blocksize,
+                state.state2.blocksize,
+                state.shape,
+                state.dtype,
+            )
 
         methods["unsloth_fused"] = unsloth
     except Exception as error:  # noqa: BLE001  (a peer that is not there is reported, not fatal)
@@ -218,7 +259,12 @@ def weight_copies(packed, state, count):
         state2 = copy.copy(state.state2)
         state2.absmax, state2.code = state.state2.absmax.clone(), state.state2.code.clone()
         twin = copy.copy(state)
-        twin.absmax, twin.code, twin.offset, twin.state2 = state.absmax.clone(), state.code.clone(), state.offset.clone(), state2
+        twin.absmax, twin.code, twin.offset, twin.state2 = (
+            state.absmax.clone(),
+            state.code.clone(),
+            state.offset.clone(),
+            state2,
+        )
         copies.append((packed.clone(), twin))
     return copies
 
@@ -301,12 +347,22 @@ def main():
     parser.add_argument("--shapes", help="e.g. 1024x1024,28672x8192 (default: all)")
     parser.add_argument("--dtypes", help="e.g. bf16,fp16 (default: all)")
     parser.add_argument("--no-harness", action="store_true")
-    parser.add_argument("--rounds", type=int, default=1, help="time every method this many times, interleaved; report the median")
-    parser.add_argument("--timer", choices=("do_bench", "graph"), default="do_bench",
-                        help="do_bench per call (L2 flushed), or calls captured in a CUDA graph over cold copies")
-    parser.add_argument("--variants", default="default", type=variant_set,
-                        help="the launch variants measured beside ours: a few (default), every tile x warps (grid; "
-                        "evgrid: with evict_first hints; persistent: fixed grids), none, or names from those, comma-separated (t4k.w8.ev,t2k.w8)")  # fmt: skip
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="time every method this many times, interleaved; report the median"
+    )
+    parser.add_argument(
+        "--timer",
+        choices=("do_bench", "graph"),
+        default="do_bench",
+        help="do_bench per call (L2 flushed), or calls captured in a CUDA graph over cold copies",
+    )
+    parser.add_argument(
+        "--variants",
+        default="default",
+        type=variant_set,
+        help="the launch variants measured beside ours: a few (default), every tile x warps (grid; "
+        "evgrid: with evict_first hints; persistent: fixed grids), none, or names from those, comma-separated (t4k.w8.ev,t2k.w8)",
+    )
     options = parser.parse_args()
 
     env = {
@@ -353,7 +409,7 @@ def main():
                 if shape == shapes[0] and not name.startswith("ours["):
                     row[name]["host_us"] = host_us(fn, packed, state)
             for round_ in range(options.rounds):
-                for name in names[round_ % len(names):] + names[: round_ % len(names)]:
+                for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
                     fn = methods[name]
                     if copies:
                         us = graph_us([lambda p=p, s=s: fn(p, s) for p, s in copies])
@@ -398,27 +454,38 @@ def main():
 def print_table(env, bandwidth, rows, harness):
     names = [n for n in rows[0] if isinstance(rows[0][n], dict)]
     peers = [n for n in ("bnb", "bnb_ctypes", "unsloth_fused") if n in names]
-    print(f"\n{env['gpu']}, torch {env['torch']}, Triton {env['triton']}, bitsandbytes {env['bitsandbytes']}, "
-          f"{env['date']}; copy bandwidth {bandwidth / 1e9:.0f} GB/s; one-program kernel {env['launch_floor_us']:.1f} us; "
-          f"median us ({env.get('timer', 'do_bench')}, {env.get('rounds', 1)} round(s)); * = not bit-exact")  # fmt: skip
+    print(
+        f"\n{env['gpu']}, torch {env['torch']}, Triton {env['triton']}, bitsandbytes {env['bitsandbytes']}, "
+        f"{env['date']}; copy bandwidth {bandwidth / 1e9:.0f} GB/s; one-program kernel {env['launch_floor_us']:.1f} us; "
+        f"median us ({env.get('timer', 'do_bench')}, {env.get('rounds', 1)} round(s)); * = not bit-exact"
+    )
     header = ["shape", "dtype", "floor", "expand", "writes"] + names + [f"ours/{p}" for p in peers] + ["ours %floor"]
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for row in rows:
-        cells = [row["shape"], row["dtype"], f"{row['floor_us']:.1f}", f"{row['expand_us']:.1f}" if row.get("expand_us") else "-",
-                 f"{row['write_us']:.1f}" if row.get("write_us") else "-"]
+        cells = [
+            row["shape"],
+            row["dtype"],
+            f"{row['floor_us']:.1f}",
+            f"{row['expand_us']:.1f}" if row.get("expand_us") else "-",
+            f"{row['write_us']:.1f}" if row.get("write_us") else "-",
+        ]
         for name in names:
             us = row[name]["us"]
-            cells.append(("-" if us is None else f"{us:.2f}" if env.get("timer") == "graph" else f"{us:.1f}")
-                         + ("" if row[name]["exact"] else "*"))  # fmt: skip
+            cells.append(
+                ("-" if us is None else f"{us:.2f}" if env.get("timer") == "graph" else f"{us:.1f}")
+                + ("" if row[name]["exact"] else "*")
+            )
         ours = row["ours"]["us"]
         cells += [f"{row[p]['us'] / ours:.3f}x" if row[p]["us"] and ours else "-" for p in peers]
         cells.append(f"{100 * row['floor_us'] / ours:.1f}%" if ours else "-")
         print("| " + " | ".join(cells) + " |")
     host = {n: v["host_us"] for n, v in rows[0].items() if isinstance(v, dict) and "host_us" in v}
     if host:
-        print(f"\nhost time per call at {rows[0]['shape']} {rows[0]['dtype']} (us, no sync): "
-              + ", ".join(f"{n} {v:.1f}" for n, v in host.items()))  # fmt: skip
+        print(
+            f"\nhost time per call at {rows[0]['shape']} {rows[0]['dtype']} (us, no sync): "
+            + ", ".join(f"{n} {v:.1f}" for n, v in host.items())
+        )
     if harness:
         print("\nseed harness, 1000 x 9 weights, synchronize after each (seconds):")
         for name, seconds in harness.items():

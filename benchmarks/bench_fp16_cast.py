@@ -34,14 +34,18 @@ def main() -> None:
     normal = ((rng.random(n, dtype=np.float32) - 0.5) * 0.1).astype(np.float32)  # fp16 normals (|x| >= 6.1e-5 mostly)
     subnormal = normal * np.float32(1e-6)  # fp16 subnormals
     out = np.empty(n, dtype=np.float16)
-    print(f"{platform.machine()}, {os.cpu_count()} cores, numpy {np.__version__}, torch {torch.__version__}, "
-          f"{datetime.date.today()}")  # fmt: skip
+    print(
+        f"{platform.machine()}, {os.cpu_count()} cores, numpy {np.__version__}, torch {torch.__version__}, "
+        f"{datetime.date.today()}"
+    )
     for name, values in (("normal results", normal), ("fp16-subnormal results", subnormal)):
         numpy_s = best(lambda: np.copyto(out, values, casting="unsafe"))
         source, target = torch.from_numpy(values), torch.from_numpy(out)
         torch_s = best(lambda: target.copy_(source))
-        print(f"{name}: numpy {numpy_s / n * 1e9:.2f} ns/element, torch {torch_s / n * 1e9:.3f} ns/element, "
-              f"numpy/torch {numpy_s / torch_s:.0f}x")  # fmt: skip
+        print(
+            f"{name}: numpy {numpy_s / n * 1e9:.2f} ns/element, torch {torch_s / n * 1e9:.3f} ns/element, "
+            f"numpy/torch {numpy_s / torch_s:.0f}x"
+        )
 
 
 if __name__ == "__main__":

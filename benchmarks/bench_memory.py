@@ -41,13 +41,26 @@ def build_source(folder: Path) -> None:
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig, LlamaConfig
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=4096, num_hidden_layers=28,
-                         num_attention_heads=16, num_key_value_heads=16, tie_word_embeddings=False)  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=32000,
+        hidden_size=1024,
+        intermediate_size=4096,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        tie_word_embeddings=False,
+    )
     with tempfile.TemporaryDirectory(dir=folder.parent) as dense:
         AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(dense)
-        quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                                          bnb_4bit_compute_dtype=torch.bfloat16)  # fmt: skip
-        model = AutoModelForCausalLM.from_pretrained(dense, quantization_config=quantization, dtype=torch.bfloat16, device_map="cpu")
+        quantization = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=torch.bfloat16,
+        )
+        model = AutoModelForCausalLM.from_pretrained(
+            dense, quantization_config=quantization, dtype=torch.bfloat16, device_map="cpu"
+        )
         model.save_pretrained(folder)
 
 
@@ -64,7 +77,18 @@ def main():
         print("building the 4-bit source checkpoint ...", flush=True)
         build_source(source)
     routes = {
-        "nf4convert": [sys.executable, "-m", "nf4convert.cli", str(source), "-o", str(workdir / "out-nf4convert"), "--device", "cpu", "-q", "--overwrite"],
+        "nf4convert": [
+            sys.executable,
+            "-m",
+            "nf4convert.cli",
+            str(source),
+            "-o",
+            str(workdir / "out-nf4convert"),
+            "--device",
+            "cpu",
+            "-q",
+            "--overwrite",
+        ],
         "transformers": [sys.executable, "-c", TRANSFORMERS_ROUTE, str(source), str(workdir / "out-transformers")],
     }
     runs = {name: [] for name in routes}
@@ -76,21 +100,28 @@ def main():
             runs[name].append(run)
             print(name, json.dumps(run), flush=True)
     results = {
-        name: {key: statistics.median(run[key] for run in measured) for key in measured[0]} for name, measured in runs.items()
+        name: {key: statistics.median(run[key] for run in measured) for key in measured[0]}
+        for name, measured in runs.items()
     }
     import torch
     import transformers
 
-    print(f"\n{platform.processor() or platform.machine()}, {__import__('os').cpu_count()} cores, torch {torch.__version__}, "
-          f"transformers {transformers.__version__}, "
-          f"Python {platform.python_version()}, {datetime.date.today().isoformat()}")  # fmt: skip
+    print(
+        f"\n{platform.processor() or platform.machine()}, {__import__('os').cpu_count()} cores, torch {torch.__version__}, "
+        f"transformers {transformers.__version__}, "
+        f"Python {platform.python_version()}, {datetime.date.today().isoformat()}"
+    )
     print(f"medians of {options.repeat} runs each")
     print("| route | peak anonymous memory | peak RSS | wall time | output |")
     print("|---|---|---|---|---|")
     for name, r in results.items():
-        print(f"| {name} | {r['peak_anon_mb']:.0f} MB | {r['peak_rss_mb']:.0f} MB | {r['seconds']:.1f} s | {r['output_gb']:.2f} GB |")
+        print(
+            f"| {name} | {r['peak_anon_mb']:.0f} MB | {r['peak_rss_mb']:.0f} MB | {r['seconds']:.1f} s | {r['output_gb']:.2f} GB |"
+        )
     ours, theirs = results["nf4convert"], results["transformers"]
-    print(f"nf4convert: {ours['peak_anon_mb'] / theirs['peak_anon_mb']:.2f}x the memory, {ours['seconds'] / theirs['seconds']:.2f}x the time")
+    print(
+        f"nf4convert: {ours['peak_anon_mb'] / theirs['peak_anon_mb']:.2f}x the memory, {ours['seconds'] / theirs['seconds']:.2f}x the time"
+    )
     if not options.keep and options.workdir is None:
         shutil.rmtree(workdir, ignore_errors=True)
 

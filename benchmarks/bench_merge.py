@@ -33,7 +33,9 @@ def timed(fn, sync):
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--via-host", action="store_true", help="the way before: whole in pageable host memory, out into it")
+    parser.add_argument(
+        "--via-host", action="store_true", help="the way before: whole in pageable host memory, out into it"
+    )
     options = parser.parse_args()
     device = torch.device(options.device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -57,15 +59,24 @@ def main():
                     weight = whole.view(torch.bfloat16).view(tensor.shape)
                     on_device, t_h2d = timed(lambda: weight.to(route.device), sync)
                     lora = peft_lora.read_lora(tensor.recipe.target, reader)
-                    merged, t_merge = timed(lambda: peft_lora.merge(tensor.recipe.target, on_device, lora, inplace=True), sync)
+                    merged, t_merge = timed(
+                        lambda: peft_lora.merge(tensor.recipe.target, on_device, lora, inplace=True), sync
+                    )
                     flat = merged.contiguous().view(-1).view(torch.uint8)
-                    out = (lambda: torch.empty(flat.numel(), dtype=torch.uint8, pin_memory=True).copy_(flat)) \
-                        if flat.is_cuda and not options.via_host else flat.cpu  # fmt: skip
+                    out = (
+                        (lambda: torch.empty(flat.numel(), dtype=torch.uint8, pin_memory=True).copy_(flat))
+                        if flat.is_cuda and not options.via_host
+                        else flat.cpu
+                    )
                     _, t_d2h = timed(out, sync)
                     row = (t_whole, t_h2d, t_merge, t_d2h)
                     best = row if best is None or sum(row) < sum(best) else best
-                print(f"| {tensor.name} | {list(tensor.shape)} | " + " | ".join(f"{t:.1f}" for t in best) + f" | {sum(best):.1f} |",
-                      flush=True)  # fmt: skip
+                print(
+                    f"| {tensor.name} | {list(tensor.shape)} | "
+                    + " | ".join(f"{t:.1f}" for t in best)
+                    + f" | {sum(best):.1f} |",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

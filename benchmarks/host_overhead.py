@@ -37,7 +37,10 @@ def main():
     out = torch.empty(tuple(state.shape), dtype=state.dtype, device="cuda")
     steps = {
         "dequantize_4bit (replayed)": lambda: nf4convert.dequantize_4bit(packed, state),
-        "dequantize_4bit (full path, no replay)": lambda: (api._replays.clear(), nf4convert.dequantize_4bit(packed, state)),
+        "dequantize_4bit (full path, no replay)": lambda: (
+            api._replays.clear(),
+            nf4convert.dequantize_4bit(packed, state),
+        ),
         "torch.empty": lambda: torch.empty(entry.key.shape, dtype=entry.key.dtype, device=entry.key.device),
         "replay cache (checks, empty, launch)": lambda: api._replays.replay(packed, state),
         "torch.cuda.current_device": torch.cuda.current_device,
@@ -48,8 +51,6 @@ def main():
     for name, fn in steps.items():
         print(f"{name:42s} {per_call(fn):7.2f} us")
     nf4convert.dequantize_4bit(packed, state)
-
-
 
 
 def profile_replayed():

@@ -12,7 +12,9 @@ user's quant states) would pay. Variants, 16 and 48 layers, eager and compiled (
            same kernel work (zero scales; outputs are zeros, compared only eager against compiled)
   dense    the control: F.linear on dense weights
 Two rounds. Eager times of direct5/direct2 call the triton_op eagerly (its slow path): compare compiled times."""
+
 import sys, torch
+
 sys.path.insert(0, "benchmarks")
 import bench_compile as B
 import nf4convert
@@ -23,6 +25,7 @@ rows, cols = map(int, (sys.argv[1] if len(sys.argv) > 1 else "14336x4096").split
 dtype = torch.float16
 counts = [16, 48]
 
+
 class Direct(torch.nn.Module):
     def __init__(self, packed, state, fold):
         super().__init__()
@@ -32,6 +35,7 @@ class Direct(torch.nn.Module):
         if fold:
             n_blocks = state.absmax.numel()
             self.quant_state.buf = torch.zeros(max(n_blocks, 260), dtype=torch.float32, device="cuda")
+
     def forward(self, x):
         q = self.quant_state
         code = _code_table(q.quant_type, self.weight.device)
@@ -39,8 +43,11 @@ class Direct(torch.nn.Module):
             b = q.buf
             w = torch.ops.nf4convert.dequantize_4bit(self.weight, b, b, b, b, code, 64, 256, [rows, cols], dtype)
         else:
-            w = torch.ops.nf4convert.dequantize_4bit(self.weight, q.absmax, q.state2.code, q.state2.absmax, q.offset, code, 64, 256, [rows, cols], dtype)
+            w = torch.ops.nf4convert.dequantize_4bit(
+                self.weight, q.absmax, q.state2.code, q.state2.absmax, q.offset, code, 64, 256, [rows, cols], dtype
+            )
         return torch.nn.functional.linear(x, w)
+
 
 weights = [B.quantized((rows, cols), dtype, seed) for seed in range(max(counts))]
 for w in weights:
@@ -60,5 +67,8 @@ for rnd in range(2):
     for name, make in variants.items():
         r = B.stack_times(make, weights, counts, x, None, B.close)
         e, c = r["forward_us"]["48"]
-        print(f"round {rnd} {name:8s} {rows}x{cols}: 48-layer forward eager {e:.0f} us compiled {c:.0f} us x{c/e:.3f}; "
-              f"per layer {r['eager_us_per_layer']:.1f}/{r['compiled_us_per_layer']:.1f} graphs {r['graphs']}", flush=True)
+        print(
+            f"round {rnd} {name:8s} {rows}x{cols}: 48-layer forward eager {e:.0f} us compiled {c:.0f} us x{c / e:.3f}; "
+            f"per layer {r['eager_us_per_layer']:.1f}/{r['compiled_us_per_layer']:.1f} graphs {r['graphs']}",
+            flush=True,
+        )

@@ -102,41 +102,69 @@ def variants(n, out_dtype, sms):
     table = {}
     for block, warps in ((1024, 4), (2048, 4), (2048, 8), (4096, 8)):
         for evict in ("", "evict_first"):
+
             def call(s, t, block=block, warps=warps, evict=evict):
                 plain_kernel[(n // block,)](s, t, BLOCK=block, EVICT=evict, num_warps=warps)
+
             table[f"plain.b{block}.w{warps}{'.ev' if evict else ''}"] = (call, False)
     for block, k, warps in ((1024, 2, 4), (1024, 4, 4), (1024, 4, 8), (2048, 2, 8), (512, 4, 4)):
+
         def call(s, t, block=block, k=k, warps=warps):
             multi_kernel[(n // (block * k),)](s, t, BLOCK=block, K=k, num_warps=warps)
+
         table[f"multi.b{block}x{k}.w{warps}"] = (call, False)
-    for block, warps, stages, per_sm in ((2048, 4, 2, 4), (2048, 4, 3, 4), (2048, 8, 3, 2), (4096, 8, 3, 2), (1024, 4, 4, 8)):
+    for block, warps, stages, per_sm in (
+        (2048, 4, 2, 4),
+        (2048, 4, 3, 4),
+        (2048, 8, 3, 2),
+        (4096, 8, 3, 2),
+        (1024, 4, 4, 8),
+    ):
+
         def call(s, t, block=block, warps=warps, stages=stages, per_sm=per_sm):
             n_tiles = n // block
             pers_kernel[(min(n_tiles, per_sm * sms),)](s, t, n_tiles, BLOCK=block, STAGES=stages, num_warps=warps)
+
         table[f"pers.b{block}.w{warps}.s{stages}.p{per_sm}"] = (call, False)
     if TensorDescriptor is not None:
         rows = n // ROW
         for r, warps in ((4, 4), (8, 4), (8, 8), (16, 8), (32, 8)):
+
             def call(s, t, r=r, warps=warps):
                 out_desc = TensorDescriptor(t, [rows, ROW], [ROW, 1], [r, ROW])
                 tma_store_kernel[(rows // r,)](s, out_desc, R=r, W=ROW, num_warps=warps)
+
             table[f"tma_store.r{r}.w{warps}"] = (call, False)
-        for r, warps, stages, per_sm in ((8, 4, 3, 2), (8, 4, 4, 4), (16, 4, 3, 2), (16, 8, 3, 2), (4, 4, 4, 4), (8, 4, 1, 0), (16, 8, 1, 0)):
+        for r, warps, stages, per_sm in (
+            (8, 4, 3, 2),
+            (8, 4, 4, 4),
+            (16, 4, 3, 2),
+            (16, 8, 3, 2),
+            (4, 4, 4, 4),
+            (8, 4, 1, 0),
+            (16, 8, 1, 0),
+        ):
+
             def call(s, t, r=r, warps=warps, stages=stages, per_sm=per_sm):
                 in_desc = TensorDescriptor(s, [rows, ROW], [ROW, 1], [r, ROW])
                 out_desc = TensorDescriptor(t, [rows, ROW], [ROW, 1], [r, ROW])
                 n_tiles = rows // r
                 grid = (min(n_tiles, per_sm * sms),) if per_sm else (n_tiles,)
                 tma_kernel[grid](in_desc, out_desc, n_tiles, R=r, STAGES=stages, PERSISTENT=per_sm > 0, num_warps=warps)
+
             table[f"tma.r{r}.w{warps}" + (f".s{stages}.p{per_sm}" if per_sm else "")] = (call, False)
         for r, warps in ((8, 4), (16, 8)):
+
             def call(s, t, r=r, warps=warps):
                 out_desc = TensorDescriptor(t, [rows, ROW], [ROW, 1], [r, ROW])
                 tma_write_kernel[(rows // r,)](out_desc, R=r, W=ROW, num_warps=warps)
+
             table[f"write.tma.r{r}.w{warps}"] = (call, True)
     for block, warps in ((2048, 4), (4096, 8)):
+
         def call(s, t, block=block, warps=warps):
             _write_kernel[(n // block,)](t, BLOCK=block, num_warps=warps)
+
         table[f"write.plain.b{block}.w{warps}"] = (call, True)
     return table
 
@@ -154,8 +182,13 @@ def main():
     rows_out = []
     if TensorDescriptor is not None and not interpret:
         triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
-    env = {"gpu": "interpreter" if interpret else torch.cuda.get_device_name(), "torch": torch.__version__,
-           "triton": triton.__version__, "date": datetime.date.today().isoformat(), "shape": options.shape}
+    env = {
+        "gpu": "interpreter" if interpret else torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "date": datetime.date.today().isoformat(),
+        "shape": options.shape,
+    }
     print(" ".join(f"{k}={v}" for k, v in env.items()), flush=True)
     if not interpret:
         bandwidth = copy_bandwidth()
@@ -177,7 +210,14 @@ def main():
         table = variants(n, out_dtype, sms)
         if options.only:
             table = {k: v for k, v in table.items() if any(k.startswith(p) for p in options.only.split(","))}
-        result = {"dtype": dtype_name, "packed_bytes": n, "out_bytes": n * per_byte, "copies": copies, "us": {}, "ok": {}}
+        result = {
+            "dtype": dtype_name,
+            "packed_bytes": n,
+            "out_bytes": n * per_byte,
+            "copies": copies,
+            "us": {},
+            "ok": {},
+        }
         if not interpret:
             result["floor_us"] = n * (1 + per_byte) / bandwidth * 1e6
         for name, (call, writes_only) in list(table.items()):
@@ -186,7 +226,10 @@ def main():
                 call(sources[0], targets[0])
                 ok = bool((targets[0] == 0).all()) if writes_only else bool(torch.equal(targets[0], expected))
             except Exception as error:  # noqa: BLE001  (a variant this Triton or GPU cannot build: said, skipped)
-                print(f"  {name}: {type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}", flush=True)
+                print(
+                    f"  {name}: {type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}",
+                    flush=True,
+                )
                 del table[name]
                 continue
             result["ok"][name] = ok
@@ -195,7 +238,7 @@ def main():
             torch.cuda.synchronize()
             names = list(table)
             for round_ in range(options.rounds):
-                for name in names[round_ % len(names):] + names[: round_ % len(names)]:
+                for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
                     call = table[name][0]
                     us = graph_us([lambda s=s, t=t, call=call: (call(s, t), t)[1] for s, t in zip(sources, targets)])
                     if us is not None:
@@ -227,12 +270,16 @@ def ours_us(rows, cols, dtype_name, copies, rounds):
 
 def print_table(result):
     floor = result["floor_us"]
-    print(f"{result['dtype']}: {result['packed_bytes']} packed bytes, {result['copies']} copies; floor {floor:.1f} us; "
-          f"ours {result.get('ours_us', float('nan')):.1f} us ({100 * floor / result.get('ours_us', float('nan')):.1f}% of floor)")
+    print(
+        f"{result['dtype']}: {result['packed_bytes']} packed bytes, {result['copies']} copies; floor {floor:.1f} us; "
+        f"ours {result.get('ours_us', float('nan')):.1f} us ({100 * floor / result.get('ours_us', float('nan')):.1f}% of floor)"
+    )
     for name, times in sorted(result["us"].items(), key=lambda item: statistics.median(item[1]) if item[1] else 1e9):
         if times:
             median = statistics.median(times)
-            print(f"  {name:28s} {median:8.1f} us  {100 * floor / median:6.1f}% of floor  ok={result['ok'][name]}  rounds={['%.1f' % t for t in times]}")
+            print(
+                f"  {name:28s} {median:8.1f} us  {100 * floor / median:6.1f}% of floor  ok={result['ok'][name]}  rounds={['%.1f' % t for t in times]}"
+            )
 
 
 if __name__ == "__main__":

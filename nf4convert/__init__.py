@@ -11,8 +11,15 @@ Public API (imported lazily, so the CLI starts without torch):
     DependencyError
 """
 
-from .errors import (ArgumentError, CheckpointError, DependencyError, Nf4ConvertError, OutputError, SourceNotFoundError,
-                     UploadError)
+from .errors import (
+    ArgumentError,
+    CheckpointError,
+    DependencyError,
+    Nf4ConvertError,
+    OutputError,
+    SourceNotFoundError,
+    UploadError,
+)
 
 __version__ = "0.1.0"
 
@@ -26,8 +33,17 @@ _EXPORTS = {
     "push_to_hub": ("nf4convert.upload", "push_to_hub"),
 }
 
-__all__ = ["__version__", *_EXPORTS, "Nf4ConvertError", "ArgumentError", "SourceNotFoundError", "CheckpointError",
-           "OutputError", "UploadError", "DependencyError"]  # fmt: skip
+__all__ = [
+    "__version__",
+    *_EXPORTS,
+    "Nf4ConvertError",
+    "ArgumentError",
+    "SourceNotFoundError",
+    "CheckpointError",
+    "OutputError",
+    "UploadError",
+    "DependencyError",
+]
 
 
 def __getattr__(name):

@@ -30,10 +30,27 @@ from .hub_errors import first_line as error_line
 
 # Tags that describe quantized weights; compared lowercased. Tags about the model itself (unsloth, llama,
 # text-generation, conversational...) are kept.
-QUANTIZATION_TAGS = frozenset({
-    "bitsandbytes", "bnb", "bnb-4bit", "bnb-8bit", "bnb-nf4", "4-bit", "4bit", "8-bit", "8bit", "int4", "int8",
-    "nf4", "fp4", "llm.int8", "quantized", "quantization", "quantised",
-})  # fmt: skip
+QUANTIZATION_TAGS = frozenset(
+    {
+        "bitsandbytes",
+        "bnb",
+        "bnb-4bit",
+        "bnb-8bit",
+        "bnb-nf4",
+        "4-bit",
+        "4bit",
+        "8-bit",
+        "8bit",
+        "int4",
+        "int8",
+        "nf4",
+        "fp4",
+        "llm.int8",
+        "quantized",
+        "quantization",
+        "quantised",
+    }
+)
 # YAML fields that describe the quantization (matched on the lowercased key): quantization_config, quantized_by,
 # quant_method, bnb_4bit_compute_dtype, bitsandbytes..., load_in_4bit, load_in_8bit, bits.
 QUANTIZATION_FIELD = re.compile(r"quanti[sz]|^quant_|bnb|bitsandbytes|^load_in_\d+bit$|^bits$")
@@ -87,9 +104,17 @@ def model_card(
     original_base = fields.get("base_model")
     front_matter, yaml_warning = _front_matter(_dense_fields(fields, source_repo=source_repo))
     body = body.strip("\r\n") if body.strip() else ""
-    section = _how_made(source_repo=source_repo, original_base=original_base, dtype=dtype, version=version,
-                        quant_format=quant_format, adapter=adapter, source_body=bool(body), revision=revision,
-                        commit=commit)  # fmt: skip
+    section = _how_made(
+        source_repo=source_repo,
+        original_base=original_base,
+        dtype=dtype,
+        version=version,
+        quant_format=quant_format,
+        adapter=adapter,
+        source_body=bool(body),
+        revision=revision,
+        commit=commit,
+    )
     parts = [front_matter, section] + ([body] if body else [])
     return Card("\n\n".join(parts) + "\n", warning or yaml_warning)
 
@@ -184,17 +209,25 @@ def _front_matter(fields: dict) -> tuple[str, str | None]:
     return "---\nlibrary_name: transformers\n---", f"{CARD}: its metadata was dropped"
 
 
-def _how_made(*, source_repo, original_base, dtype, version, quant_format, adapter, source_body, revision, commit) -> str:
+def _how_made(
+    *, source_repo, original_base, dtype, version, quant_format, adapter, source_body, revision, commit
+) -> str:
     dtype_flag = DTYPE_FLAGS.get(dtype, dtype)
     dtype_text = f"{dtype_flag} ({DTYPE_NAMES[dtype_flag]})" if dtype_flag in DTYPE_NAMES else dtype
     formats = [part.strip().partition(" ") for part in quant_format.split(",") if part.strip()]  # (kind, _, detail)
     kinds = {kind for kind, _, _ in formats}
-    format_text = " and ".join(" ".join(filter(None, [FORMAT_NAMES.get(kind, kind), detail.upper()]))
-                               for kind, _, detail in formats) or "bitsandbytes"  # fmt: skip
+    format_text = (
+        " and ".join(
+            " ".join(filter(None, [FORMAT_NAMES.get(kind, kind), detail.upper()])) for kind, _, detail in formats
+        )
+        or "bitsandbytes"
+    )
 
     if source_repo is not None:
         source_text = f"[{source_repo}]({HUB_URL}/{source_repo}), a {format_text} checkpoint"
-        at = ([f"revision `{revision}`"] if revision else []) + ([f"commit `{commit}`"] if commit and commit != revision else [])
+        at = ([f"revision `{revision}`"] if revision else []) + (
+            [f"commit `{commit}`"] if commit and commit != revision else []
+        )
         if at:
             source_text += f" ({', '.join(at)})"
     else:
@@ -213,7 +246,13 @@ def _how_made(*, source_repo, original_base, dtype, version, quant_format, adapt
         f"quantization. The other tensors were cast to {dtype_flag}, and `config.json` no longer has a "
         "`quantization_config`.",
     ]
-    command = ["nf4convert", source_repo or "SOURCE", *(["--revision", revision] if revision else []), "--dtype", dtype_flag]
+    command = [
+        "nf4convert",
+        source_repo or "SOURCE",
+        *(["--revision", revision] if revision else []),
+        "--dtype",
+        dtype_flag,
+    ]
     if adapter:
         adapter_repo = looks_like_repo_id(adapter)
         name = adapter if adapter_repo else adapter.rstrip("/\\").replace("\\", "/").rsplit("/", 1)[-1]
@@ -222,8 +261,11 @@ def _how_made(*, source_repo, original_base, dtype, version, quant_format, adapt
         command += ["--adapter", adapter if adapter_repo else "ADAPTER"]
     lines += ["", "Made with:", "", "```sh", " ".join(command), "```"]
     if source_body:
-        lines += ["", "The text below is the source model's card, kept as it was: where it says the weights are "
-                  "quantized, it describes the source, not these weights."]  # fmt: skip
+        lines += [
+            "",
+            "The text below is the source model's card, kept as it was: where it says the weights are "
+            "quantized, it describes the source, not these weights.",
+        ]
     return "\n".join(lines)
 
 
@@ -234,15 +276,19 @@ def _exactness(kinds: set[str], dtype_flag: str) -> list[str]:
     both = "bnb-4bit" in kinds and "bnb-8bit" in kinds
     sentences = []
     if "bnb-4bit" in kinds or "bnb-8bit" not in kinds:
-        sentences.append(f"Every weight dequantized{' from 4-bit' if both else ''} is bit for bit what bitsandbytes' "
-                         "`dequantize_4bit` computes from the quantized checkpoint with its CUDA kernels: the weights "
-                         "its 4-bit layers dequantize to, in a format that loads without bitsandbytes.")  # fmt: skip
+        sentences.append(
+            f"Every weight dequantized{' from 4-bit' if both else ''} is bit for bit what bitsandbytes' "
+            "`dequantize_4bit` computes from the quantized checkpoint with its CUDA kernels: the weights "
+            "its 4-bit layers dequantize to, in a format that loads without bitsandbytes."
+        )
     if "bnb-8bit" in kinds:
-        sentences.append(f"Every weight dequantized{' from 8-bit' if both else ''} is bit for bit what bitsandbytes' "
-                         "`int8_vectorwise_dequant` (plain torch arithmetic, the same on CPU and GPU) and the cast to "
-                         f"{dtype_flag} give, as transformers' `dequantize()` does; the 8-bit model itself multiplies "
-                         "in int8 (LLM.int8) and never forms these weights, so its outputs are close to, not equal "
-                         "to, those of a model with these weights.")  # fmt: skip
+        sentences.append(
+            f"Every weight dequantized{' from 8-bit' if both else ''} is bit for bit what bitsandbytes' "
+            "`int8_vectorwise_dequant` (plain torch arithmetic, the same on CPU and GPU) and the cast to "
+            f"{dtype_flag} give, as transformers' `dequantize()` does; the 8-bit model itself multiplies "
+            "in int8 (LLM.int8) and never forms these weights, so its outputs are close to, not equal "
+            "to, those of a model with these weights."
+        )
     return sentences
 
 

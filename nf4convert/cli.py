@@ -77,8 +77,10 @@ class DefaultGroup(click.Group):
             if args[0].split("=", 1)[0] not in own:
                 from pathlib import Path
 
-                named = next((word for word in args if word in self.commands and word != "convert"
-                              and not Path(word).exists()), None)  # fmt: skip
+                named = next(
+                    (word for word in args if word in self.commands and word != "convert" and not Path(word).exists()),
+                    None,
+                )
                 if named is not None:
                     raise click.UsageError(f"options of '{named}' go after its name: nf4convert {named} [OPTIONS] ...")
                 args = ["convert", *args]
@@ -104,7 +106,10 @@ def _exit_now(code: int) -> None:
         try:
             if stream is not None:  # None: the stream was closed when the process started (>&-)
                 stream.flush()
-        except (OSError, ValueError):  # a closed pipe (| head), a full device or a closed stream: nothing more can reach it
+        except (
+            OSError,
+            ValueError,
+        ):  # a closed pipe (| head), a full device or a closed stream: nothing more can reach it
             pass
     os._exit(code)
 
@@ -217,11 +222,19 @@ def _quiet(ctx, param, value) -> bool:
 
 
 def _common_source_options(function):
-    for option in reversed([
-        click.option("--revision", help="Hub branch, tag or commit of SOURCE (default: main; not for a local folder)."),
-        click.option("--token", envvar="HF_TOKEN", help="Hub token for private or gated repos (default: $HF_TOKEN)."),
-        click.option("--cache-dir", type=click.Path(file_okay=False), help="Hub cache folder (default: $HF_HUB_CACHE)."),
-    ]):  # fmt: skip
+    for option in reversed(
+        [
+            click.option(
+                "--revision", help="Hub branch, tag or commit of SOURCE (default: main; not for a local folder)."
+            ),
+            click.option(
+                "--token", envvar="HF_TOKEN", help="Hub token for private or gated repos (default: $HF_TOKEN)."
+            ),
+            click.option(
+                "--cache-dir", type=click.Path(file_okay=False), help="Hub cache folder (default: $HF_HUB_CACHE)."
+            ),
+        ]
+    ):
         function = option(function)
     return function
 
@@ -232,44 +245,102 @@ ADAPTER_HELP = "A peft LoRA adapter (folder or Hub repo id) to merge into the we
 def _one_adapter(ctx, param, values):
     """--adapter given once at most: click would keep the last of several and drop the others unsaid."""
     if len(values) > 1:
-        raise click.BadParameter(f"given {len(values)} times; one adapter per conversion (merge several into one "
-                                 "with peft first)")  # fmt: skip
+        raise click.BadParameter(
+            f"given {len(values)} times; one adapter per conversion (merge several into one with peft first)"
+        )
     return values[0] if values else None
 
 
 def _convert_options(function):
-    for option in reversed([
-        click.option("--adapter", multiple=True, callback=_one_adapter, help=ADAPTER_HELP),
-        click.option("--dtype", type=click.Choice(OUTPUT_CHOICES, case_sensitive=False), default="auto", show_default=True,
-                     help="Output dtype; auto keeps the dtype the model was quantized from."),
-        click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N (auto: the GPU if there is one)."),
-        click.option("--max-shard-size", default=DEFAULT_SHARD_SIZE, show_default=True, help="Largest output shard, like transformers'."),
-        click.option("--overwrite", is_flag=True, help="Replace OUT if it exists (only once the new output is complete)."),
-        click.option("-q", "--quiet", is_flag=True, callback=_quiet,
-                     help="No progress bars (downloads and uploads too); the one-line summary stays."),
-    ]):  # fmt: skip
+    for option in reversed(
+        [
+            click.option("--adapter", multiple=True, callback=_one_adapter, help=ADAPTER_HELP),
+            click.option(
+                "--dtype",
+                type=click.Choice(OUTPUT_CHOICES, case_sensitive=False),
+                default="auto",
+                show_default=True,
+                help="Output dtype; auto keeps the dtype the model was quantized from.",
+            ),
+            click.option(
+                "--device",
+                default="auto",
+                show_default=True,
+                help="auto, cpu, cuda or cuda:N (auto: the GPU if there is one).",
+            ),
+            click.option(
+                "--max-shard-size",
+                default=DEFAULT_SHARD_SIZE,
+                show_default=True,
+                help="Largest output shard, like transformers'.",
+            ),
+            click.option(
+                "--overwrite", is_flag=True, help="Replace OUT if it exists (only once the new output is complete)."
+            ),
+            click.option(
+                "-q",
+                "--quiet",
+                is_flag=True,
+                callback=_quiet,
+                help="No progress bars (downloads and uploads too); the one-line summary stays.",
+            ),
+        ]
+    ):
         function = option(function)
     return _common_source_options(function)
 
 
 def _summary(result) -> str:
-    return (f"{result.output}: {result.tensors} tensors ({result.dequantized} dequantized), "
-            f"{result.bytes / 1e9:.2f} GB {result.dtype}, {result.seconds:.1f} s")  # fmt: skip
+    return (
+        f"{result.output}: {result.tensors} tensors ({result.dequantized} dequantized), "
+        f"{result.bytes / 1e9:.2f} GB {result.dtype}, {result.seconds:.1f} s"
+    )
 
 
 @main.command("convert")
 @click.argument("source")
 @click.option("-o", "--output", type=click.Path(), help="Output folder (default: ./<name>-<dtype>).")
 @_convert_options
-@click.option("--dry-run", is_flag=True, help="Print the plan (tensors, dtype, shards, bytes, free space); write nothing "
-              "(of a Hub SOURCE only the headers and quant states of its weight files are read, by range requests).")
+@click.option(
+    "--dry-run",
+    is_flag=True,
+    help="Print the plan (tensors, dtype, shards, bytes, free space); write nothing "
+    "(of a Hub SOURCE only the headers and quant states of its weight files are read, by range requests).",
+)
 @click.option("--verify", "then_verify", is_flag=True, help="Verify the output against SOURCE right after converting.")
-@click.option("--push-to-hub", "push_to", metavar="REPO_ID", help="Upload the finished output to this Hub repo (after --verify, if asked); "
-              "weight files at the repo's root that the output lacks are deleted in the same commit.")
-@click.option("--private", is_flag=True, help="With --push-to-hub: create the repo private (an existing public one is refused).")
-@click.option("--push-branch", metavar="BRANCH", help="With --push-to-hub: the branch to upload to (created if missing; default main).")
-def convert_command(source, output, adapter, dtype, device, max_shard_size, overwrite, quiet, revision, token, cache_dir,
-                    dry_run, then_verify, push_to, private, push_branch):  # fmt: skip
+@click.option(
+    "--push-to-hub",
+    "push_to",
+    metavar="REPO_ID",
+    help="Upload the finished output to this Hub repo (after --verify, if asked); "
+    "weight files at the repo's root that the output lacks are deleted in the same commit.",
+)
+@click.option(
+    "--private", is_flag=True, help="With --push-to-hub: create the repo private (an existing public one is refused)."
+)
+@click.option(
+    "--push-branch",
+    metavar="BRANCH",
+    help="With --push-to-hub: the branch to upload to (created if missing; default main).",
+)
+def convert_command(
+    source,
+    output,
+    adapter,
+    dtype,
+    device,
+    max_shard_size,
+    overwrite,
+    quiet,
+    revision,
+    token,
+    cache_dir,
+    dry_run,
+    then_verify,
+    push_to,
+    private,
+    push_branch,
+):
     """Convert SOURCE (a Hub repo id, a local folder, or a repo in the Hub cache).
 
     \b
@@ -295,17 +366,27 @@ def convert_command(source, output, adapter, dtype, device, max_shard_size, over
             check_target(push_to, push_branch)
         except ArgumentError as error:
             _fail(f"--{error.option.replace('_', '-')}: {error}", 2)
-    options = dict(dtype=dtype, adapter=adapter, revision=revision, token=token, cache_dir=cache_dir, max_shard_size=max_shard_size,
-                   overwrite=overwrite)  # fmt: skip
+    options = dict(
+        dtype=dtype,
+        adapter=adapter,
+        revision=revision,
+        token=token,
+        cache_dir=cache_dir,
+        max_shard_size=max_shard_size,
+        overwrite=overwrite,
+    )
     converted = []  # the output, once complete
 
     def action():
         from . import render, run
 
         if dry_run:
-            for line in render.plan_lines(run.dry_run_plan(source, output, device=device, progress=not quiet, **options)):
+            for line in render.plan_lines(
+                run.dry_run_plan(source, output, device=device, progress=not quiet, **options)
+            ):
                 say(line)
             return True
+
         def show(result) -> None:
             if isinstance(result, run.ConvertResult):
                 converted.append(result.output)
@@ -319,8 +400,18 @@ def convert_command(source, output, adapter, dtype, device, max_shard_size, over
             else:
                 say(f"pushed to {result.url}")
 
-        return run.convert_then(source, output, device=device, verify=then_verify, push_to=push_to, private=private,
-                                push_branch=push_branch, progress=not quiet, on_step=show, **options)  # fmt: skip
+        return run.convert_then(
+            source,
+            output,
+            device=device,
+            verify=then_verify,
+            push_to=push_to,
+            private=private,
+            push_branch=push_branch,
+            progress=not quiet,
+            on_step=show,
+            **options,
+        )
 
     if not _run(action, kept=lambda: converted[0] if converted else None):
         sys.exit(1)
@@ -336,9 +427,15 @@ def _show_report(report) -> None:
 @main.command("verify")
 @click.argument("output", type=click.Path())
 @click.argument("source")
-@click.option("--device", default="auto", show_default=True, help="Where bitsandbytes dequantizes: auto, cpu, cuda, cuda:N.")
-@click.option("--adapter", multiple=True, callback=_one_adapter,
-              help="The LoRA adapter that was merged (peft merges it again for the check).")
+@click.option(
+    "--device", default="auto", show_default=True, help="Where bitsandbytes dequantizes: auto, cpu, cuda, cuda:N."
+)
+@click.option(
+    "--adapter",
+    multiple=True,
+    callback=_one_adapter,
+    help="The LoRA adapter that was merged (peft merges it again for the check).",
+)
 @click.option("-q", "--quiet", is_flag=True, callback=_quiet, help="No progress bars (downloads too).")
 @_common_source_options
 def verify_command(output, source, device, adapter, quiet, revision, token, cache_dir):
@@ -351,11 +448,20 @@ def verify_command(output, source, device, adapter, quiet, revision, token, cach
     Example:
       nf4convert verify Llama-3.2-1B-Instruct-bf16 unsloth/Llama-3.2-1B-Instruct-bnb-4bit
     """
+
     def action():
         from .run import verify_output
 
-        report = verify_output(output, source, device=device, adapter=adapter, revision=revision, token=token,
-                               cache_dir=cache_dir, progress=not quiet)  # fmt: skip
+        report = verify_output(
+            output,
+            source,
+            device=device,
+            adapter=adapter,
+            revision=revision,
+            token=token,
+            cache_dir=cache_dir,
+            progress=not quiet,
+        )
         _show_report(report)
         return report.ok
 
@@ -365,16 +471,45 @@ def verify_command(output, source, device, adapter, quiet, revision, token, cach
 
 @main.command("batch")
 @click.argument("sources", nargs=-1)
-@click.option("-o", "--output-root", "output_root", type=click.Path(file_okay=False), required=True,
-              help="Folder that receives one <name>-<dtype> folder per source.")  # fmt: skip
-@click.option("--from-file", type=click.File("r", encoding="utf-8-sig"),
-              help="Read more sources from this file, one per line ('#' at a line's start or after a space begins a comment).")
+@click.option(
+    "-o",
+    "--output-root",
+    "output_root",
+    type=click.Path(file_okay=False),
+    required=True,
+    help="Folder that receives one <name>-<dtype> folder per source.",
+)
+@click.option(
+    "--from-file",
+    type=click.File("r", encoding="utf-8-sig"),
+    help="Read more sources from this file, one per line ('#' at a line's start or after a space begins a comment).",
+)
 @_convert_options
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object per source (a line each) instead of the table.")
-@click.option("--dry-run", is_flag=True, help="Plan every source (status 'planned') and write nothing; Hub sources as "
-              "convert --dry-run reads them, without their weights.")
-def batch_command(sources, output_root, from_file, adapter, dtype, device, max_shard_size, overwrite, quiet, revision,
-                  token, cache_dir, as_json, dry_run):  # fmt: skip
+@click.option(
+    "--json", "as_json", is_flag=True, help="Print one JSON object per source (a line each) instead of the table."
+)
+@click.option(
+    "--dry-run",
+    is_flag=True,
+    help="Plan every source (status 'planned') and write nothing; Hub sources as "
+    "convert --dry-run reads them, without their weights.",
+)
+def batch_command(
+    sources,
+    output_root,
+    from_file,
+    adapter,
+    dtype,
+    device,
+    max_shard_size,
+    overwrite,
+    quiet,
+    revision,
+    token,
+    cache_dir,
+    as_json,
+    dry_run,
+):
     """Convert several SOURCES into OUTPUT_ROOT; keep going when one fails, then print a table.
 
     Two sources with the same name get outputs named after their owners too (orgA--x-bf16, orgB--x-bf16).
@@ -408,10 +543,22 @@ def batch_command(sources, output_root, from_file, adapter, dtype, device, max_s
     def action():
         from .run import batch
 
-        return batch(sources, output_root, dtype=dtype, device=device, dry_run=dry_run, adapter=adapter, revision=revision,
-                     token=token, cache_dir=cache_dir, max_shard_size=max_shard_size, overwrite=overwrite,
-                     progress=not quiet and not as_json, on_error=failed,
-                     on_warning=lambda source, warning: say(f"Warning: {source}: {warning}", err=True))  # fmt: skip
+        return batch(
+            sources,
+            output_root,
+            dtype=dtype,
+            device=device,
+            dry_run=dry_run,
+            adapter=adapter,
+            revision=revision,
+            token=token,
+            cache_dir=cache_dir,
+            max_shard_size=max_shard_size,
+            overwrite=overwrite,
+            progress=not quiet and not as_json,
+            on_error=failed,
+            on_warning=lambda source, warning: say(f"Warning: {source}: {warning}", err=True),
+        )
 
     result = _run(action, stops_reported=True)
     if as_json:
@@ -426,8 +573,11 @@ def batch_command(sources, output_root, from_file, adapter, dtype, device, max_s
         from .render import space_verdict
 
         if result.free is not None:
-            say(f"to write: {result.needed / 1e9:.3f} GB for {len(result.rows) - result.failed} planned; free where it goes: "
-                f"{space_verdict(result.free, result.needed)}", err=as_json)  # fmt: skip
+            say(
+                f"to write: {result.needed / 1e9:.3f} GB for {len(result.rows) - result.failed} planned; free where it goes: "
+                f"{space_verdict(result.free, result.needed)}",
+                err=as_json,
+            )
         say("dry run: nothing was written", err=as_json)
     if result.stopped is not None:
         untried = result.untried

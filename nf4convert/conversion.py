@@ -45,9 +45,16 @@ def model_card(prepared: "Prepared"):
 
     plan, base = prepared.plan, prepared.base
     text = plan.card.read_bytes().decode("utf-8", errors="replace") if plan.card is not None else None
-    return make_card(text, source_repo=base if looks_like_repo_id(base) and not Path(base).exists() else None,
-                     dtype=plan.dtype.short, version=__version__, quant_format=", ".join(plan.source_formats) or "bitsandbytes",
-                     adapter=prepared.adapter, revision=prepared.revision, commit=commit_of(plan.folder))  # fmt: skip
+    return make_card(
+        text,
+        source_repo=base if looks_like_repo_id(base) and not Path(base).exists() else None,
+        dtype=plan.dtype.short,
+        version=__version__,
+        quant_format=", ".join(plan.source_formats) or "bitsandbytes",
+        adapter=prepared.adapter,
+        revision=prepared.revision,
+        commit=commit_of(plan.folder),
+    )
 
 
 def _infinite_warning(names: list[str]) -> str | None:
@@ -56,8 +63,10 @@ def _infinite_warning(names: list[str]) -> str | None:
     if not names:
         return None
     shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-    return (f"{len(names)} tensor{'s hold' if len(names) != 1 else ' holds'} ±inf in fp16, values beyond its range (65504): "
-            f"{shown}; --dtype bf16 or fp32 keeps them finite")
+    return (
+        f"{len(names)} tensor{'s hold' if len(names) != 1 else ' holds'} ±inf in fp16, values beyond its range (65504): "
+        f"{shown}; --dtype bf16 or fp32 keeps them finite"
+    )
 
 
 @dataclass(frozen=True)
@@ -71,24 +80,66 @@ class Prepared:
     headers_only: str | None = None  # planned from its headers alone: the Hub repo as "repo@commit" (its copy is gone)
 
 
-def prepare(source: str | os.PathLike, output=None, *, dtype="auto", adapter=None, revision=None, token=None, cache_dir=None,
-            max_shard_size=DEFAULT_SHARD_SIZE, overwrite=False, output_dir=None, stem=None, reader=None,
-            progress=True, headers_only=False, on_output=None) -> Prepared:  # fmt: skip
+def prepare(
+    source: str | os.PathLike,
+    output=None,
+    *,
+    dtype="auto",
+    adapter=None,
+    revision=None,
+    token=None,
+    cache_dir=None,
+    max_shard_size=DEFAULT_SHARD_SIZE,
+    overwrite=False,
+    output_dir=None,
+    stem=None,
+    reader=None,
+    progress=True,
+    headers_only=False,
+    on_output=None,
+) -> Prepared:
     """Resolve and plan a conversion and check where it goes, writing nothing (what ``convert`` and a dry run do
     first). A Hub SOURCE's weights are downloaded into the Hub cache, unless ``headers_only`` (a dry run): then the
     plan reads their headers and quant states over range requests, from a copy removed before this returns (the
     plan can then be shown, not streamed; ``reader`` is not taken). ``on_output(folder)`` is told where the output
     goes as soon as that is known (a batch names it for a source that fails after that)."""
     if not headers_only:
-        return _prepare(source, output, dtype=dtype, adapter=adapter, revision=revision, token=token, cache_dir=cache_dir,
-                        max_shard_size=max_shard_size, overwrite=overwrite, output_dir=output_dir, stem=stem,
-                        reader=reader, progress=progress, on_output=on_output)  # fmt: skip
+        return _prepare(
+            source,
+            output,
+            dtype=dtype,
+            adapter=adapter,
+            revision=revision,
+            token=token,
+            cache_dir=cache_dir,
+            max_shard_size=max_shard_size,
+            overwrite=overwrite,
+            output_dir=output_dir,
+            stem=stem,
+            reader=reader,
+            progress=progress,
+            on_output=on_output,
+        )
     headers = HeadersOnly()
     try:
         with TensorReader(headers.ranges) as reader:
-            return _prepare(source, output, dtype=dtype, adapter=adapter, revision=revision, token=token,
-                            cache_dir=cache_dir, max_shard_size=max_shard_size, overwrite=overwrite, output_dir=output_dir,
-                            stem=stem, reader=reader, progress=progress, headers=headers, on_output=on_output)  # fmt: skip
+            return _prepare(
+                source,
+                output,
+                dtype=dtype,
+                adapter=adapter,
+                revision=revision,
+                token=token,
+                cache_dir=cache_dir,
+                max_shard_size=max_shard_size,
+                overwrite=overwrite,
+                output_dir=output_dir,
+                stem=stem,
+                reader=reader,
+                progress=progress,
+                headers=headers,
+                on_output=on_output,
+            )
     except Nf4ConvertError as error:  # named by the repo, not the temporary copy
         text = str(error)
         for copy in [folder for folder, _ in headers.copies.values()]:
@@ -102,14 +153,33 @@ def prepare(source: str | os.PathLike, output=None, *, dtype="auto", adapter=Non
         headers.remove()
 
 
-def _prepare(source, output, *, dtype, adapter, revision, token, cache_dir, max_shard_size, overwrite, output_dir, stem,
-             reader, progress, headers=None, on_output=None) -> Prepared:  # fmt: skip
+def _prepare(
+    source,
+    output,
+    *,
+    dtype,
+    adapter,
+    revision,
+    token,
+    cache_dir,
+    max_shard_size,
+    overwrite,
+    output_dir,
+    stem,
+    reader,
+    progress,
+    headers=None,
+    on_output=None,
+) -> Prepared:
     Settings.from_env()  # a dry run refuses a bad NF4CONVERT_* value as the conversion does
     source, adapter = named_sources(source, adapter)
     if output is not None and (output_dir is not None or stem is not None):
         given = "output_dir" if output_dir is not None else "stem"
-        raise ArgumentError(f"output and {given} both given: output names the folder itself, output_dir and stem name "
-                            "it for you; give one or the other", option=given)  # fmt: skip
+        raise ArgumentError(
+            f"output and {given} both given: output names the folder itself, output_dir and stem name "
+            "it for you; give one or the other",
+            option=given,
+        )
     if stem is not None and not plain_name(stem):
         raise ArgumentError(f"stem {stem!r} is not a plain folder name (no '/', not '.' or '..')", option="stem")
     shard_limit = parse_size(max_shard_size)
@@ -117,8 +187,9 @@ def _prepare(source, output, *, dtype, adapter, revision, token, cache_dir, max_
     if output is not None:  # before any download
         output = expanded_output(output, "output")
         lifecycle.check_destination(output, overwrite=overwrite)
-    folder, adapter_folder, base, adapter = resolve_source(source, adapter, revision=revision, token=token,
-                                                           cache_dir=cache_dir, progress=progress, headers=headers)  # fmt: skip
+    folder, adapter_folder, base, adapter = resolve_source(
+        source, adapter, revision=revision, token=token, cache_dir=cache_dir, progress=progress, headers=headers
+    )
     try:
         plan = make_plan(folder, dtype=dtype, max_shard_size=shard_limit, reader=reader, adapter=adapter_folder)
     except CheckpointError as error:
@@ -137,8 +208,9 @@ def _prepare(source, output, *, dtype, adapter, revision, token, cache_dir, max_
     if adapter_folder is not None:
         lifecycle.check_not_source(output, adapter_folder)
     free_bytes = lifecycle.free_space(output)
-    return Prepared(plan, output, free_bytes, base, adapter, revision if base == source else None,
-                    headers and headers.shown(folder))  # fmt: skip
+    return Prepared(
+        plan, output, free_bytes, base, adapter, revision if base == source else None, headers and headers.shown(folder)
+    )
 
 
 def convert(
@@ -191,20 +263,47 @@ def convert(
     # From the move into place on, stop signals wait for the end (they are delivered marked with the complete OUT).
     finishing = contextlib.ExitStack()
     with finishing, route_for(chosen_device, settings) as route, TensorReader() as reader, _side_thread() as side:
-        prepared = prepare(source, output, dtype=dtype, adapter=adapter, revision=revision, token=token, cache_dir=cache_dir,
-                           max_shard_size=max_shard_size, overwrite=overwrite, output_dir=output_dir, stem=stem,
-                           reader=reader, progress=progress, on_output=on_output)  # fmt: skip
+        prepared = prepare(
+            source,
+            output,
+            dtype=dtype,
+            adapter=adapter,
+            revision=revision,
+            token=token,
+            cache_dir=cache_dir,
+            max_shard_size=max_shard_size,
+            overwrite=overwrite,
+            output_dir=output_dir,
+            stem=stem,
+            reader=reader,
+            progress=progress,
+            on_output=on_output,
+        )
         plan, output = prepared.plan, prepared.output
         profile.mark("planned")
         lifecycle.check_free_space(output, plan.tensor_bytes + plan.side_bytes)
         card = side.submit(model_card, prepared)
         with lifecycle.staging(output) as temporary:
             n_tensors = len(plan.tensors)
-            with tqdm(total=plan.tensor_bytes, unit="B", unit_scale=True, unit_divisor=1000, disable=not progress,
-                      desc=f"{model_name(source)} -> {plan.dtype.name}", dynamic_ncols=True) as bar:  # fmt: skip
-                infinite = write_shards(plan, temporary, reader, chosen_device, progress=bar.update, route=route, settings=settings,
-                                        tensor_done=lambda done: bar.set_postfix_str(f"{done}/{n_tensors} tensors",
-                                                                                     refresh=False))  # fmt: skip
+            with tqdm(
+                total=plan.tensor_bytes,
+                unit="B",
+                unit_scale=True,
+                unit_divisor=1000,
+                disable=not progress,
+                desc=f"{model_name(source)} -> {plan.dtype.name}",
+                dynamic_ncols=True,
+            ) as bar:
+                infinite = write_shards(
+                    plan,
+                    temporary,
+                    reader,
+                    chosen_device,
+                    progress=bar.update,
+                    route=route,
+                    settings=settings,
+                    tensor_done=lambda done: bar.set_postfix_str(f"{done}/{n_tensors} tensors", refresh=False),
+                )
             profile.mark("tensors written")
             card = card.result()
             write_side_files(plan, temporary, card.text)
@@ -212,8 +311,15 @@ def convert(
             lifecycle.move_into_place(temporary, output, overwrite=overwrite)
         profile.mark("in place")
         profile.report()
-        result = ConvertResult(output, plan.dtype.name, len(plan.tensors), plan.n_dequantized, plan.tensor_bytes,
-                               time.perf_counter() - started, tuple(w for w in [card.warning, _infinite_warning(infinite)] if w))  # fmt: skip
+        result = ConvertResult(
+            output,
+            plan.dtype.name,
+            len(plan.tensors),
+            plan.n_dequantized,
+            plan.tensor_bytes,
+            time.perf_counter() - started,
+            tuple(w for w in [card.warning, _infinite_warning(infinite)] if w),
+        )
     return result
 
 

@@ -64,7 +64,9 @@ def _fields(packed: torch.Tensor, quant_state: Any, out: Optional[torch.Tensor],
         if out.dtype != quant_state.dtype:
             raise ArgumentError(f"out has dtype {out.dtype}, the quant state's is {quant_state.dtype}")
         if out.numel() != math.prod(quant_state.shape):
-            raise ArgumentError(f"out has {out.numel()} elements, shape {tuple(quant_state.shape)} needs {math.prod(quant_state.shape)}")
+            raise ArgumentError(
+                f"out has {out.numel()} elements, shape {tuple(quant_state.shape)} needs {math.prod(quant_state.shape)}"
+            )
         if out.device != device or not out.is_contiguous():
             raise ArgumentError(f"out must be contiguous on {device}")
     _refuse_amd(device)
@@ -102,8 +104,18 @@ def _compiled(packed, quant_state, fields, out, backend):
     absmax, code2, absmax2, offset, nested_blocksize = fields
     shape = tuple(quant_state.shape)
     op = torch.ops.nf4convert.dequantize_4bit if backend == "triton" else torch.ops.nf4convert.dequantize_4bit_cpu
-    result = op(packed, absmax, code2, absmax2, offset, _code_table(quant_state.quant_type, packed.device),
-                quant_state.blocksize, nested_blocksize, list(shape), quant_state.dtype)  # fmt: skip
+    result = op(
+        packed,
+        absmax,
+        code2,
+        absmax2,
+        offset,
+        _code_table(quant_state.quant_type, packed.device),
+        quant_state.blocksize,
+        nested_blocksize,
+        list(shape),
+        quant_state.dtype,
+    )
     if out is None:
         return result
     out.copy_(result.view(out.shape))
@@ -177,11 +189,15 @@ def dequantize_4bit(
             from .devices import no_triton
 
             raise no_triton(f"dequantizing {packed.device.type} tensors with backend={backend!r}") from None
-        replay = launch.launch(packed, absmax, code2, absmax2, offset, code, out, quant_state.blocksize, nested_blocksize)
+        replay = launch.launch(
+            packed, absmax, code2, absmax2, offset, code, out, quant_state.blocksize, nested_blocksize
+        )
         # Only launches that read the quant state's own tensors (no converted copies) can be replayed.
         state2 = quant_state.state2 if quant_state.nested else None
-        if replay is not None and absmax is quant_state.absmax and (
-            code2 is None or (code2 is state2.code and absmax2 is state2.absmax and offset is quant_state.offset)
-        ):  # fmt: skip
+        if (
+            replay is not None
+            and absmax is quant_state.absmax
+            and (code2 is None or (code2 is state2.code and absmax2 is state2.absmax and offset is quant_state.offset))
+        ):
             _replays.remember(packed, quant_state, replay)
     return out.view(shape)

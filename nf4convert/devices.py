@@ -23,8 +23,10 @@ def has_triton() -> bool:
 
 
 def no_triton(what: str) -> DependencyError:
-    return DependencyError(f"{what} needs Triton, which is not installed (pip install triton; on Windows, triton-windows); "
-                           "the CPU path (--device cpu, backend='cpu') works without it")  # fmt: skip
+    return DependencyError(
+        f"{what} needs Triton, which is not installed (pip install triton; on Windows, triton-windows); "
+        "the CPU path (--device cpu, backend='cpu') works without it"
+    )
 
 
 def gpu_driver_present() -> bool:
@@ -34,8 +36,11 @@ def gpu_driver_present() -> bool:
     import glob
     import os
 
-    return (bool(glob.glob("/dev/nvidia[0-9]*")) or any(os.path.exists(f"/dev/{name}") for name in ("kfd", "dxg"))
-            or not os.path.isdir("/dev"))  # fmt: skip
+    return (
+        bool(glob.glob("/dev/nvidia[0-9]*"))
+        or any(os.path.exists(f"/dev/{name}") for name in ("kfd", "dxg"))
+        or not os.path.isdir("/dev")
+    )
 
 
 def pick_device(device: str, *, kernel: bool = True):
@@ -102,7 +107,9 @@ def cpu_cores(cgroup_root: str = "/sys/fs/cgroup", own_cgroup: str = "/proc/self
             if version is None:
                 quota, period = (folder / "cpu.max").read_text().split()[:2]
             else:
-                quota, period = ((folder / name).read_text().strip() for name in ("cpu.cfs_quota_us", "cpu.cfs_period_us"))
+                quota, period = (
+                    (folder / name).read_text().strip() for name in ("cpu.cfs_quota_us", "cpu.cfs_period_us")
+                )
             if quota in ("max", "-1") or int(period) <= 0 or int(quota) <= 0:
                 continue
             cores = min(cores, math.ceil(int(quota) / int(period)))

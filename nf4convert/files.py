@@ -34,8 +34,16 @@ INDEX_NAME = "model.safetensors.index.json"  # transformers' name for the index 
 # and Mistral's reference code), transformers 4's TF and Flax weights. NAMED: read only when a tool is pointed at
 # them (GGUF, other checkpoints). ADAPTER: a peft adapter's, with which transformers loads the base it names plus
 # the adapter instead of the weights beside it.
-LOADED_WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json", "*.pt", "*.pth",
-                       "*.h5", "*.msgpack")  # fmt: skip
+LOADED_WEIGHT_FILES = (
+    "*.safetensors",
+    "*.safetensors.index.json",
+    "*.bin",
+    "*.bin.index.json",
+    "*.pt",
+    "*.pth",
+    "*.h5",
+    "*.msgpack",
+)
 
 
 NAMED_WEIGHT_FILES = ("*.ckpt", "*.gguf")
@@ -51,8 +59,13 @@ def plain_relative(folder: Path, file, where: str) -> str:
     if not isinstance(file, str) or not file:
         raise CheckpointError(f"{where}: file name {shown(file)} is not a non-empty string")
     parts = file.split("/")
-    if (not file.isprintable() or "\\" in file or PureWindowsPath(file).drive or file.startswith("/")
-            or any(part in ("", ".", "..") for part in parts)):  # fmt: skip
+    if (
+        not file.isprintable()
+        or "\\" in file
+        or PureWindowsPath(file).drive
+        or file.startswith("/")
+        or any(part in ("", ".", "..") for part in parts)
+    ):
         raise CheckpointError(f"{where}: file name {shown(file)} is not a plain relative path inside {folder}")
     if any(len(part.encode("utf-8", "surrogatepass")) > 255 for part in parts):  # no file system takes more
         raise CheckpointError(f"{where}: file name {shown(file)} is too long")
@@ -79,7 +92,9 @@ def inside(folder: Path, file: str, *, what: str = "checkpoint") -> Path:
         raise CheckpointError(f"{path}: cannot be resolved ({error})") from None
     if real == root or root in real.parents or (blobs is not None and real.parent == blobs):
         return path
-    raise CheckpointError(f"{path}: is a link to {real}, outside the {what} folder; copy the file into the folder instead")
+    raise CheckpointError(
+        f"{path}: is a link to {real}, outside the {what} folder; copy the file into the folder instead"
+    )
 
 
 # Files a converted checkpoint must not carry over: the old weights, their indexes, a peft adapter's own files (an
@@ -97,9 +112,11 @@ WRITTEN_ANEW = ("config.json", "README.md")
 def carried_files(folder: Path) -> list[Path]:
     """Files to carry over unchanged (relative paths): everything but weights, indexes, caches, the config and the
     model card (both written anew)."""
+
     def unreadable(error: OSError):  # rglob would skip such a folder without a word
-        raise CheckpointError(f"{error.filename}: cannot be read ({error.strerror or error}); its files would be missing from "
-                              "the output") from None  # fmt: skip
+        raise CheckpointError(
+            f"{error.filename}: cannot be read ({error.strerror or error}); its files would be missing from the output"
+        ) from None
 
     kept = []
     for root, dirs, files in os.walk(folder, onerror=unreadable):  # a link to a folder is not followed: not carried
@@ -112,10 +129,13 @@ def carried_files(folder: Path) -> list[Path]:
             inside(folder, relative.as_posix())  # a link out of the folder is never copied into the output
             if not path.is_file():  # found now: a file missing from the output would go unnoticed (verify too)
                 if path.is_symlink() and not path.exists():
-                    raise CheckpointError(f"{path}: is a link to {os.readlink(path)}, which does not exist (an interrupted "
-                                          "download?); it would be missing from the output")  # fmt: skip
-                raise CheckpointError(f"{path}: is not a regular file (a pipe, socket or device); it cannot be carried "
-                                      "into the output")  # fmt: skip
+                    raise CheckpointError(
+                        f"{path}: is a link to {os.readlink(path)}, which does not exist (an interrupted "
+                        "download?); it would be missing from the output"
+                    )
+                raise CheckpointError(
+                    f"{path}: is not a regular file (a pipe, socket or device); it cannot be carried into the output"
+                )
             if not os.access(path, os.R_OK):  # found now, not as the output's write failing after every tensor
                 raise CheckpointError(f"{path}: cannot be read (permission denied); it is carried over into the output")
             kept.append(relative)
@@ -124,8 +144,11 @@ def carried_files(folder: Path) -> list[Path]:
 
 # Files no conversion writes that would change how a loader reads the folder (weights in other formats, an adapter's),
 # named as such in _unexpected_files; weight files and indexes at the root are _weight_file_problems'.
-FOREIGN_FILES = tuple(pattern for pattern in (*ADAPTER_FILES, *LOADED_WEIGHT_FILES, *NAMED_WEIGHT_FILES)
-                      if not pattern.startswith("*.safetensors"))  # fmt: skip
+FOREIGN_FILES = tuple(
+    pattern
+    for pattern in (*ADAPTER_FILES, *LOADED_WEIGHT_FILES, *NAMED_WEIGHT_FILES)
+    if not pattern.startswith("*.safetensors")
+)
 
 
 # What a folder may hold beside the conversion's files without changing what it is: git's and caches' own.

@@ -22,9 +22,22 @@ from .paths import expanded
 # What a conversion needs: the weights and their index, configs, tokenizer files, chat templates,
 # model cards, licenses and remote code. Not .bin / .pt / .gguf copies of the same weights.
 ALLOW_PATTERNS = [
-    "*.safetensors", "*.safetensors.index.json", "*.json", "*.py", "*.txt", "*.model", "*.tiktoken",
-    "*.jinja", "*.md", "LICENSE*", "NOTICE*", "*.tokenizer", "*spiece*", "*.vocab", "*merges*",
-]  # fmt: skip
+    "*.safetensors",
+    "*.safetensors.index.json",
+    "*.json",
+    "*.py",
+    "*.txt",
+    "*.model",
+    "*.tiktoken",
+    "*.jinja",
+    "*.md",
+    "LICENSE*",
+    "NOTICE*",
+    "*.tokenizer",
+    "*spiece*",
+    "*.vocab",
+    "*merges*",
+]
 # Fetched first when the caller checks a repo before its weights (``precheck``): enough to tell a checkpoint that is
 # not a bitsandbytes one, or an adapter, without downloading gigabytes.
 CONFIG_FILES = ["config.json", "adapter_config.json"]
@@ -126,13 +139,22 @@ def _scratch_errors(source: str) -> Iterator[None]:
         yield
     except OSError as error:
         where = os.environ.get("TMPDIR") or "the temporary folder"
-        raise OutputError(f"{where}: cannot hold a dry run's copy of {source}'s headers ({error.strerror or error}); "
-                          "set TMPDIR to a writable folder") from None  # fmt: skip
+        raise OutputError(
+            f"{where}: cannot hold a dry run's copy of {source}'s headers ({error.strerror or error}); "
+            "set TMPDIR to a writable folder"
+        ) from None
 
 
-def resolve(source: str, *, revision: str | None = None, token: str | None = None, cache_dir: str | None = None,
-            progress: bool = True, precheck: Callable[[Path], None] | None = None,
-            headers: HeadersOnly | None = None) -> Path:  # fmt: skip
+def resolve(
+    source: str,
+    *,
+    revision: str | None = None,
+    token: str | None = None,
+    cache_dir: str | None = None,
+    progress: bool = True,
+    precheck: Callable[[Path], None] | None = None,
+    headers: HeadersOnly | None = None,
+) -> Path:
     """A local folder holding the checkpoint named by ``source``.
 
     ``revision`` (a branch, tag or commit) applies to a Hub repo only. ``progress=False`` hides huggingface_hub's
@@ -153,8 +175,10 @@ def resolve(source: str, *, revision: str | None = None, token: str | None = Non
     path = expanded(source, "source")
     if path.is_dir():
         if revision is not None:
-            raise ArgumentError(f"{source}: a local folder has no revisions; revision {revision!r} applies to a Hub "
-                                "repo id only", option="revision")  # fmt: skip
+            raise ArgumentError(
+                f"{source}: a local folder has no revisions; revision {revision!r} applies to a Hub repo id only",
+                option="revision",
+            )
         return path
     if path.exists():
         raise SourceNotFoundError(f"{source}: is a file, not a checkpoint folder")
@@ -179,13 +203,19 @@ def resolve(source: str, *, revision: str | None = None, token: str | None = Non
                 _check_cached_weights(source, folder)
             return folder
     except errors.GatedRepoError:
-        raise SourceNotFoundError(f"{source}: gated repository; accept its terms on the Hub and give a token", option="token") from None
+        raise SourceNotFoundError(
+            f"{source}: gated repository; accept its terms on the Hub and give a token", option="token"
+        ) from None
     except errors.RepositoryNotFoundError:
-        raise SourceNotFoundError(f"{source}: repository not found on the Hub (private? give a token)", option="token") from None
+        raise SourceNotFoundError(
+            f"{source}: repository not found on the Hub (private? give a token)", option="token"
+        ) from None
     except errors.RevisionNotFoundError:
         raise SourceNotFoundError(f"{source}: revision {revision!r} not found", option="revision") from None
     except errors.LocalEntryNotFoundError:
-        raise SourceNotFoundError(f"{source}: not in the Hub cache, and the Hub cannot be reached (offline: HF_HUB_OFFLINE is set or there is no network)") from None
+        raise SourceNotFoundError(
+            f"{source}: not in the Hub cache, and the Hub cannot be reached (offline: HF_HUB_OFFLINE is set or there is no network)"
+        ) from None
     except Nf4ConvertError:  # the precheck's verdict
         raise
     except Exception as error:  # noqa: BLE001  (network, HTTP, xet, file system: one line that keeps the cause)
@@ -201,8 +231,10 @@ def _check_cached_weights(source: str, folder: Path) -> None:
 
     weight_map = read_index(folder)
     if weight_map is not None and any(not (folder / name).is_file() for name in set(weight_map.values())):
-        raise SourceNotFoundError(f"{source}: its weights are not in the Hub cache (a dry run reads only their headers), "
-                                  "and HF_HUB_OFFLINE is set")  # fmt: skip
+        raise SourceNotFoundError(
+            f"{source}: its weights are not in the Hub cache (a dry run reads only their headers), "
+            "and HF_HUB_OFFLINE is set"
+        )
 
 
 def _headers_only_patterns() -> list[str]:
@@ -237,9 +269,13 @@ def _copy_for_plan(source: str, downloaded: Path, headers: HeadersOnly, token: s
         raise
     if weight_map is not None:
         listed = set(weight_map.values())
-        names = sorted((listed & set(siblings)) | series_members(listed, siblings))  # one listed but missing: the plan says so
+        names = sorted(
+            (listed & set(siblings)) | series_members(listed, siblings)
+        )  # one listed but missing: the plan says so
     else:
-        names = sorted(name for name in siblings if "/" not in name and name.endswith(".safetensors") and name != ADAPTER_WEIGHTS)
+        names = sorted(
+            name for name in siblings if "/" not in name and name.endswith(".safetensors") and name != ADAPTER_WEIGHTS
+        )
     if set(names) <= cached:
         return downloaded  # every file the plan reads is in the cache (an earlier conversion's), or there is none (an adapter)
 
@@ -248,7 +284,9 @@ def _copy_for_plan(source: str, downloaded: Path, headers: HeadersOnly, token: s
     with _scratch_errors(source):
         for path in sorted(downloaded.rglob("*")):
             relative = path.relative_to(downloaded).as_posix()
-            if path.is_file() and any(fnmatch.fnmatch(relative, pattern) for pattern in patterns):  # not other tools' files
+            if path.is_file() and any(
+                fnmatch.fnmatch(relative, pattern) for pattern in patterns
+            ):  # not other tools' files
                 (folder / relative).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(path, folder / relative)
     reader = _RangeReader(source, commit, token)
@@ -287,7 +325,9 @@ class _RangeReader:
         where = f"{self.source}: {name}: the Hub answered a request for bytes {first}-{end - 1}"
         with _streamed(url, {**self.headers, "Range": f"bytes={first}-{end - 1}"}, self.timeout) as (response, body):
             content_range = (response.headers.get("Content-Range") or "").strip()
-            if response.status_code == 416 and first == 0 and content_range == "bytes */0":  # an empty file has no byte 0
+            if (
+                response.status_code == 416 and first == 0 and content_range == "bytes */0"
+            ):  # an empty file has no byte 0
                 return b"", 0
             if response.status_code >= 400:
                 body()  # for the error's message
@@ -295,9 +335,11 @@ class _RangeReader:
             if response.status_code != 206:
                 length = response.headers.get("Content-Length")
                 if first != 0 or length is None or not length.isdigit() or int(length) > end - first:
-                    raise SourceNotFoundError(f"{where} with status {response.status_code} and not the range (the whole "
-                                              "file?): a dry run needs range requests; convert instead (that downloads "
-                                              "the weights)")  # fmt: skip
+                    raise SourceNotFoundError(
+                        f"{where} with status {response.status_code} and not the range (the whole "
+                        "file?): a dry run needs range requests; convert instead (that downloads "
+                        "the weights)"
+                    )
                 data = body()
                 return data, len(data)  # a file no larger than the range, whole
             match = re.fullmatch(r"bytes (\d+)-(\d+)/(\d+)", content_range)
@@ -355,9 +397,13 @@ def _plan_runs(tensors: dict, held: list[tuple[int, int]]) -> list[tuple[int, in
     a larger one is the plan's to refuse, by its size alone) not held yet, neighbours merged."""
     from .formats import PLAN_READS  # noqa: PLC0415
 
-    wanted = sorted((t.begin, t.end) for t in tensors.values()
-                    if 0 < t.nbytes <= PLAN_TENSOR_BYTES and PLAN_READS.search(t.name)
-                    and not any(a <= t.begin and t.end <= b for a, b in held))  # fmt: skip
+    wanted = sorted(
+        (t.begin, t.end)
+        for t in tensors.values()
+        if 0 < t.nbytes <= PLAN_TENSOR_BYTES
+        and PLAN_READS.search(t.name)
+        and not any(a <= t.begin and t.end <= b for a, b in held)
+    )
     runs: list[list[int]] = []
     for begin, end in wanted:
         if runs and begin - runs[-1][1] <= _GAP_BYTES and end - runs[-1][0] <= _RUN_BYTES:
@@ -367,7 +413,9 @@ def _plan_runs(tensors: dict, held: list[tuple[int, int]]) -> list[tuple[int, in
     return [(begin, end) for begin, end in runs]
 
 
-def _fill(reader: _RangeReader, source: str, name: str, path: Path, run: tuple[int, int], bar) -> tuple[Path, tuple[int, int]]:
+def _fill(
+    reader: _RangeReader, source: str, name: str, path: Path, run: tuple[int, int], bar
+) -> tuple[Path, tuple[int, int]]:
     import os  # noqa: PLC0415
 
     data, _ = reader.read(name, *run)

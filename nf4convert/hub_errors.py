@@ -159,17 +159,33 @@ def _network_line(chain: list[BaseException]) -> str | None:
         return f"cannot resolve the host name{at} (no network or DNS; or a wrong HF_ENDPOINT?)"
     if "ConnectionRefusedError" in names or codes & {errno.ECONNREFUSED} or REFUSED.search(texts):
         return f"connection refused by{at or ' the server'} (is the endpoint right, and the server up?)"
-    if names & {"TimeoutError", "timeout", "TimeoutException", "Timeout", "ConnectTimeout", "ReadTimeout",
-                "WriteTimeout", "PoolTimeout", "ConnectTimeoutError", "ReadTimeoutError"} or (
-        names & {"ConnectError", "ConnectionError", "NetworkError", "TransportError"} and TIMEOUT.search(texts)
-    ):  # fmt: skip
+    if names & {
+        "TimeoutError",
+        "timeout",
+        "TimeoutException",
+        "Timeout",
+        "ConnectTimeout",
+        "ReadTimeout",
+        "WriteTimeout",
+        "PoolTimeout",
+        "ConnectTimeoutError",
+        "ReadTimeoutError",
+    } or (names & {"ConnectError", "ConnectionError", "NetworkError", "TransportError"} and TIMEOUT.search(texts)):
         kind = "connecting to" if names & {"ConnectTimeout", "ConnectTimeoutError"} else "waiting for"
         return f"timed out {kind}{at or ' the server'} (slow or no network; try again)"
     connect_failed = bool(names & {"ConnectError", "ConnectionError"})
     if names & {"SSLError", "SSLCertVerificationError"} or (connect_failed and TLS.search(texts)):
         return f"TLS error with{at or ' the server'}: {first_line(chain[-1])}"
-    if connect_failed or names & {"NetworkError", "TransportError", "RemoteProtocolError", "ProtocolError",
-                                  "ReadError", "WriteError", "ChunkedEncodingError", "ConnectionResetError"}:
+    if connect_failed or names & {
+        "NetworkError",
+        "TransportError",
+        "RemoteProtocolError",
+        "ProtocolError",
+        "ReadError",
+        "WriteError",
+        "ChunkedEncodingError",
+        "ConnectionResetError",
+    }:
         return f"network error with{at or ' the server'}: {first_line(chain[-1])}"
     return None
 

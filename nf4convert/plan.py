@@ -90,15 +90,19 @@ def _recipes(folder: Path, tensors: dict[str, TensorInfo], reader: TensorReader,
     """One recipe per output tensor, in the order of the source files (so reads stay sequential)."""
     four_bit, eight_bit = Dequantize4bit.claim(tensors, reader), Dequantize8bit.claim(tensors, reader)
     for name in sorted(set(four_bit) & set(eight_bit)):
-        raise CheckpointError(f"{tensors[name].path}: tensor {shown(name)} has both a 4-bit quant state and an 8-bit SCB; "
-                              "it is one or the other")  # fmt: skip
+        raise CheckpointError(
+            f"{tensors[name].path}: tensor {shown(name)} has both a 4-bit quant state and an 8-bit SCB; "
+            "it is one or the other"
+        )
     quantization = quantization_config(config)
     bnb4.unclaimed_packed(tensors, [recipe.weight for recipe in four_bit.values()], quantization)
     bnb8.unclaimed_int8(tensors, [recipe.weight for recipe in eight_bit.values()], quantization)
     quantized = Transpose.wrap({**four_bit, **eight_bit}, config)
     if not quantized:
-        raise CheckpointError(f"{folder}: no bitsandbytes weights (no '*.quant_state.bitsandbytes__nf4/fp4' "
-                              "or 8-bit '*.SCB' tensors): nothing to convert")  # fmt: skip
+        raise CheckpointError(
+            f"{folder}: no bitsandbytes weights (no '*.quant_state.bitsandbytes__nf4/fp4' "
+            "or 8-bit '*.SCB' tensors): nothing to convert"
+        )
     consumed = {source.name for recipe in quantized.values() for source in recipe.sources}
     recipes: list[Recipe] = []
     for info in sorted(tensors.values(), key=lambda t: (str(t.path), t.begin)):
@@ -122,8 +126,14 @@ def _auto_dtype(recipes: list[Recipe], config: dict | None) -> DType:
     return OUTPUT_DTYPES[Counter(plain).most_common(1)[0][0] if plain else "float32"]
 
 
-def make_plan(folder: Path, *, dtype: str = "auto", max_shard_size: str | int = DEFAULT_SHARD_SIZE,
-              reader: TensorReader | None = None, adapter: Path | None = None) -> Plan:  # fmt: skip
+def make_plan(
+    folder: Path,
+    *,
+    dtype: str = "auto",
+    max_shard_size: str | int = DEFAULT_SHARD_SIZE,
+    reader: TensorReader | None = None,
+    adapter: Path | None = None,
+) -> Plan:
     """Plan the conversion of the checkpoint in ``folder`` (with the peft LoRA adapter in ``adapter`` merged in).
 
     Raises:
@@ -167,5 +177,14 @@ def make_plan(folder: Path, *, dtype: str = "auto", max_shard_size: str | int = 
     carried = carried_files(folder)
     card = card if card.is_file() else None
     side_bytes = sum((folder / path).stat().st_size for path in carried) + (card.stat().st_size if card else 0)
-    return Plan(folder, chosen, planned, tensors, carried, config and dense_config(config, chosen), card, merged_adapter,
-                side_bytes)  # fmt: skip
+    return Plan(
+        folder,
+        chosen,
+        planned,
+        tensors,
+        carried,
+        config and dense_config(config, chosen),
+        card,
+        merged_adapter,
+        side_bytes,
+    )

@@ -10,8 +10,10 @@ from .sizes import size_text
 
 def summary(result) -> str:
     """A ``ConvertResult`` in one line."""
-    return (f"{result.output}: {result.tensors} tensors ({result.dequantized} dequantized), "
-            f"{result.bytes / 1e9:.2f} GB {result.dtype}, {result.seconds:.1f} s")  # fmt: skip
+    return (
+        f"{result.output}: {result.tensors} tensors ({result.dequantized} dequantized), "
+        f"{result.bytes / 1e9:.2f} GB {result.dtype}, {result.seconds:.1f} s"
+    )
 
 
 def space_verdict(free: int, needed: int) -> str:
@@ -27,8 +29,11 @@ def plan_lines(prepared) -> list[str]:
     needed = plan.tensor_bytes + plan.side_bytes
     kinds = Counter(tensor.recipe.label for tensor in plan.tensors)
     shown = f"{prepared.headers_only} (its headers and quant states read from the Hub; no weights downloaded)"
-    lines = [f"source: {shown if prepared.headers_only else plan.folder}", f"output: {prepared.output} ({plan.dtype.name})",
-             f"tensors: {len(plan.tensors)} (" + ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items())) + ")"]  # fmt: skip
+    lines = [
+        f"source: {shown if prepared.headers_only else plan.folder}",
+        f"output: {prepared.output} ({plan.dtype.name})",
+        f"tensors: {len(plan.tensors)} (" + ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items())) + ")",
+    ]
     lines += [f"  {shard.filename}: {len(shard.tensors)} tensors, {shard.nbytes / 1e9:.3f} GB" for shard in plan.shards]
     config = "rewritten" if plan.config else "none"
     lines.append(f"side files: {len(plan.side_files)} ({plan.side_bytes / 1e6:.1f} MB), config.json {config}")
@@ -40,8 +45,16 @@ def plan_lines(prepared) -> list[str]:
 def table(rows) -> list[str]:
     """A batch's rows (``run.Row``) as an aligned table."""
     header = ("source", "status", "output", "tensors", "size", "seconds")
-    cells = [header] + [(row.source, row.status, row.output or "-", str(row.tensors or "-"),
-                         f"{row.bytes / 1e9:.2f} GB" if row.bytes is not None else "-",
-                         f"{row.seconds:.1f}" if row.seconds is not None else "-") for row in rows]  # fmt: skip
+    cells = [header] + [
+        (
+            row.source,
+            row.status,
+            row.output or "-",
+            str(row.tensors or "-"),
+            f"{row.bytes / 1e9:.2f} GB" if row.bytes is not None else "-",
+            f"{row.seconds:.1f}" if row.seconds is not None else "-",
+        )
+        for row in rows
+    ]
     widths = [max(len(cell[i]) for cell in cells) for i in range(len(header))]
     return ["  ".join(value.ljust(width) for value, width in zip(cell, widths)).rstrip() for cell in cells]

@@ -32,9 +32,19 @@ def dry_run_plan(source, output=None, *, device: str = "auto", **options) -> Pre
     return prepare(source, output, headers_only=True, **options)
 
 
-def convert_then(source, output=None, *, device: str = "auto", verify: bool = False, push_to: str | None = None,
-                 private: bool = False, push_branch: str | None = None, progress: bool = True,
-                 on_step: Callable[[object], None] = lambda result: None, **options) -> bool:  # fmt: skip
+def convert_then(
+    source,
+    output=None,
+    *,
+    device: str = "auto",
+    verify: bool = False,
+    push_to: str | None = None,
+    private: bool = False,
+    push_branch: str | None = None,
+    progress: bool = True,
+    on_step: Callable[[object], None] = lambda result: None,
+    **options,
+) -> bool:
     """Convert, then verify the output (if asked), then push it (if asked and verified); each step's result
     (``ConvertResult``, ``VerifyReport``, :class:`Pushed`) goes to ``on_step`` as it comes. Whether every step passed.
     A stop signal after the output was complete says so (``output_complete``): it is kept."""
@@ -44,15 +54,32 @@ def convert_then(source, output=None, *, device: str = "auto", verify: bool = Fa
     try:
         on_step(result)
         if verify:
-            report = verify_output(result.output, source, device=device, adapter=options.get("adapter"),
-                                   revision=options.get("revision"), token=options.get("token"),
-                                   cache_dir=options.get("cache_dir"), progress=progress)  # fmt: skip
+            report = verify_output(
+                result.output,
+                source,
+                device=device,
+                adapter=options.get("adapter"),
+                revision=options.get("revision"),
+                token=options.get("token"),
+                cache_dir=options.get("cache_dir"),
+                progress=progress,
+            )
             on_step(report)
             if not report.ok:
                 return False
         if push_to:
-            on_step(Pushed(push_to_hub(result.output, push_to, private=private, token=options.get("token"),
-                                       revision=push_branch, progress=progress)))  # fmt: skip
+            on_step(
+                Pushed(
+                    push_to_hub(
+                        result.output,
+                        push_to,
+                        private=private,
+                        token=options.get("token"),
+                        revision=push_branch,
+                        progress=progress,
+                    )
+                )
+            )
     except (Interrupted, Terminated) as stop:
         stop.output_complete = stop.output_complete or result.output
         raise
@@ -108,9 +135,18 @@ def read_source_list(text: str) -> list[str]:
     return [source for source in listed if source]
 
 
-def batch(sources: list[str], output_root, *, dtype: str = "auto", device: str = "auto", dry_run: bool = False,
-          adapter=None, on_error: Callable[[Row, Exception], None] = lambda row, error: None,
-          on_warning: Callable[[str, str], None] = lambda source, warning: None, **options) -> BatchResult:  # fmt: skip
+def batch(
+    sources: list[str],
+    output_root,
+    *,
+    dtype: str = "auto",
+    device: str = "auto",
+    dry_run: bool = False,
+    adapter=None,
+    on_error: Callable[[Row, Exception], None] = lambda row, error: None,
+    on_warning: Callable[[str, str], None] = lambda source, warning: None,
+    **options,
+) -> BatchResult:
     """Convert (or with ``dry_run`` plan) each source into ``output_root``, going on past failures; a stop signal
     ends the batch (the sources after it are "not attempted"). ``on_error(row, error)`` sees each failed row as it
     fails (and may reword its ``error``), ``on_warning(source, warning)`` each conversion's warnings as they come."""
@@ -136,7 +172,12 @@ def batch(sources: list[str], output_root, *, dtype: str = "auto", device: str =
                 result.free = prepared.free_bytes
             else:
                 converted = convert(source, device=device, **common)
-                row.output, row.status, row.tensors, row.bytes = str(converted.output), done, converted.tensors, converted.bytes
+                row.output, row.status, row.tensors, row.bytes = (
+                    str(converted.output),
+                    done,
+                    converted.tensors,
+                    converted.bytes,
+                )
                 for warning in converted.warnings:
                     on_warning(source, warning)
         except (Interrupted, Terminated, KeyboardInterrupt) as stop:
@@ -145,7 +186,9 @@ def batch(sources: list[str], output_root, *, dtype: str = "auto", device: str =
             if getattr(stop, "output_complete", None):
                 row.output, row.status = str(stop.output_complete), "ok"
         except Exception as error:  # noqa: BLE001  (one source's failure, whatever it is, must not stop the others)
-            row.error = str(error) if isinstance(error, Nf4ConvertError) else f"internal error: {type(error).__name__}: {error}"
+            row.error = (
+                str(error) if isinstance(error, Nf4ConvertError) else f"internal error: {type(error).__name__}: {error}"
+            )
             on_error(row, error)
         row.seconds = round(time.perf_counter() - started, 1)
         result.rows.append(row)

@@ -35,7 +35,9 @@ class Settings:
             name = f"NF4CONVERT_{spec.name.upper()}"
             text = environ.get(name, "").strip()
             if text:
-                values[spec.name] = _switch(name, text) if isinstance(spec.default, bool) else _whole(name, text, LEAST[spec.name])
+                values[spec.name] = (
+                    _switch(name, text) if isinstance(spec.default, bool) else _whole(name, text, LEAST[spec.name])
+                )
         return cls(**values)
 
 

@@ -32,8 +32,11 @@ class StopSignals:
         self._unraisable_hook = None
 
     def __enter__(self):
-        self._previous = {number: signal.signal(number, self._on_signal) for number in STOP_SIGNALS
-                          if signal.getsignal(number) is not signal.SIG_IGN}  # fmt: skip
+        self._previous = {
+            number: signal.signal(number, self._on_signal)
+            for number in STOP_SIGNALS
+            if signal.getsignal(number) is not signal.SIG_IGN
+        }
         self.received.clear()
         self._running = True
         self._unraisable_hook, sys.unraisablehook = sys.unraisablehook, partial(_unraisable, sys.unraisablehook)

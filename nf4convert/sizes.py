@@ -16,8 +16,18 @@ def parse_size(text: str | int) -> int:
     if isinstance(text, int) and not isinstance(text, bool):
         size = text
     else:
-        units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-                 "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}  # fmt: skip
+        units = {
+            "": 1,
+            "B": 1,
+            "KB": 10**3,
+            "MB": 10**6,
+            "GB": 10**9,
+            "TB": 10**12,
+            "KIB": 2**10,
+            "MIB": 2**20,
+            "GIB": 2**30,
+            "TIB": 2**40,
+        }
         value = str(text).strip().upper()
         number = value.rstrip("KMGTIB")
         try:
@@ -26,8 +36,10 @@ def parse_size(text: str | int) -> int:
         except (InvalidOperation, KeyError, ValueError):
             bytes_ = None
         if bytes_ is None or bytes_ != bytes_.to_integral_value():  # '1.5' bytes is no size, '1.5GB' is
-            raise ArgumentError(f"max_shard_size {text!r} is not like '5GB', '500MB' or a whole number of bytes",
-                                option="max_shard_size")  # fmt: skip
+            raise ArgumentError(
+                f"max_shard_size {text!r} is not like '5GB', '500MB' or a whole number of bytes",
+                option="max_shard_size",
+            )
         size = int(bytes_)
     if size <= 0 or size >= 2**63:
         raise ArgumentError(f"max_shard_size {text!r} must be positive and below 2**63 bytes", option="max_shard_size")

@@ -26,8 +26,10 @@ def named_sources(source, adapter) -> tuple[str, str | None]:
     source, adapter = as_text(source), as_text(adapter)
     for name, value in (("source", source), ("adapter", adapter)):
         if value is not None and not value.strip():
-            raise ArgumentError(f"{name} is empty; give a folder or a Hub repo id" + ("" if name == "source" else ", or None"),
-                                option=name)  # fmt: skip
+            raise ArgumentError(
+                f"{name} is empty; give a folder or a Hub repo id" + ("" if name == "source" else ", or None"),
+                option=name,
+            )
     return source, adapter
 
 
@@ -61,8 +63,16 @@ def reworded(error: CheckpointError, folder: Path) -> CheckpointError:
     return CheckpointError(f"{folder}: {reason}")
 
 
-def resolve_source(source: str | os.PathLike, adapter: str | os.PathLike | None = None, *, revision=None, token=None,
-                   cache_dir=None, progress=True, headers=None):  # fmt: skip
+def resolve_source(
+    source: str | os.PathLike,
+    adapter: str | os.PathLike | None = None,
+    *,
+    revision=None,
+    token=None,
+    cache_dir=None,
+    progress=True,
+    headers=None,
+):
     """(checkpoint folder, adapter folder or None, the base's name, the adapter's name or None): SOURCE resolved,
     and ADAPTER; a SOURCE that is itself a peft adapter (``adapter_config.json``, no ADAPTER given) stands for
     the base its config names, with it merged (a folder that also holds model weights is a checkpoint).
@@ -75,19 +85,35 @@ def resolve_source(source: str | os.PathLike, adapter: str | os.PathLike | None 
 
     source, adapter = as_text(source), as_text(adapter)
     fetch = dict(token=token, cache_dir=cache_dir, progress=progress)
-    folder = resolve(source, revision=revision, precheck=partial(_refuse_early, source=source), headers=headers, **fetch)
+    folder = resolve(
+        source, revision=revision, precheck=partial(_refuse_early, source=source), headers=headers, **fetch
+    )
     adapter_folder = resolve(adapter, **fetch) if adapter is not None else None
     weights = [p for p in folder.glob("*.safetensors") if p.name != peft_lora.WEIGHTS_NAME]
     if adapter_folder is not None and (folder / peft_lora.CONFIG_NAME).is_file() and not weights:
-        raise ArgumentError(f"{source} is a peft adapter (it has {peft_lora.CONFIG_NAME} and no model weights) and an "
-                            "adapter is given too: give the base checkpoint as SOURCE", option="adapter")  # fmt: skip
+        raise ArgumentError(
+            f"{source} is a peft adapter (it has {peft_lora.CONFIG_NAME} and no model weights) and an "
+            "adapter is given too: give the base checkpoint as SOURCE",
+            option="adapter",
+        )
     if adapter_folder is None and (folder / peft_lora.CONFIG_NAME).is_file() and not weights:
         base = peft_lora.load_adapter(folder).base_model_name_or_path
         if not base:
-            raise SourceNotFoundError(f"{folder / peft_lora.CONFIG_NAME}: an adapter whose base_model_name_or_path is "
-                                      "not set; name the base as SOURCE and this as the adapter", option="adapter")  # fmt: skip
-        adapter_folder, folder = folder, resolve(base, precheck=partial(_refuse_early, source=base), headers=headers, **fetch)
-        return folder, adapter_folder, base, str(adapter_folder.resolve()) if expanded(source, "source").exists() else source
+            raise SourceNotFoundError(
+                f"{folder / peft_lora.CONFIG_NAME}: an adapter whose base_model_name_or_path is "
+                "not set; name the base as SOURCE and this as the adapter",
+                option="adapter",
+            )
+        adapter_folder, folder = (
+            folder,
+            resolve(base, precheck=partial(_refuse_early, source=base), headers=headers, **fetch),
+        )
+        return (
+            folder,
+            adapter_folder,
+            base,
+            str(adapter_folder.resolve()) if expanded(source, "source").exists() else source,
+        )
     if adapter is not None and expanded(adapter, "adapter").exists():
         adapter = str(expanded(adapter, "adapter").resolve())  # a folder, never mistaken for a Hub repo id
     return folder, adapter_folder, source, adapter

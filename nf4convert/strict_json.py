@@ -50,7 +50,12 @@ def _depth_within(value, limit: int) -> bool:
     """Whether ``value`` nests at most ``limit`` lists/objects deep (walked without recursion)."""
     level = [value]
     for _ in range(limit + 1):
-        level = [item for node in level if isinstance(node, (dict, list)) for item in (node.values() if isinstance(node, dict) else node)]
+        level = [
+            item
+            for node in level
+            if isinstance(node, (dict, list))
+            for item in (node.values() if isinstance(node, dict) else node)
+        ]
         if not level:
             return True
     return False
@@ -60,8 +65,9 @@ def strict_json(raw: bytes, where: str):
     """Parse ``raw`` as serde_json would, and refuse duplicate keys and nesting past JSON_DEPTH; CheckpointError
     ``where: ...`` if not."""
     try:
-        value = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys, parse_constant=_refuse_constant,
-                           parse_int=_parse_int)
+        value = json.loads(
+            raw.decode("utf-8"), object_pairs_hook=_unique_keys, parse_constant=_refuse_constant, parse_int=_parse_int
+        )
         if not _depth_within(value, JSON_DEPTH):
             raise RecursionError
         return value

@@ -52,16 +52,26 @@ def check_target(repo_id: str, revision: str | None) -> None:
     try:
         validate_repo_id(repo_id)
     except HFValidationError as error:
-        raise ArgumentError(f"repo id {repo_id!r}: {str(error).split(':')[0].rstrip('.')}", option="push_to_hub") from None
+        raise ArgumentError(
+            f"repo id {repo_id!r}: {str(error).split(':')[0].rstrip('.')}", option="push_to_hub"
+        ) from None
     if not looks_like_repo_id(repo_id):
         raise ArgumentError(f"repo id {repo_id!r} is not a Hub repo id like 'me/model-bf16'", option="push_to_hub")
-    if revision is not None and not re.fullmatch(r"refs/pr/\d+", revision) and (revision == "" or BAD_BRANCH.search(revision)):
+    if (
+        revision is not None
+        and not re.fullmatch(r"refs/pr/\d+", revision)
+        and (revision == "" or BAD_BRANCH.search(revision))
+    ):
         raise ArgumentError(f"branch {revision!r}: not a name git allows for a branch", option="push_branch")
     if revision is not None and COMMIT_SHA.fullmatch(revision):
-        raise ArgumentError(f"{repo_id}: revision {revision!r} is a commit; an upload needs a branch (or refs/pr/N)",
-                            option="push_branch")  # fmt: skip
+        raise ArgumentError(
+            f"{repo_id}: revision {revision!r} is a commit; an upload needs a branch (or refs/pr/N)",
+            option="push_branch",
+        )
     if constants.HF_HUB_OFFLINE:
-        raise ArgumentError(f"{repo_id}: HF_HUB_OFFLINE is set, so nothing can be pushed to the Hub", option="push_to_hub")
+        raise ArgumentError(
+            f"{repo_id}: HF_HUB_OFFLINE is set, so nothing can be pushed to the Hub", option="push_to_hub"
+        )
 
 
 def push_to_hub(
@@ -104,15 +114,21 @@ def push_to_hub(
         with progress_bars(progress):
             url = str(api.create_repo(repo_id, private=private, exist_ok=True))
             if private and not api.repo_info(repo_id).private:
-                raise UploadError(f"{repo_id}: the repository exists and is public; nothing was uploaded (make it "
-                                  "private on the Hub first, or push without --private)")  # fmt: skip
+                raise UploadError(
+                    f"{repo_id}: the repository exists and is public; nothing was uploaded (make it "
+                    "private on the Hub first, or push without --private)"
+                )
             if revision is not None and not revision.startswith("refs/"):
                 api.create_branch(repo_id, branch=revision, exist_ok=True)
             stale = stale_weights(api.list_repo_files(repo_id, revision=revision), folder)
             # upload_folder matches its patterns against the whole path (``*`` crosses ``/``): exact names, escaped
-            api.upload_folder(repo_id=repo_id, folder_path=folder, revision=revision,
-                              commit_message=commit_message or DEFAULT_COMMIT_MESSAGE,
-                              delete_patterns=[glob.escape(name) for name in stale] or None)  # fmt: skip
+            api.upload_folder(
+                repo_id=repo_id,
+                folder_path=folder,
+                revision=revision,
+                commit_message=commit_message or DEFAULT_COMMIT_MESSAGE,
+                delete_patterns=[glob.escape(name) for name in stale] or None,
+            )
     except UploadError:
         raise
     except Exception as error:  # noqa: BLE001  (whatever the Hub, the network or hf_xet raise: one line, the cause)
@@ -122,5 +138,10 @@ def push_to_hub(
 
 def stale_weights(repo_files: list[str], folder: Path) -> list[str]:
     """The repo's root files in ``REPLACED_FILES`` that ``folder`` does not have (a push deletes them)."""
-    return [name for name in repo_files if "/" not in name and not (folder / name).is_file()
-            and any(fnmatchcase(name, pattern) for pattern in REPLACED_FILES)]  # fmt: skip
+    return [
+        name
+        for name in repo_files
+        if "/" not in name
+        and not (folder / name).is_file()
+        and any(fnmatchcase(name, pattern) for pattern in REPLACED_FILES)
+    ]

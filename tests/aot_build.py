@@ -19,7 +19,9 @@ SIGNATURE_TYPES = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float3
 
 def compile_for(capability, out_dtype, nested, n_elements=1 << 24, blocksize=64, fp_fusion=False, sm_count=40):
     """Triton's CompiledKernel for ``capability`` as the launcher would configure it, with its grid."""
-    grid, constexprs, num_warps = configs.launch_config(n_elements, blocksize, 256, nested, out_dtype, capability, sm_count)
+    grid, constexprs, num_warps = configs.launch_config(
+        n_elements, blocksize, 256, nested, out_dtype, capability, sm_count
+    )
     out_type = "*i16" if constexprs["BF16_BITS"] else SIGNATURE_TYPES[out_dtype]
     signature = {
         "packed_ptr": "*u8",

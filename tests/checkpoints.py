@@ -12,8 +12,14 @@ import torch
 def _configs():
     from transformers import BertConfig, GPT2Config, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config
 
-    small = dict(hidden_size=128, intermediate_size=320, num_hidden_layers=2, num_attention_heads=4, vocab_size=512,
-                 max_position_embeddings=256)  # fmt: skip
+    small = dict(
+        hidden_size=128,
+        intermediate_size=320,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        vocab_size=512,
+        max_position_embeddings=256,
+    )
     return {
         "llama": lambda: LlamaConfig(**small, num_key_value_heads=2, tie_word_embeddings=False),
         "qwen2": lambda: Qwen2Config(**small, num_key_value_heads=2, tie_word_embeddings=True),
@@ -21,8 +27,16 @@ def _configs():
         "phi3": lambda: Phi3Config(**small, num_key_value_heads=4, pad_token_id=0, tie_word_embeddings=False),
         "bert": lambda: BertConfig(**small),
         # Conv1D layers (weights stored (in, out)), which transformers quantizes transposed
-        "gpt2": lambda: GPT2Config(n_embd=128, n_inner=320, n_layer=2, n_head=4, vocab_size=512, n_positions=256,
-                                   bos_token_id=0, eos_token_id=0),  # fmt: skip
+        "gpt2": lambda: GPT2Config(
+            n_embd=128,
+            n_inner=320,
+            n_layer=2,
+            n_head=4,
+            vocab_size=512,
+            n_positions=256,
+            bos_token_id=0,
+            eos_token_id=0,
+        ),
     }
 
 
@@ -53,9 +67,14 @@ def build(folder: Path, variant: str, *, shard_size: str = "150KB", seed: int = 
     cls = model_class(arch)
     with tempfile.TemporaryDirectory() as dense:
         cls.from_config(_configs()[arch](), dtype=dtype).save_pretrained(dense)
-        quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quant_type, bnb_4bit_use_double_quant=double_quant,
-                                          bnb_4bit_compute_dtype=dtype, bnb_4bit_quant_storage=storage,
-                                          llm_int8_skip_modules=skip)  # fmt: skip
+        quantization = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type=quant_type,
+            bnb_4bit_use_double_quant=double_quant,
+            bnb_4bit_compute_dtype=dtype,
+            bnb_4bit_quant_storage=storage,
+            llm_int8_skip_modules=skip,
+        )
         model = cls.from_pretrained(dense, quantization_config=quantization, dtype=dtype, device_map="cpu")
         model.save_pretrained(folder, max_shard_size=shard_size)
     move_quant_state(folder)
@@ -77,7 +96,11 @@ def move_quant_state(folder: Path) -> str:
     moved = [k for k in weight_map if k.startswith(weight + ".") and k != weight]
     source = folder / weight_map[weight]
     tensors = load_file(source)
-    save_file({k: tensors.pop(k) for k in moved if k in tensors}, folder / "model-quant-state.safetensors", metadata={"format": "pt"})
+    save_file(
+        {k: tensors.pop(k) for k in moved if k in tensors},
+        folder / "model-quant-state.safetensors",
+        metadata={"format": "pt"},
+    )
     save_file(tensors, source, metadata={"format": "pt"})
     for key in moved:
         weight_map[key] = "model-quant-state.safetensors"

@@ -196,14 +196,26 @@ class Handler(BaseHTTPRequestHandler):
             if branch is None:
                 return self._error(404, f"Invalid rev id: {rest}", "RevisionNotFound")
             sha = hashlib.sha1(json.dumps(sorted(branch)).encode()).hexdigest()
-            return self._send(200, {"id": repo_id, "private": repo["private"], "sha": sha,
-                                    "siblings": [{"rfilename": name} for name in branch]})  # fmt: skip
+            return self._send(
+                200,
+                {
+                    "id": repo_id,
+                    "private": repo["private"],
+                    "sha": sha,
+                    "siblings": [{"rfilename": name} for name in branch],
+                },
+            )
         if action == "tree":  # /tree/<revision>: the listing that list_repo_files (and delete_patterns) read
             branch = repo["branches"].get(rest or "main")
             if branch is None:
                 return self._error(404, f"Invalid rev id: {rest}", "RevisionNotFound")
-            return self._send(200, [{"type": "file", "path": name, "size": len(data), "oid": git_blob_sha1(data)}
-                                    for name, data in sorted(branch.items())])  # fmt: skip
+            return self._send(
+                200,
+                [
+                    {"type": "file", "path": name, "size": len(data), "oid": git_blob_sha1(data)}
+                    for name, data in sorted(branch.items())
+                ],
+            )
         if action == "branch":
             if rest in repo["branches"]:
                 return self._error(409, "Reference already exists")
@@ -217,8 +229,11 @@ class Handler(BaseHTTPRequestHandler):
         if action == "xet-write-token":
             expiry = str(int(time.time()) + 3600)
             info = {"casUrl": self.hub.cas_url or f"{endpoint}/cas", "accessToken": XET_TOKEN, "exp": int(expiry)}
-            headers = {"X-Xet-Cas-Url": info["casUrl"], "X-Xet-Access-Token": XET_TOKEN,
-                       "X-Xet-Token-Expiration": expiry}  # fmt: skip
+            headers = {
+                "X-Xet-Cas-Url": info["casUrl"],
+                "X-Xet-Access-Token": XET_TOKEN,
+                "X-Xet-Token-Expiration": expiry,
+            }
             return self._send(200, info, headers=headers)
         if action == "commit":
             return self._commit(repo_id, rest, branch, body, endpoint)

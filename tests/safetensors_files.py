@@ -11,11 +11,22 @@ import torch
 # safetensors dtype names -> torch dtypes, for every dtype nf4convert reads (kept here, not imported, so the
 # tests do not depend on how the package lays out its table).
 TORCH_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
-    "I16": torch.int16, "I8": torch.int8, "U64": torch.uint64, "U32": torch.uint32, "U16": torch.uint16,
-    "U8": torch.uint8, "BOOL": torch.bool,
-}  # fmt: skip
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U64": torch.uint64,
+    "U32": torch.uint32,
+    "U16": torch.uint16,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 
 
 def random_tensors(seed: int) -> dict[str, torch.Tensor]:
@@ -68,7 +79,9 @@ def our_reads(path: Path) -> tuple[dict, dict]:
     tensors, metadata = read_header(path)
     reader = TensorReader()
     try:
-        return {name: (info.dtype, info.shape, bytes(reader.read(info).numpy())) for name, info in tensors.items()}, metadata
+        return {
+            name: (info.dtype, info.shape, bytes(reader.read(info).numpy())) for name, info in tensors.items()
+        }, metadata
     finally:
         reader.close()
 

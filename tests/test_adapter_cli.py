@@ -25,7 +25,13 @@ warnings.filterwarnings("ignore", module="peft")
 
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 KINDS = {  # kind -> LoraConfig arguments
-    "linear": dict(r=4, lora_alpha=8, target_modules=[*ATTENTION, "gate_proj", "up_proj", "down_proj"], rank_pattern={"q_proj": 6}, alpha_pattern={"v_proj": 5}),
+    "linear": dict(
+        r=4,
+        lora_alpha=8,
+        target_modules=[*ATTENTION, "gate_proj", "up_proj", "down_proj"],
+        rank_pattern={"q_proj": 6},
+        alpha_pattern={"v_proj": 5},
+    ),
     "rslora-dora": dict(r=4, lora_alpha=16, use_dora=True, use_rslora=True, target_modules=["q_proj", "down_proj"]),
     "embedding": dict(r=5, lora_alpha=9, target_modules=["embed_tokens", "o_proj"]),
     "modules_to_save": dict(r=2, lora_alpha=3, target_modules=["v_proj"], modules_to_save=["lm_head", "norm"]),
@@ -38,7 +44,7 @@ KINDS = {  # kind -> LoraConfig arguments
     # GPT-2's Conv1D layers (weights (in, out)): peft merges them with fan_in_fan_out
     "conv1d": dict(r=4, lora_alpha=8, target_modules=["c_attn", "c_proj", "c_fc"], fan_in_fan_out=True),
     "conv1d-square-only": dict(r=3, lora_alpha=5, target_modules=["attn.c_proj"], fan_in_fan_out=True),
-}  # fmt: skip
+}
 
 
 def run(*args, code=0):
@@ -160,36 +166,87 @@ def test_verify_with_an_adapter_keeps_peft_quiet_and_knows_out_from_source(base,
     config = json.loads((adapter / "adapter_config.json").read_text())
     (adapter / "adapter_config.json").write_text(json.dumps({**config, "a_key_from_a_later_peft": 1}))
     run(source, "--adapter", adapter, "-o", tmp_path / "out", "-q", "--device", "cpu")
-    result = subprocess.run([sys.executable, "-m", "nf4convert", "verify", str(tmp_path / "out"), str(source), "--adapter",
-                             str(adapter), "-q", "--device", "cpu"], capture_output=True, text=True, timeout=600)  # fmt: skip
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "nf4convert",
+            "verify",
+            str(tmp_path / "out"),
+            str(source),
+            "--adapter",
+            str(adapter),
+            "-q",
+            "--device",
+            "cpu",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     lines = (result.stdout + result.stderr).strip().splitlines()
     assert result.returncode == 0 and len(lines) == 2 and lines[-1] == "OK: bit-exact with bitsandbytes and peft", lines
     assert run("verify", source, source, "-q", code=2).strip() == (
-        f"Error: {source} is given as both OUT and SOURCE: the order is the converted checkpoint, then the bitsandbytes one")
+        f"Error: {source} is given as both OUT and SOURCE: the order is the converted checkpoint, then the bitsandbytes one"
+    )
     (tmp_path / "a-file").write_text("x")
-    assert run("verify", tmp_path / "a-file", source, "-q", code=1).strip() == f"Error: {tmp_path / 'a-file'}: a file, not a folder"
+    assert (
+        run("verify", tmp_path / "a-file", source, "-q", code=1).strip()
+        == f"Error: {tmp_path / 'a-file'}: a file, not a folder"
+    )
 
 
-@pytest.mark.parametrize("case", ["ia3", "shape", "missing-target", "truncated", "layers-to-transform", "exclude",
-                                  "pattern-misses", "pattern-invalid", "no-targets", "olora-any-case", "corda-prefix",
-                                  "dora-lora-bias", "targeted-without-tensors", "lora-and-saved", "one-layer-index",
-                                  "embedding-style-on-linear", "linear-style-on-embedding", "modules-to-save-str",
-                                  "bias-int", "init-int"])  # fmt: skip
+@pytest.mark.parametrize(
+    "case",
+    [
+        "ia3",
+        "shape",
+        "missing-target",
+        "truncated",
+        "layers-to-transform",
+        "exclude",
+        "pattern-misses",
+        "pattern-invalid",
+        "no-targets",
+        "olora-any-case",
+        "corda-prefix",
+        "dora-lora-bias",
+        "targeted-without-tensors",
+        "lora-and-saved",
+        "one-layer-index",
+        "embedding-style-on-linear",
+        "linear-style-on-embedding",
+        "modules-to-save-str",
+        "bias-int",
+        "init-int",
+    ],
+)
 def test_bad_adapters_are_one_line_and_write_nothing(case, base, tmp_path):
     source, dense = base
     adapter = make_adapter(tmp_path / "adapter", "linear", seed=5)
     config = json.loads((adapter / "adapter_config.json").read_text())
-    expected = {"ia3": "IA3", "shape": "do not fit the base's", "missing-target": "which the base checkpoint does not have",
-                "truncated": "adapter_model.safetensors", "layers-to-transform": "layers_to_transform is set",
-                "exclude": "exclude_modules is set", "pattern-misses": "which target_modules",
-                "pattern-invalid": "is not a valid pattern", "no-targets": "target_modules is None",
-                "olora-any-case": "init_lora_weights is 'OLoRA'", "corda-prefix": "init_lora_weights is 'corda_x'",
-                "dora-lora-bias": "lora_bias with use_dora: peft refuses", "lora-and-saved": "in modules_to_save too",
-                "targeted-without-tensors": "names 'model.layers.0.self_attn.v_proj', but the adapter has no LoRA",
-                "one-layer-index": "layers_to_transform is set (0)", "modules-to-save-str": "modules_to_save is 'lm_head'",
-                "embedding-style-on-linear": "'model.layers.0.self_attn.q_proj' are embedding-style (lora_embedding_A/B)",
-                "linear-style-on-embedding": "'model.embed_tokens' are linear-style (lora_A/B), but 'model.embed_tokens' is an embedding",
-                "bias-int": "bias is 1", "init-int": "init_lora_weights is 3"}[case]  # fmt: skip
+    expected = {
+        "ia3": "IA3",
+        "shape": "do not fit the base's",
+        "missing-target": "which the base checkpoint does not have",
+        "truncated": "adapter_model.safetensors",
+        "layers-to-transform": "layers_to_transform is set",
+        "exclude": "exclude_modules is set",
+        "pattern-misses": "which target_modules",
+        "pattern-invalid": "is not a valid pattern",
+        "no-targets": "target_modules is None",
+        "olora-any-case": "init_lora_weights is 'OLoRA'",
+        "corda-prefix": "init_lora_weights is 'corda_x'",
+        "dora-lora-bias": "lora_bias with use_dora: peft refuses",
+        "lora-and-saved": "in modules_to_save too",
+        "targeted-without-tensors": "names 'model.layers.0.self_attn.v_proj', but the adapter has no LoRA",
+        "one-layer-index": "layers_to_transform is set (0)",
+        "modules-to-save-str": "modules_to_save is 'lm_head'",
+        "embedding-style-on-linear": "'model.layers.0.self_attn.q_proj' are embedding-style (lora_embedding_A/B)",
+        "linear-style-on-embedding": "'model.embed_tokens' are linear-style (lora_A/B), but 'model.embed_tokens' is an embedding",
+        "bias-int": "bias is 1",
+        "init-int": "init_lora_weights is 3",
+    }[case]
     if case == "ia3":
         config["peft_type"] = "IA3"
     elif case == "layers-to-transform":  # peft would give LoRA layers to layer 0 only and ignore the others' tensors
@@ -238,7 +295,10 @@ def test_bad_adapters_are_one_line_and_write_nothing(case, base, tmp_path):
         from safetensors.torch import load_file, save_file
 
         tensors = load_file(adapter / "adapter_model.safetensors")
-        save_file({k: v for k, v in tensors.items() if ".layers.0.self_attn.v_proj." not in k}, adapter / "adapter_model.safetensors")
+        save_file(
+            {k: v for k, v in tensors.items() if ".layers.0.self_attn.v_proj." not in k},
+            adapter / "adapter_model.safetensors",
+        )
     elif case in ("shape", "missing-target"):
         from safetensors.torch import load_file, save_file
 
@@ -248,7 +308,9 @@ def test_bad_adapters_are_one_line_and_write_nothing(case, base, tmp_path):
             tensors[key] = torch.randn(tensors[key].shape[0], 7)
         else:
             tensors[key.replace("layers.0", "layers.9")] = tensors[key].clone()
-            tensors[key.replace("layers.0", "layers.9").replace("lora_A", "lora_B")] = tensors[key.replace("lora_A", "lora_B")].clone()
+            tensors[key.replace("layers.0", "layers.9").replace("lora_A", "lora_B")] = tensors[
+                key.replace("lora_A", "lora_B")
+            ].clone()
         save_file(tensors, adapter / "adapter_model.safetensors")
     else:
         path = adapter / "adapter_model.safetensors"
@@ -256,7 +318,9 @@ def test_bad_adapters_are_one_line_and_write_nothing(case, base, tmp_path):
     (adapter / "adapter_config.json").write_text(json.dumps(config))
     result = CliRunner().invoke(main, [str(source), "--adapter", str(adapter), "-o", str(tmp_path / "out"), "-q"])
     lines = [line for line in result.output.splitlines() if line.strip()]
-    assert result.exit_code == 1 and len(lines) == 1 and lines[0].startswith("Error: ") and expected in lines[0], result.output
+    assert result.exit_code == 1 and len(lines) == 1 and lines[0].startswith("Error: ") and expected in lines[0], (
+        result.output
+    )
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
     if case.endswith(("-on-linear", "-on-embedding")):  # and verify --adapter does not call such a merge OK
         line = run("verify", dense, source, "--adapter", adapter, "-q", "--device", "cpu", code=1).strip()
@@ -303,7 +367,9 @@ def test_modules_to_save_on_tied_embeddings_is_refused(tmp_path):
     source = build(tmp_path / "qwen2-tied", "qwen2-tied-fp4", seed=2)
     adapter = make_adapter(tmp_path / "adapter", "embeddings_to_save", seed=9, arch="qwen2")
     line = run(source, "--adapter", adapter, "-o", tmp_path / "out", "-q", code=1).strip()
-    assert line.startswith("Error: ") and "'model.embed_tokens.weight', the input embeddings" in line and "\n" not in line
+    assert (
+        line.startswith("Error: ") and "'model.embed_tokens.weight', the input embeddings" in line and "\n" not in line
+    )
     assert not (tmp_path / "out").exists()
 
 
@@ -381,7 +447,10 @@ def test_adapter_files_linked_from_outside_its_folder_are_refused(file, route, b
     result = CliRunner().invoke(main, [*map(str, args), "-o", str(tmp_path / "out"), "-q", "--device", "cpu"])
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert result.exit_code == 1 and len(lines) == 1, result.output
-    assert lines[0] == f"Error: {adapter / file}: is a link to {target.resolve()}, outside the adapter folder; copy the file into the folder instead"
+    assert (
+        lines[0]
+        == f"Error: {adapter / file}: is a link to {target.resolve()}, outside the adapter folder; copy the file into the folder instead"
+    )
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
 
 
@@ -401,7 +470,9 @@ def test_an_adapter_in_the_hub_cache_layout_merges_and_verifies(base, tmp_path):
     assert weights and weights == sorted(p.name for p in (tmp_path / "from-cache").glob("*.safetensors*"))
     for name in weights:
         assert (tmp_path / "from-plain" / name).read_bytes() == (tmp_path / "from-cache" / name).read_bytes(), name
-    assert "OK: bit-exact" in run("verify", tmp_path / "from-cache", source, "--adapter", snapshot, "-q", "--device", "cpu")
+    assert "OK: bit-exact" in run(
+        "verify", tmp_path / "from-cache", source, "--adapter", snapshot, "-q", "--device", "cpu"
+    )
 
 
 def test_an_adapter_as_source_with_another_adapter_is_a_usage_error(tmp_path):
@@ -414,9 +485,13 @@ def test_an_adapter_as_source_with_another_adapter_is_a_usage_error(tmp_path):
     adapter.mkdir()
     (adapter / "adapter_config.json").write_text('{"peft_type": "LORA"}')
     (adapter / "adapter_model.safetensors").write_bytes(b"")
-    for command in (["convert", str(adapter), "--adapter", str(adapter), "-o", str(tmp_path / "out")],
-                    ["verify", str(tmp_path), str(adapter), "--adapter", str(adapter)]):  # fmt: skip
+    for command in (
+        ["convert", str(adapter), "--adapter", str(adapter), "-o", str(tmp_path / "out")],
+        ["verify", str(tmp_path), str(adapter), "--adapter", str(adapter)],
+    ):
         result = CliRunner().invoke(main, command)
         assert result.exit_code == 2, result.output
-        assert result.output.strip().startswith(f"Error: {adapter} is a peft adapter (it has adapter_config.json and no model weights) "
-                                                "and an adapter is given too: give the base checkpoint as SOURCE")  # fmt: skip
+        assert result.output.strip().startswith(
+            f"Error: {adapter} is a peft adapter (it has adapter_config.json and no model weights) "
+            "and an adapter is given too: give the base checkpoint as SOURCE"
+        )

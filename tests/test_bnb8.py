@@ -146,7 +146,10 @@ def test_dequantize_real_weights_whole_and_in_row_chunks(out_dtype, checkpoints,
         for w in bnb8.find_weights(read_tensors(folder), reader):
             weight, scb = reader.tensor(w.weight), reader.tensor(w.scb)
             whole = bnb8.dequantize(weight, scb, out_dtype)
-            assert torch.equal(bits(whole), bits(F.int8_vectorwise_dequant(weight, scb).to(out_dtype))), (variant, w.name)
+            assert torch.equal(bits(whole), bits(F.int8_vectorwise_dequant(weight, scb).to(out_dtype))), (
+                variant,
+                w.name,
+            )
             rows = weight.shape[0]
             cuts = sorted({0, rows, *(rng.randrange(1, rows) for _ in range(3))})
             chunks = [bnb8.dequantize(weight[a:b], scb[a:b], out_dtype) for a, b in zip(cuts, cuts[1:])]
@@ -263,7 +266,9 @@ def test_a_weight_whose_scales_are_all_lost_is_refused_not_copied(checkpoints, r
     lost = {k: v for k, v in tensors.items() if k not in (w.scb.name, w.weight_format.name)}
     weights = bnb8.find_weights(lost, reader)
     assert w.name not in {x.name for x in weights}
-    with pytest.raises(CheckpointError, match=rf"'{w.name}' is an 8-bit weight \(I8 \[{w.shape[0]}, {w.shape[1]}\]\) with no"):
+    with pytest.raises(
+        CheckpointError, match=rf"'{w.name}' is an 8-bit weight \(I8 \[{w.shape[0]}, {w.shape[1]}\]\) with no"
+    ):
         bnb8.unclaimed_int8(lost, weights, {"load_in_8bit": True})
     path = tmp_path / "extra.safetensors"
     save_file({"model.codebook.weight": random_int8(9, 13, torch.Generator().manual_seed(5))}, path)
@@ -347,7 +352,9 @@ def test_cli_converts_verifies_and_transformers_loads(variant, checkpoints, tmp_
     code = {torch.bfloat16: "BF16", torch.float16: "F16"}[dense_dtype]
     assert {info.dtype for info in produced.values()} == {code}  # auto: the config's dtype
     config = json.loads((out / "config.json").read_text())
-    assert "quantization_config" not in json.dumps(config) and config["dtype"] == str(dense_dtype).removeprefix("torch.")
+    assert "quantization_config" not in json.dumps(config) and config["dtype"] == str(dense_dtype).removeprefix(
+        "torch."
+    )
     assert f"{len(produced)} tensors" in summary
     assert "OK: bit-exact with bitsandbytes" in _cli("verify", out, source, "--device", "cpu")
 

@@ -28,7 +28,8 @@ We have a free Google Colab Tesla T4 notebook for Llama 3.2 (3B) here: https://c
 ## Special Thanks
 A huge thank you to the Meta and Llama team for creating and releasing these models.
 """
-UNSLOTH_CARD = """---
+UNSLOTH_CARD = (
+    """---
 base_model: meta-llama/Llama-3.2-1B-Instruct
 language:
 - en
@@ -44,7 +45,9 @@ tags:
 - bitsandbytes
 - 4-bit
 ---
-""" + UNSLOTH_BODY
+"""
+    + UNSLOTH_BODY
+)
 
 # A card with everything a quantizer writes: quantization fields, relation, odd-case tags, a model-index.
 QUANTIZER_CARD = """---
@@ -94,8 +97,14 @@ def parse(text: str) -> tuple[dict, str]:
 
 
 def test_unsloth_card_from_the_hub():
-    card = model_card(UNSLOTH_CARD, source_repo="unsloth/Llama-3.2-1B-Instruct-bnb-4bit", dtype="bf16",
-                      version="0.1.0", quant_format="bnb-4bit nf4", adapter=None)  # fmt: skip
+    card = model_card(
+        UNSLOTH_CARD,
+        source_repo="unsloth/Llama-3.2-1B-Instruct-bnb-4bit",
+        dtype="bf16",
+        version="0.1.0",
+        quant_format="bnb-4bit nf4",
+        adapter=None,
+    )
     assert card.warning is None
     fields, body = parse(card.text)
     assert fields == {
@@ -110,16 +119,28 @@ def test_unsloth_card_from_the_hub():
     section = body[: body.index(UNSLOTH_BODY.strip())]
     assert section.lstrip().startswith("## How these weights were made")
     source = "unsloth/Llama-3.2-1B-Instruct-bnb-4bit"
-    for text in ["dense bf16 (bfloat16) weights", f"[{source}](https://huggingface.co/{source})",
-                 "bitsandbytes 4-bit NF4", "quantized from [meta-llama/Llama-3.2-1B-Instruct]", "nf4convert 0.1.0",
-                 "bit for bit", f"nf4convert {source} --dtype bf16\n"]:
+    for text in [
+        "dense bf16 (bfloat16) weights",
+        f"[{source}](https://huggingface.co/{source})",
+        "bitsandbytes 4-bit NF4",
+        "quantized from [meta-llama/Llama-3.2-1B-Instruct]",
+        "nf4convert 0.1.0",
+        "bit for bit",
+        f"nf4convert {source} --dtype bf16\n",
+    ]:
         assert text in section, text
     assert "adapter" not in section
 
 
 def test_quantizer_card_from_a_local_folder_with_an_adapter():
-    card = model_card(QUANTIZER_CARD, source_repo=None, dtype="fp16", version="0.2.0", quant_format="bnb-8bit",
-                      adapter="/home/alice/runs/zephyr-lora/")  # fmt: skip
+    card = model_card(
+        QUANTIZER_CARD,
+        source_repo=None,
+        dtype="fp16",
+        version="0.2.0",
+        quant_format="bnb-8bit",
+        adapter="/home/alice/runs/zephyr-lora/",
+    )
     assert card.warning is None
     fields, body = parse(card.text)
     source_fields = yaml.safe_load(REGEX_YAML_BLOCK.search(QUANTIZER_CARD).group(2))
@@ -137,8 +158,14 @@ def test_quantizer_card_from_a_local_folder_with_an_adapter():
 
 
 def test_no_source_card_gives_a_small_card_with_an_adapter_from_the_hub():
-    card = model_card(None, source_repo="org/model-bnb-4bit", dtype="fp32", version="0.1.0",
-                      quant_format="bnb-4bit fp4", adapter="org/lora-adapter")  # fmt: skip
+    card = model_card(
+        None,
+        source_repo="org/model-bnb-4bit",
+        dtype="fp32",
+        version="0.1.0",
+        quant_format="bnb-4bit fp4",
+        adapter="org/lora-adapter",
+    )
     assert card.warning is None
     fields, body = parse(card.text)
     assert fields == {"base_model": "org/model-bnb-4bit", "library_name": "transformers"}
@@ -149,14 +176,33 @@ def test_no_source_card_gives_a_small_card_with_an_adapter_from_the_hub():
     assert "source model's card" not in body  # nothing follows
 
 
-@pytest.mark.parametrize("quant_format,says,never", [
-    ("bnb-4bit nf4", ["`dequantize_4bit` computes from the quantized checkpoint with its CUDA kernels"],
-     ["int8_vectorwise_dequant", "multiplies in int8"]),
-    ("bnb-8bit", ["`int8_vectorwise_dequant` (plain torch arithmetic, the same on CPU and GPU) and the cast to fp16",
-                  "multiplies in int8"], ["CUDA kernels", "dequantize_4bit"]),
-    ("bnb-4bit fp4, bnb-8bit", ["a bitsandbytes 4-bit FP4 and bitsandbytes 8-bit (LLM.int8) checkpoint",
-                                "Every weight dequantized from 4-bit", "Every weight dequantized from 8-bit"], []),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "quant_format,says,never",
+    [
+        (
+            "bnb-4bit nf4",
+            ["`dequantize_4bit` computes from the quantized checkpoint with its CUDA kernels"],
+            ["int8_vectorwise_dequant", "multiplies in int8"],
+        ),
+        (
+            "bnb-8bit",
+            [
+                "`int8_vectorwise_dequant` (plain torch arithmetic, the same on CPU and GPU) and the cast to fp16",
+                "multiplies in int8",
+            ],
+            ["CUDA kernels", "dequantize_4bit"],
+        ),
+        (
+            "bnb-4bit fp4, bnb-8bit",
+            [
+                "a bitsandbytes 4-bit FP4 and bitsandbytes 8-bit (LLM.int8) checkpoint",
+                "Every weight dequantized from 4-bit",
+                "Every weight dequantized from 8-bit",
+            ],
+            [],
+        ),
+    ],
+)
 def test_what_the_weights_are_bit_for_bit_is_said_per_format(quant_format, says, never):
     card = model_card(None, source_repo="org/m-bnb", dtype="fp16", version="0.1.0", quant_format=quant_format)
     section = parse(card.text)[1]
@@ -166,36 +212,64 @@ def test_what_the_weights_are_bit_for_bit_is_said_per_format(quant_format, says,
 
 def test_the_revision_and_the_commit_are_recorded():
     commit = "0123456789abcdef0123456789abcdef01234567"
-    card = model_card(None, source_repo="org/m-bnb-4bit", dtype="bf16", version="0.1.0", quant_format="bnb-4bit nf4",
-                      revision="v2", commit=commit)  # fmt: skip
+    card = model_card(
+        None,
+        source_repo="org/m-bnb-4bit",
+        dtype="bf16",
+        version="0.1.0",
+        quant_format="bnb-4bit nf4",
+        revision="v2",
+        commit=commit,
+    )
     body = parse(card.text)[1]
     assert f"a bitsandbytes 4-bit NF4 checkpoint (revision `v2`, commit `{commit}`)" in body
     assert "nf4convert org/m-bnb-4bit --revision v2 --dtype bf16\n" in body
-    body = parse(model_card(None, source_repo="org/m-bnb-4bit", dtype="bf16", version="0.1.0",
-                            quant_format="bnb-4bit nf4", commit=commit).text)[1]  # fmt: skip
+    body = parse(
+        model_card(
+            None,
+            source_repo="org/m-bnb-4bit",
+            dtype="bf16",
+            version="0.1.0",
+            quant_format="bnb-4bit nf4",
+            commit=commit,
+        ).text
+    )[1]
     assert f"checkpoint (commit `{commit}`)" in body and "nf4convert org/m-bnb-4bit --dtype bf16\n" in body
-    body = parse(model_card(None, source_repo="org/m-bnb-4bit", dtype="bf16", version="0.1.0",
-                            quant_format="bnb-4bit nf4", revision=commit, commit=commit).text)[1]  # fmt: skip
+    body = parse(
+        model_card(
+            None,
+            source_repo="org/m-bnb-4bit",
+            dtype="bf16",
+            version="0.1.0",
+            quant_format="bnb-4bit nf4",
+            revision=commit,
+            commit=commit,
+        ).text
+    )[1]
     assert f"checkpoint (revision `{commit}`)" in body  # a commit given as the revision is named once
 
 
-@pytest.mark.parametrize("source,warns,kept_body", [
-    ("---\nlicense: mit\ntags: [unclosed\n---\n# Body\n", "front matter is not valid YAML", "# Body"),
-    ("---\nlicense: mit\n\tbad: tab\n---\n# Body\n", "front matter is not valid YAML", "# Body"),
-    ("---\ndate: 2024-13-45\n---\n# Body\n", "front matter is not valid YAML (month must be in 1..12)", "# Body"),
-    ("---\n- just\n- a list\n---\n# Body\n", "front matter is a list, not a mapping", "# Body"),
-    ("---\nplain words\n---\n# Body\n", "front matter is a str, not a mapping", "# Body"),
-    ("---\n? [a, b]\n: complex key\n---\n# Body\n", "not valid YAML (found unhashable key, line 2)", "# Body"),
-    ("# No front matter at all\n\nJust text.\n", None, "# No front matter at all\n\nJust text."),
-    ("---\nlicense: mit\n", None, "---\nlicense: mit"),  # an unclosed block is body text, as on the Hub
-    ("---\r\nlicense: mit\r\ntags:\r\n- 4-bit\r\n- llama\r\n---\r\n# CRLF body\r\n", None, "# CRLF body"),
-    ("\x00\x01\x02GGUF binary junk\xff\xfe" * 40, "is not text", None),
-    ("---\nloop: &x [*x]\nescaped: \"\\ud800\"\n---\n# Body \udcff (from surrogateescape)\n", None, "# Body ? (from"),
-    ("", None, None),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "source,warns,kept_body",
+    [
+        ("---\nlicense: mit\ntags: [unclosed\n---\n# Body\n", "front matter is not valid YAML", "# Body"),
+        ("---\nlicense: mit\n\tbad: tab\n---\n# Body\n", "front matter is not valid YAML", "# Body"),
+        ("---\ndate: 2024-13-45\n---\n# Body\n", "front matter is not valid YAML (month must be in 1..12)", "# Body"),
+        ("---\n- just\n- a list\n---\n# Body\n", "front matter is a list, not a mapping", "# Body"),
+        ("---\nplain words\n---\n# Body\n", "front matter is a str, not a mapping", "# Body"),
+        ("---\n? [a, b]\n: complex key\n---\n# Body\n", "not valid YAML (found unhashable key, line 2)", "# Body"),
+        ("# No front matter at all\n\nJust text.\n", None, "# No front matter at all\n\nJust text."),
+        ("---\nlicense: mit\n", None, "---\nlicense: mit"),  # an unclosed block is body text, as on the Hub
+        ("---\r\nlicense: mit\r\ntags:\r\n- 4-bit\r\n- llama\r\n---\r\n# CRLF body\r\n", None, "# CRLF body"),
+        ("\x00\x01\x02GGUF binary junk\xff\xfe" * 40, "is not text", None),
+        ('---\nloop: &x [*x]\nescaped: "\\ud800"\n---\n# Body \udcff (from surrogateescape)\n', None, "# Body ? (from"),
+        ("", None, None),
+    ],
+)
 def test_a_malformed_card_never_raises_and_says_what_it_dropped(source, warns, kept_body):
-    card = model_card(source, source_repo="org/model-bnb-4bit", dtype="bf16", version="0.1.0",
-                      quant_format="bnb-4bit nf4")  # fmt: skip
+    card = model_card(
+        source, source_repo="org/model-bnb-4bit", dtype="bf16", version="0.1.0", quant_format="bnb-4bit nf4"
+    )
     fields, body = parse(card.text)
     assert fields["base_model"] == "org/model-bnb-4bit"
     if warns is None:
@@ -225,10 +299,43 @@ def test_fields_huggingface_hub_cannot_read_back_are_dropped_and_named():
 def test_random_junk_never_raises():
     """Fresh junk each draw (seeded): YAML-ish fragments, control characters, unicode, around front matter."""
     rng = random.Random(1313)
-    pieces = ["---", "\n", "\r\n", ":", "- ", "[", "]", "{", "}", "&a", "*a", "!!python/object:os.system", "? ",
-              "\t", "'", '"', "#", "base_model: ", "tags:", "- bitsandbytes", "model-index:", "é", "\u2028", "\x85",
-              "\x0b", "\x1b[31m", "2024-02-30", "~", "null", "|", ">", "%YAML 1.1", "...", "<<: *a",
-              "0x1F"]  # fmt: skip
+    pieces = [
+        "---",
+        "\n",
+        "\r\n",
+        ":",
+        "- ",
+        "[",
+        "]",
+        "{",
+        "}",
+        "&a",
+        "*a",
+        "!!python/object:os.system",
+        "? ",
+        "\t",
+        "'",
+        '"',
+        "#",
+        "base_model: ",
+        "tags:",
+        "- bitsandbytes",
+        "model-index:",
+        "é",
+        "\u2028",
+        "\x85",
+        "\x0b",
+        "\x1b[31m",
+        "2024-02-30",
+        "~",
+        "null",
+        "|",
+        ">",
+        "%YAML 1.1",
+        "...",
+        "<<: *a",
+        "0x1F",
+    ]
     for _ in range(300):
         source = "".join(rng.choice(pieces) for _ in range(rng.randrange(1, 40)))
         if rng.random() < 0.5:

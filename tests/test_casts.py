@@ -20,9 +20,21 @@ def _random_bits(code: str, count: int, seed: int) -> torch.Tensor:
     itemsize = DTYPES[code].itemsize
     rng = np.random.default_rng(seed)
     raw = rng.integers(0, 256, count * itemsize, dtype=np.uint8)
-    edges = {"F64": [1.0, -0.0, 65504.0, 65520.0, 3.4028235677973366e38, 3.4028235677973366e38 * 1.0000001, 1e-45, 2.0**-149 * 0.5],
-             "F32": [1.0, -0.0, 65504.0, 65519.99, 65520.0, 3.4028234e38, 2.0**-24, 2.0**-25, 1.5 * 2.0**-25, 1e-40],
-             "F16": [1.0, -0.0, 65504.0, 6e-8], "BF16": [1.0, -0.0, 3.3e38, 1e-40]}[code]  # fmt: skip
+    edges = {
+        "F64": [
+            1.0,
+            -0.0,
+            65504.0,
+            65520.0,
+            3.4028235677973366e38,
+            3.4028235677973366e38 * 1.0000001,
+            1e-45,
+            2.0**-149 * 0.5,
+        ],
+        "F32": [1.0, -0.0, 65504.0, 65519.99, 65520.0, 3.4028234e38, 2.0**-24, 2.0**-25, 1.5 * 2.0**-25, 1e-40],
+        "F16": [1.0, -0.0, 65504.0, 6e-8],
+        "BF16": [1.0, -0.0, 3.3e38, 1e-40],
+    }[code]
     values = torch.from_numpy(raw).view(DTYPES[code].torch).clone()
     values[: len(edges)] = torch.tensor(edges, dtype=torch.float64).to(DTYPES[code].torch)
     values[len(edges) : len(edges) + 3] = torch.tensor([float("inf"), float("-inf"), float("nan")], dtype=values.dtype)
@@ -31,7 +43,14 @@ def _random_bits(code: str, count: int, seed: int) -> torch.Tensor:
 
 # numpy's integer rounding where torch is not imported (the CPU route without it), torch's own cast where it is (fp16
 # always: numpy converts to it one element at a time)
-CASES = [(s, t, path) for s in SOURCES for t in TARGETS if s != t for path in ("numpy", "torch") if path == "torch" or t != "F16"]
+CASES = [
+    (s, t, path)
+    for s in SOURCES
+    for t in TARGETS
+    if s != t
+    for path in ("numpy", "torch")
+    if path == "torch" or t != "F16"
+]
 
 
 @pytest.mark.parametrize("source,target,path", CASES)

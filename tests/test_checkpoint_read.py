@@ -21,7 +21,16 @@ from safetensors.torch import save_file
 from nf4convert.safetensors_io.write import ShardWriter, shard_header
 from nf4convert.safetensors_io.read import TensorReader, read_header, read_index, read_tensors
 from nf4convert.errors import CheckpointError
-from safetensors_files import TORCH_DTYPES, join, our_reads, random_tensors, retile, safetensors_reads, split, tensor_bytes
+from safetensors_files import (
+    TORCH_DTYPES,
+    join,
+    our_reads,
+    random_tensors,
+    retile,
+    safetensors_reads,
+    split,
+    tensor_bytes,
+)
 
 
 @pytest.fixture
@@ -56,8 +65,20 @@ def _last(header) -> str:
 #  words the message must hold, tensor the message must name or None, whether safetensors takes the file)
 HEADER_CASES = [
     ("shorter-than-8", lambda h, d: b"\x01\x00", "shorter than its 8-byte header length", None, False),
-    ("length-over-limit", lambda h, d: struct.pack("<Q", 100_000_001) + b"{}", "corrupt or truncated safetensors header", None, False),
-    ("length-past-eof", lambda h, d: struct.pack("<Q", 1000) + b"{}", "corrupt or truncated safetensors header", None, False),
+    (
+        "length-over-limit",
+        lambda h, d: struct.pack("<Q", 100_000_001) + b"{}",
+        "corrupt or truncated safetensors header",
+        None,
+        False,
+    ),
+    (
+        "length-past-eof",
+        lambda h, d: struct.pack("<Q", 1000) + b"{}",
+        "corrupt or truncated safetensors header",
+        None,
+        False,
+    ),
     ("not-utf8", lambda h, d: (b'{"a\xff":1}', d), "not UTF-8", None, False),
     ("not-json", lambda h, d: (b"{not json}", d), "not JSON", None, False),
     ("bom", lambda h, d: (b"\xef\xbb\xbf{}", b""), "not JSON", None, False),
@@ -66,16 +87,55 @@ HEADER_CASES = [
     ("deep-nesting", lambda h, d: (b"[" * 100_000 + b"]" * 100_000, b""), "nested too deeply", None, False),
     ("deep-objects", lambda h, d: (b'{"a":' * 50_000 + b"1" + b"}" * 50_000, b""), "nested too deeply", None, False),
     ("nan", lambda h, d: (json.dumps(h).replace('"pt"', "NaN").encode(), d), "NaN is not JSON", None, False),
-    ("infinity", lambda h, d: (json.dumps(h).replace("[13]", "[Infinity]").encode(), d), "Infinity is not JSON", None, False),
-    ("huge-integer", lambda h, d: (json.dumps(h).replace("[13]", "[" + "7" * 5000 + "]").encode(), d), "not JSON that can be read", None, False),
-    ("duplicate-tensor", lambda h, d: (json.dumps(h)[:-1].encode() + b',"model.ids":' + json.dumps(h["model.ids"]).encode() + b"}", d),
-     "key 'model.ids' appears twice", None, True),
-    ("duplicate-field", lambda h, d: (json.dumps(h).replace('"dtype": "F32"', '"dtype": "F32", "dtype": "F16"').encode(), d),
-     "key 'dtype' appears twice", None, False),
-    ("entry-not-object", lambda h, d: ({**h, "model.ids": [1, 2]}, d), "exactly dtype, shape and data_offsets", "model.ids", False),
-    ("entry-missing-dtype", lambda h, d: ({**h, "model.ids": {k: v for k, v in h["model.ids"].items() if k != "dtype"}}, d),
-     "exactly dtype, shape and data_offsets", "model.ids", False),
-    ("entry-extra-key", _edit_entry("model.ids", extra="x"), "exactly dtype, shape and data_offsets", "model.ids", True),
+    (
+        "infinity",
+        lambda h, d: (json.dumps(h).replace("[13]", "[Infinity]").encode(), d),
+        "Infinity is not JSON",
+        None,
+        False,
+    ),
+    (
+        "huge-integer",
+        lambda h, d: (json.dumps(h).replace("[13]", "[" + "7" * 5000 + "]").encode(), d),
+        "not JSON that can be read",
+        None,
+        False,
+    ),
+    (
+        "duplicate-tensor",
+        lambda h, d: (json.dumps(h)[:-1].encode() + b',"model.ids":' + json.dumps(h["model.ids"]).encode() + b"}", d),
+        "key 'model.ids' appears twice",
+        None,
+        True,
+    ),
+    (
+        "duplicate-field",
+        lambda h, d: (json.dumps(h).replace('"dtype": "F32"', '"dtype": "F32", "dtype": "F16"').encode(), d),
+        "key 'dtype' appears twice",
+        None,
+        False,
+    ),
+    (
+        "entry-not-object",
+        lambda h, d: ({**h, "model.ids": [1, 2]}, d),
+        "exactly dtype, shape and data_offsets",
+        "model.ids",
+        False,
+    ),
+    (
+        "entry-missing-dtype",
+        lambda h, d: ({**h, "model.ids": {k: v for k, v in h["model.ids"].items() if k != "dtype"}}, d),
+        "exactly dtype, shape and data_offsets",
+        "model.ids",
+        False,
+    ),
+    (
+        "entry-extra-key",
+        _edit_entry("model.ids", extra="x"),
+        "exactly dtype, shape and data_offsets",
+        "model.ids",
+        True,
+    ),
     ("dtype-unknown", _edit_entry("model.ids", dtype="I128"), "unknown dtype 'I128'", "model.ids", False),
     ("dtype-not-string", _edit_entry("model.ids", dtype=["I64"]), "unknown dtype", "model.ids", False),
     ("dtype-lowercase", _edit_entry("model.ids", dtype="i64"), "unknown dtype 'i64'", "model.ids", False),
@@ -84,40 +144,136 @@ HEADER_CASES = [
     ("shape-negative", _edit_entry("model.layer.weight", shape=[-11]), "malformed shape", "model.layer.weight", False),
     ("shape-string", _edit_entry("model.layer.weight", shape="11"), "malformed shape", "model.layer.weight", False),
     ("shape-null", _edit_entry("model.layer.weight", shape=None), "malformed shape", "model.layer.weight", False),
-    ("shape-64-bit", _edit_entry("model.layer.weight", shape=[1 << 64]), "malformed shape", "model.layer.weight", False),
-    ("shape-overflow", _edit_entry("model.layer.weight", shape=[1 << 32, 1 << 32, 0]), "more elements than fit in 64 bits",
-     "model.layer.weight", False),
+    (
+        "shape-64-bit",
+        _edit_entry("model.layer.weight", shape=[1 << 64]),
+        "malformed shape",
+        "model.layer.weight",
+        False,
+    ),
+    (
+        "shape-overflow",
+        _edit_entry("model.layer.weight", shape=[1 << 32, 1 << 32, 0]),
+        "more elements than fit in 64 bits",
+        "model.layer.weight",
+        False,
+    ),
     ("bits-overflow", _edit_entry("model.ids", shape=[1 << 58]), "more bits than fit in 64 bits", "model.ids", False),
-    ("offsets-three", lambda h, d: _edit_entry("model.ids", data_offsets=[*h["model.ids"]["data_offsets"], 0])(h, d),
-     "malformed data_offsets", "model.ids", False),
+    (
+        "offsets-three",
+        lambda h, d: _edit_entry("model.ids", data_offsets=[*h["model.ids"]["data_offsets"], 0])(h, d),
+        "malformed data_offsets",
+        "model.ids",
+        False,
+    ),
     ("offsets-bool", _edit_entry("model.ids", data_offsets=[False, 72]), "malformed data_offsets", "model.ids", False),
-    ("offsets-float", lambda h, d: _edit_entry("model.ids", data_offsets=[float(o) for o in h["model.ids"]["data_offsets"]])(h, d),
-     "malformed data_offsets", "model.ids", False),
-    ("offsets-negative-zero", lambda h, d: (json.dumps(h).replace('"data_offsets": [0,', '"data_offsets": [-0,').encode(), d),
-     "malformed data_offsets [-0.0", "first", False),
+    (
+        "offsets-float",
+        lambda h, d: _edit_entry("model.ids", data_offsets=[float(o) for o in h["model.ids"]["data_offsets"]])(h, d),
+        "malformed data_offsets",
+        "model.ids",
+        False,
+    ),
+    (
+        "offsets-negative-zero",
+        lambda h, d: (json.dumps(h).replace('"data_offsets": [0,', '"data_offsets": [-0,').encode(), d),
+        "malformed data_offsets [-0.0",
+        "first",
+        False,
+    ),
     ("offsets-negative", _edit_entry("model.ids", data_offsets=[-8, 64]), "malformed data_offsets", "model.ids", False),
-    ("offsets-64-bit", _edit_entry("model.ids", data_offsets=[0, 1 << 64]), "malformed data_offsets", "model.ids", False),
-    ("gap-at-start", lambda h, d: _edit_entry(_first(h), data_offsets=[8, 8 + h[_first(h)]["data_offsets"][1]])(h, b"\x01" * 8 + d),
-     "leaves a gap before it (the data must begin at 0)", "first", False),
-    ("overlap", lambda h, d: _edit_entry(_last(h), data_offsets=[o - 4 for o in h[_last(h)]["data_offsets"]])(h, d[:-4]),
-     "overlaps the tensor before it", "last", False),
-    ("end-before-begin", lambda h, d: _edit_entry(_last(h), data_offsets=[h[_last(h)]["data_offsets"][0], 0])(h, d),
-     "end before they begin", "last", False),
-    ("size-mismatch", lambda h, d: _edit_entry("model.norm.weight", shape=[12])(h, d), "has 52 bytes, its shape [12] of F32 needs 48",
-     "model.norm.weight", False),
-    ("dtype-swap", lambda h, d: _edit_entry("model.norm.weight", dtype="F16")(h, d), "needs 26", "model.norm.weight", False),
+    (
+        "offsets-64-bit",
+        _edit_entry("model.ids", data_offsets=[0, 1 << 64]),
+        "malformed data_offsets",
+        "model.ids",
+        False,
+    ),
+    (
+        "gap-at-start",
+        lambda h, d: _edit_entry(_first(h), data_offsets=[8, 8 + h[_first(h)]["data_offsets"][1]])(h, b"\x01" * 8 + d),
+        "leaves a gap before it (the data must begin at 0)",
+        "first",
+        False,
+    ),
+    (
+        "overlap",
+        lambda h, d: _edit_entry(_last(h), data_offsets=[o - 4 for o in h[_last(h)]["data_offsets"]])(h, d[:-4]),
+        "overlaps the tensor before it",
+        "last",
+        False,
+    ),
+    (
+        "end-before-begin",
+        lambda h, d: _edit_entry(_last(h), data_offsets=[h[_last(h)]["data_offsets"][0], 0])(h, d),
+        "end before they begin",
+        "last",
+        False,
+    ),
+    (
+        "size-mismatch",
+        lambda h, d: _edit_entry("model.norm.weight", shape=[12])(h, d),
+        "has 52 bytes, its shape [12] of F32 needs 48",
+        "model.norm.weight",
+        False,
+    ),
+    (
+        "dtype-swap",
+        lambda h, d: _edit_entry("model.norm.weight", dtype="F16")(h, d),
+        "needs 26",
+        "model.norm.weight",
+        False,
+    ),
     ("trailing-bytes", lambda h, d: (h, d + b"\x07" * 3), "3 bytes after the last tensor", None, False),
     ("truncated", lambda h, d: (h, d[:-3]), "truncated", "last", False),
-    ("metadata-list", lambda h, d: ({**h, "__metadata__": ["pt"]}, d), "'__metadata__' is not a map of strings to strings", None, False),
-    ("metadata-int", lambda h, d: ({**h, "__metadata__": {"format": 1}}, d), "'__metadata__' is not a map of strings to strings", None, False),
-    ("metadata-surrogate", lambda h, d: (json.dumps(h).replace('"pt"', '"\\ud800"').encode(), d), "invalid \\u escape", None, False),
-    ("name-empty", lambda h, d: ({**{k: v for k, v in h.items() if k != "model.ids"}, "": h["model.ids"]}, d),
-     "tensor name '' is empty or has control characters", None, True),
-    ("name-newline", lambda h, d: ({**{k: v for k, v in h.items() if k != "model.ids"}, "model\nids": h["model.ids"]}, d),
-     "tensor name 'model\\nids' is empty or has control characters", None, True),
-    ("name-surrogate", lambda h, d: (json.dumps({**{k: v for k, v in h.items() if k != "model.ids"}, "X": h["model.ids"]})
-                                     .replace('"X"', '"\\udc80"').encode(), d), "is empty or has control characters", None, False),
-]  # fmt: skip
+    (
+        "metadata-list",
+        lambda h, d: ({**h, "__metadata__": ["pt"]}, d),
+        "'__metadata__' is not a map of strings to strings",
+        None,
+        False,
+    ),
+    (
+        "metadata-int",
+        lambda h, d: ({**h, "__metadata__": {"format": 1}}, d),
+        "'__metadata__' is not a map of strings to strings",
+        None,
+        False,
+    ),
+    (
+        "metadata-surrogate",
+        lambda h, d: (json.dumps(h).replace('"pt"', '"\\ud800"').encode(), d),
+        "invalid \\u escape",
+        None,
+        False,
+    ),
+    (
+        "name-empty",
+        lambda h, d: ({**{k: v for k, v in h.items() if k != "model.ids"}, "": h["model.ids"]}, d),
+        "tensor name '' is empty or has control characters",
+        None,
+        True,
+    ),
+    (
+        "name-newline",
+        lambda h, d: ({**{k: v for k, v in h.items() if k != "model.ids"}, "model\nids": h["model.ids"]}, d),
+        "tensor name 'model\\nids' is empty or has control characters",
+        None,
+        True,
+    ),
+    (
+        "name-surrogate",
+        lambda h, d: (
+            json.dumps({**{k: v for k, v in h.items() if k != "model.ids"}, "X": h["model.ids"]})
+            .replace('"X"', '"\\udc80"')
+            .encode(),
+            d,
+        ),
+        "is empty or has control characters",
+        None,
+        False,
+    ),
+]
 
 
 @pytest.mark.parametrize("case,edit,words,tensor,safetensors_takes", HEADER_CASES, ids=[c[0] for c in HEADER_CASES])
@@ -182,7 +338,9 @@ def sharded_checkpoint(folder: Path, seed: int) -> dict[str, torch.Tensor]:
         filename = f"model-{index:05d}-of-00002.safetensors"
         save_file({name: tensors[name] for name in part}, folder / filename, metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(part, filename))
-    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": 1}, "weight_map": weight_map}))
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": 1}, "weight_map": weight_map})
+    )
     return tensors
 
 
@@ -207,9 +365,21 @@ def test_sharded_checkpoint_reads(tmp_path):
     check_read(folder, sharded_checkpoint(folder, 3))
 
 
-@pytest.mark.parametrize("escape", ["../outside.safetensors", "{abs}", "sub/../../outside.safetensors", "sub/../model-00001-of-00002.safetensors",
-                                    "./model-00001-of-00002.safetensors", "..\\outside.safetensors", "C:/outside.safetensors",
-                                    "C:outside.safetensors", "//server/share/outside.safetensors", "sub//x.safetensors"])  # fmt: skip
+@pytest.mark.parametrize(
+    "escape",
+    [
+        "../outside.safetensors",
+        "{abs}",
+        "sub/../../outside.safetensors",
+        "sub/../model-00001-of-00002.safetensors",
+        "./model-00001-of-00002.safetensors",
+        "..\\outside.safetensors",
+        "C:/outside.safetensors",
+        "C:outside.safetensors",
+        "//server/share/outside.safetensors",
+        "sub//x.safetensors",
+    ],
+)
 def test_index_names_that_escape_are_refused(escape, tmp_path):
     folder = tmp_path / "ckpt"
     sharded_checkpoint(folder, 4)
@@ -223,7 +393,9 @@ def test_index_names_that_escape_are_refused(escape, tmp_path):
         with pytest.raises(CheckpointError) as caught:
             read(folder)
         message = str(caught.value)
-        assert message.startswith(str(folder / "model.safetensors.index.json")) and "tensor 'secret'" in message, message
+        assert message.startswith(str(folder / "model.safetensors.index.json")) and "tensor 'secret'" in message, (
+            message
+        )
         assert "is not a plain relative path inside" in message and "\n" not in message
 
 
@@ -233,16 +405,24 @@ INDEX_CASES = [
     ("weight-map-list", {"weight_map": ["model.safetensors"]}, "no 'weight_map' object"),
     ("file-not-string", {"weight_map": {"model.ids": 1}}, "tensor 'model.ids': file name 1 is not a non-empty string"),
     ("file-empty", {"weight_map": {"model.ids": ""}}, "file name '' is not a non-empty string"),
-    ("not-safetensors", {"weight_map": {"model.ids": "pytorch_model.bin"}}, "file name 'pytorch_model.bin' is not a .safetensors file"),
+    (
+        "not-safetensors",
+        {"weight_map": {"model.ids": "pytorch_model.bin"}},
+        "file name 'pytorch_model.bin' is not a .safetensors file",
+    ),
     ("name-empty", {"weight_map": {"": "model-00001-of-00002.safetensors"}}, "tensor name '' is empty"),
     ("name-control", {"weight_map": {"a\tb": "model-00001-of-00002.safetensors"}}, "tensor name 'a\\tb' is empty"),
     ("file-control", {"weight_map": {"model.ids": "model\n.safetensors"}}, "is not a plain relative path"),
-    ("duplicate", b'{"weight_map": {"model.ids": "a.safetensors", "model.ids": "b.safetensors"}}', "key 'model.ids' appears twice"),
+    (
+        "duplicate",
+        b'{"weight_map": {"model.ids": "a.safetensors", "model.ids": "b.safetensors"}}',
+        "key 'model.ids' appears twice",
+    ),
     ("nan", b'{"weight_map": {}, "metadata": {"total_size": NaN}}', "NaN is not JSON"),
     ("deep", b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
     ("not-utf8", b'{"weight_map": {"\xff": "a.safetensors"}}', "not UTF-8"),
     ("not-json", b'{"weight_map": ', "not JSON"),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize("case,index,words", INDEX_CASES, ids=[c[0] for c in INDEX_CASES])
@@ -267,7 +447,6 @@ def test_index_naming_a_missing_file_or_tensor(tmp_path):
     _write_index(folder, {**weight_map, "extra": "model-00001-of-00002.safetensors"})
     with pytest.raises(CheckpointError, match="the index lists tensor 'extra' but the file does not hold it"):
         read_tensors(folder)
-
 
 
 def _three_shards(folder: Path, seed: int) -> tuple[dict, dict]:
@@ -300,7 +479,10 @@ def test_the_index_and_the_shards_must_agree(case, tmp_path):
         shard, words = first, f"holds tensor '{lone}', which the index does not list"
     elif case == "wrong-file":
         weight_map[moved] = "model-00003-of-00003.safetensors"
-        shard, words = "model-00002-of-00003.safetensors", f"holds tensor '{moved}', which the index lists under 'model-00003-of-00003.safetensors'"
+        shard, words = (
+            "model-00002-of-00003.safetensors",
+            f"holds tensor '{moved}', which the index lists under 'model-00003-of-00003.safetensors'",
+        )
     else:  # listed under shard 2, held by shard 1, which the index names nowhere else
         weight_map[lone] = "model-00002-of-00003.safetensors"
         shard, words = first, f"holds tensor '{lone}', which the index lists under 'model-00002-of-00003.safetensors'"
@@ -316,10 +498,15 @@ def test_other_safetensors_files_beside_an_index_are_not_the_checkpoint(tmp_path
     folder = tmp_path / "ckpt"
     tensors, weight_map = _three_shards(folder, 14)
     _write_index(folder, weight_map)
-    for name in ("consolidated.safetensors", "model-00001-of-00004.safetensors", "model-00004-of-00003-old.safetensors",
-                 "adapter_model.safetensors"):  # fmt: skip
+    for name in (
+        "consolidated.safetensors",
+        "model-00001-of-00004.safetensors",
+        "model-00004-of-00003-old.safetensors",
+        "adapter_model.safetensors",
+    ):
         save_file({"stray": torch.arange(1, 4, dtype=torch.int32)}, folder / name)
     check_read(folder, tensors)
+
 
 def test_files_in_a_subfolder_are_fine(tmp_path):
     folder = tmp_path / "ckpt"
@@ -335,7 +522,9 @@ def test_files_in_a_subfolder_are_fine(tmp_path):
 # ---- symlinks: the Hub cache's, and the ones that lead out -------------------------------------------
 
 
-def hub_cache_repo(root: Path, seed: int, *, revision: str = "0123456789abcdef0123456789abcdef01234567") -> tuple[Path, dict]:
+def hub_cache_repo(
+    root: Path, seed: int, *, revision: str = "0123456789abcdef0123456789abcdef01234567"
+) -> tuple[Path, dict]:
     """A folder shaped like huggingface_hub's cache: snapshots/<rev>/<file> -> ../../blobs/<sha256 or git sha>."""
     staging = root / "staging"
     tensors = sharded_checkpoint(staging, seed)
@@ -381,7 +570,9 @@ def test_symlink_inside_the_folder_is_fine(tmp_path):
     check_read(folder, tensors)
 
 
-@pytest.mark.parametrize("case", ["outside", "other-repo-blobs", "blob-subfolder", "index-link", "loop", "not-a-snapshot"])
+@pytest.mark.parametrize(
+    "case", ["outside", "other-repo-blobs", "blob-subfolder", "index-link", "loop", "not-a-snapshot"]
+)
 def test_symlinks_that_lead_out_are_refused(case, tmp_path):
     snapshot, _ = hub_cache_repo(tmp_path, 12)
     repo = snapshot.parent.parent
@@ -435,7 +626,10 @@ def test_shard_writer_output_round_trips(seed, tmp_path):
     tensors = {}
     for index in range(int(torch.randint(1, 9, (1,), generator=generator))):
         code = list(TORCH_DTYPES)[int(torch.randint(0, len(TORCH_DTYPES), (1,), generator=generator))]
-        shape = tuple(int(d) for d in torch.randint(0, 9, (int(torch.randint(0, 4, (1,), generator=generator)),), generator=generator))
+        shape = tuple(
+            int(d)
+            for d in torch.randint(0, 9, (int(torch.randint(0, 4, (1,), generator=generator)),), generator=generator)
+        )
         values = torch.randint(1, 120, shape, generator=generator, dtype=torch.int32)
         tensors[f"layers.{index}.w{seed}"] = (code, values.to(TORCH_DTYPES[code]))
     outputs = [_Out(name, code, tuple(t.shape), t.numel() * t.element_size()) for name, (code, t) in tensors.items()]

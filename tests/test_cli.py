@@ -68,18 +68,24 @@ def test_convert_verify_and_load(variant, checkpoints, tmp_path):
     assert any(weight_map[k] != weight_map[k.rsplit(".quant_state.", 1)[0]] for k in weight_map if ".quant_state." in k)
 
     keys = _safetensors_keys(out)
-    assert not [k for k in keys if k.endswith((".absmax", ".quant_map", ".nested_absmax", ".nested_quant_map")) or ".quant_state." in k]
+    assert not [
+        k
+        for k in keys
+        if k.endswith((".absmax", ".quant_map", ".nested_absmax", ".nested_quant_map")) or ".quant_state." in k
+    ]
     expected_code = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}[dense_dtype]
     assert {dtype for dtype in keys.values()} == {expected_code}  # auto keeps the quantized-from dtype
     config = json.loads((out / "config.json").read_text())
-    assert "quantization_config" not in json.dumps(config) and config["torch_dtype"] == str(dense_dtype).removeprefix("torch.")
+    assert "quantization_config" not in json.dumps(config) and config["torch_dtype"] == str(dense_dtype).removeprefix(
+        "torch."
+    )
     for carried in ("tokenizer_config.json", "chat_template.jinja", "README.md", "generation_config.json"):
         assert (out / carried).exists() == (source / carried).exists()
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"]) == set(keys)
-    assert index["metadata"]["total_size"] == sum((out / f).stat().st_size for f in set(index["weight_map"].values())) - sum(
-        8 + struct.unpack("<Q", (out / f).read_bytes()[:8])[0] for f in set(index["weight_map"].values())
-    )
+    assert index["metadata"]["total_size"] == sum(
+        (out / f).stat().st_size for f in set(index["weight_map"].values())
+    ) - sum(8 + struct.unpack("<Q", (out / f).read_bytes()[:8])[0] for f in set(index["weight_map"].values()))
 
     output = run("verify", out, source)
     assert "OK: bit-exact with bitsandbytes" in output
@@ -106,8 +112,11 @@ def test_convert_verify_and_load(variant, checkpoints, tmp_path):
 
     # Newer transformers dequantize a Conv1D layer into an nn.Linear (weight (out, in)), whose forward rounds otherwise
     # than Conv1D's addmm: there the weights are compared, transposed back, and the logits for closeness only.
-    swapped = {name for name, module in dequantized.named_modules()
-               if isinstance(module, torch.nn.Linear) and type(dense.get_submodule(name)).__name__ == "Conv1D"}
+    swapped = {
+        name
+        for name, module in dequantized.named_modules()
+        if isinstance(module, torch.nn.Linear) and type(dense.get_submodule(name)).__name__ == "Conv1D"
+    }
     for name, weight in dense.state_dict().items():
         theirs = dequantized.state_dict()[name]
         theirs = theirs.T if name.rpartition(".")[0] in swapped and name.endswith(".weight") else theirs
@@ -129,7 +138,10 @@ def test_verify_asks_transformers_which_layers_are_conv1d(checkpoints, tmp_path,
     out = tmp_path / "out"
     run(source, "-o", out, "-q")
     output = run("verify", out, source, code=1)
-    assert "transformer.h.0.mlp.c_fc.weight: transformers' model has a Conv1D there; the output holds it (out, in)" in output
+    assert (
+        "transformer.h.0.mlp.c_fc.weight: transformers' model has a Conv1D there; the output holds it (out, in)"
+        in output
+    )
     assert output.count("has a Conv1D there") == 8
 
 
@@ -219,14 +231,21 @@ def test_a_dry_run_judges_the_space_and_the_destination_as_the_run_does(checkpoi
     monkeypatch.setattr(os, "access", lambda path, mode, **kw: not mode & os.W_OK and real_access(path, mode, **kw))
     for extra in (["--dry-run"], ["-q"]):
         line = run(source, "-o", out / "sub", *extra, code=1).strip()
-        assert line == f"Error: {tmp_path}: cannot be written (a read-only file system or no permission); choose another output"
+        assert (
+            line
+            == f"Error: {tmp_path}: cannot be written (a read-only file system or no permission); choose another output"
+        )
     assert sorted(p.name for p in tmp_path.iterdir()) == []
     monkeypatch.setattr(os, "access", real_access)
     (tmp_path / "a-file").write_text("x")
     (tmp_path / "loop").symlink_to(tmp_path / "loop")
-    for extra in (["--dry-run"], ["-q"]):  # the file was taken for a folder (the run failed later); the loop was a traceback
+    for extra in (
+        ["--dry-run"],
+        ["-q"],
+    ):  # the file was taken for a folder (the run failed later); the loop was a traceback
         assert run(source, "-o", tmp_path / "a-file" / "out", *extra, code=1).strip() == (
-            f"Error: {tmp_path / 'a-file'}: is a file, not a folder; the output cannot be made in it")
+            f"Error: {tmp_path / 'a-file'}: is a file, not a folder; the output cannot be made in it"
+        )
         line = run(source, "-o", tmp_path / "loop" / "out", *extra, code=1).strip()
         assert line == f"Error: {tmp_path / 'loop'}: cannot be resolved (a symbolic link loop)"
         line = run(source, "-o", f"{tmp_path / 'loop'}/x/../out", *extra, code=1).strip()  # resolved for its '..'
@@ -240,7 +259,9 @@ def test_verify_says_which_checks_it_could_not_run(tmp_path):
     source = tmp_path / "src"
     shutil.copytree(example, source)
     config = json.loads((source / "config.json").read_text())
-    (source / "config.json").write_text(json.dumps({**config, "model_type": "no-such-architecture", "architectures": []}))
+    (source / "config.json").write_text(
+        json.dumps({**config, "model_type": "no-such-architecture", "architectures": []})
+    )
     run(source, "-o", tmp_path / "out", "-q")
     lines = run("verify", tmp_path / "out", source, "-q").splitlines()
     assert lines[-1] == "OK: bit-exact with bitsandbytes"
@@ -269,11 +290,20 @@ def test_fp16_beyond_its_range_is_named_in_a_warning(tmp_path, device):
     save_file(tensors, shard, metadata={"format": "pt"})
     big = tmp_path / "big"  # a 4-bit weight quantized from bf16 values past fp16's range, dequantized to fp16
     big.mkdir()
-    packed, state = quantize((64, 128), quant_type="nf4", blocksize=64, nested=True, dtype=torch.bfloat16, seed=5, scale=1e6)
+    packed, state = quantize(
+        (64, 128), quant_type="nf4", blocksize=64, nested=True, dtype=torch.bfloat16, seed=5, scale=1e6
+    )
     small, small_state = quantize((64, 128), quant_type="nf4", blocksize=64, nested=True, dtype=torch.bfloat16, seed=6)
-    save_file({"big.weight": packed, **{f"big.weight.{k}": v for k, v in state.as_dict(packed=True).items()},
-               "small.weight": small, **{f"small.weight.{k}": v for k, v in small_state.as_dict(packed=True).items()}},
-              big / "model.safetensors", metadata={"format": "pt"})  # fmt: skip
+    save_file(
+        {
+            "big.weight": packed,
+            **{f"big.weight.{k}": v for k, v in state.as_dict(packed=True).items()},
+            "small.weight": small,
+            **{f"small.weight.{k}": v for k, v in small_state.as_dict(packed=True).items()},
+        },
+        big / "model.safetensors",
+        metadata={"format": "pt"},
+    )
     # An fp16 weight at fp16's largest value, double-quantized by bitsandbytes: the rebuilt scale of its blocks
     # (nested code * nested absmax + offset) is 65859.8, so bitsandbytes' dequantize (and ours) gives inf in fp16.
     import bitsandbytes.functional as F
@@ -283,19 +313,62 @@ def test_fp16_beyond_its_range_is_named_in_a_warning(tmp_path, device):
     weight = torch.zeros(256, 64, dtype=torch.float16)
     weight[:204, 0], weight[204:, 0] = 65504.0, 1.0
     packed, state = F.quantize_4bit(weight.view(8, -1), blocksize=64, quant_type="nf4", compress_statistics=True)
-    save_file({"top.weight": packed, **{f"top.weight.{k}": v for k, v in state.as_dict(packed=True).items()},
-               "small.weight": small, **{f"small.weight.{k}": v for k, v in small_state.as_dict(packed=True).items()}},
-              nested / "model.safetensors", metadata={"format": "pt"})  # fmt: skip
+    save_file(
+        {
+            "top.weight": packed,
+            **{f"top.weight.{k}": v for k, v in state.as_dict(packed=True).items()},
+            "small.weight": small,
+            **{f"small.weight.{k}": v for k, v in small_state.as_dict(packed=True).items()},
+        },
+        nested / "model.safetensors",
+        metadata={"format": "pt"},
+    )
     for folder, name in ((source, "model.norm.weight"), (big, "big.weight"), (nested, "top.weight")):
-        result = subprocess.run([sys.executable, "-m", "nf4convert", str(folder), "-o", str(tmp_path / f"{folder.name}-fp16"),
-                                 "--dtype", "fp16", "-q", "--device", device], capture_output=True, text=True, timeout=300)  # fmt: skip
+        result = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "nf4convert",
+                str(folder),
+                "-o",
+                str(tmp_path / f"{folder.name}-fp16"),
+                "--dtype",
+                "fp16",
+                "-q",
+                "--device",
+                device,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert result.returncode == 0, result.stderr
-        assert result.stderr.strip() == (f"Warning: 1 tensor holds ±inf in fp16, values beyond its range (65504): {name}; "
-                                         "--dtype bf16 or fp32 keeps them finite")  # fmt: skip
+        assert result.stderr.strip() == (
+            f"Warning: 1 tensor holds ±inf in fp16, values beyond its range (65504): {name}; "
+            "--dtype bf16 or fp32 keeps them finite"
+        )
         written = load_file(next((tmp_path / f"{folder.name}-fp16").glob("*.safetensors")))
-        assert torch.isinf(written[name]).any() and all(torch.isfinite(t.float()).all() for k, t in written.items() if k != name)
-        result = subprocess.run([sys.executable, "-m", "nf4convert", str(folder), "-o", str(tmp_path / f"{folder.name}-bf16"),
-                                 "--dtype", "bf16", "-q", "--device", device], capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert torch.isinf(written[name]).any() and all(
+            torch.isfinite(t.float()).all() for k, t in written.items() if k != name
+        )
+        result = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "nf4convert",
+                str(folder),
+                "-o",
+                str(tmp_path / f"{folder.name}-bf16"),
+                "--dtype",
+                "bf16",
+                "-q",
+                "--device",
+                device,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert result.returncode == 0 and result.stderr == "", result.stderr
 
 
@@ -305,7 +378,11 @@ def test_disk_full_is_one_line(checkpoints, tmp_path, monkeypatch):
     usage = shutil_module.disk_usage(tmp_path)
     monkeypatch.setattr(shutil_module, "disk_usage", lambda path: usage._replace(free=1000))
     output = run(checkpoints["llama-nf4-dq"], "-o", tmp_path / "out", "-q", code=1)
-    assert "0.0 MB free, the output needs" in output and "and 67.1 MB of headroom)" in output and not (tmp_path / "out").exists()
+    assert (
+        "0.0 MB free, the output needs" in output
+        and "and 67.1 MB of headroom)" in output
+        and not (tmp_path / "out").exists()
+    )
 
     from nf4convert.safetensors_io import write as writing
 
@@ -351,9 +428,25 @@ def _shard_of(folder: Path, key: str) -> Path:
     return folder / json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"][key]
 
 
-@pytest.mark.parametrize("case", ["missing-folder", "truncated", "corrupt-header", "missing-absmax", "bad-json",
-                                  "packed-size", "eight-bit", "dense", "no-safetensors", "bad-quant-map",
-                                  "quant-state-lost", "nested-absmax-nan", "flat-absmax-nan", "flat-absmax-negative"])  # fmt: skip
+@pytest.mark.parametrize(
+    "case",
+    [
+        "missing-folder",
+        "truncated",
+        "corrupt-header",
+        "missing-absmax",
+        "bad-json",
+        "packed-size",
+        "eight-bit",
+        "dense",
+        "no-safetensors",
+        "bad-quant-map",
+        "quant-state-lost",
+        "nested-absmax-nan",
+        "flat-absmax-nan",
+        "flat-absmax-negative",
+    ],
+)
 def test_bad_input_is_one_clear_line(case, checkpoints, tmp_path):
     source = _copy(checkpoints["qwen2-tied-fp4" if case.startswith("flat-") else "llama-nf4-dq"], tmp_path)
     weight = "model.layers.0.self_attn.q_proj.weight"
@@ -400,7 +493,9 @@ def test_bad_input_is_one_clear_line(case, checkpoints, tmp_path):
             data[end - 4 : end] = struct.pack("<f", float("nan") if case == "flat-absmax-nan" else -0.5)
 
         _rewrite_shard(_shard_of(source, key), spoil_flat)
-    elif case == "quant-state-lost":  # every part of one weight's quant state gone: the packed bytes must not pass as dense
+    elif (
+        case == "quant-state-lost"
+    ):  # every part of one weight's quant state gone: the packed bytes must not pass as dense
         index = json.loads((source / "model.safetensors.index.json").read_text())
         parts = [key for key in index["weight_map"] if key.startswith(weight + ".")]
         for shard in {_shard_of(source, key) for key in parts}:
@@ -467,26 +562,45 @@ def test_bad_input_is_one_clear_line(case, checkpoints, tmp_path):
     assert "Traceback" not in output and not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--dtype", "int8"], "Invalid value for '--dtype'"),
-    (["--max-shard-size", "lots"], "size 'lots' is not like"),
-    (["--device", "tpu"], "device 'tpu' is not cpu, cuda or cuda:N"),
-    (["--device", "cuda:0"] if not torch.cuda.is_available() else ["--device", "nonsense"], "device"),
-    (["--no-such-option"], "No such option"),
-    (["--adapter", "a", "--adapter", "b"], "'--adapter': given 2 times; one adapter per conversion"),  # not the last one kept
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--dtype", "int8"], "Invalid value for '--dtype'"),
+        (["--max-shard-size", "lots"], "size 'lots' is not like"),
+        (["--device", "tpu"], "device 'tpu' is not cpu, cuda or cuda:N"),
+        (["--device", "cuda:0"] if not torch.cuda.is_available() else ["--device", "nonsense"], "device"),
+        (["--no-such-option"], "No such option"),
+        (
+            ["--adapter", "a", "--adapter", "b"],
+            "'--adapter': given 2 times; one adapter per conversion",
+        ),  # not the last one kept
+    ],
+)
 def test_bad_options_are_one_line(args, message, checkpoints, tmp_path):
     result = CliRunner().invoke(main, [str(checkpoints["llama-nf4-dq"]), "-o", str(tmp_path / "out"), "-q", *args])
     lines = [line for line in result.output.splitlines() if line.strip()]
-    assert result.exit_code in (1, 2) and len(lines) == 1 and lines[0].startswith("Error: ") and message in lines[0], result.output
+    assert result.exit_code in (1, 2) and len(lines) == 1 and lines[0].startswith("Error: ") and message in lines[0], (
+        result.output
+    )
     assert not (tmp_path / "out").exists()
 
 
 def test_batch_keeps_going_and_reports(checkpoints, tmp_path):
     listing = tmp_path / "models.txt"
     listing.write_text(f"# two models\n{checkpoints['qwen2-tied-fp4']}\n")
-    result = CliRunner().invoke(main, ["batch", str(checkpoints["llama-nf4-dq"]), str(tmp_path / "missing"),
-                                       "--from-file", str(listing), "-o", str(tmp_path / "root"), "-q"])  # fmt: skip
+    result = CliRunner().invoke(
+        main,
+        [
+            "batch",
+            str(checkpoints["llama-nf4-dq"]),
+            str(tmp_path / "missing"),
+            "--from-file",
+            str(listing),
+            "-o",
+            str(tmp_path / "root"),
+            "-q",
+        ],
+    )
     assert result.exit_code == 1
     lines = result.output.splitlines()
     table = lines[lines.index(next(line for line in lines if line.startswith("source"))) :]
@@ -517,7 +631,9 @@ def test_convert_options_may_come_before_source(tmp_path):
     assert "float16" in run("--dtype", "fp16", "-q", example, "-o", tmp_path / "b")
     assert "version" in run("--version") and "Usage:" in run("--help")
     assert "No such option '--no-such-option'" in run("--no-such-option", example, code=2)
-    assert "options of 'verify' go after its name: nf4convert verify [OPTIONS]" in run("-q", "verify", tmp_path / "a", example, code=2)
+    assert "options of 'verify' go after its name: nf4convert verify [OPTIONS]" in run(
+        "-q", "verify", tmp_path / "a", example, code=2
+    )
 
 
 def test_help_and_bad_arguments_import_no_torch():
@@ -537,7 +653,9 @@ print("heavy", heavy)
     assert "heavy []" in result.stdout, result.stdout
     assert result.stdout.count("exit 0") == 3 and "exit 1" in result.stdout and "exit 2" in result.stdout
     assert "/no/such/out: no such folder" in result.stderr
-    result = subprocess.run([sys.executable, "-m", "nf4convert.cli", "--help"], capture_output=True, text=True, check=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "nf4convert.cli", "--help"], capture_output=True, text=True, check=True
+    )
     assert "verify" in result.stdout and "batch" in result.stdout
     for command in ("convert", "verify", "batch"):
         assert "Example" in run(command, "--help")
@@ -574,7 +692,10 @@ def test_api_expands_home_in_outputs_and_refuses_a_stem_that_is_no_name(checkpoi
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     monkeypatch.chdir(tmp_path / "work")
     assert convert(source, "~/x", device="cpu", progress=False).output == tmp_path / "home" / "x"
-    assert convert(source, output_dir="~/od", stem="s", device="cpu", progress=False).output == tmp_path / "home" / "od" / "s-bf16"
+    assert (
+        convert(source, output_dir="~/od", stem="s", device="cpu", progress=False).output
+        == tmp_path / "home" / "od" / "s-bf16"
+    )
     assert (tmp_path / "home" / "x" / "model.safetensors").exists() and not list((tmp_path / "work").iterdir())
     for stem in ("../escape", "a/b", "/abs", "..", ".", ""):
         with pytest.raises(ArgumentError, match="^stem ") as raised:
@@ -583,16 +704,24 @@ def test_api_expands_home_in_outputs_and_refuses_a_stem_that_is_no_name(checkpoi
     assert not list((tmp_path / "work").iterdir()) and sorted(p.name for p in tmp_path.iterdir()) == ["home", "work"]
 
 
-@pytest.mark.parametrize("form", ["output", "source", "adapter", "batch root", "batch list", "verify source", "verify out"])
+@pytest.mark.parametrize(
+    "form", ["output", "source", "adapter", "batch root", "batch list", "verify source", "verify out"]
+)
 def test_a_tilde_user_that_does_not_exist_is_one_line(form, tmp_path, monkeypatch):
     # Path.expanduser raises RuntimeError for ~user with no such user: it was a traceback
     example = str(Path(__file__).resolve().parents[1] / "examples" / "tiny-llama-bnb-4bit")
     monkeypatch.chdir(tmp_path)
     (tmp_path / "list.txt").write_text(f"{example}\n~nf4convert-no-such-user/q\n")
     bad = "~nf4convert-no-such-user/x"
-    arguments = {"output": [example, "-o", bad], "source": [bad, "-o", "out"], "adapter": [example, "--adapter", bad, "-o", "out"],
-                 "batch root": ["batch", example, "-o", bad], "batch list": ["batch", "--from-file", "list.txt", "-o", "root"],
-                 "verify source": ["verify", example, bad], "verify out": ["verify", bad, example]}[form]  # fmt: skip
+    arguments = {
+        "output": [example, "-o", bad],
+        "source": [bad, "-o", "out"],
+        "adapter": [example, "--adapter", bad, "-o", "out"],
+        "batch root": ["batch", example, "-o", bad],
+        "batch list": ["batch", "--from-file", "list.txt", "-o", "root"],
+        "verify source": ["verify", example, bad],
+        "verify out": ["verify", bad, example],
+    }[form]
     result = CliRunner().invoke(main, arguments, catch_exceptions=False)
     assert result.exit_code == 2, result.output
     lines = [line for line in result.output.splitlines() if line.startswith("Error")]
@@ -610,8 +739,11 @@ def test_verify_api_expands_home_and_refuses_empty_names(checkpoints, tmp_path, 
     monkeypatch.chdir(tmp_path)
     convert(source, "~/x", device="cpu", progress=False)
     assert verify("~/x", source, device="cpu").ok
-    for name, arguments, keywords in (("output", ("", source), {}), ("source", ("~/x", " "), {}),
-                                      ("adapter", ("~/x", source), {"adapter": ""})):  # fmt: skip
+    for name, arguments, keywords in (
+        ("output", ("", source), {}),
+        ("source", ("~/x", " "), {}),
+        ("adapter", ("~/x", source), {"adapter": ""}),
+    ):
         with pytest.raises(ArgumentError, match=f"^{name} is empty") as raised:
             verify(*arguments, device="cpu", **keywords)
         assert raised.value.option == name
@@ -660,7 +792,9 @@ def test_without_triton_auto_takes_the_cpu_and_cuda_is_one_line(monkeypatch, tmp
     with pytest.raises(DependencyError, match=r"^device 'cuda:0' needs Triton, which is not installed"):
         pick_device("cuda:0")
     # verify recomputes with bitsandbytes, not our kernel: it takes the GPU without Triton
-    assert pick_device("auto", kernel=False) == torch.device("cuda") and pick_device("cuda:0", kernel=False).type == "cuda"
+    assert (
+        pick_device("auto", kernel=False) == torch.device("cuda") and pick_device("cuda:0", kernel=False).type == "cuda"
+    )
     example = Path(__file__).resolve().parents[1] / "examples" / "tiny-llama-bnb-4bit"
     line = run(example, "-o", tmp_path / "out", "--device", "cuda", code=1).strip()
     assert line.startswith("Error: device 'cuda' needs Triton") and "\n" not in line and not (tmp_path / "out").exists()
@@ -669,9 +803,13 @@ def test_without_triton_auto_takes_the_cpu_and_cuda_is_one_line(monkeypatch, tmp
     with pytest.raises(DependencyError, match=r"^dequantizing cpu tensors with backend='triton' needs Triton"):
         dequantize_4bit(packed, state, backend="triton")
     assert dequantize_4bit(packed, state).dtype == torch.float16  # the CPU path needs no Triton
-    code = ("import sys; sys.modules['triton'] = None; from nf4convert.cli import main; "
-            f"main([{str(example)!r}, '-o', {str(tmp_path / 'cpu')!r}, '-q'])")  # fmt: skip
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=300, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    code = (
+        "import sys; sys.modules['triton'] = None; from nf4convert.cli import main; "
+        f"main([{str(example)!r}, '-o', {str(tmp_path / 'cpu')!r}, '-q'])"
+    )
+    subprocess.run(
+        [sys.executable, "-c", code], check=True, timeout=300, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    )
     assert (tmp_path / "cpu" / "model.safetensors").exists()
 
 
@@ -685,8 +823,11 @@ def test_an_amd_gpu_is_not_taken_for_an_nvidia_one(monkeypatch, tmp_path):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     assert pick_device("auto") == torch.device("cpu")
-    with pytest.raises(ArgumentError, match=r"^device 'cuda': an AMD GPU \(ROCm\), where the kernel, written with NVIDIA's PTX, "
-                       r"cannot run; use cpu$"):  # fmt: skip
+    with pytest.raises(
+        ArgumentError,
+        match=r"^device 'cuda': an AMD GPU \(ROCm\), where the kernel, written with NVIDIA's PTX, "
+        r"cannot run; use cpu$",
+    ):
         pick_device("cuda")
     example = Path(__file__).resolve().parents[1] / "examples" / "tiny-llama-bnb-4bit"
     line = run(example, "-o", tmp_path / "out", "--device", "cuda:0", code=2).strip()
@@ -716,12 +857,33 @@ def test_the_cpu_route_runs_without_torch(processes, dtype, tmp_path):
         env = {**os.environ, "NF4CONVERT_PROCESSES": processes}
         if device == "auto" and any(Path("/dev").glob("nvidia[0-9]*")):
             continue  # a GPU's driver: auto asks torch
-        subprocess.run([sys.executable, "-c", NO_TORCH, str(example), "-o", str(out), "--device", device, "--dtype", dtype,
-                        "-q"], check=True, timeout=300, env=env)  # fmt: skip
+        subprocess.run(
+            [sys.executable, "-c", NO_TORCH, str(example), "-o", str(out), "--device", device, "--dtype", dtype, "-q"],
+            check=True,
+            timeout=300,
+            env=env,
+        )
         for name in ("model.safetensors", "config.json", "README.md"):
             assert (out / name).read_bytes() == (tmp_path / "with" / name).read_bytes(), name
     # fp16 out does take torch (its conversion: numpy's goes one element at a time), so blocked it fails, writing nothing
     if processes == "2" and dtype == "bf16":
-        result = subprocess.run([sys.executable, "-c", NO_TORCH, str(example), "-o", str(tmp_path / "fp16"), "--device",
-                                 "cpu", "--dtype", "fp16", "-q"], capture_output=True, text=True, timeout=300, env=env)  # fmt: skip
+        result = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                NO_TORCH,
+                str(example),
+                "-o",
+                str(tmp_path / "fp16"),
+                "--device",
+                "cpu",
+                "--dtype",
+                "fp16",
+                "-q",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=env,
+        )
         assert result.returncode != 0 and not (tmp_path / "fp16").exists()

@@ -38,8 +38,10 @@ def test_filling_the_table_cache_while_tracing_does_not_recompile(monkeypatch):
 
 
 def _layers(shape, count, dtype, nested, seed):
-    return [quantize(shape, quant_type="nf4", blocksize=64, nested=nested, dtype=dtype, seed=seed + i, device=DEVICE)
-            for i in range(count)]  # fmt: skip
+    return [
+        quantize(shape, quant_type="nf4", blocksize=64, nested=nested, dtype=dtype, seed=seed + i, device=DEVICE)
+        for i in range(count)
+    ]
 
 
 def _forward(x, packed, state):
@@ -75,8 +77,11 @@ def test_compiled_weight_is_bit_exact():
 
     torch._dynamo.reset()
     shape = (77, 333) if DEVICE == "cpu" else (1024, 3072)
-    compiled = torch.compile(lambda packed, state: nf4convert.dequantize_4bit(packed, state) * 2, fullgraph=True,
-                             backend="aot_eager" if DEVICE == "cpu" else "inductor")  # fmt: skip
+    compiled = torch.compile(
+        lambda packed, state: nf4convert.dequantize_4bit(packed, state) * 2,
+        fullgraph=True,
+        backend="aot_eager" if DEVICE == "cpu" else "inductor",
+    )
     with torch._dynamo.config.patch(error_on_recompile=True):
         for packed, state in _layers(shape, 2, torch.bfloat16, True, seed=21):
             # Doubling is exact: the compiled bits are the eager bits, doubled.
@@ -98,8 +103,9 @@ def test_cpu_tensors_compile_to_the_exact_cpu_path(quant_type, nested, dtype):
 
     torch._dynamo.reset()
     shape = (37, 91)  # odd: a partial last block and a last byte of one element
-    weights = [quantize(shape, quant_type=quant_type, blocksize=64, nested=nested, dtype=dtype, seed=seed)
-               for seed in (41, 42)]  # fmt: skip
+    weights = [
+        quantize(shape, quant_type=quant_type, blocksize=64, nested=nested, dtype=dtype, seed=seed) for seed in (41, 42)
+    ]
     counter = CompileCounterWithBackend("inductor")
 
     def on_cpu(packed, state):
@@ -133,8 +139,10 @@ def test_cpu_op_inside_a_fused_graph_keeps_its_bits():
     from torch._dynamo.testing import CompileCounterWithBackend
 
     torch._dynamo.reset()
-    layers = [quantize((96, 200), quant_type="fp4", blocksize=128, nested=True, dtype=torch.bfloat16, seed=51 + i)
-              for i in range(3)]  # fmt: skip
+    layers = [
+        quantize((96, 200), quant_type="fp4", blocksize=128, nested=True, dtype=torch.bfloat16, seed=51 + i)
+        for i in range(3)
+    ]
     counter = CompileCounterWithBackend("inductor")
 
     def doubled(packed, state):
@@ -194,7 +202,9 @@ def test_malformed_quant_states_are_argument_errors_under_compile():
         state = broken(state)
         torch._dynamo.reset()
         with pytest.raises(ArgumentError, match=f"^{message}$"):
-            torch.compile(lambda packed, state: nf4convert.dequantize_4bit(packed, state), backend="aot_eager")(packed, state)
+            torch.compile(lambda packed, state: nf4convert.dequantize_4bit(packed, state), backend="aot_eager")(
+                packed, state
+            )
 
 
 def test_a_refused_call_leaves_the_compiled_function_working():
@@ -262,8 +272,10 @@ def test_eager_launches_do_not_import_the_compiler():
     import subprocess
     import sys
 
-    code = ("import sys, torch, nf4convert.dequantize, nf4convert.kernels.launch; "
-            "print(sorted(m for m in ('torch._dynamo', 'torch._inductor') if m in sys.modules))")  # fmt: skip
+    code = (
+        "import sys, torch, nf4convert.dequantize, nf4convert.kernels.launch; "
+        "print(sorted(m for m in ('torch._dynamo', 'torch._inductor') if m in sys.modules))"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and result.stdout.strip() == "[]", result.stdout + result.stderr
 

@@ -32,12 +32,14 @@ def test_tables_by_gpu_name_then_capability(monkeypatch):
     assert configs.choose_config((1 << 26) + 1, (9, 0), "NVIDIA H100 80GB HBM3", 2) == configs.Config(2048, 4, True)
     assert configs.choose_config(large, (9, 0), "NVIDIA H100 80GB HBM3", 2) == configs.Config(2048, 4, True)
     assert configs.choose_config(large, (8, 0), "NVIDIA A100-SXM4-80GB", 2) == configs.Config(2048, 4, True)
-    grid, constexprs, num_warps = configs.launch_config(28672 * 8192, 64, 256, True, configs.torch.bfloat16, (9, 0), 132,
-                                                        "NVIDIA H100 80GB HBM3")  # fmt: skip
+    grid, constexprs, num_warps = configs.launch_config(
+        28672 * 8192, 64, 256, True, configs.torch.bfloat16, (9, 0), 132, "NVIDIA H100 80GB HBM3"
+    )
     assert num_warps == 4 and grid == (-(-large // 2048),) and constexprs["BLOCKS_PER_PROGRAM"] == 2048 // 32
     assert constexprs["EVICT"] == "evict_first"
-    grid, constexprs, num_warps = configs.launch_config(28672 * 8192, 64, 256, True, configs.torch.float32, (9, 0), 132,
-                                                        "NVIDIA H200")  # fmt: skip
+    grid, constexprs, num_warps = configs.launch_config(
+        28672 * 8192, 64, 256, True, configs.torch.float32, (9, 0), 132, "NVIDIA H200"
+    )
     assert num_warps == 8 and grid == (-(-large // 4096),) and constexprs["BLOCKS_PER_PROGRAM"] == 4096 // 32
     assert constexprs["PAIR_TYPE"] == configs.tl.uint64
     # Every table ends with a row for any size and any output width.

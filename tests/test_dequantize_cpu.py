@@ -72,12 +72,16 @@ def test_triton_kernel_interpreted_bit_exact(shape, blocksize, quant_type, neste
 
 
 @pytest.mark.parametrize("storage", STORAGE_DTYPES)
-@pytest.mark.parametrize("backend", ["cpu", pytest.param("triton", marks=pytest.mark.skipif(not INTERPRETING, reason="no interpreter"))])
+@pytest.mark.parametrize(
+    "backend", ["cpu", pytest.param("triton", marks=pytest.mark.skipif(not INTERPRETING, reason="no interpreter"))]
+)
 def test_packed_storage_dtypes(storage, backend):
     # bitsandbytes needs the packed bytes to fill whole storage elements: 4 * k bytes.
     shape = (_rng.randint(1, 40) * 2, 4 * _rng.randint(1, 50))
     for quant_type in ("nf4", "fp4"):
-        packed, state = quantize(shape, quant_type=quant_type, blocksize=64, nested=True, dtype=torch.bfloat16, storage=storage)
+        packed, state = quantize(
+            shape, quant_type=quant_type, blocksize=64, nested=True, dtype=torch.bfloat16, storage=storage
+        )
         assert packed.dtype == storage
         got = nf4convert.dequantize_4bit(packed, state, backend=backend)
         assert torch.equal(bits(got), bits(bnb_reference_cpu(packed, state)))
@@ -102,8 +106,14 @@ def test_fp4_zero_is_negative_like_cuda():
     import bitsandbytes.functional as F
 
     packed = torch.tensor([0x88, 0x08, 0x80], dtype=torch.uint8)
-    state = F.QuantState(absmax=torch.tensor([0.5]), shape=torch.Size([6]), dtype=torch.float32,
-                         blocksize=64, quant_type="fp4", code=F.get_4bit_type("fp4", device="cpu"))  # fmt: skip
+    state = F.QuantState(
+        absmax=torch.tensor([0.5]),
+        shape=torch.Size([6]),
+        dtype=torch.float32,
+        blocksize=64,
+        quant_type="fp4",
+        code=F.get_4bit_type("fp4", device="cpu"),
+    )
     got = nf4convert.dequantize_4bit(packed, state, backend="cpu")
     assert torch.signbit(got).tolist() == [True, True, False, True, True, False]
     assert got.abs().tolist() == [0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
@@ -144,34 +154,61 @@ def _broken(field, value):
 
 # (how the quant state is broken, the message): each a field the kernels read, of the wrong type or missing
 MALFORMED = {
-    "dict": (lambda state: state.as_dict(), r"quant_state must be a bitsandbytes QuantState or nf4convert\.QuantState4bit, not dict "
-             r"\(bitsandbytes' QuantState\.from_dict makes one\)"),
-    "empty-dict": (lambda state: {}, r"quant_state must be a bitsandbytes QuantState or nf4convert\.QuantState4bit, not dict "
-                   r"\(bitsandbytes' QuantState\.from_dict makes one\)"),
-    "absmax-2d": (lambda state: _broken("absmax", state.absmax.reshape(-1, 1))(state),
-                  r"quant_state\.absmax has shape \[\d+, 1\]; bitsandbytes keeps the parts of a quant state 1-D"),
-    "state2.absmax-2d": (lambda state: _broken("state2.absmax", state.state2.absmax.reshape(1, -1))(state),
-                         r"quant_state\.state2\.absmax has shape \[1, \d+\]; bitsandbytes keeps the parts of a quant state 1-D"),
+    "dict": (
+        lambda state: state.as_dict(),
+        r"quant_state must be a bitsandbytes QuantState or nf4convert\.QuantState4bit, not dict "
+        r"\(bitsandbytes' QuantState\.from_dict makes one\)",
+    ),
+    "empty-dict": (
+        lambda state: {},
+        r"quant_state must be a bitsandbytes QuantState or nf4convert\.QuantState4bit, not dict "
+        r"\(bitsandbytes' QuantState\.from_dict makes one\)",
+    ),
+    "absmax-2d": (
+        lambda state: _broken("absmax", state.absmax.reshape(-1, 1))(state),
+        r"quant_state\.absmax has shape \[\d+, 1\]; bitsandbytes keeps the parts of a quant state 1-D",
+    ),
+    "state2.absmax-2d": (
+        lambda state: _broken("state2.absmax", state.state2.absmax.reshape(1, -1))(state),
+        r"quant_state\.state2\.absmax has shape \[1, \d+\]; bitsandbytes keeps the parts of a quant state 1-D",
+    ),
     "quant_type-None": (_broken("quant_type", None), r"quant_state\.quant_type must be 'nf4' or 'fp4', not None"),
-    "dtype-str": (_broken("dtype", "bfloat16"), r"quant_state\.dtype must be torch\.float16, torch\.bfloat16 or torch\.float32, "
-                  r"not 'bfloat16' \(str, not a torch\.dtype\)"),
+    "dtype-str": (
+        _broken("dtype", "bfloat16"),
+        r"quant_state\.dtype must be torch\.float16, torch\.bfloat16 or torch\.float32, "
+        r"not 'bfloat16' \(str, not a torch\.dtype\)",
+    ),
     "blocksize-None": (_broken("blocksize", None), r"quant_state\.blocksize must be one of \(32, .*\), not None"),
     "blocksize-float": (_broken("blocksize", 64.0), r"quant_state\.blocksize must be one of \(32, .*\), not 64\.0"),
     "shape-None": (_broken("shape", None), r"quant_state\.shape must be a sequence of non-negative ints, not None"),
-    "shape-floats": (_broken("shape", [16.0, 32.0]), r"quant_state\.shape must be a sequence of non-negative ints, not \[16\.0, 32\.0\]"),
+    "shape-floats": (
+        _broken("shape", [16.0, 32.0]),
+        r"quant_state\.shape must be a sequence of non-negative ints, not \[16\.0, 32\.0\]",
+    ),
     "absmax-None": (_broken("absmax", None), r"quant_state\.absmax must be a tensor, not NoneType"),
     "absmax-list": (_broken("absmax", [1.0] * 8), r"quant_state\.absmax must be a tensor, not list"),
     "nested-None": (_broken("nested", None), r"quant_state\.nested must be True or False, not None"),
     "state2-None": (_broken("state2", None), r"quant_state\.state2 is None; a nested quant state needs its state2"),
-    "state2-dict": (lambda state: _broken("state2", state.state2.as_dict())(state),
-                    r"quant_state\.state2 must be a bitsandbytes QuantState or nf4convert's NestedState, not dict"),
-    "state2.absmax-None": (_broken("state2.absmax", None), r"quant_state\.state2\.absmax must be a tensor, not NoneType"),
+    "state2-dict": (
+        lambda state: _broken("state2", state.state2.as_dict())(state),
+        r"quant_state\.state2 must be a bitsandbytes QuantState or nf4convert's NestedState, not dict",
+    ),
+    "state2.absmax-None": (
+        _broken("state2.absmax", None),
+        r"quant_state\.state2\.absmax must be a tensor, not NoneType",
+    ),
     "state2.code-None": (_broken("state2.code", None), r"quant_state\.state2\.code must be a tensor, not NoneType"),
-    "state2.blocksize-None": (_broken("state2.blocksize", None), r"quant_state\.state2\.blocksize must be a power of two, not None"),
+    "state2.blocksize-None": (
+        _broken("state2.blocksize", None),
+        r"quant_state\.state2\.blocksize must be a power of two, not None",
+    ),
     "offset-None": (_broken("offset", None), r"quant_state\.offset is None; a nested quant state needs its offset"),
     "offset-str": (_broken("offset", "0.1"), r"quant_state\.offset must be a tensor or a number, not str"),
-    "offset-2-elements": (_broken("offset", torch.zeros(2)), r"quant_state\.offset must be one number, not a tensor of 2 elements"),
-}  # fmt: skip
+    "offset-2-elements": (
+        _broken("offset", torch.zeros(2)),
+        r"quant_state\.offset must be one number, not a tensor of 2 elements",
+    ),
+}
 
 
 @pytest.mark.parametrize("case", MALFORMED)
@@ -192,8 +229,15 @@ def test_ours_without_offset_and_out_not_a_tensor_are_argument_errors():
 
     packed, state = _state()
     nested = NestedState(state.state2.absmax, state.state2.code, state.state2.blocksize)
-    ours = nf4convert.QuantState4bit(absmax=state.absmax, shape=state.shape, dtype=state.dtype, blocksize=64,
-                                     quant_type="nf4", offset=None, state2=nested)  # fmt: skip
+    ours = nf4convert.QuantState4bit(
+        absmax=state.absmax,
+        shape=state.shape,
+        dtype=state.dtype,
+        blocksize=64,
+        quant_type="nf4",
+        offset=None,
+        state2=nested,
+    )
     with pytest.raises(ArgumentError, match=r"^quant_state\.offset is None; a nested quant state needs its offset$"):
         nf4convert.dequantize_4bit(packed, ours, backend="cpu")
     packed, state = _state()
@@ -236,7 +280,11 @@ def test_quant_state_from_checkpoint_and_chunks_match_bnb(nested, tmp_path):
     flat = packed.view(torch.uint8).view(-1)
     pieces = []
     for first, count, piece in bnb4.chunks(ours, 1 if nested else 128 * 3 + 5):  # rounded to whole (nested) blocks
-        pieces.append(nf4convert.dequantize_4bit(flat[first // 2 : first // 2 + (count + 1) // 2].contiguous(), piece, backend="cpu"))
+        pieces.append(
+            nf4convert.dequantize_4bit(
+                flat[first // 2 : first // 2 + (count + 1) // 2].contiguous(), piece, backend="cpu"
+            )
+        )
     assert len(pieces) > 1
     assert torch.equal(bits(torch.cat(pieces)), bits(expected))
 
@@ -258,7 +306,9 @@ def test_agrees_with_bnb_native_cpu_where_it_is_exact(quant_type):
         assert torch.equal(got, expected)
 
 
-@pytest.mark.parametrize("backend", ["cpu", pytest.param("triton", marks=pytest.mark.skipif(not INTERPRETING, reason="no interpreter"))])
+@pytest.mark.parametrize(
+    "backend", ["cpu", pytest.param("triton", marks=pytest.mark.skipif(not INTERPRETING, reason="no interpreter"))]
+)
 @pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
 def test_subnormal_products_flush_like_cuda(backend, quant_type):
     # bitsandbytes' CUDA kernel multiplies with flush-to-zero (seen on an H100): scales near 1e-38
@@ -267,8 +317,9 @@ def test_subnormal_products_flush_like_cuda(backend, quant_type):
     import bitsandbytes.functional as F
 
     seed = {"nf4": 8128, "fp4": 8129}[quant_type]
-    packed, state = quantize((24, 200), quant_type=quant_type, blocksize=64, nested=False, dtype=torch.float32,
-                             seed=seed)  # fmt: skip
+    packed, state = quantize(
+        (24, 200), quant_type=quant_type, blocksize=64, nested=False, dtype=torch.float32, seed=seed
+    )
     state.absmax = state.absmax * torch.logspace(-40, -30, state.absmax.numel())
     code = F.get_4bit_type(quant_type, device="cpu").double()
     exact = code[nibbles(packed, 24 * 200)] * state.absmax.double().repeat_interleave(64)[: 24 * 200]
@@ -289,19 +340,27 @@ def test_kernel_variants_interpreted(config):
     # Every launch variant the benchmark may pick computes the same bits.
     from nf4convert.kernels import configs
 
-    with configs.override({
-        "persistent": configs.Config(256, 4, True, programs_per_sm=3, stages=2),
-        "select": configs.Config(512, 4, False, lut_select=True),
-        "small-tiles": configs.Config(64, 2, False),
-    }[config]):  # fmt: skip
-        for quant_type, nested, dtype in (("nf4", True, torch.bfloat16), ("fp4", False, torch.float16), ("fp4", True, torch.float32)):
+    with configs.override(
+        {
+            "persistent": configs.Config(256, 4, True, programs_per_sm=3, stages=2),
+            "select": configs.Config(512, 4, False, lut_select=True),
+            "small-tiles": configs.Config(64, 2, False),
+        }[config]
+    ):
+        for quant_type, nested, dtype in (
+            ("nf4", True, torch.bfloat16),
+            ("fp4", False, torch.float16),
+            ("fp4", True, torch.float32),
+        ):
             shape = (_rng.randint(3, 40), _rng.randint(100, 700))
             packed, state = quantize(shape, quant_type=quant_type, blocksize=64, nested=nested, dtype=dtype)
             got = nf4convert.dequantize_4bit(packed, state, backend="triton")
             assert torch.equal(bits(got), bits(bnb_reference_cpu(packed, state)))
 
 
-@pytest.mark.parametrize("backend", ["cpu", pytest.param("triton", marks=pytest.mark.skipif(not INTERPRETING, reason="no interpreter"))])
+@pytest.mark.parametrize(
+    "backend", ["cpu", pytest.param("triton", marks=pytest.mark.skipif(not INTERPRETING, reason="no interpreter"))]
+)
 @pytest.mark.parametrize("case", ["nf4", "fp4", "nested-offset-0", "nested-offset-tiny", "nested-offset-negative"])
 def test_products_just_below_flt_min_flush_like_cuda(backend, case):
     # mul.ftz.f32 flushes a product whose 24-bit rounding (unbounded exponent) is below FLT_MIN, even where
@@ -329,8 +388,14 @@ def test_cpu_path_chunks_bit_exact(chunk_bytes, monkeypatch):
         shape = _random_shape(30_000)
         blocksize = BLOCKSIZES[index % 4]  # 32 to 256: chunks of a few blocks
         nested, dtype = bool(index % 2), OUT_DTYPES[index % 3]
-        packed, state = quantize(shape, quant_type=("nf4", "fp4")[index // 2 % 2], blocksize=blocksize, nested=nested,
-                                 dtype=dtype, seed=index)  # fmt: skip
+        packed, state = quantize(
+            shape,
+            quant_type=("nf4", "fp4")[index // 2 % 2],
+            blocksize=blocksize,
+            nested=nested,
+            dtype=dtype,
+            seed=index,
+        )
         expected = bnb_reference_cpu(packed, state)
         got = nf4convert.dequantize_4bit(packed, state, backend="cpu")
         assert torch.equal(bits(got), bits(expected)), (shape, blocksize, nested, dtype)

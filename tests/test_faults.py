@@ -99,14 +99,25 @@ main(sys.argv[2:])
 
 
 @pytest.mark.parametrize("processes", ["0", "2"])
-@pytest.mark.parametrize("signal_name,code,word", [("SIGINT", 130, "interrupted"), ("SIGTERM", 143, "terminated"),
-                                                   ("SIGHUP", 129, "terminated")])  # fmt: skip
+@pytest.mark.parametrize(
+    "signal_name,code,word",
+    [("SIGINT", 130, "interrupted"), ("SIGTERM", 143, "terminated"), ("SIGHUP", 129, "terminated")],
+)
 def test_signal_while_writing_leaves_nothing(tmp_path, signal_name, code, word, processes):
     out = tmp_path / "out"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-           "NF4CONVERT_PROCESSES": processes}  # fmt: skip
-    result = subprocess.run([sys.executable, "-c", WRAPPER, signal_name, str(EXAMPLE), "-o", str(out), "-q", "--device", "cpu"],
-                            capture_output=True, text=True, env=env, timeout=300, start_new_session=True)  # fmt: skip
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        "NF4CONVERT_PROCESSES": processes,
+    }
+    result = subprocess.run(
+        [sys.executable, "-c", WRAPPER, signal_name, str(EXAMPLE), "-o", str(out), "-q", "--device", "cpu"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        start_new_session=True,
+    )
     assert result.returncode == code, result.stderr
     assert one_error_line(result.stdout + result.stderr) == f"Error: {word}; nothing was written"
     assert not out.exists() and list(tmp_path.iterdir()) == []  # no hidden partial folder either
@@ -127,10 +138,18 @@ main(sys.argv[1:])
 
 def test_a_worker_process_killed_is_one_line_and_leaves_nothing(tmp_path):
     out = tmp_path / "out"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-           "NF4CONVERT_PROCESSES": "2"}  # fmt: skip
-    result = subprocess.run([sys.executable, "-c", KILLED_WORKER, str(EXAMPLE), "-o", str(out), "-q", "--device", "cpu"],
-                            capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        "NF4CONVERT_PROCESSES": "2",
+    }
+    result = subprocess.run(
+        [sys.executable, "-c", KILLED_WORKER, str(EXAMPLE), "-o", str(out), "-q", "--device", "cpu"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert result.returncode == 1, result.stderr
     line = one_error_line(result.stderr)
     assert "worker process of the CPU route stopped" in line and "NF4CONVERT_PROCESSES=0" in line
@@ -186,9 +205,26 @@ main(sys.argv[3:])
 def test_a_signal_at_any_moment_says_what_was_written(tmp_path, moment, signal_name, code, word):
     out = tmp_path / "out"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    result = subprocess.run([sys.executable, "-c", MOMENT_WRAPPER, signal_name, moment, str(EXAMPLE), "-o", str(out), "-q",
-                             "--device", "cpu", *(["--verify"] if moment == "verify" else [])], capture_output=True,
-                            text=True, env=env, timeout=300)  # fmt: skip
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            MOMENT_WRAPPER,
+            signal_name,
+            moment,
+            str(EXAMPLE),
+            "-o",
+            str(out),
+            "-q",
+            "--device",
+            "cpu",
+            *(["--verify"] if moment == "verify" else []),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert result.returncode == code, result.stderr
     line = one_error_line(result.stderr)
     if moment == "staged":  # the folder was just made: it goes
@@ -205,9 +241,14 @@ def test_a_signal_the_caller_ignores_stays_ignored(tmp_path):
 
     out = tmp_path / "out"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    result = subprocess.run([sys.executable, "-c", WRAPPER, "SIGHUP", str(EXAMPLE), "-o", str(out), "-q", "--device", "cpu"],
-                            capture_output=True, text=True, env=env, timeout=300,
-                            preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-c", WRAPPER, "SIGHUP", str(EXAMPLE), "-o", str(out), "-q", "--device", "cpu"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN),
+    )
     assert result.returncode == 0 and not result.stderr.strip(), result.stderr
     assert (out / "model.safetensors").exists()
 
@@ -232,9 +273,26 @@ def test_batch_signal_names_sources_not_attempted(tmp_path):
     second = tmp_path / "second-bnb-4bit"
     shutil.copytree(EXAMPLE, second)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    result = subprocess.run([sys.executable, "-c", WRAPPER, "SIGTERM", "batch", str(EXAMPLE), str(second), "-o",
-                             str(tmp_path / "root"), "-q", "--device", "cpu"], capture_output=True, text=True, env=env,
-                            timeout=300)  # fmt: skip
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            WRAPPER,
+            "SIGTERM",
+            "batch",
+            str(EXAMPLE),
+            str(second),
+            "-o",
+            str(tmp_path / "root"),
+            "-q",
+            "--device",
+            "cpu",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert result.returncode == 143, result.stderr
     assert f"Error: terminated; not attempted: {second}" in result.stderr
     table = result.stdout.splitlines()
@@ -280,21 +338,41 @@ def test_batch_dry_run_plans_each_source_and_writes_nothing(tmp_path):
     shard = broken / "model-00002-of-00003.safetensors"
     shard.write_bytes(shard.read_bytes()[:-1000])  # truncated
     root = tmp_path / "root" / "deeper"
-    result = CliRunner().invoke(main, ["batch", str(EXAMPLE), str(broken), str(second), "-o", str(root), "-q", "--json",
-                                       "--dry-run", "--dtype", "fp16"])  # fmt: skip
+    result = CliRunner().invoke(
+        main,
+        [
+            "batch",
+            str(EXAMPLE),
+            str(broken),
+            str(second),
+            "-o",
+            str(root),
+            "-q",
+            "--json",
+            "--dry-run",
+            "--dtype",
+            "fp16",
+        ],
+    )
     assert result.exit_code == 1, result.output
     rows = [json.loads(line) for line in result.stdout.splitlines()]  # stdout: the rows only
     assert [row["status"] for row in rows] == ["planned", "failed", "planned"]
-    assert [row["output"] for row in rows] == [str(root / name) for name in ("tiny-llama-fp16", "broken-fp16", "second-fp16")]
+    assert [row["output"] for row in rows] == [
+        str(root / name) for name in ("tiny-llama-fp16", "broken-fp16", "second-fp16")
+    ]
     assert rows[0]["tensors"] == rows[2]["tensors"] == 39 and rows[0]["bytes"] == rows[2]["bytes"] > 0
     assert rows[1]["error"].startswith(f"{shard}: truncated"), rows[1]["error"]
     planned = 2 * rows[0]["bytes"]
     summary = [line for line in result.stderr.splitlines() if line.startswith("to write:")]
-    assert len(summary) == 1 and summary[0].startswith(f"to write: {planned / 1e9:.3f}") and "for 2 planned" in summary[0], summary
+    assert (
+        len(summary) == 1 and summary[0].startswith(f"to write: {planned / 1e9:.3f}") and "for 2 planned" in summary[0]
+    ), summary
     assert "dry run: nothing was written" in result.stderr and not (tmp_path / "root").exists()
 
     table = CliRunner().invoke(main, ["batch", str(EXAMPLE), "-o", str(root), "-q", "--dry-run"])
-    assert table.exit_code == 0 and "planned" in table.stdout and "dry run: nothing was written" in table.stdout, table.output
+    assert table.exit_code == 0 and "planned" in table.stdout and "dry run: nothing was written" in table.stdout, (
+        table.output
+    )
     assert not (tmp_path / "root").exists()
 
 
@@ -339,7 +417,10 @@ def test_verify_blames_the_source_for_a_plain_tensor(converted, tmp_path):
 
     _edit_output_tensor(out, name, flip)
     output = run("verify", out, EXAMPLE, code=1)
-    assert f"{name}: 1 of 256 elements differ from the source tensor" in output and "bitsandbytes" not in output.split("MISMATCH")[1]
+    assert (
+        f"{name}: 1 of 256 elements differ from the source tensor" in output
+        and "bitsandbytes" not in output.split("MISMATCH")[1]
+    )
 
 
 def test_verify_recognises_swapped_arguments(converted):
@@ -362,8 +443,12 @@ def test_conventions_help_typos_aliases_and_quiet_summary(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     bare = subprocess.run([sys.executable, "-m", "nf4convert"], capture_output=True, text=True, env=env, timeout=120)
     assert bare.returncode == 0 and "Usage: nf4convert" in bare.stdout and "verify" in bare.stdout
-    typo = subprocess.run([sys.executable, "-m", "nf4convert", "verfy", "a", "b"], capture_output=True, text=True, env=env, timeout=120)
-    assert typo.returncode == 2 and one_error_line(typo.stdout + typo.stderr).startswith("Error: no such command 'verfy'; did you mean verify?")
+    typo = subprocess.run(
+        [sys.executable, "-m", "nf4convert", "verfy", "a", "b"], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert typo.returncode == 2 and one_error_line(typo.stdout + typo.stderr).startswith(
+        "Error: no such command 'verfy'; did you mean verify?"
+    )
     # A word that is no command and no folder is still taken as a SOURCE (and said to be missing).
     line = one_error_line(run("./no-such-model", "-q", code=1))
     assert "no such folder" in line
@@ -416,14 +501,19 @@ def _process(args, **kwargs):
 def test_a_full_or_closed_standard_stream_is_no_traceback(tmp_path):
     # stdout on a full device: the conversion is done, the summary cannot be printed: one line on stderr, exit 1
     with open("/dev/full", "w") as full:
-        result = _process([EXAMPLE, "-o", tmp_path / "full", "--device", "cpu", "-q"], stdout=full, stderr=subprocess.PIPE, text=True)
+        result = _process(
+            [EXAMPLE, "-o", tmp_path / "full", "--device", "cpu", "-q"], stdout=full, stderr=subprocess.PIPE, text=True
+        )
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
     assert result.stderr.strip() == "Error: cannot print to standard output (No space left on device)"
     assert "OK: bit-exact" in run("verify", tmp_path / "full", EXAMPLE, "-q", "--device", "cpu")
     # stdout closed: nothing to print to, the run succeeds; stderr closed: no progress bars, the run succeeds
     for fd, name in ((1, "no-stdout"), (2, "no-stderr")):
-        result = _process([EXAMPLE, "-o", tmp_path / name, "--device", "cpu"], preexec_fn=lambda fd=fd: os.close(fd),
-                          capture_output=fd == 1)  # fmt: skip
+        result = _process(
+            [EXAMPLE, "-o", tmp_path / name, "--device", "cpu"],
+            preexec_fn=lambda fd=fd: os.close(fd),
+            capture_output=fd == 1,
+        )
         assert result.returncode == 0 and (tmp_path / name / "model.safetensors").exists()
 
 
@@ -500,8 +590,13 @@ def test_a_failed_run_ends_without_the_interpreters_teardown(tmp_path, converted
         (out / "config.json").write_text("{}")
         args, code = ["verify", out, EXAMPLE, "--device", "cpu"], 1
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    result = subprocess.run([sys.executable, "-c", TEARDOWN_WRAPPER, *map(str, args), "-q"], capture_output=True, text=True,
-                            env=env, timeout=300)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-c", TEARDOWN_WRAPPER, *map(str, args), "-q"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert result.returncode == code, result.stderr
     assert "interpreter teardown" not in result.stderr and "Traceback" not in result.stderr, result.stderr
     if case == "batch":  # the table, on a pipe (block-buffered), came through
@@ -516,8 +611,24 @@ def test_a_failed_run_ends_without_the_interpreters_teardown(tmp_path, converted
 def test_folders_made_for_an_interrupted_output_go_too(tmp_path):
     # -o out10/x interrupted while writing: out10, made for it, goes with the staging folder
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    result = subprocess.run([sys.executable, "-c", WRAPPER, "SIGINT", str(EXAMPLE), "-o", str(tmp_path / "out10" / "x"), "-q",
-                             "--device", "cpu"], capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            WRAPPER,
+            "SIGINT",
+            str(EXAMPLE),
+            "-o",
+            str(tmp_path / "out10" / "x"),
+            "-q",
+            "--device",
+            "cpu",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert result.returncode == 130, result.stderr
     assert one_error_line(result.stderr) == "Error: interrupted; nothing was written"
     assert list(tmp_path.iterdir()) == []
@@ -531,14 +642,17 @@ def test_folders_made_for_a_failed_output_go_and_the_users_stay(tmp_path, monkey
 
     monkeypatch.setattr(writing.ShardWriter, "write", no_space)
     (tmp_path / "mine").mkdir()  # the user's (empty) folder: only those this run made go
-    line = one_error_line(run(EXAMPLE, "-o", tmp_path / "mine" / "new" / "deeper" / "out", "-q", "--device", "cpu", code=1))
+    line = one_error_line(
+        run(EXAMPLE, "-o", tmp_path / "mine" / "new" / "deeper" / "out", "-q", "--device", "cpu", code=1)
+    )
     assert "No space left on device" in line
     assert [p.name for p in tmp_path.iterdir()] == ["mine"] and not list((tmp_path / "mine").iterdir())
     # batch: every conversion failed, so its output root (made by this run) goes too
     second = tmp_path / "mine" / "second-bnb-4bit"
     shutil.copytree(EXAMPLE, second)
-    result = CliRunner().invoke(main, ["batch", str(EXAMPLE), str(second), "-o", str(tmp_path / "root" / "deeper"), "-q",
-                                       "--device", "cpu"])  # fmt: skip
+    result = CliRunner().invoke(
+        main, ["batch", str(EXAMPLE), str(second), "-o", str(tmp_path / "root" / "deeper"), "-q", "--device", "cpu"]
+    )
     assert result.exit_code == 1 and "2 of 2 failed" in result.output, result.output
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"]
 
@@ -563,16 +677,37 @@ def test_batch_rows_name_the_real_output_once_the_dtype_is_decided(tmp_path):
     root.mkdir()
     (root / "tiny-llama-bf16").write_text("a file where the output would go")  # fails after the plan (dtype auto)
     bad = _truncated(tmp_path)  # fails in the plan: the dtype is not decided
-    result = CliRunner().invoke(main, ["batch", str(EXAMPLE), str(bad), str(tmp_path / "missing"), "-o", str(root), "-q",
-                                       "--json", "--device", "cpu"])  # fmt: skip
+    result = CliRunner().invoke(
+        main,
+        [
+            "batch",
+            str(EXAMPLE),
+            str(bad),
+            str(tmp_path / "missing"),
+            "-o",
+            str(root),
+            "-q",
+            "--json",
+            "--device",
+            "cpu",
+        ],
+    )
     rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
     assert [row["status"] for row in rows] == ["failed"] * 3
-    assert [row["output"] for row in rows] == [str(root / "tiny-llama-bf16"), str(root / "bad-<dtype>"), str(root / "missing-<dtype>")]
+    assert [row["output"] for row in rows] == [
+        str(root / "tiny-llama-bf16"),
+        str(root / "bad-<dtype>"),
+        str(root / "missing-<dtype>"),
+    ]
     # --dtype given: every row names its folder, in the table too
-    result = CliRunner().invoke(main, ["batch", str(bad), str(tmp_path / "missing"), "-o", str(root), "-q", "--dtype", "float16",
-                                       "--device", "cpu"])  # fmt: skip
+    result = CliRunner().invoke(
+        main,
+        ["batch", str(bad), str(tmp_path / "missing"), "-o", str(root), "-q", "--dtype", "float16", "--device", "cpu"],
+    )
     table = result.stdout.splitlines()
-    assert [line.split()[2] for line in table[1:]] == [str(root / "bad-fp16"), str(root / "missing-fp16")], result.stdout
+    assert [line.split()[2] for line in table[1:]] == [str(root / "bad-fp16"), str(root / "missing-fp16")], (
+        result.stdout
+    )
 
 
 def test_batch_same_folder_under_two_spellings_is_given_twice(tmp_path, monkeypatch):
@@ -589,12 +724,18 @@ def test_batch_from_file_comments_and_byte_order_mark(tmp_path, monkeypatch):
     shutil.copytree(EXAMPLE, tmp_path / "a-bnb-4bit")
     shutil.copytree(EXAMPLE, tmp_path / "h#1" / "hash-bnb-4bit")
     listing = tmp_path / "models.txt"
-    listing.write_bytes("\ufeffa-bnb-4bit\nh#1/hash-bnb-4bit   # a comment after a space\n  # a whole-line comment\n\n".encode())
-    result = CliRunner().invoke(main, ["batch", "--from-file", str(listing), "-o", "root", "-q", "--json", "--device", "cpu"])
+    listing.write_bytes(
+        "\ufeffa-bnb-4bit\nh#1/hash-bnb-4bit   # a comment after a space\n  # a whole-line comment\n\n".encode()
+    )
+    result = CliRunner().invoke(
+        main, ["batch", "--from-file", str(listing), "-o", "root", "-q", "--json", "--device", "cpu"]
+    )
     assert result.exit_code == 0, result.output
     rows = [json.loads(line) for line in result.stdout.splitlines()]
     assert [(row["source"], row["output"], row["status"]) for row in rows] == [
-        ("a-bnb-4bit", "root/a-bf16", "ok"), ("h#1/hash-bnb-4bit", "root/hash-bf16", "ok")]
+        ("a-bnb-4bit", "root/a-bf16", "ok"),
+        ("h#1/hash-bnb-4bit", "root/hash-bf16", "ok"),
+    ]
 
 
 @pytest.mark.parametrize("depth", [600, 100_000])

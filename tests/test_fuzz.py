@@ -32,11 +32,67 @@ CLI_CASES = 300
 EXAMPLE = Path(__file__).parent.parent / "examples" / "tiny-llama-bnb-4bit"
 
 # Where this project refuses a file that safetensors takes, on purpose (see checkpoint.py).
-STRICTER_THAN_SAFETENSORS = ("appears twice", "header entry must have exactly", "unknown dtype", "is empty or has control characters")
-SAFETENSORS_DTYPES = ["BOOL", "F4", "F6_E2M3", "F6_E3M2", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0", "F8_E4M3FNUZ",
-                      "F8_E5M2FNUZ", "I16", "U16", "F16", "BF16", "I32", "U32", "F32", "C64", "F64", "I64", "U64"]  # fmt: skip
-ODD_VALUES = [None, True, False, 0, 1, -1, 3, 64, 2**31, 2**63, 2**64, 10**30, 0.5, 64.0, -0.0, 1e308, "", "x", "F32",
-              [], [1], [2, 3], [-1], [1.5], [True], {}, {"a": 1}, "\u202e", "a\nb"]  # fmt: skip
+STRICTER_THAN_SAFETENSORS = (
+    "appears twice",
+    "header entry must have exactly",
+    "unknown dtype",
+    "is empty or has control characters",
+)
+SAFETENSORS_DTYPES = [
+    "BOOL",
+    "F4",
+    "F6_E2M3",
+    "F6_E3M2",
+    "U8",
+    "I8",
+    "F8_E5M2",
+    "F8_E4M3",
+    "F8_E8M0",
+    "F8_E4M3FNUZ",
+    "F8_E5M2FNUZ",
+    "I16",
+    "U16",
+    "F16",
+    "BF16",
+    "I32",
+    "U32",
+    "F32",
+    "C64",
+    "F64",
+    "I64",
+    "U64",
+]
+ODD_VALUES = [
+    None,
+    True,
+    False,
+    0,
+    1,
+    -1,
+    3,
+    64,
+    2**31,
+    2**63,
+    2**64,
+    10**30,
+    0.5,
+    64.0,
+    -0.0,
+    1e308,
+    "",
+    "x",
+    "F32",
+    [],
+    [1],
+    [2, 3],
+    [-1],
+    [1.5],
+    [True],
+    {},
+    {"a": 1},
+    "\u202e",
+    "a\nb",
+]
 ODD_NAMES = ["", "a\nb", "tab\tname", "\u2028", "名前.weight", "x" * 3000, "__metadata__", " ", "model.ids"]
 
 
@@ -73,7 +129,9 @@ def mutate_json_bytes(rng: random.Random, raw: bytes, log: list) -> bytes:
         return raw[:start] + raw[end:]
     if choice == 2:
         position = rng.randrange(len(raw) + 1)
-        insert = rng.choice([b"\xff", b"\xc3", b"\x00", b",", b"{", b"]", b'"', b"\\u", b"NaN", b"-", b" " * 9, b"\xe2\x80\xa8"])
+        insert = rng.choice(
+            [b"\xff", b"\xc3", b"\x00", b",", b"{", b"]", b'"', b"\\u", b"NaN", b"-", b" " * 9, b"\xe2\x80\xa8"]
+        )
         log.append(f"insert {insert!r} at {position}")
         return raw[:position] + insert + raw[position:]
     if choice == 3:
@@ -85,7 +143,9 @@ def mutate_json_bytes(rng: random.Random, raw: bytes, log: list) -> bytes:
     spans = _json_number_spans(raw)
     if choice == 4 and spans:
         start, end = rng.choice(spans)
-        number = rng.choice([b"NaN", b"Infinity", b"-Infinity", b"1e999", b"7" * 5000, b"-0", b"1.0", b"true", b"18446744073709551616"])
+        number = rng.choice(
+            [b"NaN", b"Infinity", b"-Infinity", b"1e999", b"7" * 5000, b"-0", b"1.0", b"true", b"18446744073709551616"]
+        )
         log.append(f"number at {start} -> {number[:20]!r}")
         return raw[:start] + number + raw[end:]
     if choice == 5:
@@ -117,7 +177,9 @@ def _base_files() -> list[tuple[dict, bytes]]:
         generator = torch.Generator().manual_seed(seed)
         tensors[f"extra.{seed}.f8"] = torch.randn(seed + 3, generator=generator).to(torch.float8_e4m3fn)
         tensors[f"extra.{seed}.empty"] = torch.empty(0, seed + 1, dtype=torch.float16)
-        tensors[f"extra.{seed}.u16"] = torch.randint(1, 60000, (5, 3), generator=generator, dtype=torch.int32).to(torch.uint16)
+        tensors[f"extra.{seed}.u16"] = torch.randint(1, 60000, (5, 3), generator=generator, dtype=torch.int32).to(
+            torch.uint16
+        )
         from safetensors.torch import save
 
         bases.append(split(save(tensors, metadata={"format": "pt", "seed": str(seed)})))
@@ -139,10 +201,23 @@ def mutate_header(rng: random.Random, header: dict, data: bytes, log: list) -> t
     elif choice == 1 and len(names) > 1:
         other = rng.choice(names)
         log.append(f"swap offsets {name} <-> {other}")
-        header[name]["data_offsets"], header[other]["data_offsets"] = header[other]["data_offsets"], header[name]["data_offsets"]
+        header[name]["data_offsets"], header[other]["data_offsets"] = (
+            header[other]["data_offsets"],
+            header[name]["data_offsets"],
+        )
     elif choice == 2 and entry:
         side = rng.randrange(2)
-        value = rng.choice([entry["data_offsets"][side] + rng.randint(-8, 8), -1, 2**64, 2**63, len(data) + 1, 0, 1.0 * entry["data_offsets"][side]])
+        value = rng.choice(
+            [
+                entry["data_offsets"][side] + rng.randint(-8, 8),
+                -1,
+                2**64,
+                2**63,
+                len(data) + 1,
+                0,
+                1.0 * entry["data_offsets"][side],
+            ]
+        )
         log.append(f"{name} offset[{side}] -> {value}")
         entry["data_offsets"][side] = value
     elif choice == 3 and entry:
@@ -181,7 +256,9 @@ def mutate_header(rng: random.Random, header: dict, data: bytes, log: list) -> t
         log.append(f"{name} entry -> {str(value)[:20]!r}")
         header[name] = value
     elif choice == 7:
-        value = rng.choice([None, {}, {"a": 1}, ["x"], "pt", {"format": "pt", "k": "v"}, {"k": None}, {"\ud800": "x"}, {"k": "\udc00"}])
+        value = rng.choice(
+            [None, {}, {"a": 1}, ["x"], "pt", {"format": "pt", "k": "v"}, {"k": None}, {"\ud800": "x"}, {"k": "\udc00"}]
+        )
         log.append(f"metadata -> {value!r}")
         header["__metadata__"] = value
     elif choice == 8 and name:
@@ -212,7 +289,9 @@ def mutate_file(rng: random.Random, raw: bytes, log: list) -> bytes:
     choice = rng.randrange(5)
     (length,) = struct.unpack("<Q", raw[:8])
     if choice == 0:
-        value = rng.choice([length + rng.randint(-9, 9), 0, 2**64 - 1, 100_000_001, 100_000_000, rng.randrange(2**64), len(raw)])
+        value = rng.choice(
+            [length + rng.randint(-9, 9), 0, 2**64 - 1, 100_000_001, 100_000_000, rng.randrange(2**64), len(raw)]
+        )
         log.append(f"length prefix -> {value}")
         return struct.pack("<Q", max(0, min(value, 2**64 - 1))) + raw[8:]
     if choice == 1:
@@ -303,11 +382,36 @@ def index_world(tmp_path_factory):
 
 def _file_names(folder: Path) -> list:
     outside = folder.parent / "outside.safetensors"
-    return ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "../outside.safetensors", str(outside),
-            "sub/../../outside.safetensors", "./model-00001-of-00002.safetensors", "sub//x.safetensors", "..\\outside.safetensors",
-            "C:/outside.safetensors", "", "config.json", "missing.safetensors", "sub", "sub/", "link.safetensors",
-            "/dev/zero", "\x00.safetensors", "a\nb.safetensors", "%2e%2e/outside.safetensors", "../ckpt-evil/model.safetensors",
-            "~/x.safetensors", "sub/link.safetensors", "ckpt/../outside.safetensors", 1, None, ["x"], {"a": 1}, True]  # fmt: skip
+    return [
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+        "../outside.safetensors",
+        str(outside),
+        "sub/../../outside.safetensors",
+        "./model-00001-of-00002.safetensors",
+        "sub//x.safetensors",
+        "..\\outside.safetensors",
+        "C:/outside.safetensors",
+        "",
+        "config.json",
+        "missing.safetensors",
+        "sub",
+        "sub/",
+        "link.safetensors",
+        "/dev/zero",
+        "\x00.safetensors",
+        "a\nb.safetensors",
+        "%2e%2e/outside.safetensors",
+        "../ckpt-evil/model.safetensors",
+        "~/x.safetensors",
+        "sub/link.safetensors",
+        "ckpt/../outside.safetensors",
+        1,
+        None,
+        ["x"],
+        {"a": 1},
+        True,
+    ]
 
 
 def fuzz_index(seed: int, folder: Path, base_map: dict) -> str | None:
@@ -335,12 +439,30 @@ def fuzz_index(seed: int, folder: Path, base_map: dict) -> str | None:
             del weight_map[name]
             log.append(f"delete {name}")
         elif choice == 4:
-            index = rng.choice([[weight_map], {"weight_map": list(weight_map.items())}, {"weight_map": None}, {"metadata": {}},
-                                {"weight_map": weight_map, "metadata": rng.choice(ODD_VALUES)}, 7, "weight_map"])  # fmt: skip
+            index = rng.choice(
+                [
+                    [weight_map],
+                    {"weight_map": list(weight_map.items())},
+                    {"weight_map": None},
+                    {"metadata": {}},
+                    {"weight_map": weight_map, "metadata": rng.choice(ODD_VALUES)},
+                    7,
+                    "weight_map",
+                ]
+            )
             log.append(f"index -> {str(index)[:40]}")
         else:
-            target = rng.choice([folder.parent / "outside.safetensors", "model-00002-of-00002.safetensors", "link.safetensors",
-                                 "sub", "missing", "/dev/null", folder.parent / "ckpt-evil" / "model.safetensors"])  # fmt: skip
+            target = rng.choice(
+                [
+                    folder.parent / "outside.safetensors",
+                    "model-00002-of-00002.safetensors",
+                    "link.safetensors",
+                    "sub",
+                    "missing",
+                    "/dev/null",
+                    folder.parent / "ckpt-evil" / "model.safetensors",
+                ]
+            )
             where = rng.choice(["link.safetensors", "sub/link.safetensors"])
             if os.path.lexists(folder / where):
                 continue
@@ -374,7 +496,11 @@ def fuzz_index(seed: int, folder: Path, base_map: dict) -> str | None:
     shards = {os.path.realpath(folder / f) for f in set(base_map.values())}
     if "secret" in tensors or any(os.path.realpath(info.path) not in shards for info in tensors.values()):
         return f"{description}: read a file outside the checkpoint: {sorted({str(i.path) for i in tensors.values()})}"
-    if isinstance(index, dict) and isinstance(index.get("weight_map"), dict) and not set(index["weight_map"]) <= set(tensors):
+    if (
+        isinstance(index, dict)
+        and isinstance(index.get("weight_map"), dict)
+        and not set(index["weight_map"]) <= set(tensors)
+    ):
         return f"{description}: accepted an index naming tensors it did not find"
     return None
 
@@ -389,9 +515,33 @@ def test_fuzz_indexes(index_world):
 
 
 QUANT_KEYS = ["quant_type", "blocksize", "dtype", "shape", "nested_blocksize", "nested_dtype", "nested_offset"]
-QUANT_VALUES = [*ODD_VALUES, "nf4", "fp4", "NF4", " nf4", "bfloat16", "float16", "float32", "int8", 32, 128, 4096, 256, 48,
-                [256, 688], [688, 256], [176128], [1, 176128], [256.0, 688], [True, 688], [[256]], float("nan"), float("inf"),
-                10**400, -(10**400)]  # fmt: skip
+QUANT_VALUES = [
+    *ODD_VALUES,
+    "nf4",
+    "fp4",
+    "NF4",
+    " nf4",
+    "bfloat16",
+    "float16",
+    "float32",
+    "int8",
+    32,
+    128,
+    4096,
+    256,
+    48,
+    [256, 688],
+    [688, 256],
+    [176128],
+    [1, 176128],
+    [256.0, 688],
+    [True, 688],
+    [[256]],
+    float("nan"),
+    float("inf"),
+    10**400,
+    -(10**400),
+]
 
 
 def mutate_quant_state(rng: random.Random, meta: dict, log: list) -> dict:
@@ -415,7 +565,9 @@ def mutate_quant_state(rng: random.Random, meta: dict, log: list) -> dict:
         if how == 0 and n > 1:
             divisors = [d for d in range(1, 65) if n % d == 0]
             divisor = rng.choice(divisors)
-            meta["shape"] = rng.choice([[n // divisor, divisor], [n // divisor, True, divisor], [float(n // divisor), divisor]])
+            meta["shape"] = rng.choice(
+                [[n // divisor, divisor], [n // divisor, True, divisor], [float(n // divisor), divisor]]
+            )
         elif how == 1:
             meta["dtype"] = rng.choice(["float16", "float32", "bfloat16"])
         elif how == 2:
@@ -487,7 +639,9 @@ def _crash(result) -> str | None:
     """'<exception> in <file>:<function>' (the innermost nf4convert frame) if the command raised, else None."""
     if isinstance(result.exception, (SystemExit, type(None))):
         return None
-    frames = [f for f in traceback.extract_tb(result.exc_info[2]) if "nf4convert" in f.filename and "tests" not in f.filename]
+    frames = [
+        f for f in traceback.extract_tb(result.exc_info[2]) if "nf4convert" in f.filename and "tests" not in f.filename
+    ]
     site = f"{Path(frames[-1].filename).name}:{frames[-1].name}" if frames else "?"
     return f"{type(result.exception).__name__} in {site}"
 
@@ -520,7 +674,12 @@ def run_cli_case(world, weight: str, other: str, content: bytes, tag: str) -> tu
                     return None  # a recorded shape the model does not load: convert writes what the state records, verify names it
                 return "verify: refuses what convert wrote", verified.output[-300:]
             return None
-        if result.exit_code != 1 or len(lines) != 1 or not lines[0].startswith("Error: ") or "Traceback" in result.output:
+        if (
+            result.exit_code != 1
+            or len(lines) != 1
+            or not lines[0].startswith("Error: ")
+            or "Traceback" in result.output
+        ):
             return "convert: not one error line", f"exit {result.exit_code}: {result.output[-300:]!r}"
         if out.exists():
             return "convert: an output folder was left after an error", str(out)
@@ -553,43 +712,70 @@ _Q = b'"quant_type": "nf4", "blocksize": 64, "dtype": "bfloat16", "shape": [256,
 _NESTED = b'"nested_blocksize": 256, "nested_dtype": "float32", "nested_offset": 0.0522'
 KNOWN_BUGS: dict[str, tuple[str, bytes, bytes]] = {  # name: (site, reproducer, trigger pattern)
     # check_quant_state_meta looks a list up in a dict: `meta["dtype"] not in OUT_DTYPES` raises TypeError.
-    "unhashable-quant-type-or-dtype": ("convert: TypeError in quant_state.py:check_quant_state_meta",
-                                       b'{"quant_type": "nf4", "blocksize": 64, "dtype": ["bfloat16"], "shape": [256, 256], ' + _NESTED + b"}",
-                                       rb'"(quant_type|dtype)": *[\[{]'),
+    "unhashable-quant-type-or-dtype": (
+        "convert: TypeError in quant_state.py:check_quant_state_meta",
+        b'{"quant_type": "nf4", "blocksize": 64, "dtype": ["bfloat16"], "shape": [256, 256], ' + _NESTED + b"}",
+        rb'"(quant_type|dtype)": *[\[{]',
+    ),
     # json.loads of the quant state raises RecursionError, which plan.py does not catch.
-    "deeply-nested-json": ("convert: RecursionError in plan.py:_quant_groups", b"[" * 5000 + b"]" * 5000, rb"(\[|\{\"a\": ?){100}"),
+    "deeply-nested-json": (
+        "convert: RecursionError in plan.py:_quant_groups",
+        b"[" * 5000 + b"]" * 5000,
+        rb"(\[|\{\"a\": ?){100}",
+    ),
     # float(nested_offset) of an integer beyond float range: OverflowError.
-    "offset-beyond-float": ("convert: OverflowError in quant_state.py:build_quant_state",
-                            b"{" + _Q + b'"nested_blocksize": 256, "nested_dtype": "float32", "nested_offset": 1' + b"0" * 400 + b"}",
-                            rb'"nested_offset": *-?\d{300,}'),
+    "offset-beyond-float": (
+        "convert: OverflowError in quant_state.py:build_quant_state",
+        b"{" + _Q + b'"nested_blocksize": 256, "nested_dtype": "float32", "nested_offset": 1' + b"0" * 400 + b"}",
+        rb'"nested_offset": *-?\d{300,}',
+    ),
     # A bool passes `isinstance(d, int)`: the output header then says "shape": [true, 65536], which no reader takes.
-    "bool-in-shape": ("verify: refuses what convert wrote",
-                      b'{"quant_type": "nf4", "blocksize": 64, "dtype": "bfloat16", "shape": [true, 65536], ' + _NESTED + b"}",
-                      rb'"shape": *\[[^\]]*(true|false)'),
+    "bool-in-shape": (
+        "verify: refuses what convert wrote",
+        b'{"quant_type": "nf4", "blocksize": 64, "dtype": "bfloat16", "shape": [true, 65536], ' + _NESTED + b"}",
+        rb'"shape": *\[[^\]]*(true|false)',
+    ),
     # A nested_offset that is not finite in fp32 (NaN, Infinity: plan.py's json.loads allows them; 1e308; 7...7.05)
     # passes the numeric check; the weight then holds NaN/inf whose bits differ from bitsandbytes' on the CPU.
-    "offset-not-finite-in-fp32": ("verify: refuses what convert wrote",
-                                  b"{" + _Q + b'"nested_blocksize": 256, "nested_dtype": "float32", "nested_offset": NaN}',
-                                  rb'"nested_offset": *-?(NaN|Infinity|\d{39}|[\d.]+[eE]\+?(39|[4-9]\d|\d{3}))'),
+    "offset-not-finite-in-fp32": (
+        "verify: refuses what convert wrote",
+        b"{" + _Q + b'"nested_blocksize": 256, "nested_dtype": "float32", "nested_offset": NaN}',
+        rb'"nested_offset": *-?(NaN|Infinity|\d{39}|[\d.]+[eE]\+?(39|[4-9]\d|\d{3}))',
+    ),
     # nested_dtype is ignored by convert (absmax is always rebuilt in fp32); bitsandbytes rebuilds it in that dtype.
-    "nested-dtype-ignored": ("verify: refuses what convert wrote",
-                             b"{" + _Q + b'"nested_blocksize": 256, "nested_dtype": "float16", "nested_offset": 0.0522}',
-                             rb'"nested_dtype": *"(?!float32")'),
+    "nested-dtype-ignored": (
+        "verify: refuses what convert wrote",
+        b"{" + _Q + b'"nested_blocksize": 256, "nested_dtype": "float16", "nested_offset": 0.0522}',
+        rb'"nested_dtype": *"(?!float32")',
+    ),
     # convert takes a quant state that bitsandbytes' QuantState.from_dict cannot load, and verify does not catch it:
-    "nested-dtype-missing": ("verify: KeyError in verify.py:_bnb_state",
-                             b"{" + _Q + b'"nested_blocksize": 256, "nested_offset": 0.0522}', rb'(?s)^(?!.*"nested_dtype").*"nested_blocksize"'),
-    "nested-dtype-not-a-string": ("verify: TypeError in verify.py:_bnb_state",
-                                  b"{" + _Q + b'"nested_blocksize": 256, "nested_dtype": 32, "nested_offset": 0.0522}',
-                                  rb'"nested_dtype": *[^"\s]'),
-    "nested-dtype-unknown": ("verify: AttributeError in verify.py:_bnb_state",
-                             b"{" + _Q + b'"nested_blocksize": 256, "nested_dtype": "f32", "nested_offset": 0.0522}',
-                             rb'"nested_dtype": *"(?!float32")'),
-    "unknown-key": ("verify: AssertionError in verify.py:_bnb_state", b"{" + _Q + _NESTED + b', "extra": 1}',
-                    rb'"(?!(quant_type|blocksize|dtype|shape|nested_blocksize|nested_dtype|nested_offset)")[^"]*": '),
+    "nested-dtype-missing": (
+        "verify: KeyError in verify.py:_bnb_state",
+        b"{" + _Q + b'"nested_blocksize": 256, "nested_offset": 0.0522}',
+        rb'(?s)^(?!.*"nested_dtype").*"nested_blocksize"',
+    ),
+    "nested-dtype-not-a-string": (
+        "verify: TypeError in verify.py:_bnb_state",
+        b"{" + _Q + b'"nested_blocksize": 256, "nested_dtype": 32, "nested_offset": 0.0522}',
+        rb'"nested_dtype": *[^"\s]',
+    ),
+    "nested-dtype-unknown": (
+        "verify: AttributeError in verify.py:_bnb_state",
+        b"{" + _Q + b'"nested_blocksize": 256, "nested_dtype": "f32", "nested_offset": 0.0522}',
+        rb'"nested_dtype": *"(?!float32")',
+    ),
+    "unknown-key": (
+        "verify: AssertionError in verify.py:_bnb_state",
+        b"{" + _Q + _NESTED + b', "extra": 1}',
+        rb'"(?!(quant_type|blocksize|dtype|shape|nested_blocksize|nested_dtype|nested_offset)")[^"]*": ',
+    ),
     # blocksize 64.0 passes `in BLOCKSIZES`; bitsandbytes' op then refuses a float blocksize.
-    "float-blocksize": ("verify: RuntimeError in verify.py:_reference", b'{"quant_type": "nf4", "blocksize": 64.0, "dtype": "bfloat16", '
-                        b'"shape": [256, 256], ' + _NESTED + b"}", rb'"blocksize": *\d+\.\d'),
-}  # fmt: skip
+    "float-blocksize": (
+        "verify: RuntimeError in verify.py:_reference",
+        b'{"quant_type": "nf4", "blocksize": 64.0, "dtype": "bfloat16", "shape": [256, 256], ' + _NESTED + b"}",
+        rb'"blocksize": *\d+\.\d',
+    ),
+}
 
 
 def test_fuzz_cli(quant_world):

@@ -31,14 +31,25 @@ def _grid(count):
         rows = _rng.choice((1, 3, _rng.randint(1, 300)))
         cols = _rng.choice((1, 7, _rng.randint(1, 5000)))
         seed = _rng.randrange(1 << 30)
-        cases.append(pytest.param((rows, cols), BLOCKSIZES[index % 8], ("nf4", "fp4")[index % 2],
-                                  bool((index // 2) % 2), DTYPES[index % 3], seed, id=f"case{index}-seed{seed}"))  # fmt: skip
+        cases.append(
+            pytest.param(
+                (rows, cols),
+                BLOCKSIZES[index % 8],
+                ("nf4", "fp4")[index % 2],
+                bool((index // 2) % 2),
+                DTYPES[index % 3],
+                seed,
+                id=f"case{index}-seed{seed}",
+            )
+        )
     return cases
 
 
 @pytest.mark.parametrize("shape,blocksize,quant_type,nested,dtype,seed", _grid(96))
 def test_bit_exact_with_bnb_cuda(shape, blocksize, quant_type, nested, dtype, seed):
-    packed, state = quantize(shape, quant_type=quant_type, blocksize=blocksize, nested=nested, dtype=dtype, device="cuda", seed=seed)
+    packed, state = quantize(
+        shape, quant_type=quant_type, blocksize=blocksize, nested=nested, dtype=dtype, device="cuda", seed=seed
+    )
     _assert_same(nf4convert.dequantize_4bit(packed, state), F.dequantize_4bit(packed, state))
 
 
@@ -46,7 +57,15 @@ def test_bit_exact_with_bnb_cuda(shape, blocksize, quant_type, nested, dtype, se
 def test_storage_dtypes(storage):
     shape = (2 * _rng.randint(1, 200), 4 * _rng.randint(1, 500))
     for quant_type in ("nf4", "fp4"):
-        packed, state = quantize(shape, quant_type=quant_type, blocksize=64, nested=True, dtype=torch.bfloat16, storage=storage, device="cuda")
+        packed, state = quantize(
+            shape,
+            quant_type=quant_type,
+            blocksize=64,
+            nested=True,
+            dtype=torch.bfloat16,
+            storage=storage,
+            device="cuda",
+        )
         _assert_same(nf4convert.dequantize_4bit(packed, state), F.dequantize_4bit(packed, state))
 
 
@@ -63,14 +82,18 @@ def test_tiny_scales_subnormal_products():
     # Scales near the bottom of fp32 give subnormal products: flushing or not must match bitsandbytes.
     for dtype in DTYPES:
         for quant_type in ("nf4", "fp4"):
-            packed, state = quantize((64, 256), quant_type=quant_type, blocksize=64, nested=False, dtype=torch.float32, device="cuda")
+            packed, state = quantize(
+                (64, 256), quant_type=quant_type, blocksize=64, nested=False, dtype=torch.float32, device="cuda"
+            )
             state.absmax = state.absmax * 1e-37
             state.dtype = dtype
             _assert_same(nf4convert.dequantize_4bit(packed, state), F.dequantize_4bit(packed, state))
 
 
 def test_no_memory_beyond_the_output():
-    packed, state = quantize((8192, 4096), quant_type="nf4", blocksize=64, nested=True, dtype=torch.bfloat16, device="cuda")
+    packed, state = quantize(
+        (8192, 4096), quant_type="nf4", blocksize=64, nested=True, dtype=torch.bfloat16, device="cuda"
+    )
     nf4convert.dequantize_4bit(packed, state)  # compile and cache outside the measurement
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -90,7 +113,10 @@ def test_torch_compile_fullgraph_bit_exact_without_recompiles():
     import torch._dynamo
 
     torch._dynamo.reset()
-    layers = [quantize((1024, 3072), quant_type="nf4", blocksize=64, nested=True, dtype=torch.bfloat16, device="cuda") for _ in range(3)]
+    layers = [
+        quantize((1024, 3072), quant_type="nf4", blocksize=64, nested=True, dtype=torch.bfloat16, device="cuda")
+        for _ in range(3)
+    ]
 
     @torch.compile(fullgraph=True)
     def dequantize_and_scale(packed, state):
@@ -103,33 +129,51 @@ def test_torch_compile_fullgraph_bit_exact_without_recompiles():
             _assert_same(got, F.dequantize_4bit(packed, state) * 2)
 
 
-@pytest.mark.parametrize("quant_type,nested,dtype", [("fp4", False, torch.float16), ("nf4", True, torch.float32), ("fp4", True, torch.bfloat16)])
+@pytest.mark.parametrize(
+    "quant_type,nested,dtype",
+    [("fp4", False, torch.float16), ("nf4", True, torch.float32), ("fp4", True, torch.bfloat16)],
+)
 def test_torch_compile_other_states(quant_type, nested, dtype):
     import torch._dynamo
 
     torch._dynamo.reset()
     compiled = torch.compile(lambda packed, state: nf4convert.dequantize_4bit(packed, state), fullgraph=True)
-    packed, state = quantize((333, 777), quant_type=quant_type, blocksize=128, nested=nested, dtype=dtype, device="cuda")
+    packed, state = quantize(
+        (333, 777), quant_type=quant_type, blocksize=128, nested=nested, dtype=dtype, device="cuda"
+    )
     _assert_same(compiled(packed, state), F.dequantize_4bit(packed, state))
 
 
-@pytest.mark.parametrize("batch,seq,hidden,intermediate,dtype", [
-    (2, 3333, 2048, 8192, torch.float16), (5, 777, 1024, 4096, torch.bfloat16), (3, 2048, 4096, 14336, torch.bfloat16),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "batch,seq,hidden,intermediate,dtype",
+    [
+        (2, 3333, 2048, 8192, torch.float16),
+        (5, 777, 1024, 4096, torch.bfloat16),
+        (3, 2048, 4096, 14336, torch.bfloat16),
+    ],
+)
 def test_mlp_harness(batch, seq, hidden, intermediate, dtype):
     # The seed's harness: an MLP of three double-quantized NF4 Linear4bit layers (gate, up, down).
     import bitsandbytes as bnb
 
     def layer(n_in, n_out):
-        linear = bnb.nn.Linear4bit(n_in, n_out, bias=False, compute_dtype=dtype, quant_type="nf4", compress_statistics=True)
-        linear.weight = bnb.nn.Params4bit(torch.randn(n_out, n_in, dtype=dtype) * 0.02, requires_grad=False,
-                                          quant_type="nf4", compress_statistics=True)  # fmt: skip
+        linear = bnb.nn.Linear4bit(
+            n_in, n_out, bias=False, compute_dtype=dtype, quant_type="nf4", compress_statistics=True
+        )
+        linear.weight = bnb.nn.Params4bit(
+            torch.randn(n_out, n_in, dtype=dtype) * 0.02,
+            requires_grad=False,
+            quant_type="nf4",
+            compress_statistics=True,
+        )
         return linear.to("cuda")
 
     gate, up, down = layer(hidden, intermediate), layer(hidden, intermediate), layer(intermediate, hidden)
     for linear in (gate, up, down):
         assert linear.weight.quant_state.dtype == dtype and linear.weight.quant_state.nested
-        _assert_same(nf4convert.dequantize_4bit(linear.weight), F.dequantize_4bit(linear.weight.data, linear.weight.quant_state))
+        _assert_same(
+            nf4convert.dequantize_4bit(linear.weight), F.dequantize_4bit(linear.weight.data, linear.weight.quant_state)
+        )
     x = torch.randn(batch, seq, hidden, device="cuda", dtype=dtype)
     ours = lambda linear: nf4convert.dequantize_4bit(linear.weight)  # noqa: E731
     hidden_ours = torch.nn.functional.silu(x @ ours(gate).t()) * (x @ ours(up).t())
@@ -141,7 +185,9 @@ def test_mlp_harness(batch, seq, hidden, intermediate, dtype):
 def test_repeat_calls_replay_and_notice_changes():
     from nf4convert import dequantize as module
 
-    packed, state = quantize((640, 1000), quant_type="nf4", blocksize=64, nested=True, dtype=torch.bfloat16, device="cuda")
+    packed, state = quantize(
+        (640, 1000), quant_type="nf4", blocksize=64, nested=True, dtype=torch.bfloat16, device="cuda"
+    )
     first = nf4convert.dequantize_4bit(packed, state)
     assert state in module._replays  # the second call takes the replay path
     for _ in range(3):
@@ -163,10 +209,18 @@ def test_repeat_calls_replay_and_notice_changes():
     assert len(module._replays) == entries - 1
 
 
-@pytest.mark.parametrize("builder,variant", [("checkpoints", "llama-nf4-dq"), ("checkpoints", "phi3-fused-fp4-dq"),
-                                             ("checkpoints", "qwen2-tied-fp4"), ("checkpoints8", "llama-8bit-bf16"),
-                                             ("checkpoints8", "phi3-fused-8bit-fp16"), ("checkpoints", "gpt2-conv1d-nf4-dq"),
-                                             ("checkpoints8", "gpt2-conv1d-8bit-bf16")])  # fmt: skip
+@pytest.mark.parametrize(
+    "builder,variant",
+    [
+        ("checkpoints", "llama-nf4-dq"),
+        ("checkpoints", "phi3-fused-fp4-dq"),
+        ("checkpoints", "qwen2-tied-fp4"),
+        ("checkpoints8", "llama-8bit-bf16"),
+        ("checkpoints8", "phi3-fused-8bit-fp16"),
+        ("checkpoints", "gpt2-conv1d-nf4-dq"),
+        ("checkpoints8", "gpt2-conv1d-8bit-bf16"),
+    ],
+)
 def test_cli_convert_on_cuda_matches_cpu_and_bnb_cuda(builder, variant, tmp_path):
     import importlib
 
@@ -184,13 +238,16 @@ def test_cli_convert_on_cuda_matches_cpu_and_bnb_cuda(builder, variant, tmp_path
     assert result.exit_code == 0 and "on cuda" in result.output and "OK: bit-exact" in result.output, result.output
 
 
-@pytest.mark.parametrize("name,config", [
-    ("persistent", dict(tile_bytes=2048, num_warps=4, evict=True, programs_per_sm=4, stages=2)),
-    ("select", dict(tile_bytes=1024, num_warps=4, evict=False, lut_select=True)),
-    ("big-tiles", dict(tile_bytes=8192, num_warps=8, evict=True)),
-    ("fp32-large", dict(tile_bytes=4096, num_warps=8, evict=True)),
-    ("h200-16bit-large", dict(tile_bytes=4096, num_warps=4, evict=True)),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "name,config",
+    [
+        ("persistent", dict(tile_bytes=2048, num_warps=4, evict=True, programs_per_sm=4, stages=2)),
+        ("select", dict(tile_bytes=1024, num_warps=4, evict=False, lut_select=True)),
+        ("big-tiles", dict(tile_bytes=8192, num_warps=8, evict=True)),
+        ("fp32-large", dict(tile_bytes=4096, num_warps=8, evict=True)),
+        ("h200-16bit-large", dict(tile_bytes=4096, num_warps=4, evict=True)),
+    ],
+)
 def test_launch_variants_bit_exact(name, config):
     from nf4convert.kernels import configs
 
@@ -214,7 +271,9 @@ def test_large_16bit_weight_takes_this_gpus_row_bit_exact():
     # Past 64 MiB packed, 16-bit outputs on an H200 take its own row (4 KiB tiles over 4 warps).
     from nf4convert.kernels import configs
 
-    packed, state = quantize((16400, 8192), quant_type="nf4", blocksize=64, nested=True, dtype=torch.bfloat16, device="cuda")
+    packed, state = quantize(
+        (16400, 8192), quant_type="nf4", blocksize=64, nested=True, dtype=torch.bfloat16, device="cuda"
+    )
     name = torch.cuda.get_device_name()
     config = configs.choose_config(packed.numel() * packed.element_size(), torch.cuda.get_device_capability(), name, 2)
     if "H200" in name:
@@ -223,8 +282,11 @@ def test_large_16bit_weight_takes_this_gpus_row_bit_exact():
 
 
 def _check_shapes():
-    for shape, quant_type, nested, dtype in (((4096, 4096), "nf4", True, torch.bfloat16), ((777, 333), "fp4", False, torch.float16),
-                                             ((3000, 1024), "fp4", True, torch.float32)):  # fmt: skip
+    for shape, quant_type, nested, dtype in (
+        ((4096, 4096), "nf4", True, torch.bfloat16),
+        ((777, 333), "fp4", False, torch.float16),
+        ((3000, 1024), "fp4", True, torch.float32),
+    ):
         packed, state = quantize(shape, quant_type=quant_type, blocksize=64, nested=nested, dtype=dtype, device="cuda")
         _assert_same(nf4convert.dequantize_4bit(packed, state), F.dequantize_4bit(packed, state))
 
@@ -241,7 +303,9 @@ def test_sm75_code_path_runs_bit_exact_on_this_gpu(dtype, capability, tmp_path):
     from nf4convert.dequantize import _code_table, _fields
 
     for nested in (True, False):
-        packed, state = quantize((1000, 4104), quant_type="fp4" if nested else "nf4", blocksize=64, nested=nested, dtype=dtype, device="cuda")
+        packed, state = quantize(
+            (1000, 4104), quant_type="fp4" if nested else "nf4", blocksize=64, nested=nested, dtype=dtype, device="cuda"
+        )
         n = state.shape.numel()
         compiled, grid, constexprs = compile_for(capability, dtype, nested, n_elements=n)
         assert f".target sm_{capability[0]}{capability[1]}" in compiled.asm["ptx"]
@@ -251,13 +315,27 @@ def test_sm75_code_path_runs_bit_exact_on_this_gpu(dtype, capability, tmp_path):
         absmax, code2, absmax2, offset, _ = _fields(packed, state, None, "triton")
         code = _code_table(state.quant_type, packed.device)
         out = torch.full(tuple(state.shape), float("nan"), dtype=dtype, device="cuda")
-        pointers = [t.data_ptr() for t in (packed, absmax, code2 if nested else absmax, absmax2 if nested else absmax,
-                                           offset if nested else absmax, code, out)]  # fmt: skip
+        pointers = [
+            t.data_ptr()
+            for t in (
+                packed,
+                absmax,
+                code2 if nested else absmax,
+                absmax2 if nested else absmax,
+                offset if nested else absmax,
+                code,
+                out,
+            )
+        ]
         n_params = compiled.asm["ptx"].split(".entry", 1)[1].split(")", 1)[0].count(".param")
         scratch = [numpy.uint64(0)] * (n_params - 9)  # Triton's global/profile scratch pointers, unused here
         torch.cuda.synchronize()
-        function(grid, (compiled.metadata.num_warps * 32,), (*map(numpy.uint64, pointers), numpy.int32(n), numpy.int32((n + 1) // 2), *scratch),
-                 shared_mem=compiled.metadata.shared)  # fmt: skip
+        function(
+            grid,
+            (compiled.metadata.num_warps * 32,),
+            (*map(numpy.uint64, pointers), numpy.int32(n), numpy.int32((n + 1) // 2), *scratch),
+            shared_mem=compiled.metadata.shared,
+        )
         cupy.cuda.runtime.deviceSynchronize()
         _assert_same(out, F.dequantize_4bit(packed, state))
 
@@ -276,7 +354,10 @@ def test_adapter_merge_on_cuda_equals_peft_on_cuda(kind, tmp_path):
 
     source = build(tmp_path / "src", "llama-nf4-dq", seed=3)
     adapter = make_adapter(tmp_path / "adapter", kind, seed=list(KINDS).index(kind) + 20)
-    for args in ([str(source), "-o", str(tmp_path / "dense")], [str(source), "--adapter", str(adapter), "-o", str(tmp_path / "merged")]):
+    for args in (
+        [str(source), "-o", str(tmp_path / "dense")],
+        [str(source), "--adapter", str(adapter), "-o", str(tmp_path / "merged")],
+    ):
         result = CliRunner().invoke(main, [*args, "--device", "cuda", "-q"])
         assert result.exit_code == 0, result.output
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "dense", dtype=torch.bfloat16).to("cuda")
@@ -284,5 +365,7 @@ def test_adapter_merge_on_cuda_equals_peft_on_cuda(kind, tmp_path):
     merged = load_file(tmp_path / "merged" / "model.safetensors")
     for name, tensor in merged.items():
         _assert_same(tensor, expected[name].cpu().contiguous())
-    result = CliRunner().invoke(main, ["verify", str(tmp_path / "merged"), str(source), "--adapter", str(adapter), "--device", "cuda", "-q"])
+    result = CliRunner().invoke(
+        main, ["verify", str(tmp_path / "merged"), str(source), "--adapter", str(adapter), "--device", "cuda", "-q"]
+    )
     assert result.exit_code == 0 and "OK: bit-exact" in result.output, result.output

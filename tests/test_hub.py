@@ -52,30 +52,55 @@ class FakeHub(BaseHTTPRequestHandler):
         path = unquote(urlparse(self.path).path)
         self.requested.append(f"{'RANGE' if self.headers.get('Range') else self.command} {path}")
         if path.startswith((f"/api/models/{GATED}/", f"/{GATED}/")):
-            return self._send(401, b"gated", {"X-Error-Code": "GatedRepo", "X-Error-Message": "Access to this repo is restricted"}, head)
+            return self._send(
+                401,
+                b"gated",
+                {"X-Error-Code": "GatedRepo", "X-Error-Message": "Access to this repo is restricted"},
+                head,
+            )
         for repo, files in self.repos.items():
             if path.startswith(f"/api/models/{repo}/revision/"):
-                return self._json({"id": repo, "modelId": repo, "sha": COMMIT, "siblings": [{"rfilename": f} for f in files]})
+                return self._json(
+                    {"id": repo, "modelId": repo, "sha": COMMIT, "siblings": [{"rfilename": f} for f in files]}
+                )
             if path.startswith(f"/api/models/{repo}/tree/"):
-                return self._json([{"type": "file", "path": f, "size": len(d), "oid": hashlib.sha1(d).hexdigest()} for f, d in files.items()])
+                return self._json(
+                    [
+                        {"type": "file", "path": f, "size": len(d), "oid": hashlib.sha1(d).hexdigest()}
+                        for f, d in files.items()
+                    ]
+                )
             prefix = f"/{repo}/resolve/"
             if path.startswith(prefix):
                 name = path[len(prefix) :].split("/", 1)[1]
                 if name in files:
                     data = files[name]
-                    headers = {"X-Repo-Commit": COMMIT, "ETag": f'"{hashlib.sha256(data).hexdigest()}"',
-                               "Content-Type": "application/octet-stream"}  # fmt: skip
+                    headers = {
+                        "X-Repo-Commit": COMMIT,
+                        "ETag": f'"{hashlib.sha256(data).hexdigest()}"',
+                        "Content-Type": "application/octet-stream",
+                    }
                     wanted = re.fullmatch(r"bytes=(\d+)-(\d+)", self.headers.get("Range", ""))
-                    whole = self.range_answer == "whole" or (self.range_answer == "whole-later" and wanted and wanted[1] != "0")
-                    if wanted and not head and not whole:  # as the Hub answers a range: 206, the bytes, their place, the size
+                    whole = self.range_answer == "whole" or (
+                        self.range_answer == "whole-later" and wanted and wanted[1] != "0"
+                    )
+                    if (
+                        wanted and not head and not whole
+                    ):  # as the Hub answers a range: 206, the bytes, their place, the size
                         first, last = int(wanted[1]), min(int(wanted[2]), len(data) - 1)
                         self.ranges.append((repo, name, first, last + 1))
                         if self.range_answer == "no-content-range":
                             return self._send(206, data[first : last + 1], headers)
-                        return self._send(206, data[first : last + 1], {**headers, "Content-Range": f"bytes {first}-{last}/{len(data)}"})
+                        return self._send(
+                            206,
+                            data[first : last + 1],
+                            {**headers, "Content-Range": f"bytes {first}-{last}/{len(data)}"},
+                        )
                     return self._send(200, data, headers, head)
                 return self._send(404, b"no entry", {"X-Error-Code": "EntryNotFound"}, head)
-        return self._send(404, b"not found", {"X-Error-Code": "RepoNotFound", "X-Error-Message": "Repository not found"}, head)
+        return self._send(
+            404, b"not found", {"X-Error-Code": "RepoNotFound", "X-Error-Message": "Repository not found"}, head
+        )
 
     def do_GET(self):
         self._route(head=False)
@@ -113,12 +138,21 @@ def hub(tmp_path_factory):
     config = json.loads(files["config.json"])
     dense_config = {key: value for key, value in config.items() if key != "quantization_config"}
     weights = {name: data for name, data in files.items() if name.endswith(".safetensors")}  # stand-ins: never fetched
-    fp16_weights = {**config["quantization_config"], "load_in_4bit": False, "load_in_8bit": True, "_load_in_4bit": False,
-                    "_load_in_8bit": True, "llm_int8_has_fp16_weight": True}  # as transformers writes it  # fmt: skip
+    fp16_weights = {
+        **config["quantization_config"],
+        "load_in_4bit": False,
+        "load_in_8bit": True,
+        "_load_in_4bit": False,
+        "_load_in_8bit": True,
+        "llm_int8_has_fp16_weight": True,
+    }  # as transformers writes it
     FakeHub.repos = {
         REPO: files,
         DENSE: {"config.json": json.dumps(dense_config).encode(), **weights},
-        GPTQ: {"config.json": json.dumps({**config, "quantization_config": {"quant_method": "gptq", "bits": 4}}).encode(), **weights},
+        GPTQ: {
+            "config.json": json.dumps({**config, "quantization_config": {"quant_method": "gptq", "bits": 4}}).encode(),
+            **weights,
+        },
         FP16_WEIGHTS: {"config.json": json.dumps({**config, "quantization_config": fp16_weights}).encode(), **weights},
         ADAPTER: lora_adapter(tmp_path_factory.mktemp("adapter"), base=REPO),
     }
@@ -134,16 +168,23 @@ def cli(*args, env, cwd, patch=""):
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
     full_env.update(env)
     full_env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), full_env.get("PYTHONPATH", "")])
-    command = ["-m", "nf4convert.cli"] if not patch else ["-c", f"import sys\n{patch}\nfrom nf4convert.cli import main\nmain(sys.argv[1:])"]
-    return subprocess.run([sys.executable, *command, *map(str, args)], capture_output=True, text=True, env=full_env,
-                          cwd=cwd, timeout=600)  # fmt: skip
+    command = (
+        ["-m", "nf4convert.cli"]
+        if not patch
+        else ["-c", f"import sys\n{patch}\nfrom nf4convert.cli import main\nmain(sys.argv[1:])"]
+    )
+    return subprocess.run(
+        [sys.executable, *command, *map(str, args)], capture_output=True, text=True, env=full_env, cwd=cwd, timeout=600
+    )
 
 
 def test_download_convert_then_offline(hub, tmp_path):
     endpoint, source = hub
     cache = tmp_path / "cache"
     FakeHub.requested.clear()
-    result = cli(REPO, "-q", "--cache-dir", cache, env={"HF_ENDPOINT": endpoint, "HF_HUB_DISABLE_XET": "1"}, cwd=tmp_path)
+    result = cli(
+        REPO, "-q", "--cache-dir", cache, env={"HF_ENDPOINT": endpoint, "HF_HUB_DISABLE_XET": "1"}, cwd=tmp_path
+    )
     assert result.returncode == 0, result.stderr
     out = tmp_path / "tiny-llama-bf16"
     assert (out / "model.safetensors").exists() and (out / "tokenizer_config.json").exists()
@@ -152,21 +193,39 @@ def test_download_convert_then_offline(hub, tmp_path):
     assert "Fetching" not in result.stderr and "%|" not in result.stderr  # -q: huggingface_hub's bars too
 
     # Offline, from the cache alone (the endpoint is not even reachable).
-    verify = cli("verify", out, REPO, "--cache-dir", cache, env={"HF_HUB_OFFLINE": "1", "HF_ENDPOINT": "http://127.0.0.1:9"}, cwd=tmp_path)
+    verify = cli(
+        "verify",
+        out,
+        REPO,
+        "--cache-dir",
+        cache,
+        env={"HF_HUB_OFFLINE": "1", "HF_ENDPOINT": "http://127.0.0.1:9"},
+        cwd=tmp_path,
+    )
     assert verify.returncode == 0 and "OK: bit-exact" in verify.stdout, verify.stderr
     again = cli(REPO, "-q", "-o", "offline-out", "--cache-dir", cache, env={"HF_HUB_OFFLINE": "1"}, cwd=tmp_path)
     assert again.returncode == 0, again.stderr
     assert (tmp_path / "offline-out" / "model.safetensors").read_bytes() == (out / "model.safetensors").read_bytes()
 
 
-@pytest.mark.parametrize("repo,env,message", [
-    ("test-org/missing-bnb-4bit", {}, "repository not found on the Hub"),
-    (GATED, {}, "gated repository"),
-    (REPO, {"HF_HUB_OFFLINE": "1"}, "not in the Hub cache"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "repo,env,message",
+    [
+        ("test-org/missing-bnb-4bit", {}, "repository not found on the Hub"),
+        (GATED, {}, "gated repository"),
+        (REPO, {"HF_HUB_OFFLINE": "1"}, "not in the Hub cache"),
+    ],
+)
 def test_hub_errors_are_one_line(hub, tmp_path, repo, env, message):
     endpoint, _ = hub
-    result = cli(repo, "-q", "--cache-dir", tmp_path / "empty-cache", env={"HF_ENDPOINT": endpoint, "HF_HUB_DISABLE_XET": "1", **env}, cwd=tmp_path)
+    result = cli(
+        repo,
+        "-q",
+        "--cache-dir",
+        tmp_path / "empty-cache",
+        env={"HF_ENDPOINT": endpoint, "HF_HUB_DISABLE_XET": "1", **env},
+        cwd=tmp_path,
+    )
     assert result.returncode == 1
     lines = [line for line in result.stderr.splitlines() if line.strip() and "kernels-community" not in line]
     assert len(lines) == 1 and lines[0].startswith("Error: ") and message in lines[0], result.stderr
@@ -185,13 +244,21 @@ def test_q_hides_the_download_bars_and_the_library_puts_them_back(hub, tmp_path)
     assert quiet.returncode == 0 and quiet.stderr.strip() == "", quiet.stderr
 
     # convert(progress=False) turns huggingface_hub's bars off for the call only
-    script = ("import json, sys; from huggingface_hub.utils import are_progress_bars_disabled; import nf4convert; "
-              "nf4convert.convert(sys.argv[1], 'out', device='cpu', progress=False, cache_dir=sys.argv[2]); "
-              "print(json.dumps(are_progress_bars_disabled()))")  # fmt: skip
+    script = (
+        "import json, sys; from huggingface_hub.utils import are_progress_bars_disabled; import nf4convert; "
+        "nf4convert.convert(sys.argv[1], 'out', device='cpu', progress=False, cache_dir=sys.argv[2]); "
+        "print(json.dumps(are_progress_bars_disabled()))"
+    )
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")} | env
     full_env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), full_env.get("PYTHONPATH", "")])
-    library = subprocess.run([sys.executable, "-c", script, REPO, str(tmp_path / "cache-3")], capture_output=True,
-                             text=True, env=full_env, cwd=tmp_path, timeout=600)  # fmt: skip
+    library = subprocess.run(
+        [sys.executable, "-c", script, REPO, str(tmp_path / "cache-3")],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        cwd=tmp_path,
+        timeout=600,
+    )
     assert library.returncode == 0, library.stderr
     assert json.loads(library.stdout) is False and "Fetching" not in library.stderr, library.stderr
 
@@ -204,28 +271,50 @@ def test_revision_is_for_hub_repos_and_the_card_records_it(hub, tmp_path):
         result = cli(*args, "--revision", "v2", env={}, cwd=tmp_path)
         lines = error_lines(result)
         assert result.returncode == 2 and len(lines) == 1, result.stderr
-        assert lines[0].startswith(f"Error: {source}: a local folder has no revisions; revision 'v2'") and "--revision" in lines[0]
+        assert (
+            lines[0].startswith(f"Error: {source}: a local folder has no revisions; revision 'v2'")
+            and "--revision" in lines[0]
+        )
     assert not (tmp_path / "never").exists()
 
     out = tmp_path / "from-hub"
-    result = cli(REPO, "-q", "--revision", "v2", "-o", out, "--cache-dir", tmp_path / "cache",
-                 env={"HF_ENDPOINT": endpoint, "HF_HUB_DISABLE_XET": "1"}, cwd=tmp_path)  # fmt: skip
+    result = cli(
+        REPO,
+        "-q",
+        "--revision",
+        "v2",
+        "-o",
+        out,
+        "--cache-dir",
+        tmp_path / "cache",
+        env={"HF_ENDPOINT": endpoint, "HF_HUB_DISABLE_XET": "1"},
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr
     card = (out / "README.md").read_text()
     assert f"a bitsandbytes 4-bit NF4 checkpoint (revision `v2`, commit `{COMMIT}`)" in card
     assert f"nf4convert {REPO} --revision v2 --dtype bf16\n" in card
 
 
-@pytest.mark.parametrize("repo,says", [
-    (DENSE, "config.json has no quantization_config"),
-    (GPTQ, "quant_method 'gptq', not bitsandbytes"),
-    (FP16_WEIGHTS, "saved with llm_int8_has_fp16_weight=True, so its weights are dense fp16 already"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "repo,says",
+    [
+        (DENSE, "config.json has no quantization_config"),
+        (GPTQ, "quant_method 'gptq', not bitsandbytes"),
+        (FP16_WEIGHTS, "saved with llm_int8_has_fp16_weight=True, so its weights are dense fp16 already"),
+    ],
+)
 def test_a_hub_repo_that_is_not_bitsandbytes_is_refused_before_its_weights(hub, tmp_path, repo, says):
     endpoint, _ = hub
     FakeHub.requested.clear()
-    result = cli(repo, "-q", "--cache-dir", tmp_path / "cache", env={"HF_ENDPOINT": endpoint, "HF_HUB_DISABLE_XET": "1"},
-                 cwd=tmp_path)  # fmt: skip
+    result = cli(
+        repo,
+        "-q",
+        "--cache-dir",
+        tmp_path / "cache",
+        env={"HF_ENDPOINT": endpoint, "HF_HUB_DISABLE_XET": "1"},
+        cwd=tmp_path,
+    )
     lines = error_lines(result)
     assert result.returncode == 1 and len(lines) == 1, result.stderr
     assert lines[0].startswith(f"Error: {repo}: not a bitsandbytes checkpoint: ") and says in lines[0], lines[0]
@@ -240,7 +329,10 @@ def test_a_local_checkpoint_saved_with_fp16_weights_says_why_it_has_nothing_to_c
     folder = tmp_path / "fp16w-8bit"
     assert cli(source, "-q", "--dtype", "fp16", "-o", folder, env={}, cwd=tmp_path).returncode == 0
     config = json.loads(FakeHub.repos[FP16_WEIGHTS]["config.json"])
-    for has_fp16_weight, says in [(True, "saved with llm_int8_has_fp16_weight=True"), (False, "no bitsandbytes weights")]:
+    for has_fp16_weight, says in [
+        (True, "saved with llm_int8_has_fp16_weight=True"),
+        (False, "no bitsandbytes weights"),
+    ]:
         config["quantization_config"]["llm_int8_has_fp16_weight"] = has_fp16_weight
         (folder / "config.json").write_text(json.dumps(config))
         result = cli(folder, "-q", "-o", tmp_path / "out", env={}, cwd=tmp_path)
@@ -256,8 +348,16 @@ def test_an_adapter_repo_as_source_is_resolved_to_its_base(hub, tmp_path):
     endpoint, _ = hub
     FakeHub.requested.clear()
     out = tmp_path / "merged"
-    result = cli(ADAPTER, "-q", "-o", out, "--cache-dir", tmp_path / "cache",
-                 env={"HF_ENDPOINT": endpoint, "HF_HUB_DISABLE_XET": "1"}, cwd=tmp_path)  # fmt: skip
+    result = cli(
+        ADAPTER,
+        "-q",
+        "-o",
+        out,
+        "--cache-dir",
+        tmp_path / "cache",
+        env={"HF_ENDPOINT": endpoint, "HF_HUB_DISABLE_XET": "1"},
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr
     assert "adapter_model.safetensors" in downloaded(ADAPTER) and "model.safetensors.index.json" in downloaded(REPO)
     assert f"[{ADAPTER}](https://huggingface.co/{ADAPTER}) was then merged" in (out / "README.md").read_text()
@@ -285,12 +385,23 @@ def test_a_hub_dry_run_reads_headers_and_quant_states_and_downloads_no_weights(h
     assert local.returncode == 0, local.stderr
     FakeHub.requested.clear()
     FakeHub.ranges.clear()
-    remote = cli(REPO, "--dry-run", "-q", "-o", tmp_path / "out", "--cache-dir", tmp_path / "cache", env=env,
-                 cwd=tmp_path, patch=SMALL_LIMITS)  # fmt: skip
+    remote = cli(
+        REPO,
+        "--dry-run",
+        "-q",
+        "-o",
+        tmp_path / "out",
+        "--cache-dir",
+        tmp_path / "cache",
+        env=env,
+        cwd=tmp_path,
+        patch=SMALL_LIMITS,
+    )
     assert remote.returncode == 0, remote.stderr
     assert plan_lines(remote) == plan_lines(local)  # the same plan: tensors, recipes, shards, side files
-    assert remote.stdout.splitlines()[0] == (f"source: {REPO}@{COMMIT[:12]} (its headers and quant states read from "
-                                             "the Hub; no weights downloaded)")  # fmt: skip
+    assert remote.stdout.splitlines()[0] == (
+        f"source: {REPO}@{COMMIT[:12]} (its headers and quant states read from the Hub; no weights downloaded)"
+    )
     assert not [name for name in downloaded(REPO) if name.endswith(".safetensors")]
     weights = sorted(name for name in FakeHub.repos[REPO] if name.endswith(".safetensors"))
     for name in weights:  # each file's header (its first 1 KiB), and beyond it only the tensors a plan reads
@@ -303,17 +414,32 @@ def test_a_hub_dry_run_reads_headers_and_quant_states_and_downloads_no_weights(h
         assert covered >= header_end, (name, reads)
         wanted = [t for t in tensors.values() if PLAN_READS.search(t.name)]
         for first, end in reads:
-            assert end <= max(header_end, 1024) or all(any(t.begin <= byte < t.end for t in wanted) for byte in (first, end - 1)), \
-                (name, first, end)  # fmt: skip
-        assert sum(end - first for first, end in reads) <= max(header_end, 1024) + sum(t.nbytes for t in wanted), (name, reads)
+            assert end <= max(header_end, 1024) or all(
+                any(t.begin <= byte < t.end for t in wanted) for byte in (first, end - 1)
+            ), (name, first, end)
+        assert sum(end - first for first, end in reads) <= max(header_end, 1024) + sum(t.nbytes for t in wanted), (
+            name,
+            reads,
+        )
     assert not list(scratch.iterdir()) and not (tmp_path / "out").exists()  # the copy removed, nothing written
 
     # The plan reads only what was fetched: with the quant states left out, the dry run stops (never reads zeros).
-    tight = cli(REPO, "--dry-run", "-q", "--cache-dir", tmp_path / "cache", env=env, cwd=tmp_path,
-                patch=SMALL_LIMITS + "; hub.PLAN_TENSOR_BYTES = 16")  # fmt: skip
+    tight = cli(
+        REPO,
+        "--dry-run",
+        "-q",
+        "--cache-dir",
+        tmp_path / "cache",
+        env=env,
+        cwd=tmp_path,
+        patch=SMALL_LIMITS + "; hub.PLAN_TENSOR_BYTES = 16",
+    )
     lines = error_lines(tight)
     assert tight.returncode == 1 and len(lines) == 1, tight.stderr
-    assert lines[0].startswith(f"Error: {REPO}@{COMMIT[:12]}/") and "a dry run reads only headers and quant states" in lines[0], lines[0]
+    assert (
+        lines[0].startswith(f"Error: {REPO}@{COMMIT[:12]}/")
+        and "a dry run reads only headers and quant states" in lines[0]
+    ), lines[0]
     assert str(scratch) not in lines[0] and not list(scratch.iterdir())
 
     # The conversion after it downloads the weights; a dry run then plans from the cache, with no range read.
@@ -321,7 +447,9 @@ def test_a_hub_dry_run_reads_headers_and_quant_states_and_downloads_no_weights(h
     assert done.returncode == 0, done.stderr
     assert "model-00001-of-00004.safetensors" in downloaded(REPO)
     FakeHub.ranges.clear()
-    again = cli(REPO, "--dry-run", "-q", "-o", tmp_path / "out", "--cache-dir", tmp_path / "cache", env=env, cwd=tmp_path)
+    again = cli(
+        REPO, "--dry-run", "-q", "-o", tmp_path / "out", "--cache-dir", tmp_path / "cache", env=env, cwd=tmp_path
+    )
     assert again.returncode == 0 and plan_lines(again) == plan_lines(local), again.stderr
     assert again.stdout.startswith(f"source: {tmp_path / 'cache'}") and not FakeHub.ranges
 
@@ -333,20 +461,36 @@ def test_a_hub_dry_run_names_a_corrupt_header_by_the_repo(hub, tmp_path):
     files[name] = files[name][:8] + b"#" + files[name][9:]  # its header is not JSON
     FakeHub.repos["test-org/corrupt-bnb-4bit"] = files
     try:
-        result = cli("test-org/corrupt-bnb-4bit", "--dry-run", "-q", "--cache-dir", tmp_path / "cache",
-                     env={"HF_ENDPOINT": endpoint, "HF_HUB_DISABLE_XET": "1"}, cwd=tmp_path)  # fmt: skip
+        result = cli(
+            "test-org/corrupt-bnb-4bit",
+            "--dry-run",
+            "-q",
+            "--cache-dir",
+            tmp_path / "cache",
+            env={"HF_ENDPOINT": endpoint, "HF_HUB_DISABLE_XET": "1"},
+            cwd=tmp_path,
+        )
     finally:
         del FakeHub.repos["test-org/corrupt-bnb-4bit"]
     lines = error_lines(result)
     assert result.returncode == 1 and len(lines) == 1, result.stderr
-    assert lines[0].startswith(f"Error: test-org/corrupt-bnb-4bit@{COMMIT[:12]}/{name}: corrupt safetensors header"), lines[0]
+    assert lines[0].startswith(f"Error: test-org/corrupt-bnb-4bit@{COMMIT[:12]}/{name}: corrupt safetensors header"), (
+        lines[0]
+    )
 
 
 def test_a_dry_run_of_an_adapter_repo_reads_its_bases_headers(hub, tmp_path):
     endpoint, _ = hub
     FakeHub.requested.clear()
-    result = cli(ADAPTER, "--dry-run", "-q", "--cache-dir", tmp_path / "cache", env={"HF_ENDPOINT": endpoint,
-                 "HF_HUB_DISABLE_XET": "1"}, cwd=tmp_path)  # fmt: skip
+    result = cli(
+        ADAPTER,
+        "--dry-run",
+        "-q",
+        "--cache-dir",
+        tmp_path / "cache",
+        env={"HF_ENDPOINT": endpoint, "HF_HUB_DISABLE_XET": "1"},
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith(f"source: {REPO}@{COMMIT[:12]} (its headers"), result.stdout
     assert "merged" in result.stdout, result.stdout
@@ -357,24 +501,48 @@ def test_a_dry_run_of_an_adapter_repo_reads_its_bases_headers(hub, tmp_path):
 def test_an_offline_dry_run_plans_from_the_cache(hub, tmp_path):
     endpoint, _ = hub
     cache = tmp_path / "cache"
-    assert cli(REPO, "-q", "-o", tmp_path / "out", "--cache-dir", cache, env={"HF_ENDPOINT": endpoint, "HF_HUB_DISABLE_XET": "1"},
-               cwd=tmp_path).returncode == 0  # fmt: skip
+    assert (
+        cli(
+            REPO,
+            "-q",
+            "-o",
+            tmp_path / "out",
+            "--cache-dir",
+            cache,
+            env={"HF_ENDPOINT": endpoint, "HF_HUB_DISABLE_XET": "1"},
+            cwd=tmp_path,
+        ).returncode
+        == 0
+    )
     result = cli(REPO, "--dry-run", "-q", "--cache-dir", cache, env={"HF_HUB_OFFLINE": "1"}, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith(f"source: {cache}"), result.stdout  # the cached snapshot, weights and all
 
 
-@pytest.mark.parametrize("answer,says", [
-    ("whole", "the Hub answered a request for bytes 0-99999 with status 200 and not the range (the whole file?)"),
-    ("whole-later", "with status 200 and not the range (the whole file?): a dry run needs range requests; convert instead"),
-    ("no-content-range", "the Hub answered a request for bytes 0-99999 with no Content-Range"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "answer,says",
+    [
+        ("whole", "the Hub answered a request for bytes 0-99999 with status 200 and not the range (the whole file?)"),
+        (
+            "whole-later",
+            "with status 200 and not the range (the whole file?): a dry run needs range requests; convert instead",
+        ),
+        ("no-content-range", "the Hub answered a request for bytes 0-99999 with no Content-Range"),
+    ],
+)
 def test_a_dry_run_refuses_an_endpoint_that_does_not_answer_ranges_in_one_line(hub, tmp_path, answer, says):
     endpoint, _ = hub
     FakeHub.range_answer = answer
     try:
-        result = cli(REPO, "--dry-run", "-q", "--cache-dir", tmp_path / "cache", env={"HF_ENDPOINT": endpoint,
-                     "HF_HUB_DISABLE_XET": "1"}, cwd=tmp_path)  # fmt: skip
+        result = cli(
+            REPO,
+            "--dry-run",
+            "-q",
+            "--cache-dir",
+            tmp_path / "cache",
+            env={"HF_ENDPOINT": endpoint, "HF_HUB_DISABLE_XET": "1"},
+            cwd=tmp_path,
+        )
     finally:
         FakeHub.range_answer = "206"
     lines = error_lines(result)
@@ -387,38 +555,68 @@ def test_a_dry_run_reads_only_the_files_the_plan_reads(hub, tmp_path):
     """Weight files beside the index's series (a consolidated copy, a subfolder's) are not the checkpoint's: the plan
     never reads them, so neither does a dry run (junk there fails neither)."""
     endpoint, _ = hub
-    FakeHub.repos["test-org/extra-bnb-4bit"] = {**FakeHub.repos[REPO], "consolidated.safetensors": b"junk",
-                                                "extra/other.safetensors": b"junk"}  # fmt: skip
+    FakeHub.repos["test-org/extra-bnb-4bit"] = {
+        **FakeHub.repos[REPO],
+        "consolidated.safetensors": b"junk",
+        "extra/other.safetensors": b"junk",
+    }
     FakeHub.ranges.clear()
     try:
-        result = cli("test-org/extra-bnb-4bit", "--dry-run", "-q", "--cache-dir", tmp_path / "cache",
-                     env={"HF_ENDPOINT": endpoint, "HF_HUB_DISABLE_XET": "1"}, cwd=tmp_path)  # fmt: skip
+        result = cli(
+            "test-org/extra-bnb-4bit",
+            "--dry-run",
+            "-q",
+            "--cache-dir",
+            tmp_path / "cache",
+            env={"HF_ENDPOINT": endpoint, "HF_HUB_DISABLE_XET": "1"},
+            cwd=tmp_path,
+        )
     finally:
         del FakeHub.repos["test-org/extra-bnb-4bit"]
     assert result.returncode == 0, result.stderr
-    assert {file for _, file, _, _ in FakeHub.ranges} == {name for name in FakeHub.repos[REPO] if name.endswith(".safetensors")}
+    assert {file for _, file, _, _ in FakeHub.ranges} == {
+        name for name in FakeHub.repos[REPO] if name.endswith(".safetensors")
+    }
 
 
 def test_a_dry_run_without_room_for_its_copy_says_so_in_one_line(hub, tmp_path):
     endpoint, source = hub
     env = {"HF_ENDPOINT": endpoint, "HF_HUB_DISABLE_XET": "1", "TMPDIR": str(tmp_path)}
-    full = ("import errno, tempfile\nmade = tempfile.mkdtemp\ndef mkdtemp(*args, **kwargs):\n"
-            "    if kwargs.get('prefix') == 'nf4convert-plan-':\n        raise OSError(errno.ENOSPC, 'No space left on device')\n"
-            "    return made(*args, **kwargs)\ntempfile.mkdtemp = mkdtemp")  # the dry run's copy finds the disk full
-    assert cli(source, "--dry-run", "-q", env=env, cwd=tmp_path, patch=full).returncode == 0  # a local folder needs none
+    full = (
+        "import errno, tempfile\nmade = tempfile.mkdtemp\ndef mkdtemp(*args, **kwargs):\n"
+        "    if kwargs.get('prefix') == 'nf4convert-plan-':\n        raise OSError(errno.ENOSPC, 'No space left on device')\n"
+        "    return made(*args, **kwargs)\ntempfile.mkdtemp = mkdtemp"
+    )  # the dry run's copy finds the disk full
+    assert (
+        cli(source, "--dry-run", "-q", env=env, cwd=tmp_path, patch=full).returncode == 0
+    )  # a local folder needs none
     result = cli(REPO, "--dry-run", "-q", "--cache-dir", tmp_path / "cache", env=env, cwd=tmp_path, patch=full)
     lines = error_lines(result)
     assert result.returncode == 1 and len(lines) == 1, result.stderr
-    assert lines[0] == (f"Error: {tmp_path}: cannot hold a dry run's copy of {REPO}'s headers (No space left on device); "
-                        "set TMPDIR to a writable folder"), lines[0]  # fmt: skip
+    assert lines[0] == (
+        f"Error: {tmp_path}: cannot hold a dry run's copy of {REPO}'s headers (No space left on device); "
+        "set TMPDIR to a writable folder"
+    ), lines[0]
 
 
 def test_a_batch_dry_run_of_hub_repos_downloads_no_weights(hub, tmp_path):
     endpoint, source = hub
     FakeHub.requested.clear()
     FakeHub.ranges.clear()
-    result = cli("batch", REPO, source, "-o", tmp_path / "root", "--dry-run", "-q", "--json", "--cache-dir", tmp_path / "cache",
-                 env={"HF_ENDPOINT": endpoint, "HF_HUB_DISABLE_XET": "1"}, cwd=tmp_path)  # fmt: skip
+    result = cli(
+        "batch",
+        REPO,
+        source,
+        "-o",
+        tmp_path / "root",
+        "--dry-run",
+        "-q",
+        "--json",
+        "--cache-dir",
+        tmp_path / "cache",
+        env={"HF_ENDPOINT": endpoint, "HF_HUB_DISABLE_XET": "1"},
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr
     rows = [json.loads(line) for line in result.stdout.splitlines()]
     assert [row["status"] for row in rows] == ["planned", "planned"] and rows[0]["tensors"] == rows[1]["tensors"]
@@ -437,8 +635,12 @@ def test_a_dry_run_plans_from_the_cache_only_when_it_holds_every_weight_file(hub
     try:
         full = cli("test-org/noindex-bnb-4bit", "--dry-run", "-q", "--cache-dir", cache, env=env, cwd=tmp_path)
         assert full.returncode == 0, full.stderr
-        assert cli("test-org/noindex-bnb-4bit", "-q", "-o", tmp_path / "out", "--cache-dir", cache, env=env,
-                   cwd=tmp_path).returncode == 0  # fmt: skip
+        assert (
+            cli(
+                "test-org/noindex-bnb-4bit", "-q", "-o", tmp_path / "out", "--cache-dir", cache, env=env, cwd=tmp_path
+            ).returncode
+            == 0
+        )
         snapshot = next(cache.glob("models--test-org--noindex-bnb-4bit/snapshots/*"))
         (snapshot / "model-00002-of-00004.safetensors").unlink()  # the cache lost one
         FakeHub.ranges.clear()
@@ -453,4 +655,6 @@ def test_a_dry_run_refuses_what_the_conversion_would(hub, tmp_path):
     _, source = hub
     result = cli(source, "--dry-run", "--device", "tpu", env={}, cwd=tmp_path)
     lines = error_lines(result)
-    assert result.returncode == 2 and len(lines) == 1 and "device 'tpu' is not cpu, cuda or cuda:N" in lines[0], result.stderr
+    assert result.returncode == 2 and len(lines) == 1 and "device 'tpu' is not cpu, cuda or cuda:N" in lines[0], (
+        result.stderr
+    )

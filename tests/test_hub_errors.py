@@ -73,18 +73,39 @@ NO_TOKEN = "the token was rejected or is missing (give a token, or set HF_TOKEN)
 NO_WRITE = "the token lacks the permission (an upload needs write access to the namespace; a gated repo, its terms)"
 
 
-@pytest.mark.parametrize("path,token,expected", [
-    ("/api/models/me/missing", READ_TOKEN,
-     f"HTTP 404 Not Found from GET {{endpoint}}/api/models/me/missing: {NOT_FOUND} [server: Repository not found]"),
-    ("/api/models/me/model/revision/v9", READ_TOKEN, "HTTP 404 Not Found from GET {endpoint}/api/models/me/model/"
-     "revision/v9: revision not found in the repository [server: Invalid rev id: v9]"),
-    ("/api/models/me/model", "hf_bad", f"HTTP 401 Unauthorized from GET {{endpoint}}/api/models/me/model: {NO_TOKEN} "
-     "[server: Invalid credentials in Authorization header]"),
-    ("/api/repos/create", READ_TOKEN, f"HTTP 403 Forbidden from POST {{endpoint}}/api/repos/create: {NO_WRITE} "
-     "[server: You don't have the rights to write to this repository: the token is read-only]"),
-    ("/cas/v1/xorbs/default/abc", READ_TOKEN,
-     f"HTTP 401 Unauthorized from POST {{endpoint}}/cas/v1/xorbs/default/abc: {NO_TOKEN} [server: bad xet token]"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "path,token,expected",
+    [
+        (
+            "/api/models/me/missing",
+            READ_TOKEN,
+            f"HTTP 404 Not Found from GET {{endpoint}}/api/models/me/missing: {NOT_FOUND} [server: Repository not found]",
+        ),
+        (
+            "/api/models/me/model/revision/v9",
+            READ_TOKEN,
+            "HTTP 404 Not Found from GET {endpoint}/api/models/me/model/"
+            "revision/v9: revision not found in the repository [server: Invalid rev id: v9]",
+        ),
+        (
+            "/api/models/me/model",
+            "hf_bad",
+            f"HTTP 401 Unauthorized from GET {{endpoint}}/api/models/me/model: {NO_TOKEN} "
+            "[server: Invalid credentials in Authorization header]",
+        ),
+        (
+            "/api/repos/create",
+            READ_TOKEN,
+            f"HTTP 403 Forbidden from POST {{endpoint}}/api/repos/create: {NO_WRITE} "
+            "[server: You don't have the rights to write to this repository: the token is read-only]",
+        ),
+        (
+            "/cas/v1/xorbs/default/abc",
+            READ_TOKEN,
+            f"HTTP 401 Unauthorized from POST {{endpoint}}/cas/v1/xorbs/default/abc: {NO_TOKEN} [server: bad xet token]",
+        ),
+    ],
+)
 def test_http_errors_keep_status_request_and_server_message(path, token, expected):
     httpx2 = pytest.importorskip("httpx2")
     requests = pytest.importorskip("requests")
@@ -135,8 +156,13 @@ def test_download_errors_are_one_line(case, tmp_path):
             env["HF_HUB_OFFLINE"] = "1"
         # hf_hub_download retries a refused connection for about 25 s (huggingface_hub's http_backoff): not here
         calls = ["snapshot"] if case == "refused" else ["snapshot", "file"]
-        result = subprocess.run([sys.executable, "-c", DOWNLOAD, str(tmp_path / "cache"), *calls], capture_output=True,
-                                text=True, env=env, timeout=120)  # fmt: skip
+        result = subprocess.run(
+            [sys.executable, "-c", DOWNLOAD, str(tmp_path / "cache"), *calls],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
+        )
     assert result.returncode == 0, result.stderr
     lines = json.loads(result.stdout)
     assert list(lines) == calls

@@ -35,21 +35,73 @@ ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "d
 
 # kind -> (model, LoraConfig arguments, stored adapter dtype)
 KINDS = {
-    "linear": ("llama", dict(r=4, lora_alpha=8, target_modules=ALL_LINEAR, rank_pattern={"q_proj": 6, "layers.1.mlp.down_proj": 3}, alpha_pattern={"v_proj": 5}), torch.float32),
-    "rslora": ("llama", dict(r=3, lora_alpha=7, use_rslora=True, target_modules=["q_proj", "v_proj", "up_proj"], rank_pattern={"up_proj": 5}), torch.bfloat16),
-    "dora": ("llama", dict(r=4, lora_alpha=16, use_dora=True, target_modules=["q_proj", "k_proj", "down_proj"]), torch.float32),
+    "linear": (
+        "llama",
+        dict(
+            r=4,
+            lora_alpha=8,
+            target_modules=ALL_LINEAR,
+            rank_pattern={"q_proj": 6, "layers.1.mlp.down_proj": 3},
+            alpha_pattern={"v_proj": 5},
+        ),
+        torch.float32,
+    ),
+    "rslora": (
+        "llama",
+        dict(
+            r=3,
+            lora_alpha=7,
+            use_rslora=True,
+            target_modules=["q_proj", "v_proj", "up_proj"],
+            rank_pattern={"up_proj": 5},
+        ),
+        torch.bfloat16,
+    ),
+    "dora": (
+        "llama",
+        dict(r=4, lora_alpha=16, use_dora=True, target_modules=["q_proj", "k_proj", "down_proj"]),
+        torch.float32,
+    ),
     "embedding": ("llama", dict(r=5, lora_alpha=9, target_modules=["embed_tokens", "o_proj"]), torch.float16),
-    "dora_embedding": ("llama", dict(r=3, lora_alpha=4, use_dora=True, target_modules=["embed_tokens", "gate_proj"]), torch.float32),
-    "modules_to_save": ("llama", dict(r=2, lora_alpha=3, target_modules=["q_proj"], modules_to_save=["lm_head", "norm"]), torch.float32),
+    "dora_embedding": (
+        "llama",
+        dict(r=3, lora_alpha=4, use_dora=True, target_modules=["embed_tokens", "gate_proj"]),
+        torch.float32,
+    ),
+    "modules_to_save": (
+        "llama",
+        dict(r=2, lora_alpha=3, target_modules=["q_proj"], modules_to_save=["lm_head", "norm"]),
+        torch.float32,
+    ),
     # peft gives no LoRA layer to a module inside a saved one (down_proj in mlp): it saves the whole mlp instead
-    "saved_ancestor": ("llama", dict(r=2, lora_alpha=3, target_modules=["q_proj", "down_proj"], modules_to_save=["mlp"]), torch.float32),
-    "fan_in_fan_out": ("gpt2", dict(r=4, lora_alpha=6, fan_in_fan_out=True, target_modules=["c_attn", "c_proj", "c_fc"], bias="lora_only"), torch.bfloat16),
-    "dora_fan_in_fan_out": ("gpt2", dict(r=3, lora_alpha=5, use_dora=True, fan_in_fan_out=True, target_modules=["c_attn", "c_fc"]), torch.float32),
-    "lora_bias": ("gpt2", dict(r=4, lora_alpha=8, lora_bias=True, fan_in_fan_out=True, target_modules=["c_attn", "c_proj"]), torch.float32),
+    "saved_ancestor": (
+        "llama",
+        dict(r=2, lora_alpha=3, target_modules=["q_proj", "down_proj"], modules_to_save=["mlp"]),
+        torch.float32,
+    ),
+    "fan_in_fan_out": (
+        "gpt2",
+        dict(r=4, lora_alpha=6, fan_in_fan_out=True, target_modules=["c_attn", "c_proj", "c_fc"], bias="lora_only"),
+        torch.bfloat16,
+    ),
+    "dora_fan_in_fan_out": (
+        "gpt2",
+        dict(r=3, lora_alpha=5, use_dora=True, fan_in_fan_out=True, target_modules=["c_attn", "c_fc"]),
+        torch.float32,
+    ),
+    "lora_bias": (
+        "gpt2",
+        dict(r=4, lora_alpha=8, lora_bias=True, fan_in_fan_out=True, target_modules=["c_attn", "c_proj"]),
+        torch.float32,
+    ),
     # peft sets fan_in_fan_out from the layer class whatever the config says; square weights included
     "conv1d_config_false": ("gpt2", dict(r=4, lora_alpha=6, target_modules=["c_attn", "c_proj"]), torch.float16),
-    "linear_config_true": ("llama", dict(r=4, lora_alpha=6, fan_in_fan_out=True, target_modules=["q_proj", "k_proj", "o_proj"]), torch.float32),
-}  # fmt: skip
+    "linear_config_true": (
+        "llama",
+        dict(r=4, lora_alpha=6, fan_in_fan_out=True, target_modules=["q_proj", "k_proj", "o_proj"]),
+        torch.float32,
+    ),
+}
 ONE_DTYPE = ("conv1d_config_false", "linear_config_true")
 CASES = [(kind, dtype) for kind in KINDS for dtype in ("bf16", "fp16") if kind not in ONE_DTYPE or dtype == "bf16"]
 CASES += [("linear", "fp32"), ("dora", "fp32")]
@@ -297,7 +349,10 @@ def test_unsupported_configs(linear_adapter, tmp_path):
         (dict(layers_to_transform=0), "layers_to_transform is set (0)"),
         (dict(layers_to_transform=False), "layers_to_transform is set (False)"),
         (dict(layers_pattern="layers"), "layers_pattern without layers_to_transform: peft refuses"),
-        (dict(target_modules="model.*q_proj", layers_to_transform=[]), "layers_to_transform with a target_modules pattern"),
+        (
+            dict(target_modules="model.*q_proj", layers_to_transform=[]),
+            "layers_to_transform with a target_modules pattern",
+        ),
         (dict(monteclora_config={}), "monteclora_config is set"),  # peft makes {} a MontecloraConfig
         (dict(velora_config=False), "velora_config is set"),  # peft: "must be a VeloraConfig, a dict, or None"
         # values peft fails on when loading
@@ -318,9 +373,16 @@ def test_unsupported_configs(linear_adapter, tmp_path):
         message = _error(lambda: peft_lora.load_adapter(folder))
         assert words in message and "adapter_config.json" in message, change
     # what peft reads as unset, or as a plain LoRA, merges
-    for change in (dict(layers_to_transform=[], layers_pattern="layers"), dict(exclude_modules=[], bias="lora_only"),
-                   dict(init_lora_weights="Gaussian"), dict(init_lora_weights="orthogonal"), dict(megatron_config={}),
-                   dict(init_lora_weights=0), dict(init_lora_weights=""), dict(modules_to_save=["lm_head", "mlp\\.x"])):
+    for change in (
+        dict(layers_to_transform=[], layers_pattern="layers"),
+        dict(exclude_modules=[], bias="lora_only"),
+        dict(init_lora_weights="Gaussian"),
+        dict(init_lora_weights="orthogonal"),
+        dict(megatron_config={}),
+        dict(init_lora_weights=0),
+        dict(init_lora_weights=""),
+        dict(modules_to_save=["lm_head", "mlp\\.x"]),
+    ):
         _edit_config(folder, **json.loads((linear_adapter / "adapter_config.json").read_text()))
         _edit_config(folder, **change)
         assert peft_lora.load_adapter(folder).targets, change
@@ -330,25 +392,38 @@ def test_lora_under_a_saved_module(linear_adapter, tmp_path):
     # peft matches each modules_to_save entry as a pattern on whole path components (check_target_module_exists) and
     # gives no LoRA layer to a module in or under a saved one: its LoRA tensors would be unused, so they are refused
     folder = _copy(linear_adapter, tmp_path)
-    for saved, words in ((["mlp"], r"mlp\.\w+_proj' has LoRA tensors and lies in 'mlp' of modules_to_save too"),
-                         ([r"layers\.1"], r"layers\.1\.\S+' has LoRA tensors and lies in 'layers\\\.1' of"),
-                         (["q_pro."], r"self_attn\.q_proj' has LoRA tensors and lies in 'q_pro\.' of"),
-                         (["o_proj"], r"self_attn\.o_proj' has LoRA tensors and is in modules_to_save too")):
+    for saved, words in (
+        (["mlp"], r"mlp\.\w+_proj' has LoRA tensors and lies in 'mlp' of modules_to_save too"),
+        ([r"layers\.1"], r"layers\.1\.\S+' has LoRA tensors and lies in 'layers\\\.1' of"),
+        (["q_pro."], r"self_attn\.q_proj' has LoRA tensors and lies in 'q_pro\.' of"),
+        (["o_proj"], r"self_attn\.o_proj' has LoRA tensors and is in modules_to_save too"),
+    ):
         _edit_config(folder, modules_to_save=saved)
         message = _error(lambda: peft_lora.load_adapter(folder))
         assert re.search(words, message) and "adapter_model.safetensors" in message, (saved, message)
 
 
 def _rename_lora(folder: Path, module: str, renames: dict):
-    _edit_tensors(folder, lambda t: t.update({f"base_model.model.{module}.{new}": t.pop(f"base_model.model.{module}.{old}")
-                                              for old, new in renames.items()}))  # fmt: skip
+    _edit_tensors(
+        folder,
+        lambda t: t.update(
+            {
+                f"base_model.model.{module}.{new}": t.pop(f"base_model.model.{module}.{old}")
+                for old, new in renames.items()
+            }
+        ),
+    )
 
 
 def test_lora_tensors_of_the_other_layer_kind(linear_adapter, tmp_path, dense):
     # peft makes the LoRA layer that the module's class calls for and loads only its own kind of tensors: the others
     # are unexpected keys, and the module merges unchanged. Shapes alone fit here (q_proj is square).
     folder = _copy(linear_adapter, tmp_path)
-    _rename_lora(folder, "model.layers.0.self_attn.q_proj", {"lora_A.weight": "lora_embedding_A", "lora_B.weight": "lora_embedding_B"})
+    _rename_lora(
+        folder,
+        "model.layers.0.self_attn.q_proj",
+        {"lora_A.weight": "lora_embedding_A", "lora_B.weight": "lora_embedding_B"},
+    )
     base_folder = dense("llama", "bf16")
     config = json.loads((base_folder / "config.json").read_text())  # q_proj's class, from transformers' model
     message = _error(lambda: peft_lora.validate(peft_lora.load_adapter(folder), _base_shapes(), config=config))
@@ -362,10 +437,16 @@ def test_lora_tensors_of_the_other_layer_kind(linear_adapter, tmp_path, dense):
     base = load_file(base_folder / "model.safetensors")
     name = "model.layers.0.self_attn.q_proj.weight"
     assert torch.equal(bits(merged[name]), bits(base[name]))  # peft: unchanged
-    assert not torch.equal(bits(merged["model.layers.1.self_attn.q_proj.weight"]), bits(base[name.replace(".0.", ".1.")]))
+    assert not torch.equal(
+        bits(merged["model.layers.1.self_attn.q_proj.weight"]), bits(base[name.replace(".0.", ".1.")])
+    )
 
-    folder = _make_adapter(tmp_path / "e", "embedding", 19)  # embed_tokens [97, 72]: lora_A [5, 97] fits it as (in, out)
-    _rename_lora(folder, "model.embed_tokens", {"lora_embedding_A": "lora_A.weight", "lora_embedding_B": "lora_B.weight"})
+    folder = _make_adapter(
+        tmp_path / "e", "embedding", 19
+    )  # embed_tokens [97, 72]: lora_A [5, 97] fits it as (in, out)
+    _rename_lora(
+        folder, "model.embed_tokens", {"lora_embedding_A": "lora_A.weight", "lora_embedding_B": "lora_B.weight"}
+    )
     message = _error(lambda: peft_lora.validate(peft_lora.load_adapter(folder), _base_shapes()))
     assert "'model.embed_tokens' are linear-style (lora_A/B)" in message and "is an embedding layer" in message
     merged = _peft_merged(base_folder, folder, torch.bfloat16)

@@ -27,8 +27,13 @@ def _checkpoint(folder, *, drop=None):
     an fp32 norm and an int64 buffer; plus an index and side files."""
     a_packed, a_state = quantize((48, 83), quant_type="nf4", blocksize=64, nested=True, dtype=torch.bfloat16, seed=1)
     b_packed, b_state = quantize((16, 40), quant_type="fp4", blocksize=128, nested=False, dtype=torch.bfloat16, seed=2)
-    first = {"a.weight": a_packed, "b.weight": b_packed, "norm.weight": torch.randn(83, generator=torch.Generator().manual_seed(3)),
-             "ids": torch.arange(7), **{f"b.weight.{k}": v for k, v in b_state.as_dict(packed=True).items()}}  # fmt: skip
+    first = {
+        "a.weight": a_packed,
+        "b.weight": b_packed,
+        "norm.weight": torch.randn(83, generator=torch.Generator().manual_seed(3)),
+        "ids": torch.arange(7),
+        **{f"b.weight.{k}": v for k, v in b_state.as_dict(packed=True).items()},
+    }
     second = {f"a.weight.{k}": v for k, v in a_state.as_dict(packed=True).items()}
     for shard in (first, second):
         for key in [k for k in shard if k == drop]:
@@ -38,7 +43,9 @@ def _checkpoint(folder, *, drop=None):
     save_file(second, folder / "two.safetensors")
     weight_map = {**{k: "one.safetensors" for k in first}, **{k: "two.safetensors" for k in second}}
     (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
-    (folder / "config.json").write_text(json.dumps({"quantization_config": {"load_in_4bit": True}, "text_config": {"quantization_config": {}}}))
+    (folder / "config.json").write_text(
+        json.dumps({"quantization_config": {"load_in_4bit": True}, "text_config": {"quantization_config": {}}})
+    )
     (folder / "tokenizer.json").write_text("{}")
     (folder / "pytorch_model.bin").write_bytes(b"old weights")
     return folder
@@ -51,7 +58,11 @@ def test_recipes_sizes_and_side_files(tmp_path):
     assert isinstance(recipes["a.weight"].recipe, Dequantize4bit) and recipes["a.weight"].recipe.weight.nested
     assert isinstance(recipes["norm.weight"].recipe, Copy)
     assert plan.dtype.name == "bfloat16"  # auto: the dtype the weights were quantized from
-    assert (recipes["a.weight"].dtype, recipes["a.weight"].shape, recipes["a.weight"].nbytes) == ("BF16", (48, 83), 48 * 83 * 2)
+    assert (recipes["a.weight"].dtype, recipes["a.weight"].shape, recipes["a.weight"].nbytes) == (
+        "BF16",
+        (48, 83),
+        48 * 83 * 2,
+    )
     assert (recipes["norm.weight"].dtype, recipes["ids"].dtype) == ("BF16", "I64")  # floats cast, integers kept
     assert plan.tensor_bytes == sum(math.prod(t.shape) * (8 if t.dtype == "I64" else 2) for t in plan.tensors)
     assert plan.n_dequantized == 2
@@ -66,7 +77,11 @@ def test_shards_and_offsets(tmp_path, limit):
     plan = make_plan(_checkpoint(tmp_path / "src"), dtype="float32", max_shard_size=limit)
     assert plan.dtype.name == "float32"
     names = [shard.filename for shard in plan.shards]
-    assert names == (["model.safetensors"] if len(names) == 1 else [f"model-{i:05d}-of-{len(names):05d}.safetensors" for i in range(1, len(names) + 1)])
+    assert names == (
+        ["model.safetensors"]
+        if len(names) == 1
+        else [f"model-{i:05d}-of-{len(names):05d}.safetensors" for i in range(1, len(names) + 1)]
+    )
     for shard in plan.shards:
         assert shard.nbytes <= limit or len(shard.tensors) == 1
         offset = 0
@@ -87,17 +102,25 @@ def test_plan_reads_only_quant_states_and_maps(tmp_path, monkeypatch):
     monkeypatch.setattr(TensorReader, "read", recording)
     make_plan(_checkpoint(tmp_path / "src"))
     # the JSON and code tables, and for a nested state its small nested absmax (one float per 256 blocks)
-    assert sorted(read) == ["a.weight.nested_absmax", "a.weight.nested_quant_map", "a.weight.quant_map",
-                            "a.weight.quant_state.bitsandbytes__nf4", "b.weight.quant_map",
-                            "b.weight.quant_state.bitsandbytes__fp4"]  # fmt: skip
+    assert sorted(read) == [
+        "a.weight.nested_absmax",
+        "a.weight.nested_quant_map",
+        "a.weight.quant_map",
+        "a.weight.quant_state.bitsandbytes__nf4",
+        "b.weight.quant_map",
+        "b.weight.quant_state.bitsandbytes__fp4",
+    ]
 
 
-@pytest.mark.parametrize("drop,message", [
-    ("a.weight.quant_state.bitsandbytes__nf4", "is part of the 4-bit quant state of 'a.weight', which has no"),
-    ("b.weight.quant_state.bitsandbytes__fp4", "is part of the 4-bit quant state of 'b.weight'"),
-    ("a.weight.nested_absmax", "quant state is missing 'a.weight.nested_absmax'"),
-    ("b.weight", "has no packed weight 'b.weight'"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "drop,message",
+    [
+        ("a.weight.quant_state.bitsandbytes__nf4", "is part of the 4-bit quant state of 'a.weight', which has no"),
+        ("b.weight.quant_state.bitsandbytes__fp4", "is part of the 4-bit quant state of 'b.weight'"),
+        ("a.weight.nested_absmax", "quant state is missing 'a.weight.nested_absmax'"),
+        ("b.weight", "has no packed weight 'b.weight'"),
+    ],
+)
 def test_incomplete_quant_state_is_refused(tmp_path, drop, message):
     with pytest.raises(CheckpointError, match=message.replace("(", r"\(")):
         make_plan(_checkpoint(tmp_path / "src", drop=drop))
@@ -131,7 +154,9 @@ def test_shard_writer_round_trips_through_safetensors(tmp_path):
             assert file.metadata() == {"format": "pt"}
             for tensor in shard.tensors:
                 got = file.get_tensor(tensor.name)
-                assert tuple(got.shape) == tensor.shape and torch.equal(got.contiguous().view(-1).view(torch.uint8), written[tensor.name])
+                assert tuple(got.shape) == tensor.shape and torch.equal(
+                    got.contiguous().view(-1).view(torch.uint8), written[tensor.name]
+                )
     assert set(read_tensors(tmp_path)) >= set(written)  # our own reader takes what we wrote
     # Out of order or short writes are bugs, caught loudly.
     writer = ShardWriter(tmp_path / "x.safetensors", plan.shards[0].tensors)
@@ -166,7 +191,9 @@ def test_a_weight_that_is_both_4bit_and_8bit_is_refused(tmp_path):
     index = json.loads((folder / "model.safetensors.index.json").read_text())
     index["weight_map"]["b.SCB"] = "one.safetensors"
     (folder / "model.safetensors.index.json").write_text(json.dumps(index))
-    with pytest.raises(CheckpointError, match=r"one.safetensors: tensor 'b.weight' has both a 4-bit quant state and an 8-bit SCB"):
+    with pytest.raises(
+        CheckpointError, match=r"one.safetensors: tensor 'b.weight' has both a 4-bit quant state and an 8-bit SCB"
+    ):
         make_plan(folder)
 
 
@@ -226,12 +253,18 @@ def test_side_files_that_cannot_be_read_are_refused_when_planning(tmp_path, monk
         return scandir(path)
 
     monkeypatch.setattr(os, "scandir", refusing)
-    with pytest.raises(CheckpointError, match=r"src/sub: cannot be read \(Permission denied\); its files would be missing"):
+    with pytest.raises(
+        CheckpointError, match=r"src/sub: cannot be read \(Permission denied\); its files would be missing"
+    ):
         make_plan(folder)
     monkeypatch.setattr(os, "scandir", scandir)
     access = os.access
-    monkeypatch.setattr(os, "access", lambda path, mode: not str(path).endswith("tokenizer.json") and access(path, mode))
-    with pytest.raises(CheckpointError, match=r"tokenizer.json: cannot be read \(permission denied\); it is carried over"):
+    monkeypatch.setattr(
+        os, "access", lambda path, mode: not str(path).endswith("tokenizer.json") and access(path, mode)
+    )
+    with pytest.raises(
+        CheckpointError, match=r"tokenizer.json: cannot be read \(permission denied\); it is carried over"
+    ):
         make_plan(folder)
 
 
@@ -257,8 +290,11 @@ def test_quant_state_parts_that_are_not_flat_are_refused(tmp_path, part):
         first = {key: file.get_tensor(key) for key in file.keys()}
     first[f"b.weight.{part}"] = first[f"b.weight.{part}"].reshape(-1, 1)
     save_file(first, folder / "one.safetensors")
-    with pytest.raises(CheckpointError, match=rf"one.safetensors: b.weight: 'b.weight.{part}' has shape \[\d+, 1\]; "
-                       "bitsandbytes keeps the parts of a quant state 1-D"):  # fmt: skip
+    with pytest.raises(
+        CheckpointError,
+        match=rf"one.safetensors: b.weight: 'b.weight.{part}' has shape \[\d+, 1\]; "
+        "bitsandbytes keeps the parts of a quant state 1-D",
+    ):
         make_plan(folder)
 
 
@@ -266,7 +302,10 @@ def test_a_size_is_a_whole_number_of_bytes_and_named_as_the_api_spells_it():
     # '1.5' became 1 byte (shards of one tensor each) and '0.4' "must be positive"; messages said "size"
     assert parse_size("1.5KB") == 1500 and parse_size("1e3") == 1000
     for bad in ("1.5", "0.4", "1.0000001KB"):
-        with pytest.raises(ArgumentError, match=rf"^max_shard_size '{re.escape(bad)}' is not like '5GB', '500MB' or a whole number of bytes$"):
+        with pytest.raises(
+            ArgumentError,
+            match=rf"^max_shard_size '{re.escape(bad)}' is not like '5GB', '500MB' or a whole number of bytes$",
+        ):
             parse_size(bad)
     with pytest.raises(ArgumentError, match=r"^max_shard_size '0' must be positive"):
         parse_size("0")

@@ -101,8 +101,14 @@ def window_state(quant_type, seed):
     order = [rng.sample(range(16), 16) + rng.sample(range(16), 16) for _ in range(absmax.numel())]
     nibble = torch.tensor(order, dtype=torch.uint8).view(-1, 2)
     packed = (nibble[:, 0] << 4) | nibble[:, 1]
-    state = F.QuantState(absmax=absmax, shape=torch.Size([absmax.numel(), 32]), dtype=torch.float32, blocksize=32,
-                         quant_type=quant_type, code=F.get_4bit_type(quant_type, device="cpu"))  # fmt: skip
+    state = F.QuantState(
+        absmax=absmax,
+        shape=torch.Size([absmax.numel(), 32]),
+        dtype=torch.float32,
+        blocksize=32,
+        quant_type=quant_type,
+        code=F.get_4bit_type(quant_type, device="cpu"),
+    )
     return packed, state
 
 
@@ -129,9 +135,16 @@ def nested_window_state(offset, seed):
     packed = (nibble[:, 0] << 4) | nibble[:, 1]
     absmax2 = torch.tensor(absmax2, dtype=torch.float32)
     state2 = F.QuantState(absmax=absmax2, code=code2, blocksize=256, dtype=torch.float32)
-    state = F.QuantState(absmax=absmax_u8, shape=torch.Size([n]), dtype=torch.float32, blocksize=32, quant_type="nf4",
-                         code=F.get_4bit_type("nf4", device="cpu"), offset=torch.tensor(offset),
-                         state2=state2)  # fmt: skip
+    state = F.QuantState(
+        absmax=absmax_u8,
+        shape=torch.Size([n]),
+        dtype=torch.float32,
+        blocksize=32,
+        quant_type="nf4",
+        code=F.get_4bit_type("nf4", device="cpu"),
+        offset=torch.tensor(offset),
+        state2=state2,
+    )
     return packed, state
 
 
@@ -149,8 +162,14 @@ def test_agrees_with_bnb_native_cpu_where_it_is_right(blocksize, nested):
     for quant_type in ("nf4", "fp4"):
         for dtype in (torch.bfloat16, torch.float32):
             shape = (rng.randint(1, 30), blocksize * rng.randint(1, 9))
-            packed, state = quantize(shape, quant_type=quant_type, blocksize=blocksize, nested=nested, dtype=dtype,
-                                     seed=rng.randrange(1 << 30))  # fmt: skip
+            packed, state = quantize(
+                shape,
+                quant_type=quant_type,
+                blocksize=blocksize,
+                nested=nested,
+                dtype=dtype,
+                seed=rng.randrange(1 << 30),
+            )
             native = F.dequantize_4bit(packed, state)
             got = reference.dequantize_4bit(packed, state, dtype=dtype, device="cpu")
             if quant_type == "nf4":
@@ -163,8 +182,14 @@ def test_agrees_with_bnb_native_cpu_where_it_is_right(blocksize, nested):
 
 def test_fp4_nibble_8_is_negative_zero():
     packed = torch.tensor([0x88, 0x08, 0x80, 0x00], dtype=torch.uint8)
-    state = F.QuantState(absmax=torch.tensor([0.5]), shape=torch.Size([8]), dtype=torch.float32, blocksize=32,
-                         quant_type="fp4", code=F.get_4bit_type("fp4", device="cpu"))  # fmt: skip
+    state = F.QuantState(
+        absmax=torch.tensor([0.5]),
+        shape=torch.Size([8]),
+        dtype=torch.float32,
+        blocksize=32,
+        quant_type="fp4",
+        code=F.get_4bit_type("fp4", device="cpu"),
+    )
     for dtype in OUT_DTYPES:
         got = reference.dequantize_4bit(packed, state, dtype=dtype, device="cpu")
         assert got.abs().tolist() == [0.0] * 8
@@ -187,8 +212,14 @@ def test_tables_are_the_cuda_kernels_constants():
     fp4 = torch.cat((fp4_lut, fp4_lut * -1.0))  # lut[v & 7] * (1 - 2 * (v >> 3))
     packed = torch.tensor([0x01, 0x23, 0x45, 0x67, 0x89, 0xAB, 0xCD, 0xEF], dtype=torch.uint8)
     for quant_type, want in (("nf4", torch.tensor([float(v) for v in nf4.split()])), ("fp4", fp4)):
-        state = F.QuantState(absmax=torch.tensor([1.0]), shape=torch.Size([16]), dtype=torch.float32, blocksize=32,
-                             quant_type=quant_type, code=F.get_4bit_type(quant_type, device="cpu"))  # fmt: skip
+        state = F.QuantState(
+            absmax=torch.tensor([1.0]),
+            shape=torch.Size([16]),
+            dtype=torch.float32,
+            blocksize=32,
+            quant_type=quant_type,
+            code=F.get_4bit_type(quant_type, device="cpu"),
+        )
         got = reference.dequantize_4bit(packed, state, dtype=torch.float32, device="cpu")
         assert torch.equal(bits(got), bits(want))
 
@@ -238,8 +269,9 @@ def test_partial_blocks_and_odd_counts(case):
     quant_type, nested, dtype = ("nf4", "fp4")[case % 2], bool(case // 2 % 2), OUT_DTYPES[case % 3]
     n = blocksize * rng.randint(1, 40) + rng.randrange(1, blocksize, 2)  # odd: a partial block, a lone last nibble
     shape = (n,) if case // 4 % 2 else (1, n)
-    packed, state = quantize(shape, quant_type=quant_type, blocksize=blocksize, nested=nested, dtype=dtype,
-                             seed=rng.randrange(1 << 30))  # fmt: skip
+    packed, state = quantize(
+        shape, quant_type=quant_type, blocksize=blocksize, nested=nested, dtype=dtype, seed=rng.randrange(1 << 30)
+    )
     assert packed.numel() == (n + 1) // 2
     got = reference.dequantize_4bit(packed, state, dtype=dtype, device="cpu")
     assert got.shape == state.shape
@@ -254,8 +286,14 @@ def test_chunks_give_the_bits_of_one_piece(nested, monkeypatch):
     rng = random.Random(41 + nested)
     for blocksize in (32, 256, 4096):
         n = blocksize * rng.randint(5, 40) + rng.randrange(1, blocksize, 2)
-        packed, state = quantize((n,), quant_type=rng.choice(("nf4", "fp4")), blocksize=blocksize, nested=nested,
-                                 dtype=torch.float32, seed=rng.randrange(1 << 30))  # fmt: skip
+        packed, state = quantize(
+            (n,),
+            quant_type=rng.choice(("nf4", "fp4")),
+            blocksize=blocksize,
+            nested=nested,
+            dtype=torch.float32,
+            seed=rng.randrange(1 << 30),
+        )
         # tiny scales in some blocks only, so chunks differ in whether they need the flush
         if nested:
             state.state2.absmax = state.state2.absmax * 1e-37
@@ -273,8 +311,9 @@ def test_chunks_give_the_bits_of_one_piece(nested, monkeypatch):
 
 def test_packed_storage_dtypes_are_read_as_bytes():
     for storage in (torch.bfloat16, torch.float16, torch.float32):
-        packed, state = quantize((24, 40), quant_type="nf4", blocksize=64, nested=True, dtype=torch.float16,
-                                 storage=storage, seed=9)  # fmt: skip
+        packed, state = quantize(
+            (24, 40), quant_type="nf4", blocksize=64, nested=True, dtype=torch.float16, storage=storage, seed=9
+        )
         assert packed.dtype == storage
         got = reference.dequantize_4bit(packed, state, dtype=torch.float16, device="cpu")
         assert _mismatches(got, model(packed.view(torch.uint8), state, torch.float16)) == 0
@@ -314,8 +353,10 @@ def test_reference_shares_no_code_with_our_kernels():
 
 def _cpu_state(state):
     """A copy of a CUDA quant state on the CPU, as verify would read it from a checkpoint."""
-    tensors = {f"w.{key}": value.cpu() if isinstance(value, torch.Tensor) else value
-               for key, value in state.as_dict(packed=True).items()}  # fmt: skip
+    tensors = {
+        f"w.{key}": value.cpu() if isinstance(value, torch.Tensor) else value
+        for key, value in state.as_dict(packed=True).items()
+    }
     return reference.quant_state_from_tensors(tensors, "cpu")
 
 
@@ -398,8 +439,9 @@ def test_gpu_reference_equals_bnb_cuda(shape, blocksize, quant_type, nested, kin
 
     rng = random.Random(seed)
     weight = random_weight(shape, torch.float32, generator=torch.Generator().manual_seed(seed))
-    packed, state = F.quantize_4bit(weight.cuda(), blocksize=blocksize, quant_type=quant_type,
-                                    compress_statistics=nested)  # fmt: skip
+    packed, state = F.quantize_4bit(
+        weight.cuda(), blocksize=blocksize, quant_type=quant_type, compress_statistics=nested
+    )
     if kind in ("tiny", "small"):
         _rescale(state, kind, rng)
     cpu_state = _cpu_state(state)

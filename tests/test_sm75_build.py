@@ -19,8 +19,13 @@ ROOT = Path(__file__).resolve().parents[1]
 def _build(*args):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    run = subprocess.run([sys.executable, str(ROOT / "tests" / "aot_build.py"), *args],
-                         capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "aot_build.py"), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     if run.returncode != 0 and "ptxas" in run.stderr and "not found" in run.stderr:
         pytest.skip("this Triton ships no ptxas")
     assert run.returncode == 0, run.stderr[-3000:]

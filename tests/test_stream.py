@@ -37,11 +37,18 @@ def _checkpoint(folder, seed):
     rng = random.Random(seed)
     generator = torch.Generator().manual_seed(seed)
     tensors, expected = {}, {}
-    for index, (quant_type, blocksize, nested) in enumerate([("nf4", 64, True), ("fp4", 128, False), ("nf4", 256, False),
-                                                            ("fp4", 64, True), ("nf4", 64, True)]):  # fmt: skip
+    for index, (quant_type, blocksize, nested) in enumerate(
+        [("nf4", 64, True), ("fp4", 128, False), ("nf4", 256, False), ("fp4", 64, True), ("nf4", 64, True)]
+    ):
         shape = (rng.randrange(40, 130), rng.randrange(300, 900) | 1)
-        packed, state = quantize(shape, quant_type=quant_type, blocksize=blocksize, nested=nested, dtype=torch.bfloat16,
-                                 seed=rng.randrange(1 << 30))  # fmt: skip
+        packed, state = quantize(
+            shape,
+            quant_type=quant_type,
+            blocksize=blocksize,
+            nested=nested,
+            dtype=torch.bfloat16,
+            seed=rng.randrange(1 << 30),
+        )
         name = f"layers.{index}.weight"
         tensors[name] = packed
         tensors.update({f"{name}.{k}": v for k, v in state.as_dict(packed=True).items()})
@@ -159,13 +166,17 @@ def test_workers_end_with_a_parent_killed_outright(tmp_path):
     import subprocess
     import time
 
-    code = ("import os, signal; from nf4convert.pipeline.routes.cpu import CpuRoute; route = CpuRoute(processes=2); "
-            "print(*[p.pid for p, _ in route._workers._all], flush=True); os.kill(os.getpid(), signal.SIGKILL)")
+    code = (
+        "import os, signal; from nf4convert.pipeline.routes.cpu import CpuRoute; route = CpuRoute(processes=2); "
+        "print(*[p.pid for p, _ in route._workers._all], flush=True); os.kill(os.getpid(), signal.SIGKILL)"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)  # returns at EOF
     pids = [int(pid) for pid in result.stdout.split()]
     assert result.returncode == -9 and len(pids) == 2
     deadline = time.monotonic() + 30
-    while any(os.path.exists(f"/proc/{pid}") and "Z" not in _state(pid) for pid in pids) and time.monotonic() < deadline:
+    while (
+        any(os.path.exists(f"/proc/{pid}") and "Z" not in _state(pid) for pid in pids) and time.monotonic() < deadline
+    ):
         time.sleep(0.1)
     assert not any(os.path.exists(f"/proc/{pid}") and "Z" not in _state(pid) for pid in pids)
 
@@ -204,8 +215,9 @@ except KeyboardInterrupt:
 def test_a_stop_signal_while_the_workers_start_reaches_only_this_process():
     import subprocess
 
-    result = subprocess.run([sys.executable, "-c", FORK_WINDOW], capture_output=True, text=True, timeout=60,
-                            start_new_session=True)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-c", FORK_WINDOW], capture_output=True, text=True, timeout=60, start_new_session=True
+    )
     assert result.stdout.split() == ["started", "interrupted"] and "Traceback" not in result.stderr, result.stderr
 
 
@@ -270,8 +282,11 @@ def test_a_worker_that_dies_is_one_error():
             workers.run(_die, read, out)
         # A later piece (another maker thread's) fails the same way at once, with no worker left to wait for.
         errors = []
-        later = threading.Thread(target=lambda: errors.append(pytest.raises(Nf4ConvertError, workers.run, _pid_into,
-                                                                          read, out, torch.zeros(1))))  # fmt: skip
+        later = threading.Thread(
+            target=lambda: errors.append(
+                pytest.raises(Nf4ConvertError, workers.run, _pid_into, read, out, torch.zeros(1))
+            )
+        )
         later.start()
         later.join(timeout=30)
         assert not later.is_alive() and len(errors) == 1
@@ -282,11 +297,21 @@ def test_a_worker_that_dies_is_one_error():
 @pytest.mark.parametrize("at_once", [2, 4, 16])
 def test_shards_written_at_once_give_the_same_bytes(tmp_path, monkeypatch, at_once):
     source, _ = _checkpoint(tmp_path / "src", 8)
-    plan = _convert(source, tmp_path / "one-by-one", SmallPieces(workers=2, processes=0), shard_size=60_000,
-                    settings=Settings(shards_at_once=1))
+    plan = _convert(
+        source,
+        tmp_path / "one-by-one",
+        SmallPieces(workers=2, processes=0),
+        shard_size=60_000,
+        settings=Settings(shards_at_once=1),
+    )
     assert len(plan.shards) > 2
-    _convert(source, tmp_path / "at-once", SmallPieces(workers=2, processes=0), shard_size=60_000,
-             settings=Settings(shards_at_once=at_once))
+    _convert(
+        source,
+        tmp_path / "at-once",
+        SmallPieces(workers=2, processes=0),
+        shard_size=60_000,
+        settings=Settings(shards_at_once=at_once),
+    )
     assert _files(tmp_path / "at-once") == _files(tmp_path / "one-by-one")
 
 
@@ -295,8 +320,12 @@ def test_pieces_come_plain_tensors_first_and_shards_interleaved(tmp_path, monkey
     plan = make_plan(source, dtype="bf16", max_shard_size=100_000)
     recipes = {tensor.name: type(tensor.recipe).__name__ for tensor in plan.tensors}
     # A shard whose plan puts a made tensor before a plain one: the order below must change that.
-    contrary = [shard for shard in plan.shards if [recipes[t.name] for t in shard.tensors][:1] != ["Copy"]
-                and "Copy" in [recipes[t.name] for t in shard.tensors]]  # fmt: skip
+    contrary = [
+        shard
+        for shard in plan.shards
+        if [recipes[t.name] for t in shard.tensors][:1] != ["Copy"]
+        and "Copy" in [recipes[t.name] for t in shard.tensors]
+    ]
     assert contrary and len(plan.shards) > 2
     pushed = []
     original = pipeline_core.Pipeline.push
@@ -308,15 +337,23 @@ def test_pieces_come_plain_tensors_first_and_shards_interleaved(tmp_path, monkey
     monkeypatch.setattr(pipeline_core.Pipeline, "push", push)
     (tmp_path / "out").mkdir()
     with TensorReader() as reader:
-        write_shards(plan, tmp_path / "out", reader, torch.device("cpu"), progress=lambda n: None, route=SmallPieces(),
-                     settings=Settings(shards_at_once=2))
+        write_shards(
+            plan,
+            tmp_path / "out",
+            reader,
+            torch.device("cpu"),
+            progress=lambda n: None,
+            route=SmallPieces(),
+            settings=Settings(shards_at_once=2),
+        )
     for shard in plan.shards:  # within each shard, every plain tensor's pieces before any made tensor's
         kinds = [recipes[name] for file, name in pushed if file == shard.filename]
         assert kinds == sorted(kinds, key=lambda kind: kind != "Copy"), shard.filename
     files = [file for file, _ in pushed]
     first_two = {shard.filename for shard in plan.shards[:2]}
     assert set(files[:2]) == first_two and files.index(plan.shards[2].filename) > max(
-        i for i, file in enumerate(files) if file in first_two)  # two shards side by side, then the next ones
+        i for i, file in enumerate(files) if file in first_two
+    )  # two shards side by side, then the next ones
 
 
 class _Event:
@@ -363,14 +400,38 @@ def test_profile_reports_where_the_time_went(tmp_path):
 
     source, _ = _checkpoint(tmp_path / "src", 10)
     env = {**os.environ, "NF4CONVERT_PROFILE": "1"}
-    result = subprocess.run([sys.executable, "-m", "nf4convert", str(source), "-o", str(tmp_path / "out"), "-q",
-                             "--device", "cpu", "--dtype", "bf16"], capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "nf4convert",
+            str(source),
+            "-o",
+            str(tmp_path / "out"),
+            "-q",
+            "--device",
+            "cpu",
+            "--dtype",
+            "bf16",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr
     assert "tensors" in result.stdout  # the summary line survives the fast exit
     report = json.loads([line for line in result.stderr.splitlines() if line.startswith('{"profile"')][-1])["profile"]
     marks = report["marks"]
-    assert list(marks) == ["convert called", "device picked", "planned", "first piece written", "tensors written",
-                           "in place", "reported"]  # fmt: skip
+    assert list(marks) == [
+        "convert called",
+        "device picked",
+        "planned",
+        "first piece written",
+        "tensors written",
+        "in place",
+        "reported",
+    ]
     assert all(a <= b for a, b in zip(marks.values(), list(marks.values())[1:]))
     assert report["pipeline"]["pieces"] > 0 and set(report["pipeline"]["busy"]) == {"read", "make", "write"}
 
@@ -584,30 +645,53 @@ def test_cuda_route_writes_the_cpu_route_bytes(tmp_path, piece_bytes):
     plan = make_plan(source, dtype="bf16", max_shard_size=60_000)
     (tmp_path / "cuda").mkdir()
     with TensorReader() as reader:
-        write_shards(plan, tmp_path / "cuda", reader, torch.device("cuda"), progress=lambda n: None,
-                     route=Route(torch.device("cuda")))
+        write_shards(
+            plan,
+            tmp_path / "cuda",
+            reader,
+            torch.device("cuda"),
+            progress=lambda n: None,
+            route=Route(torch.device("cuda")),
+        )
     assert _files(tmp_path / "cuda") == _files(tmp_path / "cpu")
 
 
-@pytest.mark.parametrize("env,writeback,makers,processes", [
-    ({}, True, 8, None), ({"NF4CONVERT_WRITEBACK": "Off", "NF4CONVERT_MAKERS": "3"}, False, 3, None),
-    ({"NF4CONVERT_WRITEBACK": " no ", "NF4CONVERT_MAKERS": "", "NF4CONVERT_PROCESSES": "0"}, False, 8, 0),
-    ({"NF4CONVERT_WRITEBACK": "1", "NF4CONVERT_PROCESSES": " 2"}, True, 8, 2),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "env,writeback,makers,processes",
+    [
+        ({}, True, 8, None),
+        ({"NF4CONVERT_WRITEBACK": "Off", "NF4CONVERT_MAKERS": "3"}, False, 3, None),
+        ({"NF4CONVERT_WRITEBACK": " no ", "NF4CONVERT_MAKERS": "", "NF4CONVERT_PROCESSES": "0"}, False, 8, 0),
+        ({"NF4CONVERT_WRITEBACK": "1", "NF4CONVERT_PROCESSES": " 2"}, True, 8, 2),
+    ],
+)
 def test_environment_knobs(env, writeback, makers, processes):
     import subprocess
 
     clean = {k: v for k, v in os.environ.items() if not k.startswith("NF4CONVERT_")}
-    code = "from nf4convert.settings import Settings; s = Settings.from_env(); print(s.writeback, s.makers, s.processes)"
-    result = subprocess.run([sys.executable, "-c", code], env={**clean, **env}, capture_output=True, text=True, check=True)
+    code = (
+        "from nf4convert.settings import Settings; s = Settings.from_env(); print(s.writeback, s.makers, s.processes)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], env={**clean, **env}, capture_output=True, text=True, check=True
+    )
     assert result.stdout.split() == [str(writeback), str(makers), str(processes)]
 
 
-@pytest.mark.parametrize("name, value", [("NF4CONVERT_PROCESSES", "abc"), ("NF4CONVERT_PROCESSES", "-1"),
-                                         ("NF4CONVERT_PROCESSES", "1.5"), ("NF4CONVERT_MAKERS", "0"),
-                                         ("NF4CONVERT_WRITERS", "-3"), ("NF4CONVERT_SHARDS_AT_ONCE", "x"),
-                                         ("NF4CONVERT_WRITEBACK", "maybe"), ("NF4CONVERT_PROFILE", "2"),
-                                         ("NF4CONVERT_FAST_LAUNCH", "fast")])  # fmt: skip
+@pytest.mark.parametrize(
+    "name, value",
+    [
+        ("NF4CONVERT_PROCESSES", "abc"),
+        ("NF4CONVERT_PROCESSES", "-1"),
+        ("NF4CONVERT_PROCESSES", "1.5"),
+        ("NF4CONVERT_MAKERS", "0"),
+        ("NF4CONVERT_WRITERS", "-3"),
+        ("NF4CONVERT_SHARDS_AT_ONCE", "x"),
+        ("NF4CONVERT_WRITEBACK", "maybe"),
+        ("NF4CONVERT_PROFILE", "2"),
+        ("NF4CONVERT_FAST_LAUNCH", "fast"),
+    ],
+)
 @pytest.mark.parametrize("command", ["convert", "dry run", "batch"])
 def test_a_bad_knob_is_one_line_naming_it(name, value, command, tmp_path):
     # bad values were ignored without a word; then a dry run let them pass, and a batch failed every source with them
@@ -616,17 +700,26 @@ def test_a_bad_knob_is_one_line_naming_it(name, value, command, tmp_path):
     from nf4convert.settings import VARIABLES, Settings
 
     example = str(Path(__file__).resolve().parents[1] / "examples" / "tiny-llama-bnb-4bit")
-    arguments = {"convert": [example, "-o", str(tmp_path / "out"), "-q"],
-                 "dry run": [example, "-o", str(tmp_path / "out"), "--dry-run"],
-                 "batch": ["batch", example, str(tmp_path / "src2"), "-o", str(tmp_path / "out"), "-q"]}[command]  # fmt: skip
+    arguments = {
+        "convert": [example, "-o", str(tmp_path / "out"), "-q"],
+        "dry run": [example, "-o", str(tmp_path / "out"), "--dry-run"],
+        "batch": ["batch", example, str(tmp_path / "src2"), "-o", str(tmp_path / "out"), "-q"],
+    }[command]
     clean = {k: v for k, v in os.environ.items() if not k.startswith("NF4CONVERT_")}
-    result = subprocess.run([sys.executable, "-m", "nf4convert", *arguments], env={**clean, name: value},
-                            capture_output=True, text=True, timeout=300)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-m", "nf4convert", *arguments],
+        env={**clean, name: value},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert name in VARIABLES
     switch = isinstance(getattr(Settings(), name.removeprefix("NF4CONVERT_").lower()), bool)
     assert result.returncode == 2 and result.stderr.strip() == f"Error: {name}={value!r}: " + (
-        "not 1/on/true/yes or 0/off/false/no" if switch else
-        f"not a whole number of {0 if name.endswith('PROCESSES') else 1} or more"), result.stderr  # fmt: skip
+        "not 1/on/true/yes or 0/off/false/no"
+        if switch
+        else f"not a whole number of {0 if name.endswith('PROCESSES') else 1} or more"
+    ), result.stderr
     assert result.stdout == "" and not (tmp_path / "out").exists()
 
 
@@ -650,18 +743,32 @@ def _cgroups(tmp_path, own: str, files: dict) -> tuple[str, str]:
     return str(tmp_path / "fs"), str(tmp_path / "own")
 
 
-@pytest.mark.parametrize("own, files, cap", [
-    ("0::/\n", {"cpu.max": "150000 100000\n"}, 2),  # 1.5 cores count 2
-    ("0::/\n", {"cpu.max": "max 100000\n"}, None),
-    ("0::/a/b\n", {"a/b/cpu.max": "max 100000\n", "a/cpu.max": "100000 100000\n", "cpu.max": "300000 100000"}, 1),
-    ("0::/a\n", {"a/cpu.max": "garbage\n"}, None),
-    ("0::/a\n", {"a/cpu.max": "0 100000\n"}, None),
-    ("4:memory:/x\n1:cpu,cpuacct:/docker/abc\n", {"cpu,cpuacct/cpu.cfs_quota_us": "250000\n",
-                                                  "cpu,cpuacct/cpu.cfs_period_us": "100000\n"}, 3),  # a container's own root
-    ("1:cpu:/k/pod\n", {"cpu/k/pod/cpu.cfs_quota_us": "-1\n", "cpu/k/pod/cpu.cfs_period_us": "100000\n",
-                        "cpu/k/cpu.cfs_quota_us": "100000\n", "cpu/k/cpu.cfs_period_us": "50000\n"}, 2),
-    ("1:cpuacct:/\n", {"cpuacct/cpu.cfs_quota_us": "100000\n", "cpuacct/cpu.cfs_period_us": "100000\n"}, None),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "own, files, cap",
+    [
+        ("0::/\n", {"cpu.max": "150000 100000\n"}, 2),  # 1.5 cores count 2
+        ("0::/\n", {"cpu.max": "max 100000\n"}, None),
+        ("0::/a/b\n", {"a/b/cpu.max": "max 100000\n", "a/cpu.max": "100000 100000\n", "cpu.max": "300000 100000"}, 1),
+        ("0::/a\n", {"a/cpu.max": "garbage\n"}, None),
+        ("0::/a\n", {"a/cpu.max": "0 100000\n"}, None),
+        (
+            "4:memory:/x\n1:cpu,cpuacct:/docker/abc\n",
+            {"cpu,cpuacct/cpu.cfs_quota_us": "250000\n", "cpu,cpuacct/cpu.cfs_period_us": "100000\n"},
+            3,
+        ),  # a container's own root
+        (
+            "1:cpu:/k/pod\n",
+            {
+                "cpu/k/pod/cpu.cfs_quota_us": "-1\n",
+                "cpu/k/pod/cpu.cfs_period_us": "100000\n",
+                "cpu/k/cpu.cfs_quota_us": "100000\n",
+                "cpu/k/cpu.cfs_period_us": "50000\n",
+            },
+            2,
+        ),
+        ("1:cpuacct:/\n", {"cpuacct/cpu.cfs_quota_us": "100000\n", "cpuacct/cpu.cfs_period_us": "100000\n"}, None),
+    ],
+)
 def test_cpu_cores_count_a_containers_quota(tmp_path, monkeypatch, own, files, cap):
     from nf4convert.devices import cpu_cores
 

@@ -49,12 +49,16 @@ def converted(tmp_path_factory):
     folder = tmp_path_factory.mktemp("converted") / "tiny-llama-bf16"
     folder.mkdir()
     shards = {
-        "model-00001-of-00002.safetensors": {"model.embed_tokens.weight": ("BF16", [331, 397]),
-                                              "model.layers.0.self_attn.q_proj.weight": ("BF16", [127, 331])},
-        "model-00002-of-00002.safetensors": {"model.layers.0.mlp.down_proj.weight": ("BF16", [331, 211]),
-                                              "model.norm.weight": ("F32", [331]),
-                                              "lm_head.weight": ("BF16", [97, 331])},
-    }  # fmt: skip
+        "model-00001-of-00002.safetensors": {
+            "model.embed_tokens.weight": ("BF16", [331, 397]),
+            "model.layers.0.self_attn.q_proj.weight": ("BF16", [127, 331]),
+        },
+        "model-00002-of-00002.safetensors": {
+            "model.layers.0.mlp.down_proj.weight": ("BF16", [331, 211]),
+            "model.norm.weight": ("F32", [331]),
+            "lm_head.weight": ("BF16", [97, 331]),
+        },
+    }
     for name, tensors in shards.items():
         (folder / name).write_bytes(safetensors_bytes(tensors, rng))
     weight_map = {tensor: name for name, tensors in shards.items() for tensor in tensors}
@@ -62,8 +66,13 @@ def converted(tmp_path_factory):
     (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     (folder / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "dtype": "bfloat16"}))
     source_card = "---\nbase_model: meta-llama/Llama-3.2-1B\ntags:\n- unsloth\n- bitsandbytes\n- 4-bit\n---\n# Tiny\n"
-    card = model_card(source_card, source_repo="test-org/tiny-llama-bnb-4bit", dtype="bf16", version="0.1.0",
-                      quant_format="bnb-4bit nf4")  # fmt: skip
+    card = model_card(
+        source_card,
+        source_repo="test-org/tiny-llama-bnb-4bit",
+        dtype="bf16",
+        version="0.1.0",
+        quant_format="bnb-4bit nf4",
+    )
     (folder / "README.md").write_text(card.text, encoding="utf-8")
     return folder
 
@@ -94,15 +103,18 @@ print(json.dumps({"url": url, **seen, "bars_off_after": are_progress_bars_disabl
 
 def push(folder, repo_id, *, endpoint, home, xet=True, **options):
     env = client_env(
-        endpoint, home,
+        endpoint,
+        home,
         HF_XET_XORB_COMPRESSION_POLICY="none",  # the stand-in reads chunks as they are (see fake_hub.py)
-        HF_XET_CLIENT_RETRY_MAX_ATTEMPTS="1", HF_XET_CLIENT_RETRY_BASE_DELAY="100ms",  # fail fast, not in minutes
-    )  # fmt: skip
+        HF_XET_CLIENT_RETRY_MAX_ATTEMPTS="1",
+        HF_XET_CLIENT_RETRY_BASE_DELAY="100ms",  # fail fast, not in minutes
+    )
     if not xet:
         env["HF_HUB_DISABLE_XET"] = "1"
     args = [f"{key}={value}" for key, value in options.items() if value is not None]
-    return subprocess.run([sys.executable, "-c", PUSH, str(folder), repo_id, *args], capture_output=True, text=True,
-                          env=env, timeout=90)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-c", PUSH, str(folder), repo_id, *args], capture_output=True, text=True, env=env, timeout=90
+    )
 
 
 def files_of(folder: Path) -> dict[str, bytes]:
@@ -114,8 +126,17 @@ def test_push_puts_every_file_on_the_new_branch(hub, converted, tmp_path, xet, p
     if xet:
         pytest.importorskip("hf_xet")  # huggingface_hub installs it on x86-64 and arm64 only
     endpoint, state = hub
-    result = push(converted, "me/tiny-llama-bf16", endpoint=endpoint, home=tmp_path / "home", xet=xet,
-                  token=WRITE_TOKEN, private="1", revision="dense-bf16", progress=progress)  # fmt: skip
+    result = push(
+        converted,
+        "me/tiny-llama-bf16",
+        endpoint=endpoint,
+        home=tmp_path / "home",
+        xet=xet,
+        token=WRITE_TOKEN,
+        private="1",
+        revision="dense-bf16",
+        progress=progress,
+    )
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["url"] == f"{endpoint}/me/tiny-llama-bf16/tree/dense-bf16"
@@ -137,8 +158,17 @@ def test_push_puts_every_file_on_the_new_branch(hub, converted, tmp_path, xet, p
 
     # Pushing again (an interrupted push is resumed the same way) sends no weights, commits nothing, changes nothing.
     before = len(state.requests)
-    again = push(converted, "me/tiny-llama-bf16", endpoint=endpoint, home=tmp_path / "home", xet=xet,
-                 token=WRITE_TOKEN, private="1", revision="dense-bf16", progress=progress)  # fmt: skip
+    again = push(
+        converted,
+        "me/tiny-llama-bf16",
+        endpoint=endpoint,
+        home=tmp_path / "home",
+        xet=xet,
+        token=WRITE_TOKEN,
+        private="1",
+        revision="dense-bf16",
+        progress=progress,
+    )
     assert again.returncode == 0, again.stderr
     assert len(state.commits) == 1 and repo["branches"]["dense-bf16"] == {".gitattributes": GITATTRIBUTES, **expected}
     assert not [r for r in state.requests[before:] if r.startswith(("POST /cas/v1/xorbs/", "PUT /lfs-objects/"))]
@@ -204,17 +234,20 @@ def test_push_refuses_a_missing_or_empty_folder_without_asking_the_hub(hub, tmp_
     assert not state.requests
 
 
-@pytest.mark.parametrize("repo_id, branch, message", [
-    ("me/x", "0123456789abcdef0123456789abcdef01234567", "is a commit"),
-    ("me/x.", None, "Repo id must use alphanumeric chars"),
-    ("me/" + "x" * 97, None, "maximum length is 96"),
-    ("me/x", "", "not a name git allows"),
-    ("me/x", "bad..branch~", "not a name git allows"),
-    ("me/x", "-x", "not a name git allows"),
-    ("me/x", "a.lock", "not a name git allows"),
-    ("me/x", "HEAD", "not a name git allows"),
-    ("me/x", None, "HF_HUB_OFFLINE is set"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "repo_id, branch, message",
+    [
+        ("me/x", "0123456789abcdef0123456789abcdef01234567", "is a commit"),
+        ("me/x.", None, "Repo id must use alphanumeric chars"),
+        ("me/" + "x" * 97, None, "maximum length is 96"),
+        ("me/x", "", "not a name git allows"),
+        ("me/x", "bad..branch~", "not a name git allows"),
+        ("me/x", "-x", "not a name git allows"),
+        ("me/x", "a.lock", "not a name git allows"),
+        ("me/x", "HEAD", "not a name git allows"),
+        ("me/x", None, "HF_HUB_OFFLINE is set"),
+    ],
+)
 def test_a_push_that_cannot_happen_is_refused_before_any_work(hub, tmp_path, repo_id, branch, message, monkeypatch):
     # each was found only after the whole conversion, as an upload failure (exit 1)
     from nf4convert.errors import ArgumentError
@@ -232,8 +265,24 @@ def test_a_push_that_cannot_happen_is_refused_before_any_work(hub, tmp_path, rep
     example = Path(__file__).resolve().parents[1] / "examples" / "tiny-llama-bnb-4bit"
     env = client_env(endpoint, tmp_path / "home", **({"HF_HUB_OFFLINE": "1"} if "OFFLINE" in message else {}))
     options = ["--push-branch", branch] if branch is not None else []
-    result = subprocess.run([sys.executable, "-m", "nf4convert", str(example), "-o", str(tmp_path / "cli"), "-q", "--push-to-hub",
-                             repo_id, *options], env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "nf4convert",
+            str(example),
+            "-o",
+            str(tmp_path / "cli"),
+            "-q",
+            "--push-to-hub",
+            repo_id,
+            *options,
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert result.returncode == 2 and len(lines) == 1 and message in lines[0], result.stderr
     assert not (tmp_path / "cli").exists() and not state.requests
@@ -246,17 +295,40 @@ def test_cli_converts_verifies_then_pushes(hub, tmp_path):
     example, out = root / "examples" / "tiny-llama-bnb-4bit", tmp_path / "out"
     # client_env puts this tree first on PYTHONPATH and keeps the rest (bitsandbytes may be found only there)
     env = client_env(endpoint, tmp_path / "home", HF_XET_XORB_COMPRESSION_POLICY="none", HF_HUB_DISABLE_XET="1")
-    command = [sys.executable, "-m", "nf4convert", str(example), "-o", str(out), "--device", "cpu", "-q", "--verify",
-               "--push-to-hub", "me/tiny-llama-bf16", "--private", "--token", WRITE_TOKEN]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "nf4convert",
+        str(example),
+        "-o",
+        str(out),
+        "--device",
+        "cpu",
+        "-q",
+        "--verify",
+        "--push-to-hub",
+        "me/tiny-llama-bf16",
+        "--private",
+        "--token",
+        WRITE_TOKEN,
+    ]
     result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr
-    assert "OK: bit-exact with bitsandbytes" in result.stdout and f"pushed to {endpoint}/me/tiny-llama-bf16" in result.stdout
+    assert (
+        "OK: bit-exact with bitsandbytes" in result.stdout
+        and f"pushed to {endpoint}/me/tiny-llama-bf16" in result.stdout
+    )
     repo = state.repos["me/tiny-llama-bf16"]
     assert repo["private"] is True and repo["branches"]["main"] == {".gitattributes": GITATTRIBUTES, **files_of(out)}
     assert "How these weights were made" in files_of(out)["README.md"].decode()
     # --private without --push-to-hub is a usage error, before any work.
-    result = subprocess.run([sys.executable, "-m", "nf4convert", str(example), "--private"], capture_output=True, text=True,
-                            env=env, timeout=120)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-m", "nf4convert", str(example), "--private"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert result.returncode == 2 and "go with --push-to-hub" in result.stderr
 
 
@@ -268,23 +340,35 @@ def two_outputs(tmp_path_factory):
     example = Path(__file__).resolve().parents[1] / "examples" / "tiny-llama-bnb-4bit"
     root = tmp_path_factory.mktemp("outputs")
     single = convert(str(example), root / "fp32", dtype="fp32", device="cpu", progress=False).output
-    sharded = convert(str(example), root / "bf16", dtype="bf16", device="cpu", max_shard_size="3MB", progress=False).output
+    sharded = convert(
+        str(example), root / "bf16", dtype="bf16", device="cpu", max_shard_size="3MB", progress=False
+    ).output
     assert "model.safetensors" in files_of(single) and "model.safetensors.index.json" in files_of(sharded)
     return {"fp32": single, "bf16-sharded": sharded}
 
 
-@pytest.mark.parametrize("first,second,xet", [("fp32", "bf16-sharded", True), ("bf16-sharded", "fp32", False)],
-                         ids=["single-then-sharded-xet", "sharded-then-single-lfs"])  # fmt: skip
+@pytest.mark.parametrize(
+    "first,second,xet",
+    [("fp32", "bf16-sharded", True), ("bf16-sharded", "fp32", False)],
+    ids=["single-then-sharded-xet", "sharded-then-single-lfs"],
+)
 def test_a_second_push_leaves_only_the_new_weights(hub, two_outputs, tmp_path, first, second, xet):
     if xet:
         pytest.importorskip("hf_xet")
     endpoint, state = hub
     state.add_repo("me/tiny", private=False)
     main = state.repos["me/tiny"]["branches"]["main"]
-    kept = {"original/consolidated.00.pth": b"the owner's, in a subfolder", "tiny.Q4_K_M.gguf": b"read only when named",
-            "notes.txt": b"not weights"}  # fmt: skip
-    stale = {"pytorch_model.bin": b"an old copy", "adapter_config.json": b"{}", "adapter_model.safetensors": b"x",
-             "weights [old].pt": b"a name that is a pattern"}  # fmt: skip
+    kept = {
+        "original/consolidated.00.pth": b"the owner's, in a subfolder",
+        "tiny.Q4_K_M.gguf": b"read only when named",
+        "notes.txt": b"not weights",
+    }
+    stale = {
+        "pytorch_model.bin": b"an old copy",
+        "adapter_config.json": b"{}",
+        "adapter_model.safetensors": b"x",
+        "weights [old].pt": b"a name that is a pattern",
+    }
     main.update(kept | stale)
 
     for folder in (two_outputs[first], two_outputs[second]):
@@ -292,8 +376,14 @@ def test_a_second_push_leaves_only_the_new_weights(hub, two_outputs, tmp_path, f
         result = push(folder, "me/tiny", endpoint=endpoint, home=tmp_path / "home", xet=xet, token=WRITE_TOKEN)
         assert result.returncode == 0, result.stderr
         assert main == {".gitattributes": GITATTRIBUTES, **kept, **files_of(folder)}  # nothing else of the weights
-        deleted = {path for commit in state.commits[before:] for path, how in commit["files"].items() if how == "deleted"}
-        assert deleted == set(stale) if folder == two_outputs[first] else set(files_of(two_outputs[first])) - set(files_of(folder))
+        deleted = {
+            path for commit in state.commits[before:] for path, how in commit["files"].items() if how == "deleted"
+        }
+        assert (
+            deleted == set(stale)
+            if folder == two_outputs[first]
+            else set(files_of(two_outputs[first])) - set(files_of(folder))
+        )
         # the deletions ride the first commit: no commit holds deletions alone, before the new files are there
         assert all(how != "deleted" for commit in state.commits[before + 1 :] for how in commit["files"].values())
         assert any(how != "deleted" for how in state.commits[before]["files"].values())
@@ -305,9 +395,28 @@ def test_stale_weights_are_the_root_weight_files_the_folder_lacks(tmp_path):
     from nf4convert.upload import stale_weights
 
     (tmp_path / "model.safetensors").write_bytes(b"new")
-    repo = ["model.safetensors", "model-00001-of-00002.safetensors", "model.safetensors.index.json", "tf_model.h5",
-            "flax_model.msgpack", "pytorch_model.bin.index.json", "consolidated.pth", "adapter_config.json",
-            "sub/model.safetensors", "model.gguf", "model.ckpt", "config.json", "README.md", "MODEL.SAFETENSORS"]  # fmt: skip
-    assert stale_weights(repo, tmp_path) == ["model-00001-of-00002.safetensors", "model.safetensors.index.json",
-                                             "tf_model.h5", "flax_model.msgpack", "pytorch_model.bin.index.json",
-                                             "consolidated.pth", "adapter_config.json"]  # fmt: skip
+    repo = [
+        "model.safetensors",
+        "model-00001-of-00002.safetensors",
+        "model.safetensors.index.json",
+        "tf_model.h5",
+        "flax_model.msgpack",
+        "pytorch_model.bin.index.json",
+        "consolidated.pth",
+        "adapter_config.json",
+        "sub/model.safetensors",
+        "model.gguf",
+        "model.ckpt",
+        "config.json",
+        "README.md",
+        "MODEL.SAFETENSORS",
+    ]
+    assert stale_weights(repo, tmp_path) == [
+        "model-00001-of-00002.safetensors",
+        "model.safetensors.index.json",
+        "tf_model.h5",
+        "flax_model.msgpack",
+        "pytorch_model.bin.index.json",
+        "consolidated.pth",
+        "adapter_config.json",
+    ]

@@ -40,7 +40,9 @@ def converted(tmp_path_factory):
         outputs[layout] = root / layout
         run(source, "-o", outputs[layout], "-q", "--device", "cpu", "--max-shard-size", size)
         assert "OK: bit-exact" in run("verify", outputs[layout], source, "-q", "--device", "cpu")
-    assert len(list(outputs["sharded"].glob("model-*-of-*.safetensors"))) >= 3 and (outputs["sharded"] / INDEX).is_file()
+    assert (
+        len(list(outputs["sharded"].glob("model-*-of-*.safetensors"))) >= 3 and (outputs["sharded"] / INDEX).is_file()
+    )
     assert [p.name for p in outputs["single"].glob("*.safetensors*")] == ["model.safetensors"]
     return source, outputs
 
@@ -68,7 +70,9 @@ def test_a_sharded_output_without_its_index_fails(converted, tmp_path):
     source, out = copy_of(converted, "sharded", tmp_path)
     shards = len(list(out.glob("*.safetensors")))
     (out / INDEX).unlink()
-    assert problems(out, source) == [f"{INDEX}: missing; transformers loads none of the output's {shards} shards without it"]
+    assert problems(out, source) == [
+        f"{INDEX}: missing; transformers loads none of the output's {shards} shards without it"
+    ]
     output = run("verify", out, source, "-q", "--device", "cpu", code=1)
     assert f"MISMATCH {INDEX}: missing" in output and "FAILED: 1 problem" in output
 
@@ -76,8 +80,10 @@ def test_a_sharded_output_without_its_index_fails(converted, tmp_path):
 def test_an_index_under_another_name_fails(converted, tmp_path):
     source, out = copy_of(converted, "sharded", tmp_path)
     (out / INDEX).rename(out / "weights.safetensors.index.json")
-    assert problems(out, source) == [f"{INDEX}: missing (the output's index is named weights.safetensors.index.json, "
-                                     "which transformers does not look for)"]  # fmt: skip
+    assert problems(out, source) == [
+        f"{INDEX}: missing (the output's index is named weights.safetensors.index.json, "
+        "which transformers does not look for)"
+    ]
 
 
 @pytest.mark.parametrize("case", ["total-size", "no-total-size", "no-metadata"])
@@ -119,21 +125,27 @@ def test_an_index_that_does_not_map_the_output_exactly_is_refused(case, converte
 def test_another_weight_file_beside_the_shards_fails(stray, converted, tmp_path):
     source, out = copy_of(converted, "sharded", tmp_path)
     shutil.copy(next(out.glob("model-*.safetensors")), out / stray)
-    expected = {"model.safetensors": "model.safetensors: beside the index; transformers loads it and ignores the shards",
-                "extra.safetensors": "extra.safetensors: a .safetensors file the index does not name"}[stray]
+    expected = {
+        "model.safetensors": "model.safetensors: beside the index; transformers loads it and ignores the shards",
+        "extra.safetensors": "extra.safetensors: a .safetensors file the index does not name",
+    }[stray]
     assert problems(out, source) == [expected]
 
 
 def test_a_single_file_output_must_be_named_model_safetensors(converted, tmp_path):
     source, out = copy_of(converted, "single", tmp_path)
     (out / "model.safetensors").rename(out / "weights.safetensors")
-    assert problems(out, source) == ["weights.safetensors: a single-file output must be named model.safetensors "
-                                     "(the only name transformers looks for)"]  # fmt: skip
+    assert problems(out, source) == [
+        "weights.safetensors: a single-file output must be named model.safetensors "
+        "(the only name transformers looks for)"
+    ]
 
 
 @pytest.mark.parametrize("layout", ["sharded", "single"])
-@pytest.mark.parametrize("file", ["generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
-                                  "extra/notes.txt"])  # fmt: skip
+@pytest.mark.parametrize(
+    "file",
+    ["generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "extra/notes.txt"],
+)
 @pytest.mark.parametrize("how", ["missing", "changed"])
 def test_every_carried_file_must_be_there_with_the_source_bytes(layout, file, how, converted, tmp_path):
     source, out = copy_of(converted, layout, tmp_path)
@@ -195,7 +207,9 @@ def test_an_output_config_for_a_source_without_one_is_a_finding(converted, tmp_p
     run(bare, "-o", tmp_path / "bare-out", "-q", "--device", "cpu")
     assert not (tmp_path / "bare-out" / "config.json").exists() and problems(tmp_path / "bare-out", bare) == []
     shutil.copy(source / "config.json", tmp_path / "bare-out" / "config.json")
-    assert problems(tmp_path / "bare-out", bare) == ["config.json: in the output, but the source has none (a conversion writes none)"]
+    assert problems(tmp_path / "bare-out", bare) == [
+        "config.json: in the output, but the source has none (a conversion writes none)"
+    ]
 
 
 def test_files_the_source_never_had_are_findings(converted, tmp_path):
@@ -209,7 +223,11 @@ def test_files_the_source_never_had_are_findings(converted, tmp_path):
     (out / ".git").mkdir()
     (out / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
     never = "in the output, but not in the source, and a conversion writes no such file"
-    assert problems(out, source) == [f"extra/modeling_evil.py: {never}", f"processor_config.json: {never}", f"sub/model.safetensors: {never}"]
+    assert problems(out, source) == [
+        f"extra/modeling_evil.py: {never}",
+        f"processor_config.json: {never}",
+        f"sub/model.safetensors: {never}",
+    ]
 
 
 def test_links_in_the_output_are_findings(converted, tmp_path):
@@ -222,9 +240,11 @@ def test_links_in_the_output_are_findings(converted, tmp_path):
     (out / "generation_config.json").unlink()
     (out / "generation_config.json").symlink_to(source / "generation_config.json")
     found = problems(out, source)
-    assert found == [f"config.json: a link (to {outside}); a conversion writes files, and the output would change with what the link points to",
-                     f"generation_config.json: a link (to {source / 'generation_config.json'}); a conversion writes files, and the output "
-                     "would change with what the link points to"]  # fmt: skip
+    assert found == [
+        f"config.json: a link (to {outside}); a conversion writes files, and the output would change with what the link points to",
+        f"generation_config.json: a link (to {source / 'generation_config.json'}); a conversion writes files, and the output "
+        "would change with what the link points to",
+    ]
 
 
 @pytest.mark.parametrize("metadata", [{"format": "tf"}, {"format": "garbage"}, {}, None])
@@ -244,7 +264,9 @@ def test_the_shards_metadata_is_what_a_conversion_writes(converted, tmp_path, me
     raw = json.dumps(header).encode()
     raw += b" " * (-len(raw) % 8)
     path.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + length :])
-    assert problems(out, source) == [f"model.safetensors: __metadata__ is {json.dumps(metadata or {})}, a conversion writes {{\"format\": \"pt\"}}"]
+    assert problems(out, source) == [
+        f'model.safetensors: __metadata__ is {json.dumps(metadata or {})}, a conversion writes {{"format": "pt"}}'
+    ]
 
 
 def test_a_total_size_that_is_not_an_integer_is_a_finding(converted, tmp_path):
@@ -275,8 +297,10 @@ def test_a_quant_state_shape_the_model_does_not_load_is_a_finding(tmp_path):
     path.write_bytes(bytes(data))
     out = tmp_path / "out"
     run(source, "-o", out, "-q", "--device", "cpu")
-    assert problems(out, source) == [f"model.layers.1.self_attn.q_proj.weight: [{rows * columns}] from the source, transformers' model "
-                                     f"loads [{rows}, {columns}] there"]  # fmt: skip
+    assert problems(out, source) == [
+        f"model.layers.1.self_attn.q_proj.weight: [{rows * columns}] from the source, transformers' model "
+        f"loads [{rows}, {columns}] there"
+    ]
 
 
 def test_verify_without_its_reference_libraries_is_one_error_not_a_list_of_mismatches(converted, monkeypatch):
@@ -287,11 +311,18 @@ def test_verify_without_its_reference_libraries_is_one_error_not_a_list_of_misma
 
     source, outputs = converted
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)
-    with pytest.raises(DependencyError, match=r"^verify recomputes the weights \(bitsandbytes' dequantization\) with bitsandbytes, "
-                       r"which cannot be imported \(ModuleNotFoundError: .*\); install it: pip install bitsandbytes$"):  # fmt: skip
+    with pytest.raises(
+        DependencyError,
+        match=r"^verify recomputes the weights \(bitsandbytes' dequantization\) with bitsandbytes, "
+        r"which cannot be imported \(ModuleNotFoundError: .*\); install it: pip install bitsandbytes$",
+    ):
         verify(outputs["single"], str(source), device="cpu")
     result = CliRunner().invoke(main, ["verify", str(outputs["single"]), str(source), "--device", "cpu", "-q"])
-    assert result.exit_code == 1 and result.output.count("\n") == 1 and result.output.startswith("Error: verify recomputes")
+    assert (
+        result.exit_code == 1
+        and result.output.count("\n") == 1
+        and result.output.startswith("Error: verify recomputes")
+    )
 
 
 def test_verify_leaves_the_loggers_as_it_found_them(converted):
@@ -316,7 +347,9 @@ def test_verify_builds_the_layer_the_model_has_whatever_the_adapter_holds():
     from nf4convert.verification.reference.merge_lora import _skeleton_module
 
     info = lambda *shape: SimpleNamespace(shape=shape)  # noqa: E731
-    linear = SimpleNamespace(module="transformer.tokens_embed", kind="linear", tensors={"lora_A": info(4, 64), "lora_B": info(40, 4)})
+    linear = SimpleNamespace(
+        module="transformer.tokens_embed", kind="linear", tensors={"lora_A": info(4, 64), "lora_B": info(40, 4)}
+    )
     adapter = SimpleNamespace(targets={"transformer.tokens_embed.weight": linear})
     weight = torch.zeros(40, 64)
     references = {"transformer.tokens_embed.weight": weight}
@@ -324,10 +357,13 @@ def test_verify_builds_the_layer_the_model_has_whatever_the_adapter_holds():
     assert type(layer) is torch.nn.Embedding and tuple(layer.weight.shape) == (40, 64)
     layer = _skeleton_module("transformer.tokens_embed", adapter, "cpu", torch.float32, references, None)  # no model
     assert type(layer) is torch.nn.Linear
-    layer = _skeleton_module("transformer.tokens_embed", adapter, "cpu", torch.float32, {}, torch.nn.Embedding)  # no weight
+    layer = _skeleton_module(
+        "transformer.tokens_embed", adapter, "cpu", torch.float32, {}, torch.nn.Embedding
+    )  # no weight
     assert type(layer) is torch.nn.Embedding and tuple(layer.weight.shape) == (40, 64)
-    embedding = SimpleNamespace(module="h.0.q", kind="embedding", tensors={"lora_embedding_A": info(4, 40),
-                                                                          "lora_embedding_B": info(64, 4)})  # fmt: skip
+    embedding = SimpleNamespace(
+        module="h.0.q", kind="embedding", tensors={"lora_embedding_A": info(4, 40), "lora_embedding_B": info(64, 4)}
+    )
     adapter = SimpleNamespace(targets={"h.0.q.weight": embedding})
     layer = _skeleton_module("h.0.q", adapter, "cpu", torch.float32, {"h.0.q.weight": weight}, torch.nn.Linear)
     assert type(layer) is torch.nn.Linear and (layer.in_features, layer.out_features) == (64, 40)

@@ -30,11 +30,23 @@ if TYPE_CHECKING:
 # quant_map, so these tables, not the checkpoint's, are the truth. FP4 nibble 8 is -0.0 there
 # (sign * 0.0f), although get_4bit_type stores +0.0 (the Python literal -0 is the integer 0).
 NF4_CODE = (
-    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
-    -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
-    0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
-    0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0,
-)  # fmt: skip
+    -1.0,
+    -0.6961928009986877,
+    -0.5250730514526367,
+    -0.39491748809814453,
+    -0.28444138169288635,
+    -0.18477343022823334,
+    -0.09105003625154495,
+    0.0,
+    0.07958029955625534,
+    0.16093020141124725,
+    0.24611230194568634,
+    0.33791524171829224,
+    0.44070982933044434,
+    0.5626170039176941,
+    0.7229568362236023,
+    1.0,
+)
 FP4_CODE = tuple(sign * value / 12.0 for sign in (1.0, -1.0) for value in (0.0, 0.0625, 8.0, 12.0, 4.0, 6.0, 2.0, 3.0))
 CODES = {"nf4": NF4_CODE, "fp4": FP4_CODE}
 QUANT_TYPES = tuple(CODES)  # for membership tests that must not raise on an unhashable value
@@ -96,16 +108,28 @@ class QuantState4bit:
         self.nested = self.state2 is not None
 
 
-def layout_problem(*, packed_bytes: int, shape, blocksize: int, absmax_count: int, absmax_float: bool,
-                   absmax_u8: bool, nested_blocksize: int | None, nested_count: int = 0, nested_float: bool = True,
-                   code2_count: int = 256) -> str | None:  # fmt: skip
+def layout_problem(
+    *,
+    packed_bytes: int,
+    shape,
+    blocksize: int,
+    absmax_count: int,
+    absmax_float: bool,
+    absmax_u8: bool,
+    nested_blocksize: int | None,
+    nested_count: int = 0,
+    nested_float: bool = True,
+    code2_count: int = 256,
+) -> str | None:
     """What is wrong with a 4-bit weight's sizes (None when they fit): the one rule for checkpoints and the API."""
     n_elements = math.prod(shape)
     if packed_bytes != (n_elements + 1) // 2:
         return f"{packed_bytes} packed bytes do not hold shape {list(shape)} ({(n_elements + 1) // 2} bytes expected)"
     n_blocks = -(-n_elements // blocksize)
     if absmax_count != n_blocks:
-        return f"absmax has {absmax_count} entries, {n_blocks} expected for {n_elements} elements in blocks of {blocksize}"
+        return (
+            f"absmax has {absmax_count} entries, {n_blocks} expected for {n_elements} elements in blocks of {blocksize}"
+        )
     if nested_blocksize is None:
         return None if absmax_float else "absmax must be floating point without a nested state"
     if not absmax_u8:
@@ -123,7 +147,11 @@ def layout_problem(*, packed_bytes: int, shape, blocksize: int, absmax_count: in
 def _not_flat(name: str, shape) -> str | None:
     """bitsandbytes keeps (and saves) each part of a quant state 1-D; its dequantization, verify's reference, takes
     no other shape. One rule for states read from files (_check) and given to the API (check_state)."""
-    return None if len(shape) == 1 else f"{name} has shape {list(shape)}; bitsandbytes keeps the parts of a quant state 1-D"
+    return (
+        None
+        if len(shape) == 1
+        else f"{name} has shape {list(shape)}; bitsandbytes keeps the parts of a quant state 1-D"
+    )
 
 
 def check_state(packed_bytes: int, quant_state: Any) -> None:
@@ -137,21 +165,28 @@ def check_state(packed_bytes: int, quant_state: Any) -> None:
     """
     import torch
 
-    if isinstance(quant_state, dict):  # as_dict()'s form; Dynamo fails on a missing key's AttributeError of an empty one
-        raise ArgumentError("quant_state must be a bitsandbytes QuantState or nf4convert.QuantState4bit, not dict "
-                            "(bitsandbytes' QuantState.from_dict makes one)")  # fmt: skip
+    if isinstance(
+        quant_state, dict
+    ):  # as_dict()'s form; Dynamo fails on a missing key's AttributeError of an empty one
+        raise ArgumentError(
+            "quant_state must be a bitsandbytes QuantState or nf4convert.QuantState4bit, not dict "
+            "(bitsandbytes' QuantState.from_dict makes one)"
+        )
     try:
         quant_type, dtype, blocksize = quant_state.quant_type, quant_state.dtype, quant_state.blocksize
         shape, absmax, nested = quant_state.shape, quant_state.absmax, quant_state.nested
     except AttributeError:
-        raise ArgumentError("quant_state must be a bitsandbytes QuantState or nf4convert.QuantState4bit, "
-                            f"not {type(quant_state).__name__}") from None  # fmt: skip
+        raise ArgumentError(
+            "quant_state must be a bitsandbytes QuantState or nf4convert.QuantState4bit, "
+            f"not {type(quant_state).__name__}"
+        ) from None
     if quant_type not in QUANT_TYPES:
         raise ArgumentError(f"quant_state.quant_type must be 'nf4' or 'fp4', not {shown(quant_type)}")
     if dtype not in tuple(output.torch for output in OUTPUT_DTYPES.values()):
         kind = "" if isinstance(dtype, torch.dtype) else f" ({type(dtype).__name__}, not a torch.dtype)"
-        raise ArgumentError(f"quant_state.dtype must be torch.float16, torch.bfloat16 or torch.float32, "
-                            f"not {shown(dtype)}{kind}")  # fmt: skip
+        raise ArgumentError(
+            f"quant_state.dtype must be torch.float16, torch.bfloat16 or torch.float32, not {shown(dtype)}{kind}"
+        )
     if not _integer(blocksize) or blocksize not in BLOCKSIZES:
         raise ArgumentError(f"quant_state.blocksize must be one of {BLOCKSIZES}, not {shown(blocksize)}")
     if not isinstance(shape, (tuple, list)) or not all(_integer(size) and size >= 0 for size in shape):
@@ -164,11 +199,16 @@ def check_state(packed_bytes: int, quant_state: Any) -> None:
         raise ArgumentError(f"quant_state.nested must be True or False, not {shown(nested)}")
     state2 = _nested(quant_state) if nested else None
     problem = layout_problem(
-        packed_bytes=packed_bytes, shape=tuple(shape), blocksize=blocksize,
-        absmax_count=absmax.numel(), absmax_float=absmax.is_floating_point(), absmax_u8=absmax.dtype == torch.uint8,
-        nested_blocksize=state2 and state2.blocksize, nested_count=state2 and state2.absmax.numel(),
+        packed_bytes=packed_bytes,
+        shape=tuple(shape),
+        blocksize=blocksize,
+        absmax_count=absmax.numel(),
+        absmax_float=absmax.is_floating_point(),
+        absmax_u8=absmax.dtype == torch.uint8,
+        nested_blocksize=state2 and state2.blocksize,
+        nested_count=state2 and state2.absmax.numel(),
         code2_count=state2.code.numel() if state2 is not None else 256,
-    )  # fmt: skip
+    )
     if problem:
         raise ArgumentError(f"packed: {problem}")
 
@@ -183,8 +223,10 @@ def _nested(quant_state: Any) -> Any:
     try:
         nested_absmax, code2, blocksize = state2.absmax, state2.code, state2.blocksize
     except AttributeError:
-        raise ArgumentError("quant_state.state2 must be a bitsandbytes QuantState or nf4convert's NestedState, "
-                            f"not {type(state2).__name__}") from None  # fmt: skip
+        raise ArgumentError(
+            "quant_state.state2 must be a bitsandbytes QuantState or nf4convert's NestedState, "
+            f"not {type(state2).__name__}"
+        ) from None
     for name, value in (("absmax", nested_absmax), ("code", code2)):
         if not isinstance(value, torch.Tensor):
             raise ArgumentError(f"quant_state.state2.{name} must be a tensor, not {type(value).__name__}")
@@ -292,7 +334,9 @@ def find_weights(tensors: dict[str, TensorInfo], reader: TensorReader) -> list[W
         if name not in tensors:
             raise CheckpointError(f"{info.path}: quant state '{key}' has no packed weight '{name}' in any shard")
         if info.dtype != "U8" or len(info.shape) != 1 or info.nbytes > MAX_STATE_BYTES:
-            raise CheckpointError(f"{where}: quant state '{key}' is not a 1-D U8 tensor of at most {MAX_STATE_BYTES} JSON bytes")
+            raise CheckpointError(
+                f"{where}: quant state '{key}' is not a 1-D U8 tensor of at most {MAX_STATE_BYTES} JSON bytes"
+            )
         meta = parse_meta(reader.array(info).tobytes(), where=where)
         if meta["quant_type"] != quant_type:
             raise CheckpointError(f"{where}: quant state key says {quant_type}, its JSON says {meta['quant_type']}")
@@ -305,8 +349,10 @@ def find_weights(tensors: dict[str, TensorInfo], reader: TensorReader) -> list[W
     for key, info in tensors.items():
         match = _PART_KEY.match(key)
         if match and key not in consumed:
-            raise CheckpointError(f"{info.path}: '{key}' is part of the 4-bit quant state of '{match['weight']}', "
-                                  f"which has no '{match['weight']}.quant_state.bitsandbytes__nf4/fp4' tensor")  # fmt: skip
+            raise CheckpointError(
+                f"{info.path}: '{key}' is part of the 4-bit quant state of '{match['weight']}', "
+                f"which has no '{match['weight']}.quant_state.bitsandbytes__nf4/fp4' tensor"
+            )
     return weights
 
 
@@ -323,10 +369,18 @@ def unclaimed_packed(tensors: dict[str, TensorInfo], weights: list[Weight4bit], 
     packed_codes = {"U8", storage.code if storage is not None else "U8"} | {weight.packed.dtype for weight in weights}
     claimed = {weight.name for weight in weights}
     for name, info in tensors.items():
-        if name.endswith(".weight") and name not in claimed and info.dtype in packed_codes and len(info.shape) == 2 and info.shape[1] == 1:
-            raise CheckpointError(f"{info.path}: '{name}' looks like a packed 4-bit weight ({info.dtype} {list(info.shape)}) "
-                                  f"but has no quant state ('{name}.quant_state.bitsandbytes__nf4' or __fp4, absmax, "
-                                  "quant_map): not in the checkpoint")  # fmt: skip
+        if (
+            name.endswith(".weight")
+            and name not in claimed
+            and info.dtype in packed_codes
+            and len(info.shape) == 2
+            and info.shape[1] == 1
+        ):
+            raise CheckpointError(
+                f"{info.path}: '{name}' looks like a packed 4-bit weight ({info.dtype} {list(info.shape)}) "
+                f"but has no quant state ('{name}.quant_state.bitsandbytes__nf4' or __fp4, absmax, "
+                "quant_map): not in the checkpoint"
+            )
 
 
 def _check(weight: Weight4bit, reader: TensorReader) -> None:
@@ -343,12 +397,17 @@ def _check(weight: Weight4bit, reader: TensorReader) -> None:
     absmax = weight.parts["absmax"]
     nested = weight.parts.get("nested_absmax") if weight.nested else None
     problem = layout_problem(
-        packed_bytes=weight.packed.nbytes, shape=weight.shape, blocksize=weight.meta["blocksize"],
-        absmax_count=math.prod(absmax.shape), absmax_float=DTYPES[absmax.dtype].cast, absmax_u8=absmax.dtype == "U8",
-        nested_blocksize=weight.meta.get("nested_blocksize"), nested_count=nested and math.prod(nested.shape),
+        packed_bytes=weight.packed.nbytes,
+        shape=weight.shape,
+        blocksize=weight.meta["blocksize"],
+        absmax_count=math.prod(absmax.shape),
+        absmax_float=DTYPES[absmax.dtype].cast,
+        absmax_u8=absmax.dtype == "U8",
+        nested_blocksize=weight.meta.get("nested_blocksize"),
+        nested_count=nested and math.prod(nested.shape),
         nested_float=nested is not None and DTYPES[nested.dtype].cast,
         code2_count=math.prod(weight.parts["nested_quant_map"].shape) if weight.nested else 256,
-    )  # fmt: skip
+    )
     if problem:
         raise CheckpointError(f"{where}: {problem}")
     for suffix in ("quant_map", "nested_quant_map")[: 1 + weight.nested]:
@@ -373,8 +432,10 @@ def _check_finite(where: str, suffix: str, values, signed: bool = False) -> None
     import numpy as np
 
     if not bool(np.isfinite(values).all()) or (not signed and bool((values < 0).any())):
-        raise CheckpointError(f"{where}: {suffix} holds a negative, NaN or infinite value; bitsandbytes writes "
-                              "finite block absmaxes (every weight of such a block would come out NaN or inf)")  # fmt: skip
+        raise CheckpointError(
+            f"{where}: {suffix} holds a negative, NaN or infinite value; bitsandbytes writes "
+            "finite block absmaxes (every weight of such a block would come out NaN or inf)"
+        )
 
 
 def load_state(weight: Weight4bit, reader: TensorReader, *, dtype: str | None = None) -> QuantState4bit:
@@ -384,17 +445,25 @@ def load_state(weight: Weight4bit, reader: TensorReader, *, dtype: str | None = 
     meta = weight.meta
     state2 = offset = None
     if weight.nested:
-        state2 = NestedState(absmax=_floats(reader, weight.parts["nested_absmax"]),
-                             code=_floats(reader, weight.parts["nested_quant_map"]),
-                             blocksize=int(meta["nested_blocksize"]))  # fmt: skip
+        state2 = NestedState(
+            absmax=_floats(reader, weight.parts["nested_absmax"]),
+            code=_floats(reader, weight.parts["nested_quant_map"]),
+            blocksize=int(meta["nested_blocksize"]),
+        )
         offset = float(meta["nested_offset"])
         absmax = reader.array(weight.parts["absmax"])
     else:  # a flat absmax (one float per block, 1/8 of the packed bytes): checked here, where it is read anyway
         absmax = _floats(reader, weight.parts["absmax"])
         _check_finite(f"{weight.packed.path}: {weight.name}", "absmax", absmax)
-    return QuantState4bit(absmax=absmax, shape=tuple(meta["shape"]), dtype=dtype or OUTPUT_DTYPES[meta["dtype"]].code,
-                          blocksize=int(meta["blocksize"]), quant_type=meta["quant_type"], offset=offset,
-                          state2=state2)  # fmt: skip
+    return QuantState4bit(
+        absmax=absmax,
+        shape=tuple(meta["shape"]),
+        dtype=dtype or OUTPUT_DTYPES[meta["dtype"]].code,
+        blocksize=int(meta["blocksize"]),
+        quant_type=meta["quant_type"],
+        offset=offset,
+        state2=state2,
+    )
 
 
 def on_device(state: QuantState4bit, device) -> QuantState4bit:
@@ -409,8 +478,15 @@ def on_device(state: QuantState4bit, device) -> QuantState4bit:
     if state.nested:
         nested = state.state2
         state2 = NestedState(absmax=moved(nested.absmax), code=moved(nested.code), blocksize=nested.blocksize)
-    return QuantState4bit(absmax=moved(state.absmax), shape=torch.Size(state.shape), dtype=DTYPES[state.dtype].torch,
-                          blocksize=state.blocksize, quant_type=state.quant_type, offset=offset, state2=state2)  # fmt: skip
+    return QuantState4bit(
+        absmax=moved(state.absmax),
+        shape=torch.Size(state.shape),
+        dtype=DTYPES[state.dtype].torch,
+        blocksize=state.blocksize,
+        quant_type=state.quant_type,
+        offset=offset,
+        state2=state2,
+    )
 
 
 def chunks(state: QuantState4bit, chunk_elements: int) -> Iterator[tuple[int, int, QuantState4bit]]:
@@ -431,8 +507,21 @@ def chunks(state: QuantState4bit, chunk_elements: int) -> Iterator[tuple[int, in
         state2 = None
         if state.nested:
             nested = state.state2
-            state2 = NestedState(nested.absmax[first_block // nested_blocksize : -(-end_block // nested_blocksize)],
-                                 nested.code, nested_blocksize)  # fmt: skip
-        yield first, count, QuantState4bit(absmax=state.absmax[first_block:end_block], shape=type(state.shape)([count]),
-                                           dtype=state.dtype, blocksize=state.blocksize, quant_type=state.quant_type,
-                                           offset=state.offset, state2=state2)  # fmt: skip
+            state2 = NestedState(
+                nested.absmax[first_block // nested_blocksize : -(-end_block // nested_blocksize)],
+                nested.code,
+                nested_blocksize,
+            )
+        yield (
+            first,
+            count,
+            QuantState4bit(
+                absmax=state.absmax[first_block:end_block],
+                shape=type(state.shape)([count]),
+                dtype=state.dtype,
+                blocksize=state.blocksize,
+                quant_type=state.quant_type,
+                offset=state.offset,
+                state2=state2,
+            ),
+        )

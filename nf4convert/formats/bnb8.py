@@ -137,8 +137,10 @@ def unclaimed_int8(tensors: dict[str, TensorInfo], weights: list[Weight8bit], qu
     for name, info in tensors.items():
         suspect = not weights or (name.count(".") >= 1 and name.rsplit(".", 2)[-2] in layers)
         if name.endswith(".weight") and name not in claimed and info.dtype == "I8" and len(info.shape) == 2 and suspect:
-            raise CheckpointError(f"{info.path}: '{name}' is an 8-bit weight (I8 {list(info.shape)}) with no "
-                                  f"'{name.removesuffix('weight')}SCB' scales: not in the checkpoint")  # fmt: skip
+            raise CheckpointError(
+                f"{info.path}: '{name}' is an 8-bit weight (I8 {list(info.shape)}) with no "
+                f"'{name.removesuffix('weight')}SCB' scales: not in the checkpoint"
+            )
 
 
 def _check_row_major(weight_format: TensorInfo, reader: TensorReader) -> None:
@@ -164,7 +166,9 @@ def dequantize(weight: torch.Tensor, scb: torch.Tensor, out_dtype: torch.dtype) 
     import torch
 
     if weight.dtype != torch.int8 or scb.dtype != torch.float32:
-        raise ArgumentError(f"8-bit dequantize takes an int8 weight and float32 scales, not {weight.dtype}, {scb.dtype}")
+        raise ArgumentError(
+            f"8-bit dequantize takes an int8 weight and float32 scales, not {weight.dtype}, {scb.dtype}"
+        )
     if weight.dim() != 2 or scb.shape != weight.shape[:1]:
         shapes = f"{list(weight.shape)} and {list(scb.shape)}"
         raise ArgumentError(f"8-bit dequantize takes a weight [rows, in] and scales [rows], not {shapes}")

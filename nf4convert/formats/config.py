@@ -88,9 +88,16 @@ def not_bitsandbytes(config: dict) -> str | None:
     methods = [q.get("quant_method") for q in found]
     if not any(not isinstance(m, str) or "bitsandbytes" in m.lower() for m in methods):
         return f"config.json's quantization_config has quant_method {methods[0]!r}, not bitsandbytes (not convertible here)"
-    dense_int8 = [q for q in found if q.get("load_in_8bit") is True and q.get("llm_int8_has_fp16_weight") is True
-                  and q.get("load_in_4bit") is not True]  # fmt: skip
+    dense_int8 = [
+        q
+        for q in found
+        if q.get("load_in_8bit") is True
+        and q.get("llm_int8_has_fp16_weight") is True
+        and q.get("load_in_4bit") is not True
+    ]
     if len(dense_int8) == len(found):
-        return ("saved with llm_int8_has_fp16_weight=True, so its weights are dense fp16 already (bitsandbytes never "
-                "quantized them): remove quantization_config from config.json and load it as a dense model")  # fmt: skip
+        return (
+            "saved with llm_int8_has_fp16_weight=True, so its weights are dense fp16 already (bitsandbytes never "
+            "quantized them): remove quantization_config from config.json and load it as a dense model"
+        )
     return None

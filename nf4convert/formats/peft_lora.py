@@ -87,11 +87,20 @@ def _layer_indexes(value) -> bool:  # check_target_module_exists' is_using_layer
 # non-null value), else truthiness (``if config.layer_replication:``, resolve_lora_variant's ``bool(...)``).
 # layers_pattern only qualifies layers_to_transform: _read_config refuses it where peft does.
 UNSUPPORTED_VARIANTS = {
-    "velora_config": _not_none, "alora_invocation_tokens": _truthy, "monteclora_config": _sub_config,
-    "use_bdlora": _not_none, "arrow_config": _not_none, "kasa_config": _not_none, "use_qalora": _truthy,
-    "layer_replication": _truthy, "target_parameters": _truthy, "trainable_token_indices": _not_none,
-    "megatron_config": _truthy, "exclude_modules": _truthy, "layers_to_transform": _layer_indexes,
-}  # fmt: skip
+    "velora_config": _not_none,
+    "alora_invocation_tokens": _truthy,
+    "monteclora_config": _sub_config,
+    "use_bdlora": _not_none,
+    "arrow_config": _not_none,
+    "kasa_config": _not_none,
+    "use_qalora": _truthy,
+    "layer_replication": _truthy,
+    "target_parameters": _truthy,
+    "trainable_token_indices": _not_none,
+    "megatron_config": _truthy,
+    "exclude_modules": _truthy,
+    "layers_to_transform": _layer_indexes,
+}
 
 # init_lora_weights strings peft knows that only say how a new adapter starts (LoraLayer.update_layer; and
 # "gaussian" in any case, reset_lora_parameters); _base_mutating() tells the others.
@@ -108,10 +117,23 @@ PLAIN_INITS = ("eva", "orthogonal")
 # (which only a hand-edited adapter holds: peft saves lora_embedding_* for embeddings) are not looked up, to spare
 # every adapter transformers' import; verify builds its stand-in layers from transformers' class, so it reports them.
 EMBEDDING_MODULES = (
-    "embed_tokens", "wte", "wpe", "word_embeddings", "word_embedding", "token_embedding", "tok_embeddings", "embed_in",
-    "shared", "embedding", "embeddings", "position_embeddings", "position_embedding", "embed_positions",
-    "token_type_embeddings", "relative_attention_bias",
-)  # fmt: skip
+    "embed_tokens",
+    "wte",
+    "wpe",
+    "word_embeddings",
+    "word_embedding",
+    "token_embedding",
+    "tok_embeddings",
+    "embed_in",
+    "shared",
+    "embedding",
+    "embeddings",
+    "position_embeddings",
+    "position_embedding",
+    "embed_positions",
+    "token_type_embeddings",
+    "relative_attention_bias",
+)
 
 
 def _is_embedding(module: str) -> bool:
@@ -200,7 +222,9 @@ def _pattern_value(patterns: dict, module: str, default, config_path: Path, what
         try:
             matched = re.match(rf"(.*\.)?({key})$", module)
         except re.error as error:
-            raise CheckpointError(f"{config_path}: {what} key {key!r} is not a valid regular expression ({error})") from None
+            raise CheckpointError(
+                f"{config_path}: {what} key {key!r} is not a valid regular expression ({error})"
+            ) from None
         if matched:
             return value
     return default
@@ -236,8 +260,9 @@ def _read_config(folder: Path) -> tuple[Path, dict]:
             config[name] = default
     for name, is_set in UNSUPPORTED_VARIANTS.items():
         if is_set(config.get(name)):
-            raise CheckpointError(f"{config_path}: {name} is set ({config[name]!r}); only plain LoRA and DoRA adapters "
-                                  "can be merged")  # fmt: skip
+            raise CheckpointError(
+                f"{config_path}: {name} is set ({config[name]!r}); only plain LoRA and DoRA adapters can be merged"
+            )
     init = config["init_lora_weights"]
     if _base_mutating(init):
         raise CheckpointError(
@@ -248,22 +273,28 @@ def _read_config(folder: Path) -> tuple[Path, dict]:
     # BaseTuner._mark_only_adapters_as_trainable, check_target_module_exists)
     # peft initialises nothing for any false value (0, "", ...: update_layer tests its truth) and loads the weights
     if init and not (init is True or (isinstance(init, str) and (init.lower() == "gaussian" or init in PLAIN_INITS))):
-        raise CheckpointError(f"{config_path}: init_lora_weights is {init!r}, not true, false or an initialisation "
-                              "peft knows; peft refuses this config")  # fmt: skip
+        raise CheckpointError(
+            f"{config_path}: init_lora_weights is {init!r}, not true, false or an initialisation "
+            "peft knows; peft refuses this config"
+        )
     bias = config.get("bias", "none")
     if not (isinstance(bias, str) and (bias in ("none", "all") or bias.endswith("_only"))):
-        raise CheckpointError(f"{config_path}: bias is {bias!r}, not 'none', 'all' or 'lora_only'; peft refuses "
-                              "this config")  # fmt: skip
+        raise CheckpointError(
+            f"{config_path}: bias is {bias!r}, not 'none', 'all' or 'lora_only'; peft refuses this config"
+        )
     saved = config.get("modules_to_save")
     if not (saved is None or (isinstance(saved, list) and all(isinstance(m, str) for m in saved))):
-        raise CheckpointError(f"{config_path}: modules_to_save is {saved!r}, not a list of module names; peft "
-                              "refuses this config")  # fmt: skip
+        raise CheckpointError(
+            f"{config_path}: modules_to_save is {saved!r}, not a list of module names; peft refuses this config"
+        )
     for entry in saved or ():  # peft matches each entry as a regular expression (_saved_whole)
         try:
             re.compile(rf"(^|.*\.){entry}($|\..*)")
         except re.error as error:
-            raise CheckpointError(f"{config_path}: modules_to_save entry {entry!r} is not a valid pattern ({error}); "
-                                  "peft matches each entry as one") from None
+            raise CheckpointError(
+                f"{config_path}: modules_to_save entry {entry!r} is not a valid pattern ({error}); "
+                "peft matches each entry as one"
+            ) from None
     pattern = config.get("layers_pattern")
     if pattern and config.get("layers_to_transform") is None:
         raise CheckpointError(f"{config_path}: layers_pattern without layers_to_transform: peft refuses this config")
@@ -274,17 +305,25 @@ def _read_config(folder: Path) -> tuple[Path, dict]:
         if not isinstance(config[name], bool):
             raise CheckpointError(f"{config_path}: {name} is {config[name]!r}, not true or false")
     if config["lora_bias"] and (config["use_dora"] or init not in (True, False)):  # as LoraConfig.__post_init__
-        raise CheckpointError(f"{config_path}: lora_bias with {'use_dora' if config['use_dora'] else f'init_lora_weights {init!r}'}: "
-                              "peft refuses this config")  # fmt: skip
+        raise CheckpointError(
+            f"{config_path}: lora_bias with {'use_dora' if config['use_dora'] else f'init_lora_weights {init!r}'}: "
+            "peft refuses this config"
+        )
     targets = config.get("target_modules")
-    if not (isinstance(targets, str) or (isinstance(targets, list) and targets and all(isinstance(t, str) for t in targets))):
-        raise CheckpointError(f"{config_path}: target_modules is {targets!r}, not a module name list or pattern "
-                              "(peft's per-architecture defaults are not read here)")  # fmt: skip
+    if not (
+        isinstance(targets, str) or (isinstance(targets, list) and targets and all(isinstance(t, str) for t in targets))
+    ):
+        raise CheckpointError(
+            f"{config_path}: target_modules is {targets!r}, not a module name list or pattern "
+            "(peft's per-architecture defaults are not read here)"
+        )
     if isinstance(targets, str):
         try:
             re.compile(targets)
         except re.error as error:
-            raise CheckpointError(f"{config_path}: target_modules {targets!r} is not a valid pattern ({error})") from None
+            raise CheckpointError(
+                f"{config_path}: target_modules {targets!r} is not a valid pattern ({error})"
+            ) from None
         for name in ("layers_to_transform", "layers_pattern"):  # LoraConfig.__post_init__
             if config.get(name) is not None:
                 raise CheckpointError(f"{config_path}: {name} with a target_modules pattern: peft refuses this config")
@@ -292,7 +331,9 @@ def _read_config(folder: Path) -> tuple[Path, dict]:
 
 
 def _all_linear(targets) -> bool:
-    return isinstance(targets, str) and targets.lower() == "all-linear"  # peft's INCLUDE_LINEAR_LAYERS_SHORTHAND, any case
+    return (
+        isinstance(targets, str) and targets.lower() == "all-linear"
+    )  # peft's INCLUDE_LINEAR_LAYERS_SHORTHAND, any case
 
 
 def _targeted(config: dict, module: str) -> bool:
@@ -356,12 +397,16 @@ def load_adapter(folder: Path) -> Adapter:
 
     for module, roles in lora_modules.items():
         if not _targeted(config, module):  # peft would create no LoRA layer there and leave these tensors unused
-            raise CheckpointError(f"{path}: tensor '{next(iter(roles.values())).name}' is for '{module}', which "
-                                  f"target_modules {config['target_modules']!r} does not name")  # fmt: skip
+            raise CheckpointError(
+                f"{path}: tensor '{next(iter(roles.values())).name}' is for '{module}', which "
+                f"target_modules {config['target_modules']!r} does not name"
+            )
         if (entry := _saved_whole(config, module)) is not None:
             where = "is in" if module == entry or module.endswith("." + entry) else f"lies in '{entry}' of"
-            raise CheckpointError(f"{path}: '{module}' has LoRA tensors and {where} modules_to_save too (peft gives it "
-                                  "no LoRA layer and would leave them unused)")  # fmt: skip
+            raise CheckpointError(
+                f"{path}: '{module}' has LoRA tensors and {where} modules_to_save too (peft gives it "
+                "no LoRA layer and would leave them unused)"
+            )
     targets: dict[str, LoraTarget] = {}
     for module, roles in lora_modules.items():
         for target in _module_targets(path, config_path, config, module, roles):
@@ -417,7 +462,9 @@ def _module_targets(path: Path, config_path: Path, config: dict, module: str, ro
     if config["use_dora"] and magnitude is None:
         raise CheckpointError(f"{path}: use_dora is set but module '{module}' has no '{prefix}{MAGNITUDE_SUFFIX}'")
     if magnitude is not None and not config["use_dora"]:
-        raise CheckpointError(f"{path}: tensor '{magnitude.name}' is a DoRA magnitude but {CONFIG_NAME} has no use_dora")
+        raise CheckpointError(
+            f"{path}: tensor '{magnitude.name}' is a DoRA magnitude but {CONFIG_NAME} has no use_dora"
+        )
     lora_bias = roles.get("lora_B.bias")
     if lora_bias is not None and not config["lora_bias"]:
         raise CheckpointError(f"{path}: tensor '{lora_bias.name}' is a LoRA bias but {CONFIG_NAME} has no lora_bias")
@@ -469,10 +516,14 @@ def validate(adapter: Adapter, base: dict, *, config: dict | None = None) -> Ada
             if target.kind == "linear":
                 style, layer = "linear-style (lora_A/B)", "is an embedding layer of the base model"
             elif classes(target.module) is None:
-                layer = ("is not named like an embedding, and transformers cannot build the model from its config.json "
-                         "to tell its class")  # fmt: skip
-            raise CheckpointError(f"{path}: the LoRA tensors for '{target.module}' are {style}, but '{target.module}' "
-                                  f"{layer} (peft would load none of them into another kind of layer)")  # fmt: skip
+                layer = (
+                    "is not named like an embedding, and transformers cannot build the model from its config.json "
+                    "to tell its class"
+                )
+            raise CheckpointError(
+                f"{path}: the LoRA tensors for '{target.module}' are {style}, but '{target.module}' "
+                f"{layer} (peft would load none of them into another kind of layer)"
+            )
         shape = _shape_of(base[name])
         replacement = target.tensors.get("base")
         if replacement is not None and tuple(replacement.shape) != shape:
@@ -523,10 +574,17 @@ def validate(adapter: Adapter, base: dict, *, config: dict | None = None) -> Ada
         adapted = {t.module for t in adapter.targets.values() if t.kind in ("linear", "embedding", "replace")}
         for name, value in base.items():
             module = name.removesuffix(".weight")
-            if (module != name and module not in adapted and len(_shape_of(value)) == 2 and _targeted(adapter.config, module)
-                    and _saved_whole(adapter.config, module) is None):
-                raise CheckpointError(f"{path}: target_modules {targets!r} names '{module}', but the adapter has no LoRA "
-                                      "tensors for it (peft would merge a freshly initialised LoRA layer there)")  # fmt: skip
+            if (
+                module != name
+                and module not in adapted
+                and len(_shape_of(value)) == 2
+                and _targeted(adapter.config, module)
+                and _saved_whole(adapter.config, module) is None
+            ):
+                raise CheckpointError(
+                    f"{path}: target_modules {targets!r} names '{module}', but the adapter has no LoRA "
+                    "tensors for it (peft would merge a freshly initialised LoRA layer there)"
+                )
 
     known = {value for value in orientation.values() if value is not None}
     square_default = known.pop() if len(known) == 1 else False

@@ -39,7 +39,9 @@ def _dequantize_cuda(
     dtype: torch.dtype,
 ) -> torch.Tensor:
     out = torch.empty(shape, dtype=dtype, device=packed.device)
-    grid, args, constexprs, num_warps = _plan(packed, absmax, code2, absmax2, offset, code, out, blocksize, nested_blocksize)
+    grid, args, constexprs, num_warps = _plan(
+        packed, absmax, code2, absmax2, offset, code, out, blocksize, nested_blocksize
+    )
     torch.library.wrap_triton(dequantize_4bit_kernel)[grid](*args, **constexprs, num_warps=num_warps)
     return out
 

@@ -187,14 +187,18 @@ def cast(source: np.ndarray, source_dtype: str, out: np.ndarray, dtype: str) -> 
 
         target = torch.from_numpy(out).view(DTYPES[dtype].torch)
         target.copy_(torch.from_numpy(source).view(DTYPES[source_dtype].torch))
-        if math.isnan(float(target.sum())):  # a NaN makes the sum NaN (so may inf - inf): one pass, 17x cheaper than isnan
+        if math.isnan(
+            float(target.sum())
+        ):  # a NaN makes the sum NaN (so may inf - inf): one pass, 17x cheaper than isnan
             nan = target.isnan()
             target.view({2: torch.int16, 4: torch.int32}[target.element_size()])[nan] = CANONICAL_NAN[dtype]
         return
     store(to_float32(source, source_dtype), out.view(DTYPES[dtype].numpy), dtype)
 
 
-def dequantize_tensors(packed, absmax, code2, absmax2, offset, code, out, blocksize: int, nested_blocksize: int) -> None:
+def dequantize_tensors(
+    packed, absmax, code2, absmax2, offset, code, out, blocksize: int, nested_blocksize: int
+) -> None:
     """:func:`dequantize` on CPU tensors (the public function's and the compiled op's CPU path): ``packed`` contiguous
     bytes into contiguous ``out``."""
     import torch
@@ -204,6 +208,15 @@ def dequantize_tensors(packed, absmax, code2, absmax2, offset, code, out, blocks
     def array(tensor):
         return None if tensor is None else tensor.detach().contiguous().numpy()
 
-    dequantize(packed.detach().reshape(-1).view(torch.uint8).numpy(), array(absmax), array(code2), array(absmax2),
-               None if offset is None else float(offset), array(code), out.detach().view(-1).view(torch.uint8).numpy(),
-               BY_NAME[str(out.dtype).removeprefix("torch.")].code, blocksize, nested_blocksize)
+    dequantize(
+        packed.detach().reshape(-1).view(torch.uint8).numpy(),
+        array(absmax),
+        array(code2),
+        array(absmax2),
+        None if offset is None else float(offset),
+        array(code),
+        out.detach().view(-1).view(torch.uint8).numpy(),
+        BY_NAME[str(out.dtype).removeprefix("torch.")].code,
+        blocksize,
+        nested_blocksize,
+    )

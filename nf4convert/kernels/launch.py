@@ -75,7 +75,9 @@ def _hooks_active() -> bool:
         return True  # older Triton keeps hooks elsewhere: take its own path
     enter, exit_ = _runtime_knobs.launch_enter_hook, _runtime_knobs.launch_exit_hook
     # Triton 3.5+ always installs a HookChain, which is empty unless something registered a hook.
-    return (enter is not None and getattr(enter, "calls", True) != []) or (exit_ is not None and getattr(exit_, "calls", True) != [])
+    return (enter is not None and getattr(enter, "calls", True) != []) or (
+        exit_ is not None and getattr(exit_, "calls", True) != []
+    )
 
 
 def _specialization(args, constexprs, num_warps, device_index):
@@ -116,8 +118,19 @@ def launch(packed, absmax, code2, absmax2, offset, code, out, blocksize, nested_
             _compiled[key] = compiled
         else:
             try:
-                compiled.run(grid[0], 1, 1, _raw_stream(device_index), compiled.function,
-                             compiled.packed_metadata, None, None, None, *args, *constexprs.values())  # fmt: skip
+                compiled.run(
+                    grid[0],
+                    1,
+                    1,
+                    _raw_stream(device_index),
+                    compiled.function,
+                    compiled.packed_metadata,
+                    None,
+                    None,
+                    None,
+                    *args,
+                    *constexprs.values(),
+                )
             except Exception:  # a Triton whose launcher takes other arguments: its own path from now on
                 _fast_launch = False
                 _compiled.clear()
@@ -135,7 +148,20 @@ def _replayer(compiled, n_programs, device_index, args, constexpr_values):
     def replay(out):
         if device_index != torch.cuda.current_device() or _hooks_active():
             return False
-        run(n_programs, 1, 1, stream(device_index), function, metadata, None, None, None, *before, out.data_ptr(), *after)
+        run(
+            n_programs,
+            1,
+            1,
+            stream(device_index),
+            function,
+            metadata,
+            None,
+            None,
+            None,
+            *before,
+            out.data_ptr(),
+            *after,
+        )
         return True
 
     return replay

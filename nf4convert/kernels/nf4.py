@@ -103,18 +103,82 @@ def dequantize_4bit_kernel(
     if PERSISTENT:
         n_tiles = (n_bytes + HALF_BLOCK * BLOCKS_PER_PROGRAM - 1) // (HALF_BLOCK * BLOCKS_PER_PROGRAM)
         for tile in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), num_stages=STAGES):
-            _tile(tile, packed_ptr, absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, code_ptr, out_ptr, n_elements, n_bytes,
-                  HALF_BLOCK, BLOCKS_PER_PROGRAM, NESTED, NESTED_SHIFT, PTX, BF16_BITS, EVICT, MASKED, PAIR_STORE, PAIR_TYPE, LUT_SELECT, STORE_CACHE)  # fmt: skip
+            _tile(
+                tile,
+                packed_ptr,
+                absmax_ptr,
+                code2_ptr,
+                absmax2_ptr,
+                offset_ptr,
+                code_ptr,
+                out_ptr,
+                n_elements,
+                n_bytes,
+                HALF_BLOCK,
+                BLOCKS_PER_PROGRAM,
+                NESTED,
+                NESTED_SHIFT,
+                PTX,
+                BF16_BITS,
+                EVICT,
+                MASKED,
+                PAIR_STORE,
+                PAIR_TYPE,
+                LUT_SELECT,
+                STORE_CACHE,
+            )
     else:
-        _tile(tl.program_id(0), packed_ptr, absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, code_ptr, out_ptr, n_elements, n_bytes,
-              HALF_BLOCK, BLOCKS_PER_PROGRAM, NESTED, NESTED_SHIFT, PTX, BF16_BITS, EVICT, MASKED, PAIR_STORE, PAIR_TYPE, LUT_SELECT, STORE_CACHE)  # fmt: skip
+        _tile(
+            tl.program_id(0),
+            packed_ptr,
+            absmax_ptr,
+            code2_ptr,
+            absmax2_ptr,
+            offset_ptr,
+            code_ptr,
+            out_ptr,
+            n_elements,
+            n_bytes,
+            HALF_BLOCK,
+            BLOCKS_PER_PROGRAM,
+            NESTED,
+            NESTED_SHIFT,
+            PTX,
+            BF16_BITS,
+            EVICT,
+            MASKED,
+            PAIR_STORE,
+            PAIR_TYPE,
+            LUT_SELECT,
+            STORE_CACHE,
+        )
 
 
 @triton.jit
-def _tile(tile, packed_ptr, absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, code_ptr, out_ptr, n_elements, n_bytes,
-          HALF_BLOCK: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr, NESTED: tl.constexpr, NESTED_SHIFT: tl.constexpr,
-          PTX: tl.constexpr, BF16_BITS: tl.constexpr, EVICT: tl.constexpr, MASKED: tl.constexpr, PAIR_STORE: tl.constexpr,
-          PAIR_TYPE: tl.constexpr, LUT_SELECT: tl.constexpr, STORE_CACHE: tl.constexpr):  # fmt: skip
+def _tile(
+    tile,
+    packed_ptr,
+    absmax_ptr,
+    code2_ptr,
+    absmax2_ptr,
+    offset_ptr,
+    code_ptr,
+    out_ptr,
+    n_elements,
+    n_bytes,
+    HALF_BLOCK: tl.constexpr,
+    BLOCKS_PER_PROGRAM: tl.constexpr,
+    NESTED: tl.constexpr,
+    NESTED_SHIFT: tl.constexpr,
+    PTX: tl.constexpr,
+    BF16_BITS: tl.constexpr,
+    EVICT: tl.constexpr,
+    MASKED: tl.constexpr,
+    PAIR_STORE: tl.constexpr,
+    PAIR_TYPE: tl.constexpr,
+    LUT_SELECT: tl.constexpr,
+    STORE_CACHE: tl.constexpr,
+):
     packed_ptr = packed_ptr.to(tl.pointer_type(tl.uint8))
     block = tile * BLOCKS_PER_PROGRAM + tl.arange(0, BLOCKS_PER_PROGRAM)
     block_ok = block < (n_bytes + HALF_BLOCK - 1) // HALF_BLOCK
@@ -130,15 +194,21 @@ def _tile(tile, packed_ptr, absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, code
     scale = scale[:, None]
 
     byte = block[:, None] * HALF_BLOCK + tl.arange(0, HALF_BLOCK)[None, :]
-    packed = tl.load(packed_ptr + byte, mask=(byte < n_bytes) if MASKED else None, other=0 if MASKED else None,
-                     eviction_policy=EVICT)  # fmt: skip
+    packed = tl.load(
+        packed_ptr + byte, mask=(byte < n_bytes) if MASKED else None, other=0 if MASKED else None, eviction_policy=EVICT
+    )
     high = _mul_ftz(_lut(code_ptr, (packed >> 4).to(tl.int32), LUT_SELECT), scale, PTX)
     low = _mul_ftz(_lut(code_ptr, (packed & 15).to(tl.int32), LUT_SELECT), scale, PTX)
     if PAIR_STORE:
         # Element 2i (the high nibble) and 2i + 1 share one 2x-wide word, low half first (little
         # endian): one store per byte, no interleave and so no trip through shared memory.
-        tl.store(out_ptr.to(tl.pointer_type(PAIR_TYPE)) + byte, _pair(high, low, out_ptr, BF16_BITS, PAIR_TYPE),
-                 mask=(byte < n_bytes) if MASKED else None, eviction_policy=EVICT, cache_modifier=STORE_CACHE)  # fmt: skip
+        tl.store(
+            out_ptr.to(tl.pointer_type(PAIR_TYPE)) + byte,
+            _pair(high, low, out_ptr, BF16_BITS, PAIR_TYPE),
+            mask=(byte < n_bytes) if MASKED else None,
+            eviction_policy=EVICT,
+            cache_modifier=STORE_CACHE,
+        )
     else:
         values = tl.interleave(high, low)  # element 2i is the high nibble of byte i
         if BF16_BITS:
@@ -146,8 +216,13 @@ def _tile(tile, packed_ptr, absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, code
         else:
             values = values.to(out_ptr.dtype.element_ty)
         element = block[:, None] * (2 * HALF_BLOCK) + tl.arange(0, 2 * HALF_BLOCK)[None, :]
-        tl.store(out_ptr + element, values, mask=(element < n_elements) if MASKED else None, eviction_policy=EVICT,
-                 cache_modifier=STORE_CACHE)  # fmt: skip
+        tl.store(
+            out_ptr + element,
+            values,
+            mask=(element < n_elements) if MASKED else None,
+            eviction_policy=EVICT,
+            cache_modifier=STORE_CACHE,
+        )
 
 
 @triton.jit

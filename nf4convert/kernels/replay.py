@@ -25,8 +25,15 @@ class LaunchKey(NamedTuple):
 
     @classmethod
     def of(cls, packed: torch.Tensor, quant_state: Any) -> "LaunchKey":
-        return cls(packed.data_ptr(), packed.numel(), packed.device, tuple(quant_state.shape), quant_state.dtype,
-                   quant_state.blocksize, quant_state.quant_type)  # fmt: skip
+        return cls(
+            packed.data_ptr(),
+            packed.numel(),
+            packed.device,
+            tuple(quant_state.shape),
+            quant_state.dtype,
+            quant_state.blocksize,
+            quant_state.quant_type,
+        )
 
 
 def _state_tensors(quant_state: Any) -> tuple:
@@ -65,12 +72,19 @@ class ReplayCache:
         if entry is None or entry.config is not self._configs.current_override():
             return None
         key = entry.key
-        if not (key.data_ptr == packed.data_ptr() and key.numel == packed.numel() and key.shape == tuple(quant_state.shape)
-                and key.dtype is quant_state.dtype and key.blocksize == quant_state.blocksize
-                and key.quant_type == quant_state.quant_type):  # fmt: skip
+        if not (
+            key.data_ptr == packed.data_ptr()
+            and key.numel == packed.numel()
+            and key.shape == tuple(quant_state.shape)
+            and key.dtype is quant_state.dtype
+            and key.blocksize == quant_state.blocksize
+            and key.quant_type == quant_state.quant_type
+        ):
             return None
         current = _state_tensors(quant_state)
-        if len(current) != len(entry.tensors) or any(ref() is not tensor for ref, tensor in zip(entry.tensors, current)):
+        if len(current) != len(entry.tensors) or any(
+            ref() is not tensor for ref, tensor in zip(entry.tensors, current)
+        ):
             return None
         result = torch.empty(key.shape, dtype=key.dtype, device=key.device)
         return result if entry.replay(result) else None

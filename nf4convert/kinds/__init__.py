@@ -15,6 +15,8 @@ from .dequantize_8bit import Dequantize8bit
 from .merge_lora import MergeLora
 from .transpose import Transpose
 
-KINDS: dict[str, type[Recipe]] = {kind.kind: kind for kind in (Copy, Dequantize4bit, Dequantize8bit, Transpose, MergeLora)}
+KINDS: dict[str, type[Recipe]] = {
+    kind.kind: kind for kind in (Copy, Dequantize4bit, Dequantize8bit, Transpose, MergeLora)
+}
 
 __all__ = ["KINDS", "Recipe", "Copy", "Dequantize4bit", "Dequantize8bit", "Transpose", "MergeLora"]

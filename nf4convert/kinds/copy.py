@@ -48,5 +48,11 @@ class Copy(Recipe):
         n_elements = source.nbytes // source_type.itemsize
         for first in range(0, n_elements, step):
             count = min(step, n_elements - first)
-            yield Piece(first * target_type.itemsize, count * target_type.itemsize, source, first * source_type.itemsize,
-                        count * source_type.itemsize, cast)
+            yield Piece(
+                first * target_type.itemsize,
+                count * target_type.itemsize,
+                source,
+                first * source_type.itemsize,
+                count * source_type.itemsize,
+                cast,
+            )

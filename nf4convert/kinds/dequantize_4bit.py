@@ -53,5 +53,12 @@ class Dequantize4bit(Recipe):
         out_type = DTYPES[tensor.dtype]
         state = route.state_4bit(bnb4.load_state(weight, reader, dtype=tensor.dtype))
         for first, count, piece in bnb4.chunks(state, route.piece_bytes // out_type.itemsize):
-            yield Piece(first * out_type.itemsize, count * out_type.itemsize, weight.packed, first // 2, (count + 1) // 2,
-                        route.dequantize_4bit(piece), on_device=True)
+            yield Piece(
+                first * out_type.itemsize,
+                count * out_type.itemsize,
+                weight.packed,
+                first // 2,
+                (count + 1) // 2,
+                route.dequantize_4bit(piece),
+                on_device=True,
+            )

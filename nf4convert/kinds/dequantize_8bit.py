@@ -48,6 +48,12 @@ class Dequantize8bit(Recipe):
         step = max(1, route.piece_bytes // max(columns * out_type.itemsize, 1))  # whole rows
         for first in range(0, rows, step):
             count = min(step, rows - first)
-            yield Piece(first * columns * out_type.itemsize, count * columns * out_type.itemsize, weight.weight,
-                        first * columns, count * columns,
-                        route.dequantize_8bit(scb[first : first + count], columns, out_type.torch), on_device=True)
+            yield Piece(
+                first * columns * out_type.itemsize,
+                count * columns * out_type.itemsize,
+                weight.weight,
+                first * columns,
+                count * columns,
+                route.dequantize_8bit(scb[first : first + count], columns, out_type.torch),
+                on_device=True,
+            )

@@ -28,8 +28,9 @@ class MergeLora(Recipe):
     adapter: peft_lora.Adapter = field(compare=False, repr=False)  # the whole adapter (verify rebuilds its module)
 
     @classmethod
-    def wrap(cls, recipes: list[Recipe], adapter_folder: Path, dtype: DType,
-             config: dict | None) -> tuple[list[Recipe], peft_lora.Adapter]:  # fmt: skip
+    def wrap(
+        cls, recipes: list[Recipe], adapter_folder: Path, dtype: DType, config: dict | None
+    ) -> tuple[list[Recipe], peft_lora.Adapter]:
         """Each recipe whose tensor the adapter changes, wrapped in a merge; the adapter is checked first."""
         adapter = peft_lora.load_adapter(adapter_folder)
         shapes = {name: shape for name, _, shape in (recipe.output(dtype) for recipe in recipes)}
@@ -38,8 +39,10 @@ class MergeLora(Recipe):
         tied = model_config.tied(config)
         if tied and any(name.endswith("lm_head.weight") for name in adapter.targets):
             # peft unties the head to merge it; transformers would tie it again on load and drop the change
-            raise CheckpointError(f"{adapter.path}: changes lm_head, which the base ties to its input embeddings "
-                                  "(tie_word_embeddings): not mergeable into a checkpoint that stays tied")  # fmt: skip
+            raise CheckpointError(
+                f"{adapter.path}: changes lm_head, which the base ties to its input embeddings "
+                "(tie_word_embeddings): not mergeable into a checkpoint that stays tied"
+            )
         if tied:
             # modules_to_save replacing the input embeddings: peft swaps in the saved copy, the head keeps the old one,
             # and merge_and_unload unties them; a checkpoint that stays tied would give the head the new one
@@ -48,10 +51,16 @@ class MergeLora(Recipe):
                 shape = shapes.get(name, ())
                 if target.kind != "replace" or len(shape) != 2:
                     continue
-                if shape[0] == vocab if vocab else name.endswith(("embed_tokens.weight", "wte.weight", "word_embeddings.weight")):
-                    raise CheckpointError(f"{adapter.path}: modules_to_save replaces '{name}', the input embeddings, which "
-                                          "the base ties to lm_head (tie_word_embeddings): peft unties them on merge and "
-                                          "keeps the old head; not mergeable into a checkpoint that stays tied")  # fmt: skip
+                if (
+                    shape[0] == vocab
+                    if vocab
+                    else name.endswith(("embed_tokens.weight", "wte.weight", "word_embeddings.weight"))
+                ):
+                    raise CheckpointError(
+                        f"{adapter.path}: modules_to_save replaces '{name}', the input embeddings, which "
+                        "the base ties to lm_head (tie_word_embeddings): peft unties them on merge and "
+                        "keeps the old head; not mergeable into a checkpoint that stays tied"
+                    )
         merged = []
         for recipe in recipes:
             name, code, _ = recipe.output(dtype)

@@ -25,8 +25,10 @@ class Transpose(Recipe):
     @classmethod
     def wrap(cls, quantized: dict[str, Recipe], config: dict | None) -> dict[str, Recipe]:
         """``quantized`` (name -> recipe) with each Conv1D layer's weight wrapped."""
-        return {name: cls(recipe) if conv1d.is_conv1d_weight(recipe.weight.name, config) else recipe
-                for name, recipe in quantized.items()}
+        return {
+            name: cls(recipe) if conv1d.is_conv1d_weight(recipe.weight.name, config) else recipe
+            for name, recipe in quantized.items()
+        }
 
     @property
     def sources(self) -> tuple:

@@ -33,8 +33,9 @@ class Pipeline:
 
         self.route, self.reader, self.progress = route, reader, progress
         self._readers = ThreadPoolExecutor(READ_AHEAD, thread_name_prefix="nf4convert-read")
-        self._makers = ThreadPoolExecutor(route.makers, thread_name_prefix="nf4convert-make",
-                                          initializer=route.maker_started)  # fmt: skip
+        self._makers = ThreadPoolExecutor(
+            route.makers, thread_name_prefix="nf4convert-make", initializer=route.maker_started
+        )
         self._writers = ThreadPoolExecutor(writers, thread_name_prefix="nf4convert-write")
         self._reads: deque = deque()
         self._makes: deque = deque()
@@ -55,8 +56,14 @@ class Pipeline:
         for pool in (self._readers, self._makers, self._writers):
             pool.shutdown(wait=True, cancel_futures=True)  # nothing runs on after a failure
         if self._started is not None:
-            profile.record(pipeline={"seconds": _now() - self._started, "pieces": self._pieces, "busy": self._busy,
-                                     "waited": self._waited})  # fmt: skip
+            profile.record(
+                pipeline={
+                    "seconds": _now() - self._started,
+                    "pieces": self._pieces,
+                    "busy": self._busy,
+                    "waited": self._waited,
+                }
+            )
             self._started = None
 
     def _timed(self, stage: str, started: float) -> None:

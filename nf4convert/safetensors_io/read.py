@@ -62,7 +62,9 @@ def _header_entry(path: Path, name: str, entry) -> tuple[str, tuple, int, int, i
     where = f"{path}: tensor {shown(name)}"
     if not isinstance(entry, dict) or entry.keys() != _ENTRY_KEYS:
         found = sorted(entry) if isinstance(entry, dict) else type(entry).__name__
-        raise CheckpointError(f"{where}: header entry must have exactly dtype, shape and data_offsets, not {shown(found)}")
+        raise CheckpointError(
+            f"{where}: header entry must have exactly dtype, shape and data_offsets, not {shown(found)}"
+        )
     dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
     if not isinstance(dtype, str) or dtype not in DTYPES:
         raise CheckpointError(f"{where}: unknown dtype {shown(dtype)}")
@@ -95,7 +97,9 @@ def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict]:
                 raise CheckpointError(f"{path}: not a safetensors file (shorter than its 8-byte header length)")
             (length,) = struct.unpack("<Q", prefix)
             if length > HEADER_LIMIT or 8 + length > size:
-                raise CheckpointError(f"{path}: corrupt or truncated safetensors header (length {length}, file {size} bytes)")
+                raise CheckpointError(
+                    f"{path}: corrupt or truncated safetensors header (length {length}, file {size} bytes)"
+                )
             raw = file.read(length)
     except OSError as error:
         raise CheckpointError(f"{path}: cannot read ({error.strerror or error})") from None
@@ -112,7 +116,9 @@ def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict]:
         try:
             text.encode("utf-8")
         except UnicodeEncodeError:  # a lone surrogate escape, which serde_json refuses
-            raise CheckpointError(f"{path}: corrupt safetensors header ('__metadata__' holds an invalid \\u escape)") from None
+            raise CheckpointError(
+                f"{path}: corrupt safetensors header ('__metadata__' holds an invalid \\u escape)"
+            ) from None
     entries = []
     for name, entry in header.items():
         _check_tensor_name(name, str(path))
@@ -130,14 +136,20 @@ def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict]:
         if end < begin:
             raise CheckpointError(f"{where}: data_offsets {[begin, end]} end before they begin")
         if end - begin != nbytes:
-            raise CheckpointError(f"{where}: has {end - begin} bytes, its shape {list(shape)} of {dtype} needs {nbytes}")
+            raise CheckpointError(
+                f"{where}: has {end - begin} bytes, its shape {list(shape)} of {dtype} needs {nbytes}"
+            )
         position = end
         tensors[name] = TensorInfo(name, dtype, shape, data_start + begin, data_start + end, path)
     if data_start + position != size:
         if data_start + position > size:
             last = shown(entries[-1][0])
-            raise CheckpointError(f"{path}: truncated: tensor {last} ends at byte {data_start + position}, the file has {size}")
-        raise CheckpointError(f"{path}: {size - data_start - position} bytes after the last tensor, which its header does not describe")
+            raise CheckpointError(
+                f"{path}: truncated: tensor {last} ends at byte {data_start + position}, the file has {size}"
+            )
+        raise CheckpointError(
+            f"{path}: {size - data_start - position} bytes after the last tensor, which its header does not describe"
+        )
     return tensors, metadata
 
 
@@ -181,7 +193,9 @@ def _unlisted_shards(folder: Path, listed: set[str]) -> set[str]:
     names = []
     for parent in {match[1].rpartition("/")[0] for file in listed if (match := _SHARD_NAME.fullmatch(file))}:
         try:
-            names += [f"{parent}/{name}" if parent else name for name in os.listdir(folder / parent if parent else folder)]
+            names += [
+                f"{parent}/{name}" if parent else name for name in os.listdir(folder / parent if parent else folder)
+            ]
         except OSError:
             continue  # a listed file there is then reported missing or unreadable by its own name
     return series_members(listed, names)
@@ -191,7 +205,11 @@ def series_members(listed: set[str], names: Iterable[str]) -> set[str]:
     """Of ``names`` (files by relative path), those of the shard series of the ``listed`` files (same prefix, same
     "-of-N") that are not listed (here and for a Hub repo's files, hub._copy_for_plan)."""
     series = {match.groups() for file in listed if (match := _SHARD_NAME.fullmatch(file))}
-    return {name for name in names if name not in listed and (match := _SHARD_NAME.fullmatch(name)) and match.groups() in series}
+    return {
+        name
+        for name in names
+        if name not in listed and (match := _SHARD_NAME.fullmatch(name)) and match.groups() in series
+    }
 
 
 def read_tensors(folder: Path) -> dict[str, TensorInfo]:
@@ -206,8 +224,11 @@ def read_tensors(folder: Path) -> dict[str, TensorInfo]:
         files = sorted(listed | _unlisted_shards(folder, listed))
     else:
         # Without an index every .safetensors file is the checkpoint's, but for a peft adapter's own file.
-        files = sorted(plain_relative(folder, p.name, str(folder)) for p in folder.glob("*.safetensors")
-                       if p.name != ADAPTER_WEIGHTS)  # fmt: skip
+        files = sorted(
+            plain_relative(folder, p.name, str(folder))
+            for p in folder.glob("*.safetensors")
+            if p.name != ADAPTER_WEIGHTS
+        )
     if not files:
         raise CheckpointError(f"{folder}: no .safetensors files (only safetensors checkpoints can be converted)")
     tensors: dict[str, TensorInfo] = {}
@@ -235,7 +256,9 @@ def read_tensors(folder: Path) -> dict[str, TensorInfo]:
     if weight_map is not None:
         for name, file in weight_map.items():
             if name not in tensors:
-                raise CheckpointError(f"{folder / file}: the index lists tensor {shown(name)} but the file does not hold it")
+                raise CheckpointError(
+                    f"{folder / file}: the index lists tensor {shown(name)} but the file does not hold it"
+                )
     return tensors
 
 
@@ -287,8 +310,10 @@ class TensorReader:
         if self._held is not None and info.path in self._held:
             first, end = info.begin + first_byte, info.begin + first_byte + count
             if not any(a <= first and end <= b for a, b in self._held[info.path]):
-                raise CheckpointError(f"{info.path}: tensor '{info.name}' ({info.nbytes} bytes) was not read from the Hub: "
-                                      "a dry run reads only headers and quant states; a conversion downloads the weights")  # fmt: skip
+                raise CheckpointError(
+                    f"{info.path}: tensor '{info.name}' ({info.nbytes} bytes) was not read from the Hub: "
+                    "a dry run reads only headers and quant states; a conversion downloads the weights"
+                )
         if out is None:
             import torch
 

@@ -30,7 +30,11 @@ def shard_header(tensors: Iterable) -> bytes:
     header: dict = {"__metadata__": dict(SHARD_METADATA)}
     offset = 0
     for tensor in tensors:
-        header[tensor.name] = {"dtype": tensor.dtype, "shape": list(tensor.shape), "data_offsets": [offset, offset + tensor.nbytes]}
+        header[tensor.name] = {
+            "dtype": tensor.dtype,
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + tensor.nbytes],
+        }
         offset += tensor.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # safetensors pads with spaces so the data starts 8-byte aligned

@@ -21,7 +21,11 @@ def output_stem(source: str, *, qualified: bool = False) -> str:
     (org/Llama-bnb-4bit -> Llama); ``qualified`` puts the owner (or parent folder) first: org--Llama."""
     name = QUANT_SUFFIX.sub("", model_name(source)) or model_name(source)
     if qualified:
-        parent = source.rstrip("/").split("/")[-2] if looks_like_repo_id(source) else expanded(source, "source").resolve().parent.name
+        parent = (
+            source.rstrip("/").split("/")[-2]
+            if looks_like_repo_id(source)
+            else expanded(source, "source").resolve().parent.name
+        )
         name = f"{parent}--{name}" if parent else name
     return name
 
@@ -43,7 +47,9 @@ def batch_stems(sources: list[str]) -> list[str]:
     for source, stem in zip(sources, lowered):
         if lowered.count(stem) > 1:
             others = [other for other, s in zip(sources, lowered) if s == stem and other != source]
-            raise ArgumentError(f"{source} and {others[0]} would both be written to '{stem}-<dtype>'; convert them apart with -o")
+            raise ArgumentError(
+                f"{source} and {others[0]} would both be written to '{stem}-<dtype>'; convert them apart with -o"
+            )
     return stems
 
 
@@ -57,8 +63,10 @@ def check_batch_root(output_root, folders) -> None:
             continue  # a Hub repo id (or a missing folder, which its conversion reports)
         where = placed(root, folder)
         if where in ("is", "inside"):
-            raise ArgumentError(f"-o {output_root}: is {'' if where == 'is' else 'inside '}the source folder {name}; "
-                                "outputs are never written into a source (choose another output root)")  # fmt: skip
+            raise ArgumentError(
+                f"-o {output_root}: is {'' if where == 'is' else 'inside '}the source folder {name}; "
+                "outputs are never written into a source (choose another output root)"
+            )
 
 
 def batch_output(output_root, stem: str, dtype: str) -> str:

@@ -60,7 +60,9 @@ def check_destination(output: Path, *, overwrite: bool) -> None:
     if not folder.is_dir():
         raise OutputError(f"{folder}: is a file, not a folder; the output cannot be made in it")
     if not os.access(folder, os.W_OK | os.X_OK):
-        raise OutputError(f"{folder}: cannot be written (a read-only file system or no permission); choose another output")
+        raise OutputError(
+            f"{folder}: cannot be written (a read-only file system or no permission); choose another output"
+        )
 
 
 def _existing_ancestor(output: Path) -> Path:
@@ -95,7 +97,9 @@ def check_not_source(output: Path, source: Path) -> None:
     if where in ("is", "holds"):
         raise OutputError(f"{output}: is the source checkpoint's folder (or holds it); choose another output")
     if where == "inside":
-        raise OutputError(f"{output}: is inside the source checkpoint's folder {source.resolve()}; choose another output")
+        raise OutputError(
+            f"{output}: is inside the source checkpoint's folder {source.resolve()}; choose another output"
+        )
 
 
 def free_space(output: Path) -> int:
@@ -116,8 +120,10 @@ def check_free_space(output: Path, needed: int) -> None:
     """OutputError unless OUT's file system has ``space_needed(needed)`` bytes free."""
     free = free_space(output)
     if free < space_needed(needed):
-        raise OutputError(f"{_existing_ancestor(output)}: {size_text(free)} free, the output needs "
-                          f"{size_text(space_needed(needed))} ({size_text(needed)} and {size_text(SPARE_BYTES)} of headroom)")  # fmt: skip
+        raise OutputError(
+            f"{_existing_ancestor(output)}: {size_text(free)} free, the output needs "
+            f"{size_text(space_needed(needed))} ({size_text(needed)} and {size_text(SPARE_BYTES)} of headroom)"
+        )
 
 
 @contextlib.contextmanager
@@ -130,7 +136,9 @@ def staging(output: Path):
     temporary = output.parent / f"{stem}-{os.getpid()}"
     try:
         for stale in output.parent.glob(f"{glob.escape(stem)}-*"):  # OUT's own, not x*'s
-            if stale.name.rpartition("-")[0] == temporary.name.rpartition("-")[0] and not _alive(stale.name.rpartition("-")[2]):
+            if stale.name.rpartition("-")[0] == temporary.name.rpartition("-")[0] and not _alive(
+                stale.name.rpartition("-")[2]
+            ):
                 shutil.rmtree(stale, ignore_errors=True)
     except OSError as error:
         raise OutputError(f"{output}: cannot be written ({_reason(error)})") from None
@@ -186,8 +194,9 @@ def move_into_place(temporary: Path, output: Path, *, overwrite: bool = False) -
     run wrote meanwhile is not replaced unless ``overwrite``."""
     old = None
     if output.exists() and not overwrite and (not output.is_dir() or any(output.iterdir())):
-        raise OutputError(f"{output}: appeared while converting (another run?); nothing of this run was kept",
-                          option="overwrite")  # fmt: skip
+        raise OutputError(
+            f"{output}: appeared while converting (another run?); nothing of this run was kept", option="overwrite"
+        )
     if output.exists():
         old = output.parent / _beside(output, OLD_SUFFIX)
         shutil.rmtree(old, ignore_errors=True)

@@ -47,9 +47,17 @@ def _interleaved(streams: list) -> Iterator:
                 yield item
 
 
-def write_shards(plan: Plan, folder: Path, reader: TensorReader, device, *, progress: Callable[[int], None],
-                 tensor_done: Callable[[int], None] = lambda done: None, route=None,
-                 settings: Settings | None = None) -> list[str]:  # fmt: skip
+def write_shards(
+    plan: Plan,
+    folder: Path,
+    reader: TensorReader,
+    device,
+    *,
+    progress: Callable[[int], None],
+    tensor_done: Callable[[int], None] = lambda done: None,
+    route=None,
+    settings: Settings | None = None,
+) -> list[str]:
     """Write every shard of ``plan`` into ``folder``, making each tensor by its recipe on ``device``
     (through ``route`` when given, closed here as one made here would be). Returns the names of the tensors written
     as fp16 with ±inf where their source may have held values beyond fp16's range (plan.may_exceed), in plan order."""
@@ -63,8 +71,10 @@ def write_shards(plan: Plan, folder: Path, reader: TensorReader, device, *, prog
     settings = settings or Settings()
     writeback = Writeback() if settings.writeback else None
     try:
-        with route or route_for(device, settings) as route, \
-                Pipeline(route, reader, progress, writers=settings.writers) as pipeline:
+        with (
+            route or route_for(device, settings) as route,
+            Pipeline(route, reader, progress, writers=settings.writers) as pipeline,
+        ):
             route.warm(plan, reader)
             writers: list[ShardWriter] = []
             try:
@@ -74,7 +84,9 @@ def write_shards(plan: Plan, folder: Path, reader: TensorReader, device, *, prog
                     for shard in group:
                         opened.append(ShardWriter(folder / shard.filename, shard.tensors, writeback))
                         writers.append(opened[-1])
-                    streams = [_shard_pieces(writer, shard, reader, route, one_done) for writer, shard in zip(opened, group)]
+                    streams = [
+                        _shard_pieces(writer, shard, reader, route, one_done) for writer, shard in zip(opened, group)
+                    ]
                     for writer, name, piece in _interleaved(streams):
                         pipeline.push(writer, name, piece)
                     pipeline.drain()

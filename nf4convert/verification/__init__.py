@@ -59,17 +59,29 @@ def _plan_source(folder: Path, output: Path, dtype: str, reader: TensorReader, a
     except CheckpointError:
         # OUT and SOURCE swapped: the "output" is the bitsandbytes checkpoint.
         try:
-            swapped = any(bnb4.STATE_KEY.match(name) or name.endswith(f".{bnb8.PARTS[0]}") for name in read_tensors(output))
+            swapped = any(
+                bnb4.STATE_KEY.match(name) or name.endswith(f".{bnb8.PARTS[0]}") for name in read_tensors(output)
+            )
         except CheckpointError:
             swapped = False
         if swapped:
-            raise ArgumentError(f"{output} is a bitsandbytes checkpoint and {folder} is not: the order is OUT, then SOURCE") from None
+            raise ArgumentError(
+                f"{output} is a bitsandbytes checkpoint and {folder} is not: the order is OUT, then SOURCE"
+            ) from None
         raise
 
 
-def verify(output: str | Path, source: str, *, device: str = "auto", adapter: str | None = None,
-           revision: str | None = None, token: str | None = None, cache_dir: str | None = None,
-           progress: bool = False) -> VerifyReport:  # fmt: skip
+def verify(
+    output: str | Path,
+    source: str,
+    *,
+    device: str = "auto",
+    adapter: str | None = None,
+    revision: str | None = None,
+    token: str | None = None,
+    cache_dir: str | None = None,
+    progress: bool = False,
+) -> VerifyReport:
     """Compare the converted checkpoint in ``output`` with ``source`` (and the LoRA ``adapter`` merged into it, by
     peft's own merge); mismatches go in the report, not exceptions.
 
@@ -96,13 +108,16 @@ def verify(output: str | Path, source: str, *, device: str = "auto", adapter: st
     chosen = pick_device(device, kernel=False)  # bitsandbytes recomputes: no Triton needed
     with _quiet_loggers():
         _reference_library("bitsandbytes")
-        folder, adapter_folder, _, _ = resolve_source(source, adapter, revision=revision, token=token, cache_dir=cache_dir,
-                                                      progress=progress)  # fmt: skip
+        folder, adapter_folder, _, _ = resolve_source(
+            source, adapter, revision=revision, token=token, cache_dir=cache_dir, progress=progress
+        )
         if adapter_folder is not None:
             _reference_library("peft")
         if folder.resolve() == output.resolve():
-            raise ArgumentError(f"{output} is given as both OUT and SOURCE: the order is the converted checkpoint, then "
-                                "the bitsandbytes one")  # fmt: skip
+            raise ArgumentError(
+                f"{output} is given as both OUT and SOURCE: the order is the converted checkpoint, then "
+                "the bitsandbytes one"
+            )
         return _verify(output, folder, adapter_folder, chosen, progress, tqdm)
 
 
@@ -136,8 +151,10 @@ def _reference_library(name: str) -> None:
         importlib.import_module(name)
     except Exception as error:  # noqa: BLE001  (ImportError, or a broken install failing inside its import)
         what = "LoRA merges (peft's own merge)" if name == "peft" else "the weights (bitsandbytes' dequantization)"
-        raise DependencyError(f"verify recomputes {what} with {name}, which cannot be imported ({type(error).__name__}: "
-                              f"{str(error).splitlines()[0] if str(error) else ''}); install it: pip install {name}") from None
+        raise DependencyError(
+            f"verify recomputes {what} with {name}, which cannot be imported ({type(error).__name__}: "
+            f"{str(error).splitlines()[0] if str(error) else ''}); install it: pip install {name}"
+        ) from None
 
 
 def _verify(output: Path, folder: Path, adapter_folder, chosen, progress: bool, tqdm) -> VerifyReport:
@@ -151,29 +168,41 @@ def _verify(output: Path, folder: Path, adapter_folder, chosen, progress: bool, 
         report.problems += audit.unexpected_files(plan, output, produced)
         report.problems += audit.metadata_problems(produced)
         expected = {tensor.name: tensor for tensor in plan.tensors}
-        report.problems += [f"{name}: in the source, missing from the output" for name in sorted(set(expected) - set(produced))]
-        report.problems += [f"{name}: in the output, not in the source" for name in sorted(set(produced) - set(expected))]
+        report.problems += [
+            f"{name}: in the source, missing from the output" for name in sorted(set(expected) - set(produced))
+        ]
+        report.problems += [
+            f"{name}: in the output, not in the source" for name in sorted(set(produced) - set(expected))
+        ]
         names = sorted(set(expected) & set(produced))
         context = Context(expected, *meta_model(plan.config))
         report.problems += audit.layout_problems(plan.tensors, context)
-        for name in tqdm(names, desc=f"verifying {output.name}", unit="tensor", disable=not progress, dynamic_ncols=True):
+        for name in tqdm(
+            names, desc=f"verifying {output.name}", unit="tensor", disable=not progress, dynamic_ncols=True
+        ):
             report.checked += 1
             problem = compare(expected[name], produced[name], source_reader, output_reader, chosen, report, context)
             if problem:
                 report.problems.append(f"{name}: {problem}")
     if context.unbuilt() is not None:
-        report.notes.append(f"config.json: transformers could not build the model from it ({context.unbuilt()}), so the "
-                            "shapes it loads and its Conv1D layers were not checked")  # fmt: skip
+        report.notes.append(
+            f"config.json: transformers could not build the model from it ({context.unbuilt()}), so the "
+            "shapes it loads and its Conv1D layers were not checked"
+        )
     return report
 
 
 def report_lines(report: VerifyReport) -> list[str]:
     libraries = "bitsandbytes and peft" if report.merged else "bitsandbytes"
-    lines = [f"{report.output}: {report.checked} tensors checked ({report.dequantized} recomputed by {libraries} on {report.device})"]
+    lines = [
+        f"{report.output}: {report.checked} tensors checked ({report.dequantized} recomputed by {libraries} on {report.device})"
+    ]
     lines += [f"  MISMATCH {problem}" for problem in report.problems[:20]]
     if len(report.problems) > 20:
         lines.append(f"  ... and {len(report.problems) - 20} more problems")
     lines += [f"  note: {note}" for note in report.notes]
     count = len(report.problems)
-    lines.append(f"OK: bit-exact with {libraries}" if report.ok else f"FAILED: {count} problem{'s' if count != 1 else ''}")
+    lines.append(
+        f"OK: bit-exact with {libraries}" if report.ok else f"FAILED: {count} problem{'s' if count != 1 else ''}"
+    )
     return lines

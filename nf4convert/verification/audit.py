@@ -27,8 +27,11 @@ def leftovers(produced: dict[str, TensorInfo], output: Path, expected_config: di
     quantization_config, the output's dtype recorded): what transformers would load the weights with. A source
     without a config.json gets none in its output."""
     suffixes = tuple("." + part for part in (*bnb4.PARTS, *bnb8.PARTS))
-    problems = [f"{name}: a quantization key remains in the output" for name in sorted(produced)
-                if bnb4.STATE_KEY.match(name) or name.endswith(suffixes)]  # fmt: skip
+    problems = [
+        f"{name}: a quantization key remains in the output"
+        for name in sorted(produced)
+        if bnb4.STATE_KEY.match(name) or name.endswith(suffixes)
+    ]
     config_path = output / "config.json"
     if expected_config is None:
         if config_path.exists() or config_path.is_symlink():
@@ -47,8 +50,11 @@ def leftovers(produced: dict[str, TensorInfo], output: Path, expected_config: di
     elif "quantization_config" in json.dumps(config):
         problems.append("config.json: quantization_config remains")
     elif _json_text(config) != _json_text(expected_config):
-        keys = sorted(k for k in set(config) | set(expected_config)
-                      if k not in config or k not in expected_config or _json_text(config[k]) != _json_text(expected_config[k]))  # fmt: skip
+        keys = sorted(
+            k
+            for k in set(config) | set(expected_config)
+            if k not in config or k not in expected_config or _json_text(config[k]) != _json_text(expected_config[k])
+        )
         problems.append(f"config.json: differs from the source's made dense (in {', '.join(keys[:5])})")
     return problems
 
@@ -58,30 +64,45 @@ def weight_file_problems(output: Path, produced: dict[str, TensorInfo]) -> list[
     named by ``model.safetensors.index.json``, whose ``metadata.total_size`` is their tensors' bytes, and no other
     ``.safetensors`` file (beside an index, a ``model.safetensors`` is what transformers loads). That the index maps
     exactly the output's tensors, each to the file holding it, read_tensors checked already (it refuses otherwise)."""
-    files = sorted(path.name for path in output.glob("*.safetensors")
-                   if not any(fnmatch.fnmatch(path.name, pattern) for pattern in FOREIGN_FILES))  # an adapter's: unexpected_files
+    files = sorted(
+        path.name
+        for path in output.glob("*.safetensors")
+        if not any(fnmatch.fnmatch(path.name, pattern) for pattern in FOREIGN_FILES)
+    )  # an adapter's: unexpected_files
     index = output / INDEX_NAME
     if not index.is_file():
         others = sorted(path.name for path in output.glob("*.safetensors.index.json"))
         if others:
-            return [f"{INDEX_NAME}: missing (the output's index is named {others[0]}, which transformers does not look for)"]
+            return [
+                f"{INDEX_NAME}: missing (the output's index is named {others[0]}, which transformers does not look for)"
+            ]
         if len(files) > 1:
             return [f"{INDEX_NAME}: missing; transformers loads none of the output's {len(files)} shards without it"]
         if files and files != ["model.safetensors"]:
-            return [f"{files[0]}: a single-file output must be named model.safetensors (the only name transformers looks for)"]
+            return [
+                f"{files[0]}: a single-file output must be named model.safetensors (the only name transformers looks for)"
+            ]
         return []
     listed = set(read_index(output).values())
     problems = []
     if "model.safetensors" in files and listed != {"model.safetensors"}:
         problems.append("model.safetensors: beside the index; transformers loads it and ignores the shards")
-    problems += [f"{name}: a .safetensors file the index does not name" for name in files if name not in listed | {"model.safetensors"}]
+    problems += [
+        f"{name}: a .safetensors file the index does not name"
+        for name in files
+        if name not in listed | {"model.safetensors"}
+    ]
     raw = strict_json(index.read_bytes(), INDEX_NAME)  # read_index has read it: JSON, an object
     metadata = raw.get("metadata")
     total = sum(info.nbytes for info in produced.values())
     if not isinstance(metadata, dict):
         problems.append(f"{INDEX_NAME}: no 'metadata' object (transformers' loader reads it)")
-    elif type(metadata.get("total_size")) is not int or metadata["total_size"] != total:  # 7.0e6 is not an int to loaders
-        problems.append(f"{INDEX_NAME}: metadata.total_size is {metadata.get('total_size')!r}, the shards hold {total} bytes of tensors")
+    elif (
+        type(metadata.get("total_size")) is not int or metadata["total_size"] != total
+    ):  # 7.0e6 is not an int to loaders
+        problems.append(
+            f"{INDEX_NAME}: metadata.total_size is {metadata.get('total_size')!r}, the shards hold {total} bytes of tensors"
+        )
     return problems
 
 
@@ -100,17 +121,23 @@ def unexpected_files(plan, output: Path, produced: dict[str, TensorInfo]) -> lis
             path = Path(folder) / name
             relative = path.relative_to(output).as_posix()
             if path.is_symlink():
-                problems.append(f"{relative}: a link (to {os.readlink(path)}); a conversion writes files, and the output "
-                                "would change with what the link points to")  # fmt: skip
+                problems.append(
+                    f"{relative}: a link (to {os.readlink(path)}); a conversion writes files, and the output "
+                    "would change with what the link points to"
+                )
             elif relative in written or name in IGNORED_FILES:
                 continue
             elif any(fnmatch.fnmatch(name, pattern) for pattern in FOREIGN_FILES):
-                problems.append(f"{relative}: in the output, but no conversion writes it (a loader would read it instead "
-                                "of, or beside, the converted weights)")  # fmt: skip
+                problems.append(
+                    f"{relative}: in the output, but no conversion writes it (a loader would read it instead "
+                    "of, or beside, the converted weights)"
+                )
             elif "/" not in relative and any(fnmatch.fnmatch(name, pattern) for pattern in theirs):
                 continue
             else:
-                problems.append(f"{relative}: in the output, but not in the source, and a conversion writes no such file")
+                problems.append(
+                    f"{relative}: in the output, but not in the source, and a conversion writes no such file"
+                )
     return sorted(problems)  # by path
 
 
@@ -135,7 +162,9 @@ def metadata_problems(produced: dict[str, TensorInfo]) -> list[str]:
     for file in sorted({info.path for info in produced.values()}):
         metadata = read_header(file)[1]
         if metadata != SHARD_METADATA:
-            problems.append(f"{file.name}: __metadata__ is {json.dumps(metadata)}, a conversion writes {json.dumps(SHARD_METADATA)}")
+            problems.append(
+                f"{file.name}: __metadata__ is {json.dumps(metadata)}, a conversion writes {json.dumps(SHARD_METADATA)}"
+            )
     return problems
 
 
@@ -151,7 +180,9 @@ def _same_bytes(original: Path, copy: Path) -> bool:
                     return True
             return False
     except OSError as error:  # a read error names no file: both are named
-        raise CheckpointError(f"{error.filename or f'{original} or {copy}'}: cannot be read ({error.strerror or error})") from None
+        raise CheckpointError(
+            f"{error.filename or f'{original} or {copy}'}: cannot be read ({error.strerror or error})"
+        ) from None
 
 
 def layout_problems(tensors, context) -> list[str]:
@@ -166,9 +197,13 @@ def layout_problems(tensors, context) -> list[str]:
             transposed = tensor.recipe.transposed
             if (layer.__name__ == "Conv1D") != transposed:
                 held = "(in, out), transposed" if transposed else "(out, in), as quantized"
-                problems.append(f"{tensor.name}: transformers' model has a {layer.__name__} there; the output holds it {held}")
+                problems.append(
+                    f"{tensor.name}: transformers' model has a {layer.__name__} there; the output holds it {held}"
+                )
                 continue
         loaded = context.parameter_shape(tensor.name)
         if loaded is not None and tuple(tensor.shape) != loaded:
-            problems.append(f"{tensor.name}: {list(tensor.shape)} from the source, transformers' model loads {list(loaded)} there")
+            problems.append(
+                f"{tensor.name}: {list(tensor.shape)} from the source, transformers' model loads {list(loaded)} there"
+            )
     return problems

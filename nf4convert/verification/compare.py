@@ -20,7 +20,9 @@ def compare(tensor, info: TensorInfo, source_reader, output_reader, device, repo
     except CheckpointError:
         raise
     except Exception as error:  # noqa: BLE001  (the reference library refused this input: a finding, not a crash)
-        return f"{who} could not recompute it ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})"
+        return (
+            f"{who} could not recompute it ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})"
+        )
     got = output_reader.tensor(info)
     differ = _bits(got) != _bits(expected)
     mismatches = int(differ.sum())

@@ -70,7 +70,9 @@ class CpuRoute:
             self._workers = _workers.Workers(processes, slots, self.piece_bytes)
         except OSError:  # no processes to be had (memory, a limit on their number): threads then
             self._workers = None
-        self._shared = Buffers(self.piece_bytes, False, self._workers, overflow=self._buffers) if self._workers else None
+        self._shared = (
+            Buffers(self.piece_bytes, False, self._workers, overflow=self._buffers) if self._workers else None
+        )
 
     def __enter__(self):
         return self
@@ -142,8 +144,18 @@ def _dequantize_4bit_on_cpu(packed, out, state) -> None:
     from ...kernels import cpu
 
     nested = state.state2
-    cpu.dequantize(packed, state.absmax, nested and nested.code, nested and nested.absmax, state.offset,
-                   bnb4.CODES[state.quant_type], out, state.dtype, state.blocksize, nested.blocksize if nested else 0)  # fmt: skip
+    cpu.dequantize(
+        packed,
+        state.absmax,
+        nested and nested.code,
+        nested and nested.absmax,
+        state.offset,
+        bnb4.CODES[state.quant_type],
+        out,
+        state.dtype,
+        state.blocksize,
+        nested.blocksize if nested else 0,
+    )
 
 
 def _dequantize_8bit_on_cpu(codes, out, scb, columns: int, out_type) -> None:

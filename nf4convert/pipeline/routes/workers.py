@@ -31,8 +31,10 @@ from typing import Callable
 
 from ...errors import WorkerError
 
-STOPPED = ("a worker process of the CPU route stopped (killed by the system: out of memory?); NF4CONVERT_PROCESSES=0 "
-           "makes the pieces on threads instead")
+STOPPED = (
+    "a worker process of the CPU route stopped (killed by the system: out of memory?); NF4CONVERT_PROCESSES=0 "
+    "makes the pieces on threads instead"
+)
 
 
 def usable() -> bool:
@@ -84,8 +86,12 @@ class Workers:
                 for _ in range(count):
                     ours, theirs = context.Pipe()
                     earlier = [end for _, end in self._all]
-                    process = context.Process(target=_serve, args=(theirs, [ours, *earlier], mapping, blocked),
-                                              name="nf4convert-cpu-worker", daemon=True)  # fmt: skip
+                    process = context.Process(
+                        target=_serve,
+                        args=(theirs, [ours, *earlier], mapping, blocked),
+                        name="nf4convert-cpu-worker",
+                        daemon=True,
+                    )
                     process.start()
                     theirs.close()
                     self._all.append((process, ours))

@@ -96,8 +96,9 @@ def quant_state_from_tensors(tensors: Mapping[str, torch.Tensor], device, *, fil
     from ...errors import CheckpointError
 
     # the weight's name: every key is "<name>.<part>", the packed JSON one "<name>.quant_state.bitsandbytes__nf4"
-    names = sorted({key.partition(".quant_state.")[0] if ".quant_state." in key else key.rpartition(".")[0]
-                    for key in tensors})  # fmt: skip
+    names = sorted(
+        {key.partition(".quant_state.")[0] if ".quant_state." in key else key.rpartition(".")[0] for key in tensors}
+    )
     where = f"{file}: " if file else ""
     weight = ", ".join(names) or "(no tensors)"
     try:

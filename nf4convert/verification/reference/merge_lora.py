@@ -23,10 +23,14 @@ def _skeleton_module(module: str, adapter, device, dtype, references: dict, laye
     params = {name.rpartition(".")[2]: value for name, value in references.items()}
     # The layer transformers' model has there, whatever kind of LoRA tensors the adapter holds: peft loads those of
     # the kind its layer calls for only, so a mismatch shows as a weight peft leaves unchanged.
-    embedding = lora is not None and (lora.kind == "embedding" if layer_class is None else issubclass(layer_class, torch.nn.Embedding))
+    embedding = lora is not None and (
+        lora.kind == "embedding" if layer_class is None else issubclass(layer_class, torch.nn.Embedding)
+    )
     if lora is not None:  # the base weight's shape, (out, in) / (rows, columns), from the LoRA factors of either kind
-        first, second = (lora.tensors[role] for role in (("lora_embedding_A", "lora_embedding_B") if lora.kind == "embedding"
-                                                          else ("lora_B", "lora_A")))  # fmt: skip
+        first, second = (
+            lora.tensors[role]
+            for role in (("lora_embedding_A", "lora_embedding_B") if lora.kind == "embedding" else ("lora_B", "lora_A"))
+        )
         dense = (first.shape[1], second.shape[0]) if lora.kind == "embedding" else (first.shape[0], second.shape[1])
         dense = tuple(params["weight"].shape) if "weight" in params else dense
     if embedding:
@@ -72,11 +76,15 @@ def reference(tensor, reader, device, context):
         references[name] = recomputed.to(device).reshape(sibling.shape)
     dtype = DTYPES[tensor.dtype].torch
     root = torch.nn.Module()
-    modules = {module: _skeleton_module(module, recipe.adapter, device, dtype, references, context.module_class(module))}
+    modules = {
+        module: _skeleton_module(module, recipe.adapter, device, dtype, references, context.module_class(module))
+    }
     if not any(t.module == module and t.kind in ("linear", "embedding") for t in recipe.adapter.targets.values()):
         # a modules_to_save module alone: peft refuses a model with no LoRA target, so one stands beside it
         lora = next(t for t in recipe.adapter.targets.values() if t.kind in ("linear", "embedding"))
-        modules[lora.module] = _skeleton_module(lora.module, recipe.adapter, device, dtype, {}, context.module_class(lora.module))
+        modules[lora.module] = _skeleton_module(
+            lora.module, recipe.adapter, device, dtype, {}, context.module_class(lora.module)
+        )
     for path, layer in modules.items():
         parent = root
         parts = path.split(".")
@@ -90,6 +98,8 @@ def reference(tensor, reader, device, context):
     config.inference_mode = True
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        peft_model = PeftModel.from_pretrained(root, str(recipe.adapter.folder), config=config, torch_device=str(device))
+        peft_model = PeftModel.from_pretrained(
+            root, str(recipe.adapter.folder), config=config, torch_device=str(device)
+        )
         merged = peft_model.merge_and_unload()
     return merged.get_parameter(tensor.name).detach()

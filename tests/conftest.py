@@ -10,6 +10,16 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` need CUDA (bitsandbytes' CUDA kernels, our Triton kernel on a GPU): skipped without it."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(autouse=True)
 def _seeded():
     """Every test starts from the same torch and random state: draws without an explicit generator repeat too."""

@@ -5,8 +5,8 @@ import random
 
 import pytest
 import torch
-from checkpoints8 import VARIANTS, build, model_class
-from helpers import OUT_DTYPES, bits
+from fixtures.checkpoints8 import VARIANTS, build, model_class
+from fixtures.weights import OUT_DTYPES, bits
 
 from nf4convert.safetensors_io.read import TensorReader, read_header, read_tensors
 from nf4convert.errors import CheckpointError
@@ -297,7 +297,7 @@ def test_plain_int8_tensors_and_old_checkpoints_without_weight_format(checkpoint
     assert all(w.weight_format is None and w.source_keys == (w.name, w.scb.name) for w in old)
 
 
-@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.gpu
 def test_cuda_equals_bitsandbytes_on_cuda_and_the_cpu(checkpoints, reader):
     rng = random.Random(80)
     generator = torch.Generator().manual_seed(80)

@@ -14,7 +14,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from checkpoints import VARIANTS, build, model_class
+from fixtures.checkpoints import VARIANTS, build, model_class
 from nf4convert.cli import main
 
 pytest.importorskip("bitsandbytes")
@@ -272,15 +272,13 @@ def test_verify_says_which_checks_it_could_not_run(tmp_path):
     assert "note" not in run("verify", tmp_path / "plain", example, "-q")
 
 
-@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_fp16_beyond_its_range_is_named_in_a_warning(tmp_path, device):
     # --dtype fp16 of a bf16 model turned values past 65504 into inf without a word
     from safetensors.torch import load_file, save_file
 
-    from helpers import quantize
+    from fixtures.weights import quantize
 
-    if device == "cuda" and not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
     example = Path(__file__).resolve().parents[1] / "examples" / "tiny-llama-bnb-4bit"
     source = tmp_path / "src"
     shutil.copytree(example, source)
@@ -669,7 +667,7 @@ def test_api_takes_paths_for_source_and_adapter(checkpoints, tmp_path):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from checkpoints import _configs
+    from fixtures.checkpoints import _configs
     from nf4convert import convert, verify
 
     source = checkpoints["llama-nf4-dq"]
@@ -776,7 +774,7 @@ def test_without_triton_auto_takes_the_cpu_and_cuda_is_one_line(monkeypatch, tmp
     # Triton is required on Linux only (no wheels elsewhere): without it, auto took the GPU and the kernel's import failed
     import nf4convert.devices
     import nf4convert.kernels
-    from helpers import quantize
+    from fixtures.weights import quantize
     from nf4convert import dequantize_4bit
     from nf4convert.devices import pick_device
     from nf4convert.errors import DependencyError

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 import nf4convert
-from helpers import OUT_DTYPES, bits, quantize
+from fixtures.weights import OUT_DTYPES, bits, quantize
 
 pytest.importorskip("bitsandbytes")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+needs_cuda = pytest.mark.gpu
 
 
 def test_filling_the_table_cache_while_tracing_does_not_recompile(monkeypatch):

@@ -2,7 +2,7 @@
 
 Every case draws fresh shapes and weights; the seed is printed in the test id so a failure can be
 replayed. The reference is nf4convert.reference (see helpers.bnb_reference_cpu), checked on its own by
-test_reference.py.
+test_cuda_arithmetic.py.
 """
 
 import os
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import nf4convert
-from helpers import OUT_DTYPES, STORAGE_DTYPES, bits, bnb_reference_cpu, nibbles, quantize
+from fixtures.weights import OUT_DTYPES, STORAGE_DTYPES, bits, bnb_reference_cpu, nibbles, quantize
 
 pytest.importorskip("bitsandbytes")
 
@@ -365,7 +365,7 @@ def test_kernel_variants_interpreted(config):
 def test_products_just_below_flt_min_flush_like_cuda(backend, case):
     # mul.ftz.f32 flushes a product whose 24-bit rounding (unbounded exponent) is below FLT_MIN, even where
     # rounding to the subnormal grid would give FLT_MIN; subnormal operands read as zeros (measured on an H100).
-    from test_reference import nested_window_state, window_state
+    from test_cuda_arithmetic import nested_window_state, window_state
 
     if case.startswith("nested"):
         offset = {"nested-offset-0": 0.0, "nested-offset-tiny": 2.0**-140, "nested-offset-negative": -3e-38}[case]

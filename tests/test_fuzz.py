@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 
 from nf4convert.safetensors_io.read import read_tensors
 from nf4convert.errors import CheckpointError
-from safetensors_files import join, our_reads, random_tensors, retile, safetensors_reads, split
+from fixtures.safetensors_files import join, our_reads, random_tensors, retile, safetensors_reads, split
 
 HEADER_CASES = 3000
 INDEX_CASES = 1000
@@ -587,7 +587,7 @@ def mutate_quant_state(rng: random.Random, meta: dict, log: list) -> dict:
 def quant_world(tmp_path_factory):
     """The example checkpoint's tensors (name -> (dtype, shape, bytes)), its 4-bit weights and config.json."""
     pytest.importorskip("bitsandbytes")
-    from safetensors_files import TORCH_DTYPES
+    from fixtures.safetensors_files import TORCH_DTYPES
 
     tensors = {}
     for path in sorted(EXAMPLE.glob("*.safetensors")):

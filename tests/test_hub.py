@@ -19,7 +19,7 @@ from urllib.parse import unquote, urlparse
 
 import pytest
 
-from checkpoints import _configs, build
+from fixtures.checkpoints import _configs, build
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 REPO = "test-org/tiny-llama-bnb-4bit"

@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-from fake_hub import READ_TOKEN, client_env, closed_port, serve
+from fixtures.fake_hub import READ_TOKEN, client_env, closed_port, serve
 from nf4convert.hub_errors import hub_error_line
 
 UNRESOLVABLE = "http://nf4convert-test.invalid"  # .invalid never resolves (RFC 6761)

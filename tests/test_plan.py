@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from helpers import quantize
+from fixtures.weights import quantize
 from nf4convert.safetensors_io.write import ShardWriter
 from nf4convert.safetensors_io.read import TensorReader, read_tensors
 from nf4convert.errors import ArgumentError, CheckpointError

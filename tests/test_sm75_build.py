@@ -20,7 +20,7 @@ def _build(*args):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     run = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "aot_build.py"), *args],
+        [sys.executable, str(ROOT / "tests" / "fixtures" / "aot_build.py"), *args],
         capture_output=True,
         text=True,
         env=env,

@@ -1,5 +1,5 @@
 """push_to_hub with the real huggingface_hub and hf_xet clients, against a local stand-in of the Hub
-(tests/fake_hub.py) that checks and keeps every byte it receives.
+(tests/fixtures/fake_hub.py) that checks and keeps every byte it receives.
 
 HF_ENDPOINT is read when huggingface_hub is imported, so each push runs in a subprocess with its own environment
 (its own HF_HOME too, so that nothing is read from or written to the user's Hub cache or login).
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from fake_hub import GITATTRIBUTES, READ_TOKEN, WRITE_TOKEN, client_env, closed_port, serve
+from fixtures.fake_hub import GITATTRIBUTES, READ_TOKEN, WRITE_TOKEN, client_env, closed_port, serve
 
 
 @pytest.fixture

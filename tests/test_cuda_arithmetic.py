@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import OUT_DTYPES, bits, nibbles, quantize
+from fixtures.weights import OUT_DTYPES, bits, nibbles, quantize
 
 F = pytest.importorskip("bitsandbytes.functional")
 
@@ -432,10 +432,10 @@ def _rescale(state, kind, rng):
         state.absmax = state.absmax * factor
 
 
-@pytest.mark.skipif(not CUDA, reason="needs CUDA: bitsandbytes' CUDA kernels are the truth")
+@pytest.mark.gpu  # bitsandbytes' CUDA kernels are the truth
 @pytest.mark.parametrize("shape,blocksize,quant_type,nested,kind,seed", _gpu_cases())
 def test_gpu_reference_equals_bnb_cuda(shape, blocksize, quant_type, nested, kind, seed):
-    from helpers import random_weight
+    from fixtures.weights import random_weight
 
     rng = random.Random(seed)
     weight = random_weight(shape, torch.float32, generator=torch.Generator().manual_seed(seed))
@@ -471,7 +471,7 @@ def test_gpu_reference_equals_bnb_cuda(shape, blocksize, quant_type, nested, kin
         assert ((fp16 != 0) & (fp16.abs() < 2.0**-14)).any()  # fp16 subnormals, rounded as CUDA does
 
 
-@pytest.mark.skipif(not CUDA, reason="needs CUDA: bitsandbytes' CUDA kernels are the truth")
+@pytest.mark.gpu  # bitsandbytes' CUDA kernels are the truth
 def test_gpu_rounding_windows_below_flt_min():
     for quant_type in ("nf4", "fp4"):
         packed, state = window_state(quant_type, seed=101)
@@ -485,7 +485,7 @@ def test_gpu_rounding_windows_below_flt_min():
             assert _mismatches(reference.dequantize_4bit(packed, state, dtype=dtype, device="cpu"), truth) == 0
 
 
-@pytest.mark.skipif(not CUDA, reason="needs CUDA: bitsandbytes' CUDA kernels are the truth")
+@pytest.mark.gpu  # bitsandbytes' CUDA kernels are the truth
 def test_gpu_large_weight_in_chunks():
     # bigger than a CPU chunk many times over, with a last chunk of fewer blocks
     weight = torch.randn(4096, 11008 + 64, generator=torch.Generator().manual_seed(5)) * 0.02
@@ -495,7 +495,7 @@ def test_gpu_large_weight_in_chunks():
     assert _mismatches(got, truth) == 0
 
 
-@pytest.mark.skipif(not CUDA, reason="needs CUDA: bitsandbytes' CUDA kernels are the truth")
+@pytest.mark.gpu  # bitsandbytes' CUDA kernels are the truth
 @pytest.mark.parametrize("nested", [False, True])
 def test_gpu_non_finite_scales_give_cudas_nan_bits(nested):
     # A NaN or infinite scale (a quant state given to the API: checkpoints with one are refused) makes NaNs (inf times

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import bits
+from fixtures.weights import bits
 from nf4convert.safetensors_io.read import TensorReader
 from nf4convert.errors import CheckpointError
 from nf4convert.formats import peft_lora
@@ -545,7 +545,7 @@ def test_truncated_adapter_file(linear_adapter, tmp_path):
     assert "adapter_config.json" in _error(lambda: peft_lora.load_adapter(folder))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 @pytest.mark.parametrize("kind", [kind for kind in KINDS if kind not in ONE_DTYPE])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_merge_matches_peft_cuda(kind, dtype, dense, tmp_path):

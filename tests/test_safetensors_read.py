@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 from nf4convert.safetensors_io.write import ShardWriter, shard_header
 from nf4convert.safetensors_io.read import TensorReader, read_header, read_index, read_tensors
 from nf4convert.errors import CheckpointError
-from safetensors_files import (
+from fixtures.safetensors_files import (
     TORCH_DTYPES,
     join,
     our_reads,

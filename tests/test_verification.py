@@ -12,7 +12,7 @@ import shutil
 import pytest
 from click.testing import CliRunner
 
-from checkpoints import build
+from fixtures.checkpoints import build
 from nf4convert.cli import main
 from nf4convert.errors import CheckpointError
 from nf4convert.verification import verify

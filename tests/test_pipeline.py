@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from helpers import bnb_reference_cpu, quantize
+from fixtures.weights import bnb_reference_cpu, quantize
 from nf4convert.pipeline import core as pipeline_core
 from nf4convert.pipeline import piece as pieces
 from nf4convert.pipeline.routes.cpu import CpuRoute
@@ -24,7 +24,6 @@ from nf4convert.settings import Settings
 from nf4convert.sinks.safetensors import write_shards
 from nf4convert.safetensors_io.write import ShardWriter
 from nf4convert.safetensors_io.read import TensorReader
-from nf4convert.formats import bnb8
 from nf4convert.plan import make_plan
 
 pytest.importorskip("bitsandbytes")
@@ -630,7 +629,7 @@ def test_positional_writes_in_any_order(tmp_path):
         short.close()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 @pytest.mark.parametrize("piece_bytes", [512, 1 << 20])  # 512: every piece outgrows its slot
 def test_cuda_route_writes_the_cpu_route_bytes(tmp_path, piece_bytes):
     source, _ = _checkpoint(tmp_path / "src", 7)

@@ -1,6 +1,6 @@
 """GPU tests: the kernel against bitsandbytes' CUDA kernels, bit for bit (skipped without CUDA).
 
-Run on a GPU machine with bitsandbytes installed: ``pytest tests/test_gpu.py``.
+Run on a GPU machine with bitsandbytes installed: ``pytest tests/test_dequantize_gpu.py``.
 """
 
 import random
@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import nf4convert
-from helpers import STORAGE_DTYPES, bits, quantize
+from fixtures.weights import STORAGE_DTYPES, bits, quantize
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = pytest.mark.gpu
 F = pytest.importorskip("bitsandbytes.functional") if torch.cuda.is_available() else None
 
 _rng = random.Random(20261124)  # fixed: the same cases (and test ids) every run
@@ -299,7 +299,7 @@ def test_sm75_code_path_runs_bit_exact_on_this_gpu(dtype, capability, tmp_path):
     cupy = pytest.importorskip("cupy")
     import numpy
 
-    from aot_build import compile_for
+    from fixtures.aot_build import compile_for
     from nf4convert.dequantize import _code_table, _fields
 
     for nested in (True, False):
@@ -348,9 +348,9 @@ def test_adapter_merge_on_cuda_equals_peft_on_cuda(kind, tmp_path):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from checkpoints import build
+    from fixtures.checkpoints import build
     from nf4convert.cli import main
-    from test_adapter_cli import KINDS, make_adapter
+    from fixtures.adapters import KINDS, make_adapter
 
     source = build(tmp_path / "src", "llama-nf4-dq", seed=3)
     adapter = make_adapter(tmp_path / "adapter", kind, seed=list(KINDS).index(kind) + 20)

@@ -5,7 +5,6 @@ and peft, not our merge code) accepts it."""
 from __future__ import annotations
 
 import json
-import math
 import subprocess
 import sys
 import warnings
@@ -14,37 +13,15 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from checkpoints import _configs, build
-from helpers import bits
+from fixtures.adapters import KINDS, make_adapter, peft_merged
+from fixtures.checkpoints import _configs, build
+from fixtures.weights import bits
 from nf4convert.safetensors_io.read import read_tensors
 from nf4convert.cli import main
 
 pytest.importorskip("peft")
 pytest.importorskip("bitsandbytes")
 warnings.filterwarnings("ignore", module="peft")
-
-ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
-KINDS = {  # kind -> LoraConfig arguments
-    "linear": dict(
-        r=4,
-        lora_alpha=8,
-        target_modules=[*ATTENTION, "gate_proj", "up_proj", "down_proj"],
-        rank_pattern={"q_proj": 6},
-        alpha_pattern={"v_proj": 5},
-    ),
-    "rslora-dora": dict(r=4, lora_alpha=16, use_dora=True, use_rslora=True, target_modules=["q_proj", "down_proj"]),
-    "embedding": dict(r=5, lora_alpha=9, target_modules=["embed_tokens", "o_proj"]),
-    "modules_to_save": dict(r=2, lora_alpha=3, target_modules=["v_proj"], modules_to_save=["lm_head", "norm"]),
-    "embeddings_to_save": dict(r=2, lora_alpha=3, target_modules=["v_proj"], modules_to_save=["embed_tokens"]),
-    # q_proj in both: peft saves it whole (no LoRA tensors) and merges that
-    "targeted-and-saved": dict(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"], modules_to_save=["q_proj"]),
-    "pattern": dict(r=4, lora_alpha=8, target_modules=r".*\.(q_proj|v_proj|up_proj)"),
-    # only square weights, and a config that says fan_in_fan_out: peft still merges them as nn.Linear
-    "square-fan-in-fan-out": dict(r=3, lora_alpha=5, target_modules=["q_proj", "o_proj"], fan_in_fan_out=True),
-    # GPT-2's Conv1D layers (weights (in, out)): peft merges them with fan_in_fan_out
-    "conv1d": dict(r=4, lora_alpha=8, target_modules=["c_attn", "c_proj", "c_fc"], fan_in_fan_out=True),
-    "conv1d-square-only": dict(r=3, lora_alpha=5, target_modules=["attn.c_proj"], fan_in_fan_out=True),
-}
 
 
 def run(*args, code=0):
@@ -65,42 +42,6 @@ def _base_and_dense(tmp_path_factory, variant: str, seed: int):
 def base(tmp_path_factory):
     """Llama."""
     return _base_and_dense(tmp_path_factory, "llama-nf4-dq", seed=3)
-
-
-def make_adapter(folder, kind, seed, base_model=None, arch="llama"):
-    from peft import LoraConfig, get_peft_model
-    from safetensors.torch import load_file, save_file
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(_configs()[arch]())
-    get_peft_model(model, LoraConfig(**KINDS[kind])).save_pretrained(folder)
-    path = folder / "adapter_model.safetensors"
-    generator = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for key, saved in load_file(path).items():  # peft starts lora_B at zero: random values everywhere
-        noise = torch.randn(saved.shape, generator=generator)
-        if key.endswith("lora_magnitude_vector"):
-            value = saved.float() * (1 + 0.3 * noise.tanh())
-        elif ".lora_" in key:
-            value = 0.3 * noise / math.sqrt(saved.shape[-1])
-        else:
-            value = saved.float() + 0.01 * noise
-        tensors[key] = value.to(torch.bfloat16 if seed % 2 else torch.float32).contiguous()
-    save_file(tensors, path, metadata={"format": "pt"})
-    config = json.loads((folder / "adapter_config.json").read_text())
-    config["base_model_name_or_path"] = base_model
-    config["fan_in_fan_out"] = KINDS[kind].get("fan_in_fan_out", False)  # as the user set it (peft saves its own)
-    (folder / "adapter_config.json").write_text(json.dumps(config))
-    return folder
-
-
-def peft_merged(dense_folder, adapter_folder):
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(dense_folder)  # in the dtype the conversion wrote
-    return PeftModel.from_pretrained(model, adapter_folder).merge_and_unload()
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,6 @@ from .errors import ArgumentError, Interrupted, Nf4ConvertError, Terminated
 from .signals import StopSignals
 from .sizes import DEFAULT_SHARD_SIZE
 
-
 # What a library error's ``option`` becomes on the command line.
 HINTS = {
     "overwrite": "pass --overwrite to replace it",
@@ -574,7 +573,8 @@ def batch_command(
 
         if result.free is not None:
             say(
-                f"to write: {result.needed / 1e9:.3f} GB for {len(result.rows) - result.failed} planned; free where it goes: "
+                f"to write: {result.needed / 1e9:.3f} GB for {len(result.rows) - result.failed} planned; "
+                f"free where it goes: "
                 f"{space_verdict(result.free, result.needed)}",
                 err=as_json,
             )

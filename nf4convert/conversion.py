@@ -16,7 +16,6 @@ from .hub import HeadersOnly, commit_of, looks_like_repo_id, model_name
 from .paths import expanded_output
 from .pipeline.routes import route_for
 from .plan import make_plan
-from .sizes import DEFAULT_SHARD_SIZE, parse_size
 from .safetensors_io.read import TensorReader
 from .settings import Settings
 from .signals import held as signals_held
@@ -24,6 +23,7 @@ from .sinks import output as lifecycle
 from .sinks.naming import default_output, output_stem, plain_name
 from .sinks.safetensors import write_shards
 from .sinks.side_files import write_side_files
+from .sizes import DEFAULT_SHARD_SIZE, parse_size
 from .source import as_text, named_sources, resolve_source, reworded
 
 
@@ -64,7 +64,8 @@ def _infinite_warning(names: list[str]) -> str | None:
         return None
     shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
     return (
-        f"{len(names)} tensor{'s hold' if len(names) != 1 else ' holds'} ±inf in fp16, values beyond its range (65504): "
+        f"{len(names)} tensor{'s hold' if len(names) != 1 else ' holds'} ±inf in fp16, "
+        "values beyond its range (65504): "
         f"{shown}; --dtype bf16 or fp32 keeps them finite"
     )
 
@@ -234,7 +235,8 @@ def convert(
 
     ``output`` defaults to ``<output_dir or .>/<stem>-<dtype>``, the stem being the model's name without
     its quantization suffix (``stem`` a plain folder name; ``output`` and ``output_dir`` are not given together;
-    ``~`` is expanded in ``source``, ``output`` and ``output_dir``). ``adapter`` (a folder or Hub repo id of a peft LoRA adapter) is merged into
+    ``~`` is expanded in ``source``, ``output`` and ``output_dir``). ``adapter`` (a folder or Hub repo id of a peft
+    LoRA adapter) is merged into
     the weights it changes, bit for bit as peft's ``merge_and_unload`` on the dense model; a ``source``
     that is itself an adapter means its base with it merged. Nothing is written unless the whole output
     is: it appears under its name only once complete. ``on_output(folder)`` is told where the output goes as soon as

@@ -77,7 +77,7 @@ def _fields(packed: torch.Tensor, quant_state: Any, out: Optional[torch.Tensor],
 def _refuse_amd(device: torch.device) -> None:
     """An AMD GPU's tensors (torch's "cuda" on a ROCm build): the Triton kernel (NVIDIA PTX) cannot run there. Its own
     function, apart from _pick_backend's raises: in that one, on torch 2.11 (Python 3.12), Dynamo then failed on its
-    later raises with an internal AssertionError instead of letting the ArgumentError out (results-h200-gpu-tests-v18)."""
+    later raises with an internal AssertionError instead of letting the ArgumentError out."""
     if device.type == "cuda" and torch.version.hip is not None:
         from .devices import AMD_GPU
 

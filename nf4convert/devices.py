@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from .errors import ArgumentError, DependencyError
 
-
 AMD_GPU = "an AMD GPU (ROCm), where the kernel, written with NVIDIA's PTX, cannot run"
 
 

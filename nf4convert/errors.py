@@ -10,7 +10,7 @@ resolve says which in ``option`` ("overwrite", "token", ...), and the CLI turns 
     ├── CheckpointError      a checkpoint file that is missing, truncated, corrupt, or not convertible
     ├── OutputError          the output cannot be written (exists, no space, not writable)
     ├── UploadError          pushing the output to the Hub failed
-    ├── DependencyError      a library the path taken needs cannot be imported (verify's bitsandbytes, peft; Triton on CUDA)
+    ├── DependencyError      a library the path taken needs cannot be imported (bitsandbytes, peft; Triton on CUDA)
     ├── WorkerError          a worker process of the CPU route stopped (killed by the system: out of memory?)
     └── InternalError        a broken invariant of nf4convert itself: a bug to report (also a RuntimeError)
 

@@ -10,7 +10,6 @@ from pathlib import Path
 from .errors import CheckpointError
 from .strict_json import shown
 
-
 # What reading refuses, and where that is stricter than safetensors itself (safetensors/src/tensor.rs,
 # read_metadata and Metadata::validate, which safe_open runs on the whole file):
 # - as safetensors: a header over 100 MB (its MAX_HEADER_SIZE, decimal) or past the end of the file; a header

@@ -41,9 +41,9 @@ ALLOW_PATTERNS = [
 # Fetched first when the caller checks a repo before its weights (``precheck``): enough to tell a checkpoint that is
 # not a bitsandbytes one, or an adapter, without downloading gigabytes.
 CONFIG_FILES = ["config.json", "adapter_config.json"]
-# A headers-only copy holds, of each weight file, its header and the tensors whose bytes a plan reads (formats.PLAN_READS:
-# quant states, code tables, nested absmax, 8-bit scales and formats, all small) up to this size each; reading any
-# other bytes of it is an error (checkpoint.TensorReader), never zeros.
+# A headers-only copy holds, of each weight file, its header and the tensors whose bytes a plan reads
+# (formats.PLAN_READS: quant states, code tables, nested absmax, 8-bit scales and formats, all small) up to this size
+# each; reading any other bytes of it is an error (safetensors_io.read.TensorReader), never zeros.
 PLAN_TENSOR_BYTES = 1 << 24
 _FIRST_BYTES = 100_000  # a file's first request: the whole header for 97% of the Hub's files (huggingface_hub's figure)
 _GAP_BYTES = 1 << 16  # such tensors this close together are fetched in one request
@@ -130,7 +130,8 @@ class HeadersOnly:
 @contextlib.contextmanager
 def _scratch_errors(source: str) -> Iterator[None]:
     """A local failure while making a headers-only copy (no temporary folder, no room, read-only): one line that
-    names where copies go, not a fetch error (the network's errors are OSErrors too, so only local steps are wrapped)."""
+    names where copies go, not a fetch error (the network's errors are OSErrors too, so only local steps are
+    wrapped)."""
     import os  # noqa: PLC0415
 
     from .errors import OutputError  # noqa: PLC0415
@@ -185,10 +186,11 @@ def resolve(
     if not looks_like_repo_id(source):
         raise SourceNotFoundError(f"{source}: no such folder (and not a Hub repo id like 'org/name')")
 
-    from huggingface_hub import snapshot_download  # noqa: PLC0415  (keeps CLI start-up fast)
+    from huggingface_hub import (
+        constants,  # noqa: PLC0415
+        snapshot_download,  # noqa: PLC0415  (keeps CLI start-up fast)
+    )
     from huggingface_hub import utils as errors  # noqa: PLC0415  (in huggingface_hub 0.24 its errors module lacks GatedRepoError)
-
-    from huggingface_hub import constants  # noqa: PLC0415
 
     fetch = dict(revision=revision, token=token, cache_dir=cache_dir)
     try:
@@ -214,7 +216,8 @@ def resolve(
         raise SourceNotFoundError(f"{source}: revision {revision!r} not found", option="revision") from None
     except errors.LocalEntryNotFoundError:
         raise SourceNotFoundError(
-            f"{source}: not in the Hub cache, and the Hub cannot be reached (offline: HF_HUB_OFFLINE is set or there is no network)"
+            f"{source}: not in the Hub cache, and the Hub cannot be reached "
+            "(offline: HF_HUB_OFFLINE is set or there is no network)"
         ) from None
     except Nf4ConvertError:  # the precheck's verdict
         raise
@@ -246,7 +249,7 @@ def _headers_only_patterns() -> list[str]:
 def _copy_for_plan(source: str, downloaded: Path, headers: HeadersOnly, token: str | None) -> Path:
     """The repo as a plan reads it: ``downloaded`` (a Hub cache snapshot of everything but the weights) itself where
     it holds the weights already; else a copy in ``headers``: those files copied, and each weight file the plan reads
-    (as checkpoint.read_tensors chooses them) at its size, sparse, holding its header and the tensors of formats.PLAN_READS
+    (as read_tensors chooses them) at its size, sparse, holding its header and the tensors of formats.PLAN_READS
     (fetched with range requests, several at once)."""
     import fnmatch  # noqa: PLC0415
     import shutil  # noqa: PLC0415
@@ -277,7 +280,8 @@ def _copy_for_plan(source: str, downloaded: Path, headers: HeadersOnly, token: s
             name for name in siblings if "/" not in name and name.endswith(".safetensors") and name != ADAPTER_WEIGHTS
         )
     if set(names) <= cached:
-        return downloaded  # every file the plan reads is in the cache (an earlier conversion's), or there is none (an adapter)
+        # every file the plan reads is in the cache (an earlier conversion's), or there is none (an adapter)
+        return downloaded
 
     folder = headers.new_copy(source, commit)
     patterns = _headers_only_patterns()
@@ -393,8 +397,8 @@ def _sparse_file(reader: _RangeReader, source: str, name: str, path: Path, bar) 
 
 
 def _plan_runs(tensors: dict, held: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """The byte ranges to fetch for a file's tensors that a plan reads (formats.PLAN_READS, at most PLAN_TENSOR_BYTES each;
-    a larger one is the plan's to refuse, by its size alone) not held yet, neighbours merged."""
+    """The byte ranges to fetch for a file's tensors that a plan reads (formats.PLAN_READS, at most PLAN_TENSOR_BYTES
+    each; a larger one is the plan's to refuse, by its size alone) not held yet, neighbours merged."""
     from .formats import PLAN_READS  # noqa: PLC0415
 
     wanted = sorted(

@@ -129,8 +129,8 @@ class BatchResult:
 
 
 def read_source_list(text: str) -> list[str]:
-    """The sources a ``--from-file`` list names, one a line: ``#`` at a line's start or after whitespace begins a comment
-    (one inside a path, ``h#1/x``, is the path's)."""
+    """The sources a ``--from-file`` list names, one a line: ``#`` at a line's start or after whitespace begins a
+    comment (one inside a path, ``h#1/x``, is the path's)."""
     listed = [re.sub(r"(?:^|\s)#.*", "", line).strip() for line in text.splitlines()]
     return [source for source in listed if source]
 

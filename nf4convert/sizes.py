@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from .errors import ArgumentError
 
-
 DEFAULT_SHARD_SIZE = "5GB"  # the one default, as transformers spells it (the CLI and the API show this)
 
 

@@ -11,7 +11,6 @@ import json
 
 from .errors import CheckpointError
 
-
 _SHOWN_CHARS = 120  # a hostile name or value is shortened in messages, so an error stays one readable line
 
 

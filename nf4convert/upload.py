@@ -24,8 +24,8 @@ from fnmatch import fnmatchcase
 from pathlib import Path
 from urllib.parse import quote
 
-from .files import ADAPTER_FILES, LOADED_WEIGHT_FILES
 from .errors import ArgumentError, UploadError
+from .files import ADAPTER_FILES, LOADED_WEIGHT_FILES
 from .hub import progress_bars
 from .hub_errors import hub_error_line
 
@@ -90,8 +90,8 @@ def push_to_hub(
     The repo is created if needed (private when ``private``; an existing public repo is refused rather than
     filled, since ``private`` cannot change it). Weight files at the repo's root that ``folder`` lacks
     (``REPLACED_FILES``: an earlier push's shards, a ``.bin`` copy, an adapter's files) are deleted in the same
-    commit, so the repo holds exactly the folder's weights. A ``revision`` that names a missing branch is created from the
-    default branch; ``refs/pr/N`` must exist. ``token`` defaults to HF_TOKEN or the saved login; ``progress=False``
+    commit, so the repo holds exactly the folder's weights. A ``revision`` that names a missing branch is created from
+    the default branch; ``refs/pr/N`` must exist. ``token`` defaults to HF_TOKEN or the saved login; ``progress=False``
     silences huggingface_hub's progress display for this call. A repo id or branch name the Hub refuses, or
     HF_HUB_OFFLINE on, is an ``ArgumentError`` (``check_target``); every other failure raises ``UploadError`` with one
     line naming the repo and the cause (network, token, HTTP status and the server's message).

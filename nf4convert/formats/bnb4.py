@@ -17,9 +17,9 @@ import struct
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator
 
-from ..strict_json import shown, strict_json
 from ..dtypes import BY_NAME, DTYPES, OUTPUT_DTYPES, to_float32
 from ..errors import ArgumentError, CheckpointError
+from ..strict_json import shown, strict_json
 
 if TYPE_CHECKING:
     import torch

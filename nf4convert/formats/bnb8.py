@@ -35,9 +35,9 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..safetensors_io.read import TensorInfo
 from ..dtypes import DTYPES, OUTPUT_DTYPES
 from ..errors import ArgumentError, CheckpointError
+from ..safetensors_io.read import TensorInfo
 
 if TYPE_CHECKING:
     import torch
@@ -83,8 +83,8 @@ def find_weights(tensors: dict[str, TensorInfo], reader: TensorReader) -> list[W
     """Every 8-bit quantized weight of a checkpoint, validated, in name order.
 
     ``tensors`` is the whole checkpoint (``checkpoint.read_tensors``: a weight and its SCB may sit in
-    different shards). Only each weight_format scalar and SCB (one float per row) is read, through ``reader``. An I8 tensor with
-    neither an SCB nor a weight_format beside it is a plain integer tensor and is not returned.
+    different shards). Only each weight_format scalar and SCB (one float per row) is read, through ``reader``. An I8
+    tensor with neither an SCB nor a weight_format beside it is a plain integer tensor and is not returned.
     Raises ``CheckpointError`` naming the file and tensor for anything that cannot be dequantized.
     """
     prefixes = {key[: -len(part)] for key in tensors for part in PARTS if key.endswith("." + part)}

@@ -87,7 +87,8 @@ def not_bitsandbytes(config: dict) -> str | None:
         return "config.json has no quantization_config: the weights are not quantized (already dense?)"
     methods = [q.get("quant_method") for q in found]
     if not any(not isinstance(m, str) or "bitsandbytes" in m.lower() for m in methods):
-        return f"config.json's quantization_config has quant_method {methods[0]!r}, not bitsandbytes (not convertible here)"
+        method = methods[0]
+        return f"config.json's quantization_config has quant_method {method!r}, not bitsandbytes (not convertible here)"
     dense_int8 = [
         q
         for q in found

@@ -38,11 +38,11 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..dtypes import DTYPES
+from ..errors import CheckpointError
 from ..files import ADAPTER_WEIGHTS, inside
 from ..safetensors_io.read import TensorInfo, read_header
 from ..strict_json import strict_json
-from ..dtypes import DTYPES
-from ..errors import CheckpointError
 from . import conv1d
 
 CONFIG_NAME = "adapter_config.json"
@@ -425,7 +425,8 @@ def load_adapter(folder: Path) -> Adapter:
 
     if config["ensure_weight_tying"] and any(t.kind in ("embedding", "replace") for t in targets.values()):
         raise CheckpointError(
-            f"{config_path}: ensure_weight_tying with adapted embeddings or modules_to_save: not mergeable tensor by tensor"
+            f"{config_path}: ensure_weight_tying with adapted embeddings or modules_to_save: "
+            "not mergeable tensor by tensor"
         )
     base = config.get("base_model_name_or_path")
     return Adapter(folder, path, config, base if isinstance(base, str) else None, targets, tensors)
@@ -528,7 +529,8 @@ def validate(adapter: Adapter, base: dict, *, config: dict | None = None) -> Ada
         replacement = target.tensors.get("base")
         if replacement is not None and tuple(replacement.shape) != shape:
             raise CheckpointError(
-                f"{path}: tensor '{replacement.name}' is {list(replacement.shape)}, the base's '{name}' is {list(shape)}"
+                f"{path}: tensor '{replacement.name}' is {list(replacement.shape)}, "
+                f"the base's '{name}' is {list(shape)}"
             )
         if target.kind == "replace":
             continue
@@ -536,7 +538,8 @@ def validate(adapter: Adapter, base: dict, *, config: dict | None = None) -> Ada
             lora_bias = target.tensors["lora_B.bias"]
             if len(shape) != 1 or tuple(lora_bias.shape) != shape:
                 raise CheckpointError(
-                    f"{path}: tensor '{lora_bias.name}' is {list(lora_bias.shape)}, the base's '{name}' is {list(shape)}"
+                    f"{path}: tensor '{lora_bias.name}' is {list(lora_bias.shape)}, "
+                    f"the base's '{name}' is {list(shape)}"
                 )
             continue
         if target.kind == "linear":

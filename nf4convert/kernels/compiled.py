@@ -2,13 +2,11 @@
 imports torch's compiler, seconds that eager launches and the converter need not pay).
 
 A triton_op lets Inductor see the kernel and launch it inside the graph; offset and the tables travel as tensors,
-so one compiled graph serves every layer of a model. Measured on an H200 (benchmarks/bench_compile.py, README):
-the compiled kernel's GPU time equals eager's; per weight, a compiled forward pays Inductor's launch path, which
-costs more host time than the eager launcher's replay unless Inductor's ``static_launch_user_defined_triton_kernels``
-hands the launch to torch's C++ launcher (README, torch.compile). Two other forms were measured and were slower: an opaque
-``torch.library.custom_op`` calling the eager launcher (124 us per call), and an op defined with
-``torch.library.define`` whose CUDA kernel replays the eager launch (1.5 to 2x eager per weight in a compiled
-forward, against 1.1 to 1.3x for this one).
+so one compiled graph serves every layer of a model. The compiled kernel's GPU time equals eager's; per weight, a
+compiled forward pays Inductor's launch path, which costs more host time than the eager launcher's replay unless
+Inductor's ``static_launch_user_defined_triton_kernels`` hands the launch to torch's C++ launcher (docs/performance.md).
+Two other forms were measured and were slower: an opaque ``torch.library.custom_op`` calling the eager launcher, and
+an op defined with ``torch.library.define`` whose CUDA kernel replays the eager launch.
 
 CPU tensors take their own op, an opaque ``torch.library.custom_op`` around the exact CPU path (``cpu.py``), with a
 fake implementation that gives Dynamo the output's shape and dtype. Opaque on purpose: traced, its fp32 multiplies and

@@ -111,8 +111,9 @@ def uses_torch(dtype: str) -> bool:
 
 
 def store(values: np.ndarray, out: np.ndarray, dtype: str, nan: bool = True, scratch: np.ndarray | None = None) -> None:
-    """fp32 ``values`` into ``out`` (a numpy array of ``DTYPES[dtype].numpy``, as many elements), rounded to nearest even;
-    ``nan``: ``values`` may hold NaNs (each becomes ``CANONICAL_NAN[dtype]``). ``scratch``: uint32 room for bf16."""
+    """fp32 ``values`` into ``out`` (a numpy array of ``DTYPES[dtype].numpy``, as many elements), rounded to nearest
+    even; ``nan``: ``values`` may hold NaNs (each becomes ``CANONICAL_NAN[dtype]``); ``scratch``: uint32 room for
+    bf16."""
     if dtype == "BF16":  # round to nearest even on the bits: add 0x7FFF and the kept part's last bit, keep the top half
         bits = values.view(np.uint32)
         carry = np.empty(values.size, dtype=np.uint32) if scratch is None else scratch[: values.size]

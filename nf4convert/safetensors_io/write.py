@@ -19,7 +19,6 @@ from typing import Iterable
 from ..errors import InternalError
 from .read import as_array
 
-
 # What every output shard's header says of itself, as torch's save_file writes it (verify checks it).
 SHARD_METADATA = {"format": "pt"}
 
@@ -94,7 +93,7 @@ class Writeback:
     def close(self) -> None:
         """Stop without waiting on the disk: the call running ends, the requests still queued are dropped (their
         ranges are written back as the kernel would anyway; a ``sync`` waits for them). Waiting for every request
-        instead made a run's exit wait for the disk (the 8B benchmark: its pipeline done by ~6.3 s, its exit at 11.0)."""
+        instead made a run's exit wait for the disk, seconds after its last write."""
         self._stop.set()
         if self._thread is not None:
             self._requests.put(None)

@@ -12,7 +12,6 @@ from ..hub import looks_like_repo_id, model_name
 from ..paths import expanded, expanded_output
 from .output import placed
 
-
 QUANT_SUFFIX = re.compile(r"-(?:bnb-)?(?:4bit|nf4|fp4|8bit|int8)$", re.IGNORECASE)
 
 

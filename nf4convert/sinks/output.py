@@ -12,7 +12,6 @@ import os
 import shutil
 from pathlib import Path
 
-
 from ..errors import OutputError
 from ..sizes import size_text
 
@@ -112,7 +111,7 @@ def free_space(output: Path) -> int:
 
 
 def space_needed(output_bytes: int) -> int:
-    """What OUT's file system must have free for an output of ``output_bytes``: those and ``SPARE_BYTES`` of headroom."""
+    """What OUT's file system must have free for an output of ``output_bytes``: those, and ``SPARE_BYTES`` more."""
     return output_bytes + SPARE_BYTES
 
 

@@ -195,7 +195,8 @@ def _verify(output: Path, folder: Path, adapter_folder, chosen, progress: bool, 
 def report_lines(report: VerifyReport) -> list[str]:
     libraries = "bitsandbytes and peft" if report.merged else "bitsandbytes"
     lines = [
-        f"{report.output}: {report.checked} tensors checked ({report.dequantized} recomputed by {libraries} on {report.device})"
+        f"{report.output}: {report.checked} tensors checked "
+        f"({report.dequantized} recomputed by {libraries} on {report.device})"
     ]
     lines += [f"  MISMATCH {problem}" for problem in report.problems[:20]]
     if len(report.problems) > 20:

@@ -18,7 +18,7 @@ from ..strict_json import strict_json
 
 
 def _json_text(value) -> str:
-    """JSON as compared: by its text, so that 4 and 4.0, or false and 0 (equal in Python), differ as loaders see them."""
+    """JSON as compared: by its text, so that 4 and 4.0, or false and 0 (equal in Python), differ as loaders do."""
     return json.dumps(value, sort_keys=True)
 
 
@@ -80,7 +80,8 @@ def weight_file_problems(output: Path, produced: dict[str, TensorInfo]) -> list[
             return [f"{INDEX_NAME}: missing; transformers loads none of the output's {len(files)} shards without it"]
         if files and files != ["model.safetensors"]:
             return [
-                f"{files[0]}: a single-file output must be named model.safetensors (the only name transformers looks for)"
+                f"{files[0]}: a single-file output must be named model.safetensors "
+                "(the only name transformers looks for)"
             ]
         return []
     listed = set(read_index(output).values())
@@ -101,7 +102,8 @@ def weight_file_problems(output: Path, produced: dict[str, TensorInfo]) -> list[
         type(metadata.get("total_size")) is not int or metadata["total_size"] != total
     ):  # 7.0e6 is not an int to loaders
         problems.append(
-            f"{INDEX_NAME}: metadata.total_size is {metadata.get('total_size')!r}, the shards hold {total} bytes of tensors"
+            f"{INDEX_NAME}: metadata.total_size is {metadata.get('total_size')!r}, "
+            f"the shards hold {total} bytes of tensors"
         )
     return problems
 

@@ -103,8 +103,8 @@ class Workers:
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
     def slot(self, nbytes: int):
-        """A fresh slot of the mapping (uint8 numpy array of the slot's size), or None when ``nbytes`` does not fit one or
-        every slot has been handed out. Slots are handed out once; the route's pool reuses them."""
+        """A fresh slot of the mapping (uint8 numpy array of the slot's size), or None when ``nbytes`` does not fit one
+        or every slot has been handed out. Slots are handed out once; the route's pool reuses them."""
         if nbytes > self._slot_bytes or self._handed == self._slots:
             return None
         first = self._handed * self._slot_bytes
@@ -228,7 +228,7 @@ def _one_torch_thread() -> bool:
     return torch is not None
 
 
-# --- arguments across the pipe -----------------------------------------------------------------------------------------
+# --- arguments across the pipe -----------------------------------------------------------------------------------
 
 
 @dataclasses.dataclass

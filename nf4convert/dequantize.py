@@ -99,7 +99,7 @@ def _compiled(packed, quant_state, fields, out, backend):
     """Under torch.compile: a registered op per backend, whose tables and offset travel as tensors. CUDA (and the
     Triton interpreter): the triton_op. CPU: an opaque custom op around the exact CPU path, so that Inductor cannot
     contract its multiplies and adds into FMAs (kernels/compiled.py)."""
-    from .kernels import compiled  # noqa: F401, PLC0415  (registers the ops)
+    from .kernels import compiled  # noqa: F401  (registers the ops)
 
     absmax, code2, absmax2, offset, nested_blocksize = fields
     shape = tuple(quant_state.shape)
@@ -182,7 +182,7 @@ def dequantize_4bit(
         dequantize_tensors(packed, absmax, code2, absmax2, offset, code, out, quant_state.blocksize, nested_blocksize)
     else:
         try:
-            from .kernels import launch  # noqa: PLC0415
+            from .kernels import launch
         except ImportError as error:
             if (error.name or "").split(".")[0] != "triton":
                 raise

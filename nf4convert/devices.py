@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import glob
+import importlib.util
+import math
+import os
+import sys
+from pathlib import Path
+
 from .errors import ArgumentError, DependencyError
 
 AMD_GPU = "an AMD GPU (ROCm), where the kernel, written with NVIDIA's PTX, cannot run"
@@ -16,7 +23,6 @@ def on_amd_gpu() -> bool:
 
 def has_triton() -> bool:
     """Whether Triton, the CUDA kernel's compiler, is installed (the package requires it on Linux only)."""
-    import importlib.util
 
     return importlib.util.find_spec("triton") is not None
 
@@ -32,8 +38,6 @@ def gpu_driver_present() -> bool:
     """Whether this machine shows a GPU driver's device files (NVIDIA's /dev/nvidia*, AMD's /dev/kfd, WSL2's /dev/dxg,
     through which Windows lends its GPUs): without them torch sees no CUDA device, so ``auto`` picks the CPU without
     importing torch (seconds with a CUDA build)."""
-    import glob
-    import os
 
     return (
         bool(glob.glob("/dev/nvidia[0-9]*"))
@@ -48,7 +52,6 @@ def pick_device(device: str, *, kernel: bool = True):
     without Triton where the kernel runs (``kernel=False``: verify, whose references are bitsandbytes and peft).
     Where torch is not needed to tell (``cpu``; ``auto`` on Linux without a GPU driver) and not imported yet, the
     string "cpu": the CPU route runs without torch."""
-    import sys
 
     if device == "cpu" or (device == "auto" and sys.platform.startswith("linux") and not gpu_driver_present()):
         return "cpu" if sys.modules.get("torch") is None else sys.modules["torch"].device("cpu")
@@ -79,9 +82,6 @@ def cpu_cores(cgroup_root: str = "/sys/fs/cgroup", own_cgroup: str = "/proc/self
     quota (cgroup v2 ``cpu.max`` or v1 ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``, of this process's cgroup and
     each one above it; a quota of 1.5 cores counts 2). At least 1; a cgroup file that cannot be read or parsed is
     no quota."""
-    import math
-    import os
-    from pathlib import Path
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import fnmatch
 import os
-from pathlib import Path
+from pathlib import Path, PureWindowsPath
 
 from .errors import CheckpointError
 from .strict_json import shown
@@ -53,7 +53,6 @@ ADAPTER_FILES = ("adapter_config.json", "adapter_model.*")
 
 def plain_relative(folder: Path, file, where: str) -> str:
     """``file`` if it names a ``.safetensors`` file by a plain relative path inside ``folder``."""
-    from pathlib import PureWindowsPath
 
     if not isinstance(file, str) or not file:
         raise CheckpointError(f"{where}: file name {shown(file)} is not a non-empty string")

@@ -6,18 +6,31 @@ HF_HUB_OFFLINE, HF_HOME / HF_HUB_CACHE and HF_TOKEN; only what conversion needs 
 A plan alone (a dry run) downloads no weights: :class:`HeadersOnly` puts each safetensors file of the repo into a
 scratch folder as a sparse file that holds the file's header and its quant states, read with HTTP range requests
 (as ``huggingface_hub``'s ``get_safetensors_metadata`` reads headers), and nothing else.
+
+huggingface_hub is imported inside the functions that use it: its import takes a good part of a second, which a
+local conversion and ``--help`` need not pay.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fnmatch
+import os
 import re
+import shutil
+import struct
+import tempfile
 import warnings
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from .errors import ArgumentError, Nf4ConvertError, SourceNotFoundError
+from .errors import ArgumentError, Nf4ConvertError, OutputError, SourceNotFoundError
+from .files import ADAPTER_WEIGHTS  # an adapter's own weights are small and read whole
+from .formats import PLAN_READS
+from .hub_errors import hub_error_line
 from .paths import expanded
+from .safetensors_io.read import HEADER_LIMIT, read_header, read_index, series_members
 
 # What a conversion needs: the weights and their index, configs, tokenizer files, chat templates,
 # model cards, licenses and remote code. Not .bin / .pt / .gguf copies of the same weights.
@@ -103,7 +116,6 @@ class HeadersOnly:
         self.copies: dict[str, tuple[Path, str | None]] = {}
 
     def new_copy(self, source: str, commit: str | None) -> Path:
-        import tempfile  # noqa: PLC0415
 
         with _scratch_errors(source):
             if self.scratch is None:
@@ -121,7 +133,6 @@ class HeadersOnly:
         return None
 
     def remove(self) -> None:
-        import shutil  # noqa: PLC0415
 
         if self.scratch is not None:
             shutil.rmtree(self.scratch, ignore_errors=True)
@@ -132,9 +143,6 @@ def _scratch_errors(source: str) -> Iterator[None]:
     """A local failure while making a headers-only copy (no temporary folder, no room, read-only): one line that
     names where copies go, not a fetch error (the network's errors are OSErrors too, so only local steps are
     wrapped)."""
-    import os  # noqa: PLC0415
-
-    from .errors import OutputError  # noqa: PLC0415
 
     try:
         yield
@@ -187,10 +195,10 @@ def resolve(
         raise SourceNotFoundError(f"{source}: no such folder (and not a Hub repo id like 'org/name')")
 
     from huggingface_hub import (
-        constants,  # noqa: PLC0415
-        snapshot_download,  # noqa: PLC0415  (keeps CLI start-up fast)
+        constants,
+        snapshot_download,  # keeps CLI start-up fast
     )
-    from huggingface_hub import utils as errors  # noqa: PLC0415  (in huggingface_hub 0.24 its errors module lacks GatedRepoError)
+    from huggingface_hub import utils as errors  # in huggingface_hub 0.24 its errors module lacks GatedRepoError
 
     fetch = dict(revision=revision, token=token, cache_dir=cache_dir)
     try:
@@ -222,15 +230,12 @@ def resolve(
     except Nf4ConvertError:  # the precheck's verdict
         raise
     except Exception as error:  # noqa: BLE001  (network, HTTP, xet, file system: one line that keeps the cause)
-        from .hub_errors import hub_error_line  # noqa: PLC0415
-
         raise SourceNotFoundError(f"{source}: cannot be fetched: {hub_error_line(error)}") from None
 
 
 def _check_cached_weights(source: str, folder: Path) -> None:
     """Offline, the cache's snapshot must hold the weights its index lists. huggingface_hub 0.24 returns a snapshot
     without them (a dry run's, which fetched everything else) as if complete; the plan would then blame the repo."""
-    from .safetensors_io.read import read_index  # noqa: PLC0415
 
     weight_map = read_index(folder)
     if weight_map is not None and any(not (folder / name).is_file() for name in set(weight_map.values())):
@@ -241,7 +246,6 @@ def _check_cached_weights(source: str, folder: Path) -> None:
 
 
 def _headers_only_patterns() -> list[str]:
-    from .files import ADAPTER_WEIGHTS  # noqa: PLC0415  (an adapter's own weights are small and read whole)
 
     return [pattern for pattern in ALLOW_PATTERNS if pattern != "*.safetensors"] + [ADAPTER_WEIGHTS]
 
@@ -251,15 +255,9 @@ def _copy_for_plan(source: str, downloaded: Path, headers: HeadersOnly, token: s
     it holds the weights already; else a copy in ``headers``: those files copied, and each weight file the plan reads
     (as read_tensors chooses them) at its size, sparse, holding its header and the tensors of formats.PLAN_READS
     (fetched with range requests, several at once)."""
-    import fnmatch  # noqa: PLC0415
-    import shutil  # noqa: PLC0415
-    from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415
 
-    from huggingface_hub import HfApi  # noqa: PLC0415
-    from huggingface_hub.utils import tqdm as hub_tqdm  # noqa: PLC0415  (hidden with huggingface_hub's bars)
-
-    from .files import ADAPTER_WEIGHTS  # noqa: PLC0415
-    from .safetensors_io.read import read_index, series_members
+    from huggingface_hub import HfApi
+    from huggingface_hub.utils import tqdm as hub_tqdm  # hidden with huggingface_hub's bars
 
     weight_map = read_index(downloaded)
     cached = {p.relative_to(downloaded).as_posix() for p in downloaded.rglob("*.safetensors") if p.is_file()}
@@ -313,8 +311,8 @@ class _RangeReader:
     is read."""
 
     def __init__(self, source: str, commit: str | None, token: str | None):
-        from huggingface_hub import constants, hf_hub_url  # noqa: PLC0415
-        from huggingface_hub.utils import build_hf_headers  # noqa: PLC0415
+        from huggingface_hub import constants, hf_hub_url
+        from huggingface_hub.utils import build_hf_headers
 
         self.source, self.commit, self.url = source, commit, hf_hub_url
         self.headers = build_hf_headers(token=token)
@@ -323,7 +321,7 @@ class _RangeReader:
     def read(self, name: str, first: int, end: int) -> tuple[bytes, int]:
         """Bytes ``[first, end)`` of file ``name`` (fewer where the file ends first) and the file's size. The answer's
         status and headers are checked before its body is read: a whole file is never taken in by mistake."""
-        from huggingface_hub.utils import hf_raise_for_status  # noqa: PLC0415
+        from huggingface_hub.utils import hf_raise_for_status
 
         url = self.url(self.source, name, revision=self.commit)
         where = f"{self.source}: {name}: the Hub answered a request for bytes {first}-{end - 1}"
@@ -360,7 +358,7 @@ class _RangeReader:
 def _streamed(url: str, headers: dict, timeout) -> Iterator[tuple]:
     """(response, read its body) for a GET whose body is not read yet, with huggingface_hub's retries: its
     ``http_stream_backoff`` (huggingface_hub 1.0 and later, httpx), or ``http_backoff`` with requests' ``stream``."""
-    from huggingface_hub import utils  # noqa: PLC0415
+    from huggingface_hub import utils
 
     if hasattr(utils, "http_stream_backoff"):
         with utils.http_stream_backoff("GET", url, headers=headers, timeout=timeout) as response:
@@ -376,9 +374,6 @@ def _streamed(url: str, headers: dict, timeout) -> Iterator[tuple]:
 def _sparse_file(reader: _RangeReader, source: str, name: str, path: Path, bar) -> tuple[str, Path, dict, list]:
     """Write ``path`` at the size of the repo's file ``name``, holding its first bytes and whole header; read that
     header as any checkpoint's is read (checkpoint.read_header). (name, path, its tensors, the byte ranges held)."""
-    import struct  # noqa: PLC0415
-
-    from .safetensors_io.read import HEADER_LIMIT, read_header  # noqa: PLC0415
 
     data, size = reader.read(name, 0, _FIRST_BYTES)
     pieces = [(0, data)]
@@ -399,7 +394,6 @@ def _sparse_file(reader: _RangeReader, source: str, name: str, path: Path, bar) 
 def _plan_runs(tensors: dict, held: list[tuple[int, int]]) -> list[tuple[int, int]]:
     """The byte ranges to fetch for a file's tensors that a plan reads (formats.PLAN_READS, at most PLAN_TENSOR_BYTES
     each; a larger one is the plan's to refuse, by its size alone) not held yet, neighbours merged."""
-    from .formats import PLAN_READS  # noqa: PLC0415
 
     wanted = sorted(
         (t.begin, t.end)
@@ -420,7 +414,6 @@ def _plan_runs(tensors: dict, held: list[tuple[int, int]]) -> list[tuple[int, in
 def _fill(
     reader: _RangeReader, source: str, name: str, path: Path, run: tuple[int, int], bar
 ) -> tuple[Path, tuple[int, int]]:
-    import os  # noqa: PLC0415
 
     data, _ = reader.read(name, *run)
     if len(data) != run[1] - run[0]:

@@ -7,7 +7,9 @@ how long the pipeline's caller waited on it). Off, every call here is a no-op.
 
 from __future__ import annotations
 
+import json
 import os
+import sys
 from pathlib import Path
 
 _enabled = [False]  # this run's settings.profile, set by start()
@@ -48,9 +50,6 @@ def record(**fields) -> None:
 def report() -> None:
     """Print the report (once) on stderr."""
     if _enabled[0] and _marks:
-        import json
-        import sys
-
         mark("reported")
         print(json.dumps({"profile": {"marks": dict(_marks), **_fields}}), file=sys.stderr, flush=True)
         _marks.clear()

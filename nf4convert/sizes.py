@@ -3,6 +3,8 @@ and byte counts in messages. Imports nothing heavy: the command line's ``--help`
 
 from __future__ import annotations
 
+from decimal import Decimal, InvalidOperation
+
 from .errors import ArgumentError
 
 DEFAULT_SHARD_SIZE = "5GB"  # the one default, as transformers spells it (the CLI and the API show this)
@@ -10,7 +12,6 @@ DEFAULT_SHARD_SIZE = "5GB"  # the one default, as transformers spells it (the CL
 
 def parse_size(text: str | int) -> int:
     """'5GB', '500MB', '2GiB', '1.5GB' or a number of bytes -> bytes (decimal units like transformers)."""
-    from decimal import Decimal, InvalidOperation
 
     if isinstance(text, int) and not isinstance(text, bool):
         size = text

@@ -3,6 +3,8 @@ module has, and what shape each parameter. Imports transformers (seconds) only w
 
 from __future__ import annotations
 
+import functools
+import logging
 from typing import Callable
 
 
@@ -11,8 +13,6 @@ def meta_model(config: dict | None) -> tuple[Callable, Callable, Callable]:
     from ``config`` (on the meta device, no weights), each None where that cannot be built or has no such part: the
     answers to "Linear, Conv1D or Embedding?" and "what shape does the model load here?" from transformers' own model
     (verify's, and the adapter check's where a name does not tell: formats/peft_lora.py). Built when first asked."""
-    import functools
-    import logging
 
     failure = []
 

@@ -14,6 +14,8 @@ A push makes the repo's weights the folder's: the files at the repo's root that 
 without being told a file name, and that the folder does not have, are deleted in the same (first) commit
 (``upload_folder``'s ``delete_patterns``). Otherwise a ``model.safetensors`` left by an earlier push beside new
 ``model-0000i-of-0000N.safetensors`` shards is what transformers loads (it prefers the single file to an index).
+
+huggingface_hub is imported inside the functions that use it (its import cost is for a push alone to pay).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from urllib.parse import quote
 
 from .errors import ArgumentError, UploadError
 from .files import ADAPTER_FILES, LOADED_WEIGHT_FILES
-from .hub import progress_bars
+from .hub import looks_like_repo_id, progress_bars
 from .hub_errors import hub_error_line
 
 COMMIT_SHA = re.compile(r"[0-9a-fA-F]{40}")
@@ -44,10 +46,8 @@ def check_target(repo_id: str, revision: str | None) -> None:
     """ArgumentError for a push that cannot happen, found before any work: a repo id the Hub refuses (huggingface_hub's
     own check), a branch name git refuses or a commit hash as the branch, or huggingface_hub's offline switch
     (HF_HUB_OFFLINE) on."""
-    from huggingface_hub import constants  # noqa: PLC0415
-    from huggingface_hub.utils import HFValidationError, validate_repo_id  # noqa: PLC0415
-
-    from .hub import looks_like_repo_id
+    from huggingface_hub import constants
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
 
     try:
         validate_repo_id(repo_id)
@@ -107,7 +107,7 @@ def push_to_hub(
     if not any(folder.iterdir()):
         raise UploadError(f"{folder}: the folder is empty, nothing to upload")
 
-    from huggingface_hub import HfApi  # noqa: PLC0415  (keeps CLI start-up fast)
+    from huggingface_hub import HfApi  # keeps CLI start-up fast
 
     api = HfApi(token=token)
     try:

@@ -34,7 +34,7 @@ import sys
 
 import numpy as np
 
-from ..dtypes import DTYPES, to_float32
+from ..dtypes import BY_NAME, DTYPES, to_float32
 
 CHUNK_BYTES = 1 << 17  # packed bytes per chunk: 1 MiB of fp32 scratch
 PROCESS_CHUNK_BYTES = 1 << 15  # in a worker process: 256 KiB of fp32 scratch
@@ -203,8 +203,6 @@ def dequantize_tensors(
     """:func:`dequantize` on CPU tensors (the public function's and the compiled op's CPU path): ``packed`` contiguous
     bytes into contiguous ``out``."""
     import torch
-
-    from ..dtypes import BY_NAME
 
     def array(tensor):
         return None if tensor is None else tensor.detach().contiguous().numpy()

@@ -13,6 +13,8 @@ from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
+from . import configs
+
 
 class LaunchKey(NamedTuple):
     data_ptr: int
@@ -90,7 +92,6 @@ class ReplayCache:
         return result if entry.replay(result) else None
 
     def remember(self, packed: torch.Tensor, quant_state: Any, replay: Callable[[torch.Tensor], bool]) -> None:
-        from . import configs
 
         self._configs = configs
         state_id = id(quant_state)

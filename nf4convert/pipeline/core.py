@@ -11,7 +11,9 @@ out), whatever the model; buffers are reused (the route's pools).
 
 from __future__ import annotations
 
+import time
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
 from .. import profile
@@ -29,7 +31,6 @@ class Pipeline:
 
     def __init__(self, route, reader: TensorReader, progress: Callable[[int], None], *, writers: int):
         """``writers``: threads writing at once (one per shard written at once serves best)."""
-        from concurrent.futures import ThreadPoolExecutor
 
         self.route, self.reader, self.progress = route, reader, progress
         self._readers = ThreadPoolExecutor(READ_AHEAD, thread_name_prefix="nf4convert-read")
@@ -111,7 +112,6 @@ class Pipeline:
         self._step(0, 0, 0)
 
     def _step(self, reads: int, makes: int, writes: int) -> None:
-        from concurrent.futures import Future
 
         while len(self._reads) > reads:
             writer, name, piece, future = self._reads.popleft()
@@ -150,6 +150,5 @@ def holds_inf(raw) -> bool:
 
 
 def _now() -> float:
-    import time
 
     return time.perf_counter()

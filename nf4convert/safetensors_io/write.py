@@ -8,10 +8,12 @@ the header), then the raw little-endian tensor bytes.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import queue
 import struct
+import sys
 import threading
 from pathlib import Path
 from typing import Iterable
@@ -115,11 +117,9 @@ class Writeback:
 
 def _sync_file_range():
     """libc's ``sync_file_range`` through ctypes (Python's os module has no binding), or None."""
-    import sys
 
     if not sys.platform.startswith("linux"):
         return None
-    import ctypes
 
     try:
         call = ctypes.CDLL(None, use_errno=True).sync_file_range

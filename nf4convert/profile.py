@@ -1,4 +1,4 @@
-"""NF4CONVERT_PROFILE=1: where a conversion's time goes, for benchmarks/bench_convert.py.
+"""NF4CONVERT_PROFILE=1: where a conversion's time goes (benchmarks/bench_convert.py prints it).
 
 At the end of a conversion, one JSON line on stderr: the process's age (seconds since it started) at each
 marked moment of the run, and the pipeline's stages (each stage's busy seconds summed over its threads, and

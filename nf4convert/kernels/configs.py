@@ -32,17 +32,11 @@ class Config:
 
 
 CONFIGS = {
-    # Measured on an H100 and an H200 with CUDA-graph timing (bench_dequant.py --timer graph: kernels back to back,
-    # no timer step; benchmarks/results-h100-dequant-graph-2026-11-23.log, results-h200-dequant-graph-2026-11-23.log).
-    # Above 2 MiB packed, evict_first hints with 4 warps per 2 KiB tile are the fastest config on the H100 or within
-    # 0.4% of it (0.6% in results-h100-dequant-graph-v2, where 8 warps with hints led at 28672x8192 16-bit), and
-    # within 1.6% of each H200 run's best, ahead of Unsloth's fused kernel at every shape on both;
-    # 8 warps, the H100's earlier choice past 16 MiB, tie there on the H100 and are 15% slower on the H200 for
-    # 16-bit outputs (170.9 vs 148.5 us at 28672x8192 fp16).
-    # fp32 outputs past 64 MiB packed (8x the bytes out): 4 KiB tiles over 8 warps, with the hints. At 28672x8192
-    # 1.2% faster on the H200 (261.7 vs 264.8 us, 95.4% of the copy floor against 94.3%) and 0.2% on the H100
-    # (366.7 vs 367.4); at 28 MiB (14336x4096) +0.3% on the H200 but -0.35% on the H100, at 8 MiB slower on both
-    # (results-h200-dequant-fp32-2026-11-23.log, results-h100-dequant-graph-v2-2026-11-23.log).
+    # Measured on an H100 and an H200 with CUDA-graph timing (docs/performance.md). Above 2 MiB packed, evict_first
+    # hints with 4 warps per 2 KiB tile are the fastest config on the H100 or within a fraction of a percent of it,
+    # and close to each H200 run's best; 8 warps tie on the H100 and lose on the H200 for 16-bit outputs.
+    # fp32 outputs past 64 MiB packed (8x the bytes out): 4 KiB tiles over 8 warps, with the hints, a little faster on
+    # both GPUs at the largest shapes and slower at small ones.
     (): (
         (1 << 16, Config(512, 2, False)),
         (1 << 21, Config(1024, 4, True)),
@@ -56,10 +50,8 @@ CONFIGS = {
 # Tables for a GPU model whose best configs differ from its compute capability's (matched in the device name;
 # an H100 and an H200 share compute capability 9.0 and 132 SMs yet differ in memory).
 GPU_CONFIGS: dict = {
-    # H200: the default table, and for 16-bit outputs past 64 MiB packed 4 KiB tiles over 4 warps with the hints.
-    # At 28672x8192 faster than the default row in all 10 comparisons of five graph-timed runs, fp16 and bf16: by 0.2
-    # to 2.1% (144.6-148.5 us against 145.4-150.1), and 6.2% in one run whose default-row fp16 rounds were disturbed
-    # (results-h200-dequant-evgrid, -graph-final, -variants and -graph-v4-2026-11-23.log). Not measured on the H100.
+    # H200: the default table, and for 16-bit outputs past 64 MiB packed 4 KiB tiles over 4 warps with the hints,
+    # faster than the default row in every graph-timed comparison at the largest shape. Not measured on the H100.
     "H200": (*CONFIGS[()][:4], (None, Config(4096, 4, True), 2), CONFIGS[()][4]),
 }
 _override: Optional[Config] = None

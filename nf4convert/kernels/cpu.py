@@ -18,10 +18,9 @@ CUDA's in about 1 element of 5000).
 
 Work goes in chunks of whole quant blocks, through one reused fp32 scratch of a chunk: gathered, scaled, rounded.
 Each pass is one numpy call, which lets go of Python's lock; a chunk that stays in a core's L2 cache between the
-passes keeps memory traffic to the packed bytes in and the output out. On this project's 2-core development machine
-(numpy 2.4, benchmarks/bench_cpu_scaling.py, results-cpu-scaling-numpy-2026-11-24.log) 128 KiB of packed bytes per
-chunk made 1.2 GB/s of bf16 on one thread and 1.9 on two, against 0.6 and 1.1 at 4 MiB; smaller chunks gained a
-little on one thread and lost on two, where the calls wait on the lock: ``CHUNK_BYTES``. A worker process (the CPU
+passes keeps memory traffic to the packed bytes in and the output out: chunks of ``CHUNK_BYTES`` packed bytes were
+about twice as fast as chunks of megabytes, and smaller ones lost on two threads, where the calls wait on the lock
+(benchmarks/bench_cpu_scaling.py). A worker process (the CPU
 route's, workers.py) has no one to share the lock with and takes ``PROCESS_CHUNK_BYTES`` as its ``CHUNK_BYTES``.
 
 Casts of plain tensors (:func:`cast`) live here too: every float conversion of the converter is this module's.
@@ -104,9 +103,9 @@ def ftz_multiply(values: np.ndarray, scale: np.ndarray) -> np.ndarray:
 
 
 def uses_torch(dtype: str) -> bool:
-    """Whether storing ``dtype`` takes torch: fp16, whose conversion numpy makes one element at a time (8x slower than
-    torch's vectorized one on normal results, 290x on fp16 subnormals: benchmarks/bench_fp16_cast.py on an AVX512 CPU
-    with numpy 2.4, results-fp16-cast-2026-11-24.log); bf16 and fp32 are numpy's own work (:func:`store`)."""
+    """Whether storing ``dtype`` takes torch: fp16, whose conversion numpy makes one element at a time (many times
+    slower than torch's vectorized one, most on fp16 subnormals: benchmarks/bench_fp16_cast.py); bf16 and fp32 are
+    numpy's own work (:func:`store`)."""
     return dtype == "F16"
 
 
@@ -181,8 +180,8 @@ def cast(source: np.ndarray, source_dtype: str, out: np.ndarray, dtype: str) -> 
     """Plain tensor bytes of float ``source_dtype`` into ``out`` (bytes of float ``dtype``), as torch's CPU casts
     round every number; a NaN becomes ``CANONICAL_NAN[dtype]`` (torch's NaN bits depend on the CPU). Where torch is
     imported already (the CUDA route, a plan that needs it) or the target is fp16, torch's own cast does it, straight
-    from the source dtype: one pass, 5-15x faster than numpy's, and on torch's threads where the caller has them (the
-    CUDA route's one maker thread); the bits are the same either way (tests/test_casts.py)."""
+    from the source dtype: one pass, several times faster than numpy's, and on torch's threads where the caller has
+    them (the CUDA route's one maker thread); the bits are the same either way (tests/test_casts.py)."""
     if uses_torch(dtype) or _torch_loaded():
         import torch
 

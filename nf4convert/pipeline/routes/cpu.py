@@ -90,9 +90,8 @@ class CpuRoute:
 
     def warm(self, plan, reader: TensorReader) -> None:
         """Where the plan needs torch (_needs_torch), import it now (the makers and workers then run it on one thread
-        each), and fork the workers again if they were forked without it: each would import it on its own (on the H200
-        machine, fp16 out: 2.8 GB of memory with the workers, and the pipeline 3x slower), where forked now they share
-        this process's pages of it."""
+        each), and fork the workers again if they were forked without it: each would import it on its own (gigabytes of
+        memory with many workers, and a slower pipeline), where forked now they share this process's pages of it."""
         had_torch = sys.modules.get("torch") is not None
         needs_torch = any(_needs_torch(tensor) for tensor in plan.tensors)
         if self._threads is None and (had_torch or needs_torch):  # torch in use: casts take it too (cpu.cast)

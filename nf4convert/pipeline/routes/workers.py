@@ -1,10 +1,9 @@
 """The CPU route's worker processes: 4-bit and 8-bit pieces made outside this process's interpreter lock.
 
 A thread decodes a piece in a few calls into numpy and torch; each call lets go of Python's lock and takes it back
-when it returns. With many threads they wait on that lock more than they decode. On the H200 machine's 16 cores
-the 8B-shaped conversion's pipeline (benchmarks/bench_convert.py) took 6.7-6.9 s with 8 threads and 4.2-4.3 s with
-8 worker processes; 12 processes starved the writers of cores (11.6 s). Logs: results-h200-convert-processes- and
-results-h200-cpu-scaling-v2-2026-11-24.log.
+when it returns. With many threads they wait on that lock more than they decode; worker processes do not, and on a
+16-core machine took the CPU route's pipeline well past what threads reached (docs/performance.md). Too many starve
+the readers and writers of cores (routes/cpu.py: one per two cores).
 
 - The workers are forked when the route is made, from the thread that makes it, before the pipeline's threads
   start. They share what this process has imported (numpy, the CPU kernel): nothing to import again. torch is not
@@ -46,8 +45,8 @@ def usable() -> bool:
 
 class Workers:
     """``count`` forked worker processes, each answering one caller at a time over a pipe of its own, and a shared
-    mapping of ``slots`` slots of ``slot_bytes`` each. (concurrent.futures' process pool took 0.5 ms a call through
-    its queues and threads, a fifth of a piece's decode; a pipe per worker takes a few tens of microseconds.)"""
+    mapping of ``slots`` slots of ``slot_bytes`` each. (concurrent.futures' process pool spends a good part of a
+    piece's decode per call in its queues and threads; a pipe per worker takes a few tens of microseconds.)"""
 
     def __init__(self, count: int, slots: int, slot_bytes: int):
         import mmap

@@ -208,7 +208,7 @@ def _block_scales(quant_state: Any, first_block: int, last_block: int, operands:
     code2, absmax2, offset, shift = operands["code2"], operands["absmax2"], operands["offset"], operands["shift"]
     quantized = quant_state.absmax[first_block:last_block].cpu().long()
     nested_block = torch.arange(first_block, last_block) >> shift
-    # index_select, not code2[quantized]: torch's advanced indexing is ~400x slower on the CPU here
+    # index_select, not code2[quantized]: torch's advanced indexing is far slower on the CPU
     scale = _multiply_ftz(code2.index_select(0, quantized), absmax2.index_select(0, nested_block))
     scale += offset  # bitsandbytes' `absmax += offset`: its own fp32 add, after the flushed product
     return _flush_operand(scale)

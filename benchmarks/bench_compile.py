@@ -34,8 +34,8 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import gc
 import datetime
+import gc
 import io
 import json
 import pstats
@@ -220,7 +220,8 @@ def list_kernels(shape, dtype=torch.float16, weights_only=True, mode=None, layer
     torch.cuda.synchronize()
     eager_s, compiled_s = paired_seconds(lambda: model(x), lambda: compiled(x))
     print(
-        f"===== {layers} layers, mode {mode}: per layer of a synchronized forward, eager {eager_s / layers * 1e6:.1f} us, "
+        f"===== {layers} layers, mode {mode}: per layer of a synchronized forward, eager "
+        f"{eager_s / layers * 1e6:.1f} us, "
         f"compiled {compiled_s / layers * 1e6:.1f} us"
     )
     for name, forward in (("eager", model), ("compiled", compiled)):
@@ -232,7 +233,8 @@ def list_kernels(shape, dtype=torch.float16, weights_only=True, mode=None, layer
         print(profiler.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
     for name, forward in (("eager", model), ("compiled", compiled)):
         print(
-            f"===== {name}: host time of a {layers}-weight forward, {host_us(lambda: forward(x), calls=500):.1f} us; cProfile:"
+            f"===== {name}: host time of a {layers}-weight forward, {host_us(lambda: forward(x), calls=500):.1f} us; "
+            "cProfile:"
         )
         profiler = cProfile.Profile()
         profiler.enable()
@@ -444,7 +446,8 @@ def print_table(env, rows):
     print(
         f"\n{env['gpu']}, torch {env['torch']}, Triton {env['triton']}, {env['date']}; stacks of {counts} layers; us. "
         "op: do_bench median / host per call. layers, weights, dense: per layer (the slope between the stacks), "
-        f"fixed: per forward beyond its layers, eager/compiled; forward x: a {counts[-1]}-layer forward, compiled over eager "
+        f"fixed: per forward beyond its layers, eager/compiled; forward x: a {counts[-1]}-layer forward, compiled "
+        "over eager "
         "(layers/weights/dense)"
     )
     header = [

@@ -40,7 +40,6 @@ import tempfile
 import time
 from pathlib import Path
 
-
 LLAMA_8B = dict(
     hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256
 )
@@ -291,7 +290,8 @@ def main():
         "--warm",
         action="store_true",
         help="first convert a one-layer checkpoint of the same shapes "
-        "once on each nf4convert route, untimed: Triton's cache filled, as after a user's first run (a route given its own "
+        "once on each nf4convert route, untimed: Triton's cache filled, as after a user's first run (a route given "
+        "its own "
         "TRITON_CACHE_DIR is not: cuda+TRITON_CACHE_DIR=/tmp/empty is a fresh machine's first run)",
     )
     parser.add_argument(
@@ -311,7 +311,8 @@ def main():
     dense = build_source(source, options.layers)
     source_bytes = sum(p.stat().st_size for p in source.glob("*.safetensors"))
     print(
-        f"source: {source_bytes / 1e9:.2f} GB in {time.perf_counter() - started:.1f} s; dense output {dense / 1e9:.2f} GB",
+        f"source: {source_bytes / 1e9:.2f} GB in {time.perf_counter() - started:.1f} s; dense output "
+        f"{dense / 1e9:.2f} GB",
         flush=True,
     )
 
@@ -430,7 +431,8 @@ def main():
         f"{dense / 1e9:.2f} GB of bf16 out"
     )
     print(
-        "| route | s (exit) | GB/s | x dd | s (+sync) | GB/s | x dd | peak RssAnon | peak Pss with children | first write at s | pipeline s | done at s "
+        "| route | s (exit) | GB/s | x dd | s (+sync) | GB/s | x dd | peak RssAnon | peak Pss with children | first "
+        "write at s | pipeline s | done at s "
         "| busy r/m/w s | waited r/m/w s |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")

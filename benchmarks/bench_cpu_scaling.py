@@ -125,7 +125,8 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for row in results:
         print(
-            f"| {row['threads']} | {row['what']} | {row['chunk'] or '-'} | {row['seconds']:.3f} | {row['out_gbps']:.2f} |"
+            f"| {row['threads']} | {row['what']} | {row['chunk'] or '-'} | {row['seconds']:.3f} | "
+            f"{row['out_gbps']:.2f} |"
         )
 
 

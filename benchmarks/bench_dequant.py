@@ -361,7 +361,8 @@ def main():
         default="default",
         type=variant_set,
         help="the launch variants measured beside ours: a few (default), every tile x warps (grid; "
-        "evgrid: with evict_first hints; persistent: fixed grids), none, or names from those, comma-separated (t4k.w8.ev,t2k.w8)",
+        "evgrid: with evict_first hints; persistent: fixed grids), none, or names from those, comma-separated "
+        "(t4k.w8.ev,t2k.w8)",
     )
     options = parser.parse_args()
 
@@ -456,7 +457,8 @@ def print_table(env, bandwidth, rows, harness):
     peers = [n for n in ("bnb", "bnb_ctypes", "unsloth_fused") if n in names]
     print(
         f"\n{env['gpu']}, torch {env['torch']}, Triton {env['triton']}, bitsandbytes {env['bitsandbytes']}, "
-        f"{env['date']}; copy bandwidth {bandwidth / 1e9:.0f} GB/s; one-program kernel {env['launch_floor_us']:.1f} us; "
+        f"{env['date']}; copy bandwidth {bandwidth / 1e9:.0f} GB/s; one-program kernel {env['launch_floor_us']:.1f} "
+        "us; "
         f"median us ({env.get('timer', 'do_bench')}, {env.get('rounds', 1)} round(s)); * = not bit-exact"
     )
     header = ["shape", "dtype", "floor", "expand", "writes"] + names + [f"ours/{p}" for p in peers] + ["ours %floor"]

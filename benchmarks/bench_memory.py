@@ -107,7 +107,8 @@ def main():
     import transformers
 
     print(
-        f"\n{platform.processor() or platform.machine()}, {__import__('os').cpu_count()} cores, torch {torch.__version__}, "
+        f"\n{platform.processor() or platform.machine()}, {__import__('os').cpu_count()} cores, torch "
+        f"{torch.__version__}, "
         f"transformers {transformers.__version__}, "
         f"Python {platform.python_version()}, {datetime.date.today().isoformat()}"
     )
@@ -116,11 +117,13 @@ def main():
     print("|---|---|---|---|---|")
     for name, r in results.items():
         print(
-            f"| {name} | {r['peak_anon_mb']:.0f} MB | {r['peak_rss_mb']:.0f} MB | {r['seconds']:.1f} s | {r['output_gb']:.2f} GB |"
+            f"| {name} | {r['peak_anon_mb']:.0f} MB | {r['peak_rss_mb']:.0f} MB | {r['seconds']:.1f} s | "
+            f"{r['output_gb']:.2f} GB |"
         )
     ours, theirs = results["nf4convert"], results["transformers"]
     print(
-        f"nf4convert: {ours['peak_anon_mb'] / theirs['peak_anon_mb']:.2f}x the memory, {ours['seconds'] / theirs['seconds']:.2f}x the time"
+        f"nf4convert: {ours['peak_anon_mb'] / theirs['peak_anon_mb']:.2f}x the memory, "
+        f"{ours['seconds'] / theirs['seconds']:.2f}x the time"
     )
     if not options.keep and options.workdir is None:
         shutil.rmtree(workdir, ignore_errors=True)

@@ -12,14 +12,14 @@ import time
 from pathlib import Path
 
 import torch
-
 from bench_convert import build_adapter, build_source
-from nf4convert.safetensors_io.read import TensorReader
+
 from nf4convert.formats import peft_lora
 from nf4convert.kinds import MergeLora
-from nf4convert.plan import make_plan
 from nf4convert.pipeline.piece import whole as _whole
 from nf4convert.pipeline.routes import route_for
+from nf4convert.plan import make_plan
+from nf4convert.safetensors_io.read import TensorReader
 
 
 def timed(fn, sync):

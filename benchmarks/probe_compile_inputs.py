@@ -13,13 +13,16 @@ user's quant states) would pay. Variants, 16 and 48 layers, eager and compiled (
   dense    the control: F.linear on dense weights
 Two rounds. Eager times of direct5/direct2 call the triton_op eagerly (its slow path): compare compiled times."""
 
-import sys, torch
+import sys
+
+import torch
 
 sys.path.insert(0, "benchmarks")
 import bench_compile as B
+
 import nf4convert
-from nf4convert.kernels import compiled  # noqa: F401
 from nf4convert.dequantize import _code_table
+from nf4convert.kernels import compiled  # noqa: F401
 
 rows, cols = map(int, (sys.argv[1] if len(sys.argv) > 1 else "14336x4096").split("x"))
 dtype = torch.float16

@@ -272,13 +272,15 @@ def print_table(result):
     floor = result["floor_us"]
     print(
         f"{result['dtype']}: {result['packed_bytes']} packed bytes, {result['copies']} copies; floor {floor:.1f} us; "
-        f"ours {result.get('ours_us', float('nan')):.1f} us ({100 * floor / result.get('ours_us', float('nan')):.1f}% of floor)"
+        f"ours {result.get('ours_us', float('nan')):.1f} us "
+        f"({100 * floor / result.get('ours_us', float('nan')):.1f}% of floor)"
     )
     for name, times in sorted(result["us"].items(), key=lambda item: statistics.median(item[1]) if item[1] else 1e9):
         if times:
             median = statistics.median(times)
             print(
-                f"  {name:28s} {median:8.1f} us  {100 * floor / median:6.1f}% of floor  ok={result['ok'][name]}  rounds={['%.1f' % t for t in times]}"
+                f"  {name:28s} {median:8.1f} us  {100 * floor / median:6.1f}% of floor  ok={result['ok'][name]}  "
+                f"rounds={['%.1f' % t for t in times]}"
             )
 
 

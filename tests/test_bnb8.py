@@ -5,12 +5,13 @@ import random
 
 import pytest
 import torch
-from fixtures.checkpoints8 import VARIANTS, build, model_class
-from fixtures.weights import OUT_DTYPES, bits
 
-from nf4convert.safetensors_io.read import TensorReader, read_header, read_tensors
 from nf4convert.errors import CheckpointError
 from nf4convert.formats import bnb8
+from nf4convert.safetensors_io.read import TensorReader, read_header, read_tensors
+
+from fixtures.checkpoints8 import VARIANTS, build, model_class
+from fixtures.weights import OUT_DTYPES, bits
 
 bitsandbytes = pytest.importorskip("bitsandbytes")
 F = pytest.importorskip("bitsandbytes.functional")

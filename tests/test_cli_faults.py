@@ -459,8 +459,8 @@ def test_conventions_help_typos_aliases_and_quiet_summary(tmp_path):
 
 
 def test_runs_to_one_output_never_share_or_replace_each_other(tmp_path):
-    from nf4convert.sinks import output
     from nf4convert.errors import OutputError
+    from nf4convert.sinks import output
 
     out = tmp_path / "out"
     stale = tmp_path / ".out.nf4convert-partial-999999999"  # a run killed outright (no such process)
@@ -556,7 +556,8 @@ def test_an_output_name_at_the_file_systems_limit_is_written_and_replaced(tmp_pa
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([name, f"{theirs}-4194300"])
 
 
-# --- ends of failed runs, folders made for OUT, batch's output root and listing ----------------------------------------
+# --- ends of failed runs, folders made for OUT, batch's output root and listing
+# ----------------------------------------
 
 TEARDOWN_WRAPPER = """
 import atexit, sys

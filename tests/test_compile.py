@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import nf4convert
+
 from fixtures.weights import OUT_DTYPES, bits, quantize
 
 pytest.importorskip("bitsandbytes")

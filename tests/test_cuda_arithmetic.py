@@ -19,8 +19,8 @@ from fixtures.weights import OUT_DTYPES, bits, nibbles, quantize
 
 F = pytest.importorskip("bitsandbytes.functional")
 
-from nf4convert.verification.reference import cuda_arithmetic as reference  # noqa: E402
 from nf4convert.errors import CheckpointError  # noqa: E402
+from nf4convert.verification.reference import cuda_arithmetic as reference  # noqa: E402
 
 FLT_MIN = 2.0**-126
 CUDA = torch.cuda.is_available()

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import nf4convert
+
 from fixtures.weights import OUT_DTYPES, STORAGE_DTYPES, bits, bnb_reference_cpu, nibbles, quantize
 
 pytest.importorskip("bitsandbytes")
@@ -265,8 +266,8 @@ def test_quant_state_from_checkpoint_and_chunks_match_bnb(nested, tmp_path):
     # whole (nested) blocks dequantize, one by one, to the same bits as the whole weight.
     from safetensors.torch import save_file
 
-    from nf4convert.safetensors_io.read import TensorReader, read_tensors
     from nf4convert.formats import bnb4
+    from nf4convert.safetensors_io.read import TensorReader, read_tensors
 
     packed, state = quantize((37, 911), quant_type="fp4", blocksize=128, nested=nested, dtype=torch.float16, seed=5)
     stored = {f"w.{key}": value for key, value in state.as_dict(packed=True).items()}

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import nf4convert
+
 from fixtures.weights import STORAGE_DTYPES, bits, quantize
 
 pytestmark = pytest.mark.gpu
@@ -299,8 +300,9 @@ def test_sm75_code_path_runs_bit_exact_on_this_gpu(dtype, capability, tmp_path):
     cupy = pytest.importorskip("cupy")
     import numpy
 
-    from fixtures.aot_build import compile_for
     from nf4convert.dequantize import _code_table, _fields
+
+    from fixtures.aot_build import compile_for
 
     for nested in (True, False):
         packed, state = quantize(
@@ -348,9 +350,10 @@ def test_adapter_merge_on_cuda_equals_peft_on_cuda(kind, tmp_path):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from fixtures.checkpoints import build
     from nf4convert.cli import main
+
     from fixtures.adapters import KINDS, make_adapter
+    from fixtures.checkpoints import build
 
     source = build(tmp_path / "src", "llama-nf4-dq", seed=3)
     adapter = make_adapter(tmp_path / "adapter", kind, seed=list(KINDS).index(kind) + 20)

@@ -22,8 +22,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from nf4convert.safetensors_io.read import read_tensors
 from nf4convert.errors import CheckpointError
+from nf4convert.safetensors_io.read import read_tensors
+
 from fixtures.safetensors_files import join, our_reads, random_tensors, retile, safetensors_reads, split
 
 HEADER_CASES = 3000
@@ -671,7 +672,8 @@ def run_cli_case(world, weight: str, other: str, content: bytes, tag: str) -> tu
             if verified.exit_code != 0 or "OK: bit-exact" not in verified.output:
                 found = [line for line in verified.output.splitlines() if line.startswith("  MISMATCH")]
                 if verified.exit_code == 1 and found and all("transformers' model loads" in line for line in found):
-                    return None  # a recorded shape the model does not load: convert writes what the state records, verify names it
+                    # a recorded shape the model does not load: convert writes what the state records, verify names it
+                    return None
                 return "verify: refuses what convert wrote", verified.output[-300:]
             return None
         if (

@@ -11,8 +11,9 @@ import threading
 
 import pytest
 
-from fixtures.fake_hub import READ_TOKEN, client_env, closed_port, serve
 from nf4convert.hub_errors import hub_error_line
+
+from fixtures.fake_hub import READ_TOKEN, client_env, closed_port, serve
 
 UNRESOLVABLE = "http://nf4convert-test.invalid"  # .invalid never resolves (RFC 6761)
 
@@ -79,7 +80,8 @@ NO_WRITE = "the token lacks the permission (an upload needs write access to the 
         (
             "/api/models/me/missing",
             READ_TOKEN,
-            f"HTTP 404 Not Found from GET {{endpoint}}/api/models/me/missing: {NOT_FOUND} [server: Repository not found]",
+            f"HTTP 404 Not Found from GET {{endpoint}}/api/models/me/missing: {NOT_FOUND} [server: Repository not "
+            "found]",
         ),
         (
             "/api/models/me/model/revision/v9",
@@ -102,7 +104,8 @@ NO_WRITE = "the token lacks the permission (an upload needs write access to the 
         (
             "/cas/v1/xorbs/default/abc",
             READ_TOKEN,
-            f"HTTP 401 Unauthorized from POST {{endpoint}}/cas/v1/xorbs/default/abc: {NO_TOKEN} [server: bad xet token]",
+            f"HTTP 401 Unauthorized from POST {{endpoint}}/cas/v1/xorbs/default/abc: {NO_TOKEN} [server: bad xet "
+            "token]",
         ),
     ],
 )

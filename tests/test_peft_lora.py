@@ -18,10 +18,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from fixtures.weights import bits
-from nf4convert.safetensors_io.read import TensorReader
 from nf4convert.errors import CheckpointError
 from nf4convert.formats import peft_lora
+from nf4convert.safetensors_io.read import TensorReader
+
+from fixtures.weights import bits
 
 pytest.importorskip("peft")
 warnings.filterwarnings("ignore", module="peft")

@@ -11,13 +11,14 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from fixtures.weights import quantize
-from nf4convert.safetensors_io.write import ShardWriter
-from nf4convert.safetensors_io.read import TensorReader, read_tensors
 from nf4convert.errors import ArgumentError, CheckpointError
 from nf4convert.kinds import Copy, Dequantize4bit
 from nf4convert.plan import make_plan
+from nf4convert.safetensors_io.read import TensorReader, read_tensors
+from nf4convert.safetensors_io.write import ShardWriter
 from nf4convert.sizes import parse_size
+
+from fixtures.weights import quantize
 
 pytest.importorskip("bitsandbytes")
 

@@ -8,7 +8,6 @@ stricter only where said" is tested, not assumed.
 from __future__ import annotations
 
 import collections
-
 import json
 import os
 import struct
@@ -18,9 +17,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from nf4convert.safetensors_io.write import ShardWriter, shard_header
-from nf4convert.safetensors_io.read import TensorReader, read_header, read_index, read_tensors
 from nf4convert.errors import CheckpointError
+from nf4convert.safetensors_io.read import TensorReader, read_header, read_index, read_tensors
+from nf4convert.safetensors_io.write import ShardWriter, shard_header
+
 from fixtures.safetensors_files import (
     TORCH_DTYPES,
     join,

@@ -104,43 +104,25 @@ def prepare(
     plan reads their headers and quant states over range requests, from a copy removed before this returns (the
     plan can then be shown, not streamed; ``reader`` is not taken). ``on_output(folder)`` is told where the output
     goes as soon as that is known (a batch names it for a source that fails after that)."""
+    options = dict(
+        dtype=dtype,
+        adapter=adapter,
+        revision=revision,
+        token=token,
+        cache_dir=cache_dir,
+        max_shard_size=max_shard_size,
+        overwrite=overwrite,
+        output_dir=output_dir,
+        stem=stem,
+        progress=progress,
+        on_output=on_output,
+    )
     if not headers_only:
-        return _prepare(
-            source,
-            output,
-            dtype=dtype,
-            adapter=adapter,
-            revision=revision,
-            token=token,
-            cache_dir=cache_dir,
-            max_shard_size=max_shard_size,
-            overwrite=overwrite,
-            output_dir=output_dir,
-            stem=stem,
-            reader=reader,
-            progress=progress,
-            on_output=on_output,
-        )
+        return _prepare(source, output, reader=reader, **options)
     headers = HeadersOnly()
     try:
         with TensorReader(headers.ranges) as reader:
-            return _prepare(
-                source,
-                output,
-                dtype=dtype,
-                adapter=adapter,
-                revision=revision,
-                token=token,
-                cache_dir=cache_dir,
-                max_shard_size=max_shard_size,
-                overwrite=overwrite,
-                output_dir=output_dir,
-                stem=stem,
-                reader=reader,
-                progress=progress,
-                headers=headers,
-                on_output=on_output,
-            )
+            return _prepare(source, output, reader=reader, headers=headers, **options)
     except Nf4ConvertError as error:  # named by the repo, not the temporary copy
         text = str(error)
         for copy in [folder for folder, _ in headers.copies.values()]:

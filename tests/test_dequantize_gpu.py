@@ -229,7 +229,7 @@ def test_cli_convert_on_cuda_matches_cpu_and_bnb_cuda(builder, variant, tmp_path
 
     from nf4convert.cli import main
 
-    source = importlib.import_module(builder).build(tmp_path / "src", variant)
+    source = importlib.import_module(f"fixtures.{builder}").build(tmp_path / "src", variant)
     for device in ("cuda", "cpu"):
         result = CliRunner().invoke(main, [str(source), "-o", str(tmp_path / device), "--device", device, "-q"])
         assert result.exit_code == 0, result.output

@@ -17,7 +17,7 @@ from pathlib import Path
 from .dtypes import DTYPES, OUTPUT_DTYPES, DType, output_dtype
 from .errors import CheckpointError
 from .files import carried_files, inside
-from .formats import bnb4, bnb8, peft_lora
+from .formats import bnb4_weights, bnb8, peft_lora
 from .formats.config import dense_config, quantization_config, read_config
 from .kinds import Copy, Dequantize4bit, Dequantize8bit, MergeLora, Recipe, Transpose
 from .safetensors_io.read import TensorInfo, TensorReader, read_tensors
@@ -95,7 +95,7 @@ def _recipes(folder: Path, tensors: dict[str, TensorInfo], reader: TensorReader,
             "it is one or the other"
         )
     quantization = quantization_config(config)
-    bnb4.unclaimed_packed(tensors, [recipe.weight for recipe in four_bit.values()], quantization)
+    bnb4_weights.unclaimed_packed(tensors, [recipe.weight for recipe in four_bit.values()], quantization)
     bnb8.unclaimed_int8(tensors, [recipe.weight for recipe in eight_bit.values()], quantization)
     quantized = Transpose.wrap({**four_bit, **eight_bit}, config)
     if not quantized:

@@ -266,15 +266,15 @@ def test_quant_state_from_checkpoint_and_chunks_match_bnb(nested, tmp_path):
     # whole (nested) blocks dequantize, one by one, to the same bits as the whole weight.
     from safetensors.torch import save_file
 
-    from nf4convert.formats import bnb4
+    from nf4convert.formats import bnb4, bnb4_weights
     from nf4convert.safetensors_io.read import TensorReader, read_tensors
 
     packed, state = quantize((37, 911), quant_type="fp4", blocksize=128, nested=nested, dtype=torch.float16, seed=5)
     stored = {f"w.{key}": value for key, value in state.as_dict(packed=True).items()}
     save_file({"w": packed, **stored}, tmp_path / "model.safetensors")
     with TensorReader() as reader:
-        (weight,) = bnb4.find_weights(read_tensors(tmp_path), reader)
-        ours = bnb4.on_device(bnb4.load_state(weight, reader), "cpu")
+        (weight,) = bnb4_weights.find_weights(read_tensors(tmp_path), reader)
+        ours = bnb4.on_device(bnb4_weights.load_state(weight, reader), "cpu")
     assert weight.name == "w" and ours.nested == nested and ours.shape == state.shape and ours.dtype == torch.float16
     expected = bnb_reference_cpu(packed, state)
     assert torch.equal(bits(nf4convert.dequantize_4bit(packed, ours, backend="cpu")), bits(expected))

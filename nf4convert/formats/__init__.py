@@ -9,9 +9,9 @@
 
 import re
 
-from . import bnb4, bnb8
+from . import bnb4_weights, bnb8
 
 # Every source tensor whose bytes a plan reads, by name (each format's own list; the rest it knows from headers): a Hub
 # dry run fetches just these (hub.py). A reader given a headers-only copy refuses any other bytes, so a format that
 # reads more without saying so here fails that dry run in one line, never plans from zeros.
-PLAN_READS = re.compile("|".join(f"(?:{reads.pattern})" for reads in (bnb4.PLAN_READS, bnb8.PLAN_READS)))
+PLAN_READS = re.compile("|".join(f"(?:{reads.pattern})" for reads in (bnb4_weights.PLAN_READS, bnb8.PLAN_READS)))

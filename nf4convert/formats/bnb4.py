@@ -12,54 +12,34 @@ tensors), builds the in-memory :class:`QuantState4bit`, and cuts a weight into c
 from __future__ import annotations
 
 import math
-import re
 import struct
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator
 
-from ..dtypes import BY_NAME, DTYPES, OUTPUT_DTYPES, to_float32
+from ..dtypes import DTYPES, OUTPUT_DTYPES
 from ..errors import ArgumentError, CheckpointError
 from ..strict_json import shown, strict_json
 
 if TYPE_CHECKING:
     import torch
 
-    from ..safetensors_io.read import TensorInfo, TensorReader
 
 # bitsandbytes' CUDA kernels decode the nibble with constants of their own and ignore the stored
 # quant_map, so these tables, not the checkpoint's, are the truth. FP4 nibble 8 is -0.0 there
 # (sign * 0.0f), although get_4bit_type stores +0.0 (the Python literal -0 is the integer 0).
 NF4_CODE = (
-    -1.0,
-    -0.6961928009986877,
-    -0.5250730514526367,
-    -0.39491748809814453,
-    -0.28444138169288635,
-    -0.18477343022823334,
-    -0.09105003625154495,
-    0.0,
-    0.07958029955625534,
-    0.16093020141124725,
-    0.24611230194568634,
-    0.33791524171829224,
-    0.44070982933044434,
-    0.5626170039176941,
-    0.7229568362236023,
-    1.0,
-)
+    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
+    -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
+    0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
+    0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0,
+)  # fmt: skip
 FP4_CODE = tuple(sign * value / 12.0 for sign in (1.0, -1.0) for value in (0.0, 0.0625, 8.0, 12.0, 4.0, 6.0, 2.0, 3.0))
 CODES = {"nf4": NF4_CODE, "fp4": FP4_CODE}
 QUANT_TYPES = tuple(CODES)  # for membership tests that must not raise on an unhashable value
 
 BLOCKSIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)
-PARTS = ("absmax", "quant_map", "nested_absmax", "nested_quant_map")  # suffixes of a weight's quant-state tensors
-STATE_KEY = re.compile(r"^(?P<weight>.+)\.quant_state\.bitsandbytes__(?P<quant_type>[^.]*)$")
 META_KEYS = ("quant_type", "blocksize", "dtype", "shape", "nested_blocksize", "nested_dtype", "nested_offset")
 NESTED_KEYS = ("nested_blocksize", "nested_dtype", "nested_offset")
-MAX_STATE_BYTES = 1 << 16  # bitsandbytes writes ~200 bytes; anything far larger is not a quant state
-# The tensors whose bytes the plan reads (_check, quant states): all small (a headers-only copy holds just these).
-PLAN_READS = re.compile(r"\.(?:" + "|".join(PARTS[1:]) + r"|quant_state\.bitsandbytes__[^.]*)$")  # all parts but absmax
-_PART_KEY = re.compile(r"^(?P<weight>.+)\.(?:" + "|".join(PARTS) + r"|quant_state\.bitsandbytes__[^.]*)$")
 
 _code_cache: dict = {}
 
@@ -144,7 +124,7 @@ def layout_problem(
     return None
 
 
-def _not_flat(name: str, shape) -> str | None:
+def not_flat(name: str, shape) -> str | None:
     """bitsandbytes keeps (and saves) each part of a quant state 1-D; its dequantization, verify's reference, takes
     no other shape. One rule for states read from files (_check) and given to the API (check_state)."""
     return (
@@ -193,7 +173,7 @@ def check_state(packed_bytes: int, quant_state: Any) -> None:
         raise ArgumentError(f"quant_state.shape must be a sequence of non-negative ints, not {shown(shape)}")
     if not isinstance(absmax, torch.Tensor):
         raise ArgumentError(f"quant_state.absmax must be a tensor, not {type(absmax).__name__}")
-    if problem := _not_flat("quant_state.absmax", absmax.shape):
+    if problem := not_flat("quant_state.absmax", absmax.shape):
         raise ArgumentError(problem)
     if nested not in (True, False):
         raise ArgumentError(f"quant_state.nested must be True or False, not {shown(nested)}")
@@ -230,7 +210,7 @@ def _nested(quant_state: Any) -> Any:
     for name, value in (("absmax", nested_absmax), ("code", code2)):
         if not isinstance(value, torch.Tensor):
             raise ArgumentError(f"quant_state.state2.{name} must be a tensor, not {type(value).__name__}")
-        if problem := _not_flat(f"quant_state.state2.{name}", value.shape):
+        if problem := not_flat(f"quant_state.state2.{name}", value.shape):
             raise ArgumentError(problem)
     if not _integer(blocksize) or blocksize <= 0 or blocksize & (blocksize - 1):
         raise ArgumentError(f"quant_state.state2.blocksize must be a power of two, not {shown(blocksize)}")
@@ -288,182 +268,6 @@ def _finite_fp32(value) -> bool:
         return math.isfinite(struct.unpack("<f", struct.pack("<f", value))[0])
     except (OverflowError, struct.error):
         return False
-
-
-@dataclass(frozen=True, eq=False)
-class Weight4bit:
-    """A 4-bit weight in a checkpoint: its packed tensor, its quant-state tensors (wherever they sit) and JSON."""
-
-    name: str
-    packed: TensorInfo
-    parts: dict  # suffix ("absmax", ..., "quant_state") -> TensorInfo
-    meta: dict
-
-    @property
-    def shape(self) -> tuple:
-        return tuple(self.meta["shape"])
-
-    @property
-    def nested(self) -> bool:
-        return "nested_blocksize" in self.meta
-
-    @property
-    def quant_type(self) -> str:
-        return self.meta["quant_type"]
-
-    @property
-    def sources(self) -> tuple:
-        return (self.packed, *self.parts.values())
-
-
-def find_weights(tensors: dict[str, TensorInfo], reader: TensorReader) -> list[Weight4bit]:
-    """Every 4-bit weight of a checkpoint, checked; CheckpointError (naming file and tensor) for anything wrong.
-
-    A tensor named like a quant-state part whose weight has no quant state is an error, never a plain
-    tensor: copying it through would write packed bytes as a "dense" weight.
-    """
-    weights = []
-    for key, info in tensors.items():
-        match = STATE_KEY.match(key)
-        if match is None:
-            continue
-        name, quant_type = match["weight"], match["quant_type"]
-        where = f"{info.path}: {name}"
-        if quant_type not in CODES:
-            raise CheckpointError(f"{where}: unknown quant state '{key}' (only nf4 and fp4 are 4-bit)")
-        if name not in tensors:
-            raise CheckpointError(f"{info.path}: quant state '{key}' has no packed weight '{name}' in any shard")
-        if info.dtype != "U8" or len(info.shape) != 1 or info.nbytes > MAX_STATE_BYTES:
-            raise CheckpointError(
-                f"{where}: quant state '{key}' is not a 1-D U8 tensor of at most {MAX_STATE_BYTES} JSON bytes"
-            )
-        meta = parse_meta(reader.array(info).tobytes(), where=where)
-        if meta["quant_type"] != quant_type:
-            raise CheckpointError(f"{where}: quant state key says {quant_type}, its JSON says {meta['quant_type']}")
-        parts = {suffix: tensors[f"{name}.{suffix}"] for suffix in PARTS if f"{name}.{suffix}" in tensors}
-        parts["quant_state"] = info
-        weight = Weight4bit(name, tensors[name], parts, meta)
-        _check(weight, reader)
-        weights.append(weight)
-    consumed = {source.name for weight in weights for source in weight.sources}
-    for key, info in tensors.items():
-        match = _PART_KEY.match(key)
-        if match and key not in consumed:
-            raise CheckpointError(
-                f"{info.path}: '{key}' is part of the 4-bit quant state of '{match['weight']}', "
-                f"which has no '{match['weight']}.quant_state.bitsandbytes__nf4/fp4' tensor"
-            )
-    return weights
-
-
-def unclaimed_packed(tensors: dict[str, TensorInfo], weights: list[Weight4bit], quantization: dict | None) -> None:
-    """CheckpointError for a tensor that looks like a packed 4-bit weight but has no quant state at all (every part
-    lost, or never saved): ``X.weight`` of shape [n, 1] in the 4-bit storage dtype (``bnb_4bit_quant_storage``,
-    uint8 by default), in a checkpoint that is 4-bit (its quantization_config says so, or other weights are).
-    Copied through, its packed bytes would be written as a dense weight. (No dense layer of a model stores its
-    weight [n, 1] in the storage dtype.)"""
-    quantization = quantization or {}
-    if not weights and not quantization.get("load_in_4bit"):
-        return
-    storage = BY_NAME.get(str(quantization.get("bnb_4bit_quant_storage") or "uint8").removeprefix("torch."))
-    packed_codes = {"U8", storage.code if storage is not None else "U8"} | {weight.packed.dtype for weight in weights}
-    claimed = {weight.name for weight in weights}
-    for name, info in tensors.items():
-        if (
-            name.endswith(".weight")
-            and name not in claimed
-            and info.dtype in packed_codes
-            and len(info.shape) == 2
-            and info.shape[1] == 1
-        ):
-            raise CheckpointError(
-                f"{info.path}: '{name}' looks like a packed 4-bit weight ({info.dtype} {list(info.shape)}) "
-                f"but has no quant state ('{name}.quant_state.bitsandbytes__nf4' or __fp4, absmax, "
-                "quant_map): not in the checkpoint"
-            )
-
-
-def _check(weight: Weight4bit, reader: TensorReader) -> None:
-    where = f"{weight.packed.path}: {weight.name}"
-    needed = PARTS if weight.nested else PARTS[:2]
-    for suffix in needed:
-        if suffix not in weight.parts:
-            raise CheckpointError(f"{where}: quant state is missing '{weight.name}.{suffix}'")
-    if not weight.nested and "nested_absmax" in weight.parts:
-        raise CheckpointError(f"{where}: has nested_absmax but its quant state JSON has no nested_blocksize")
-    for suffix in needed:
-        if problem := _not_flat(f"'{weight.name}.{suffix}'", weight.parts[suffix].shape):
-            raise CheckpointError(f"{where}: {problem}")
-    absmax = weight.parts["absmax"]
-    nested = weight.parts.get("nested_absmax") if weight.nested else None
-    problem = layout_problem(
-        packed_bytes=weight.packed.nbytes,
-        shape=weight.shape,
-        blocksize=weight.meta["blocksize"],
-        absmax_count=math.prod(absmax.shape),
-        absmax_float=DTYPES[absmax.dtype].cast,
-        absmax_u8=absmax.dtype == "U8",
-        nested_blocksize=weight.meta.get("nested_blocksize"),
-        nested_count=nested and math.prod(nested.shape),
-        nested_float=nested is not None and DTYPES[nested.dtype].cast,
-        code2_count=math.prod(weight.parts["nested_quant_map"].shape) if weight.nested else 256,
-    )
-    if problem:
-        raise CheckpointError(f"{where}: {problem}")
-    for suffix in ("quant_map", "nested_quant_map")[: 1 + weight.nested]:
-        if not DTYPES[weight.parts[suffix].dtype].cast:
-            raise CheckpointError(f"{where}: {suffix} is {weight.parts[suffix].dtype}, not floating point")
-    quant_map = weight.parts["quant_map"]
-    if math.prod(quant_map.shape) != 16 or not matches_canonical(weight.quant_type, _floats(reader, quant_map)):
-        raise CheckpointError(f"{where}: quant_map is not bitsandbytes' {weight.quant_type} table")
-    if weight.nested:  # small (one float per nested block, 256 codes), so read here as 8-bit scales are
-        for suffix in ("nested_absmax", "nested_quant_map"):
-            _check_finite(where, suffix, _floats(reader, weight.parts[suffix]), signed=suffix == "nested_quant_map")
-
-
-def _floats(reader: TensorReader, info: TensorInfo):
-    """A float tensor's values as a flat fp32 numpy array (F64 rounded)."""
-    return to_float32(reader.array(info), info.dtype)
-
-
-def _check_finite(where: str, suffix: str, values, signed: bool = False) -> None:
-    """Refuse a quant-state table (fp32 numpy values) with a NaN or infinite value (or a negative one, where it holds
-    absmaxes)."""
-    import numpy as np
-
-    if not bool(np.isfinite(values).all()) or (not signed and bool((values < 0).any())):
-        raise CheckpointError(
-            f"{where}: {suffix} holds a negative, NaN or infinite value; bitsandbytes writes "
-            "finite block absmaxes (every weight of such a block would come out NaN or inf)"
-        )
-
-
-def load_state(weight: Weight4bit, reader: TensorReader, *, dtype: str | None = None) -> QuantState4bit:
-    """The weight's quant state as read from the checkpoint, in numpy (no torch): absmax flat (uint8 codes when
-    nested, else fp32), the nested absmax and code fp32, offset a float, dtype the output's safetensors name
-    (``dtype``, or the one the quant state names)."""
-    meta = weight.meta
-    state2 = offset = None
-    if weight.nested:
-        state2 = NestedState(
-            absmax=_floats(reader, weight.parts["nested_absmax"]),
-            code=_floats(reader, weight.parts["nested_quant_map"]),
-            blocksize=int(meta["nested_blocksize"]),
-        )
-        offset = float(meta["nested_offset"])
-        absmax = reader.array(weight.parts["absmax"])
-    else:  # a flat absmax (one float per block, 1/8 of the packed bytes): checked here, where it is read anyway
-        absmax = _floats(reader, weight.parts["absmax"])
-        _check_finite(f"{weight.packed.path}: {weight.name}", "absmax", absmax)
-    return QuantState4bit(
-        absmax=absmax,
-        shape=tuple(meta["shape"]),
-        dtype=dtype or OUTPUT_DTYPES[meta["dtype"]].code,
-        blocksize=int(meta["blocksize"]),
-        quant_type=meta["quant_type"],
-        offset=offset,
-        state2=state2,
-    )
 
 
 def on_device(state: QuantState4bit, device) -> QuantState4bit:

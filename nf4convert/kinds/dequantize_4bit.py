@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import ClassVar, Iterator
 
 from ..dtypes import DTYPES, DType
-from ..formats import bnb4
+from ..formats import bnb4, bnb4_weights
 from ..pipeline.piece import Piece
 from .base import Recipe
 
@@ -21,12 +21,12 @@ class Dequantize4bit(Recipe):
     numpy_made: ClassVar[bool] = True
     uses_kernel: ClassVar[bool] = True
     is_quantized: ClassVar[bool] = True
-    weight: bnb4.Weight4bit
+    weight: bnb4_weights.Weight4bit
 
     @classmethod
     def claim(cls, tensors: dict, reader) -> dict[str, "Dequantize4bit"]:
         """The checkpoint's 4-bit weights (each checked), by the packed tensor's name."""
-        return {weight.packed.name: cls(weight) for weight in bnb4.find_weights(tensors, reader)}
+        return {weight.packed.name: cls(weight) for weight in bnb4_weights.find_weights(tensors, reader)}
 
     @property
     def sources(self) -> tuple:
@@ -51,7 +51,7 @@ class Dequantize4bit(Recipe):
     def produce(self, tensor, reader, route) -> Iterator[Piece]:
         weight = self.weight
         out_type = DTYPES[tensor.dtype]
-        state = route.state_4bit(bnb4.load_state(weight, reader, dtype=tensor.dtype))
+        state = route.state_4bit(bnb4_weights.load_state(weight, reader, dtype=tensor.dtype))
         for first, count, piece in bnb4.chunks(state, route.piece_bytes // out_type.itemsize):
             yield Piece(
                 first * out_type.itemsize,

@@ -18,7 +18,7 @@ from pathlib import Path
 from ..devices import pick_device
 from ..dtypes import DTYPES, OUTPUT_DTYPES
 from ..errors import ArgumentError, CheckpointError, DependencyError, SourceNotFoundError
-from ..formats import bnb4, bnb8
+from ..formats import bnb4_weights, bnb8
 from ..paths import expanded
 from ..plan import make_plan
 from ..safetensors_io.read import TensorInfo, TensorReader, read_tensors
@@ -60,7 +60,8 @@ def _plan_source(folder: Path, output: Path, dtype: str, reader: TensorReader, a
         # OUT and SOURCE swapped: the "output" is the bitsandbytes checkpoint.
         try:
             swapped = any(
-                bnb4.STATE_KEY.match(name) or name.endswith(f".{bnb8.PARTS[0]}") for name in read_tensors(output)
+                bnb4_weights.STATE_KEY.match(name) or name.endswith(f".{bnb8.PARTS[0]}")
+                for name in read_tensors(output)
             )
         except CheckpointError:
             swapped = False

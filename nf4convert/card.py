@@ -83,6 +83,9 @@ def model_card(
     adapter: str | None = None,
     revision: str | None = None,
     commit: str | None = None,
+    untied: str | None = None,
+    vocabulary: int | None = None,
+    tokenizer: bool = False,
 ) -> Card:
     """The model card (README.md) for a converted checkpoint.
 
@@ -91,8 +94,10 @@ def model_card(
     ``auto``); ``version`` the nf4convert version; ``quant_format`` the source format (``"bnb-4bit nf4"``,
     ``"bnb-4bit fp4"``, ``"bnb-8bit"``, or several joined by ", "); ``adapter`` the adapter merged into the
     weights (a repo id or a folder), if any; ``revision`` the source repo's revision as given (None: its default
-    branch) and ``commit`` the commit it resolved to, when known. Never raises on a malformed card: see the module
-    docstring.
+    branch) and ``commit`` the commit it resolved to, when known; ``untied`` why the tied base's head was written
+    apart from its input embeddings (plan.untied), if it was; ``vocabulary`` the token count the adapter resized the
+    model to, if it did, and ``tokenizer`` whether the tokenizer files came from the adapter. Never raises on a
+    malformed card: see the module docstring.
 
     Example:
         >>> card = model_card(readme, source_repo="unsloth/Llama-3.2-1B-Instruct-bnb-4bit", dtype="bf16",
@@ -114,6 +119,9 @@ def model_card(
         source_body=bool(body),
         revision=revision,
         commit=commit,
+        untied=untied,
+        vocabulary=vocabulary,
+        tokenizer=tokenizer,
     )
     parts = [front_matter, section] + ([body] if body else [])
     return Card("\n\n".join(parts) + "\n", warning or yaml_warning)
@@ -210,7 +218,19 @@ def _front_matter(fields: dict) -> tuple[str, str | None]:
 
 
 def _how_made(
-    *, source_repo, original_base, dtype, version, quant_format, adapter, source_body, revision, commit
+    *,
+    source_repo,
+    original_base,
+    dtype,
+    version,
+    quant_format,
+    adapter,
+    source_body,
+    revision,
+    commit,
+    untied=None,
+    vocabulary=None,
+    tokenizer=False,
 ) -> str:
     dtype_flag = DTYPE_FLAGS.get(dtype, dtype)
     dtype_text = f"{dtype_flag} ({DTYPE_NAMES[dtype_flag]})" if dtype_flag in DTYPE_NAMES else dtype
@@ -258,6 +278,23 @@ def _how_made(
         name = adapter if adapter_repo else adapter.rstrip("/\\").replace("\\", "/").rsplit("/", 1)[-1]
         shown = _link(adapter) if adapter_repo else f"`{name}` (a local folder)"
         lines += ["", f"The adapter {shown} was then merged into the dequantized weights."]
+        if untied:
+            # the one departure from peft's own merge of the tied base, which keeps the tie and is not the trained model
+            lines[-1] += (
+                f" The base ties its output head to its input embeddings; {untied}, so the model that was trained "
+                "used two different tensors: the head was untied (`tie_word_embeddings: false`, `lm_head.weight` "
+                "written out), each tensor what the trained adapter model used."
+            )
+        if vocabulary:
+            lines[-1] += (
+                f" The adapter was trained with the vocabulary resized to {vocabulary} tokens: the embeddings "
+                f"and head have its rows, `vocab_size` is {vocabulary}, and "
+                + (
+                    "the tokenizer files are the adapter's, in place of the base's."
+                    if tokenizer
+                    else "the adapter folder held no tokenizer files: the base's were kept."
+                )
+            )
         command += ["--adapter", adapter if adapter_repo else "ADAPTER"]
     lines += ["", "Made with:", "", "```sh", " ".join(command), "```"]
     if source_body:

@@ -54,6 +54,9 @@ def model_card(prepared: "Prepared"):
         adapter=prepared.adapter,
         revision=prepared.revision,
         commit=commit_of(plan.folder),
+        untied=plan.untied,
+        vocabulary=plan.rows,
+        tokenizer=bool(plan.adapter_files),
     )
 
 

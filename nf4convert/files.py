@@ -151,3 +151,30 @@ FOREIGN_FILES = tuple(
 
 # What a folder may hold beside the conversion's files without changing what it is: git's and caches' own.
 IGNORED_FILES = (".gitattributes",)
+
+
+# A tokenizer's files, as transformers and tokenizers save them: an adapter that resized the vocabulary brings its own,
+# which replace the base's as a set (a base file left beside them could describe the old vocabulary).
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "vocab.txt",
+)
+
+
+def tokenizer_files(folder: Path) -> list[Path]:
+    """The tokenizer files at the top of an adapter folder (relative paths), each a regular file inside it."""
+    found = []
+    for name in TOKENIZER_FILES:
+        if (folder / name).exists() or (folder / name).is_symlink():
+            if not inside(folder, name, what="adapter").is_file():
+                raise CheckpointError(f"{folder / name}: not a regular file; the adapter's tokenizer cannot be carried")
+            found.append(Path(name))
+    return found

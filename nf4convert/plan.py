@@ -16,9 +16,9 @@ from pathlib import Path
 
 from .dtypes import DTYPES, OUTPUT_DTYPES, DType, output_dtype
 from .errors import CheckpointError
-from .files import carried_files, inside
+from .files import TOKENIZER_FILES, carried_files, inside, tokenizer_files
 from .formats import bnb4_weights, bnb8, peft_lora
-from .formats.config import dense_config, quantization_config, read_config
+from .formats.config import dense_config, quantization_config, read_config, resized_config, untied_config
 from .kinds import Copy, Dequantize4bit, Dequantize8bit, MergeLora, Recipe, Transpose
 from .safetensors_io.read import TensorInfo, TensorReader, read_tensors
 from .sizes import DEFAULT_SHARD_SIZE, parse_size
@@ -66,6 +66,10 @@ class Plan:
     card: Path | None  # the source's model card (README.md), which the output's is written from
     adapter: peft_lora.Adapter | None = None  # merged into the output
     side_bytes: int = 0  # the side files' and the card's bytes, when planned
+    untied: str | None = None  # why the tied base's head is written apart from its input embeddings
+    tied: tuple | None = None  # (input embeddings, head) of a tied base an adapter was merged into
+    rows: int | None = None  # the vocabulary an adapter resized the model to
+    adapter_files: list[Path] = field(default_factory=list)  # the adapter's tokenizer files, relative to its folder
 
     @property
     def tensors(self) -> list[PlannedTensor]:
@@ -153,9 +157,9 @@ def make_plan(
         if own_reader:
             reader.close()
     chosen = chosen or _auto_dtype(recipes, config)
-    merged_adapter = None
+    merged = None
     if adapter is not None:
-        recipes, merged_adapter = MergeLora.wrap(recipes, Path(adapter), chosen, config)
+        recipes, merged = MergeLora.wrap(recipes, Path(adapter), chosen, config)
 
     shards: list[list[tuple]] = [[]]
     shard_bytes = 0
@@ -175,16 +179,29 @@ def make_plan(
     if card.is_file():
         inside(folder, "README.md")
     carried = carried_files(folder)
+    from_adapter = tokenizer_files(merged.adapter.folder) if merged and merged.rows else []
+    if from_adapter:  # a resized vocabulary's tokenizer is the adapter's, in place of the base's as a set
+        carried = [path for path in carried if path.as_posix() not in TOKENIZER_FILES]
     card = card if card.is_file() else None
     side_bytes = sum((folder / path).stat().st_size for path in carried) + (card.stat().st_size if card else 0)
+    side_bytes += sum((merged.adapter.folder / path).stat().st_size for path in from_adapter)
+    config = config and dense_config(config, chosen)
+    if config and merged and merged.untied:
+        config = untied_config(config)
+    if config and merged and merged.rows:
+        config = resized_config(config, merged.rows)
     return Plan(
         folder,
         chosen,
         planned,
         tensors,
         carried,
-        config and dense_config(config, chosen),
+        config,
         card,
-        merged_adapter,
+        merged and merged.adapter,
         side_bytes,
+        merged and merged.untied,
+        merged and merged.tied,
+        merged and merged.rows,
+        from_adapter,
     )

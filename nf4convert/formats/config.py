@@ -102,3 +102,32 @@ def not_bitsandbytes(config: dict) -> str | None:
             "quantized them): remove quantization_config from config.json and load it as a dense model"
         )
     return None
+
+
+def input_embedding(shapes: dict, config: dict) -> str | None:
+    """The tensor a tied base ties its head to: the one 2-D tensor named like input embeddings (with the config's
+    vocab_size rows, where it says), or None."""
+    vocab = vocab_size(config)
+    names = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight", "tok_embeddings.weight")
+    found = [
+        name
+        for name, shape in shapes.items()
+        if len(shape) == 2 and (not vocab or shape[0] == vocab) and name.endswith(names)
+    ]
+    return found[0] if len(found) == 1 else None
+
+
+def untied_config(config: dict) -> dict:
+    """config.json with the head untied: tie_word_embeddings false at the top and in a nested text config."""
+    result = dict(config, tie_word_embeddings=False)
+    if isinstance(result.get("text_config"), dict):
+        result["text_config"] = dict(result["text_config"], tie_word_embeddings=False)
+    return result
+
+
+def resized_config(config: dict, rows: int) -> dict:
+    """config.json with the adapter's vocabulary size, at the top and in a nested text config (where it is kept)."""
+    result = dict(config, vocab_size=rows) if "vocab_size" in config or "text_config" not in config else dict(config)
+    if isinstance(result.get("text_config"), dict):
+        result["text_config"] = dict(result["text_config"], vocab_size=rows)
+    return result

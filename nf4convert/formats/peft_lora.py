@@ -25,6 +25,17 @@ the dense checkpoint loaded in the output dtype. What that does, step by step, a
   ``factor = transpose((magnitude / norm).view(-1, 1), fifo)``, ``W' = (factor * (W + delta)).to(W.dtype)``.
   Embeddings: ``norm`` over ``W.T + 1 * delta.T``, ``factor = (magnitude / norm).view(1, -1)``.
 - ``lora_bias``: ``bias += lora_B.bias * scaling`` (in place, fp32 compute).
+- Trainable tokens (``trainable_token_indices``; ``TrainableTokensLayer.merge``): ``W.index_copy(0, indices,
+  delta.to(W))``: the saved rows replace those rows of the embedding (or head), each cast once to the output dtype.
+  A list names the input embeddings; on a tied model peft gives the head a token adapter tied to the embedding's
+  (same rows, same values), a dict whose tied layers have other indices gives each its own.
+
+Tied bases. Where the base ties its head to its input embeddings, the trained adapter model reads one tied
+parameter for both, loaded with any saved embedding weight, and changes each through its own wrapper: a LoRA delta
+or a ``modules_to_save`` copy changes only the module it is on, trainable tokens on both (tied adapter) or on one.
+peft's merge of such a model writes into the shared parameter, which is not that model; the model that was trained
+is peft's merge of the base untied after loading (the head a copy of the tied parameter as loaded):
+:func:`untie_reason` tells when the two tensors then differ, :func:`tied_targets` what each gets.
 
 Every step is the same torch op on tensors of the same shape, dtype and strides as peft's, on the same device,
 so reductions (the matmul, the norm) run in the same order: the merge is bit for bit, not just close.
@@ -96,7 +107,6 @@ UNSUPPORTED_VARIANTS = {
     "use_qalora": _truthy,
     "layer_replication": _truthy,
     "target_parameters": _truthy,
-    "trainable_token_indices": _not_none,
     "megatron_config": _truthy,
     "exclude_modules": _truthy,
     "layers_to_transform": _layer_indexes,
@@ -140,6 +150,35 @@ def _is_embedding(module: str) -> bool:
     return module.rpartition(".")[2] in EMBEDDING_MODULES
 
 
+def _vocabulary(module: str) -> bool:
+    """Whether ``module`` has a row per token (input embeddings or output head), which resizing the vocabulary grows."""
+    return _is_embedding(module) or module.rpartition(".")[2] == HEAD.partition(".")[0]
+
+
+def changes_vocabulary(target: LoraTarget) -> bool:
+    """Whether a target changes embeddings or the head through a wrapper of its own (LoRA, a modules_to_save copy,
+    trainable tokens): on a tied base that makes the head differ from the input embeddings."""
+    return _vocabulary(target.module) and target.kind != "bias" and not _in_place(target)
+
+
+def vocabulary_rows(adapter: Adapter, shapes: dict) -> int | None:
+    """The vocabulary an adapter was trained with, where it saved its embeddings or head with more rows than the base
+    (``shapes``: base tensor name -> shape) after resizing them; None where it did not. Call after :func:`validate`."""
+    rows = {
+        info.shape[0]
+        for name, target in adapter.targets.items()
+        if (info := target.tensors.get("base")) is not None
+        and name in shapes
+        and _vocabulary(target.module)
+        and info.shape[0] != _shape_of(shapes[name])[0]
+    }
+    if len(rows) > 1:
+        raise CheckpointError(
+            f"{adapter.path}: saves embeddings or heads of {sorted(rows)} rows: one vocabulary size expected"
+        )
+    return rows.pop() if rows else None
+
+
 def _lazy_classes(config: dict | None):
     """module path -> the class transformers' model has there, or None; the model built on the first question."""
     built = []
@@ -180,6 +219,11 @@ def _base_mutating(init) -> bool:
 LINEAR_ROLES = {".lora_A.weight": "lora_A", ".lora_B.weight": "lora_B", ".lora_B.bias": "lora_B.bias"}
 EMBEDDING_ROLES = {".lora_embedding_A": "lora_embedding_A", ".lora_embedding_B": "lora_embedding_B"}
 MAGNITUDE_SUFFIX = ".lora_magnitude_vector"
+# Trainable tokens: the saved rows, and the wrapped layer's own weight (saved with save_embedding_layers).
+TOKENS_SUFFIX = ".token_adapter.trainable_tokens_delta"
+TOKENS_BASE = ".token_adapter.base_layer."
+# The output head transformers ties to the input embeddings (get_output_embeddings) in the models this tool unties.
+HEAD = "lm_head.weight"
 
 
 @dataclass(frozen=True)
@@ -188,10 +232,13 @@ class LoraTarget:
 
     kind: "linear" (LoRA/DoRA on a Linear or Conv1D weight), "embedding" (on an Embedding weight), "bias"
     (``lora_bias``: ``lora_B.bias * scaling`` added to the module's bias), "replace" (the saved tensor replaces
-    the base's: ``modules_to_save``, saved biases, saved embedding weights).
+    the base's: ``modules_to_save``, saved biases, saved embedding weights), "tokens" (trainable tokens: the saved
+    rows replace rows ``indices`` of an embedding or head).
     tensors: role -> the adapter's TensorInfo. Roles: lora_A, lora_B, lora_magnitude_vector (DoRA),
-    lora_embedding_A, lora_embedding_B, lora_B.bias, and "base" for a saved tensor that replaces the base weight
-    before any delta is merged (a "replace" target has only "base").
+    lora_embedding_A, lora_embedding_B, lora_B.bias, trainable_tokens_delta, and "base" for a saved tensor that
+    replaces the base weight before any delta is merged (a "replace" target has only "base").
+    saved_whole: a "replace" target that is a ``modules_to_save`` copy (the module's own copy, never the tied
+    parameter), not a weight saved in place (``save_embedding_layers``, ``bias``).
     """
 
     name: str  # the base checkpoint's tensor, e.g. model.layers.0.self_attn.q_proj.weight
@@ -204,6 +251,8 @@ class LoraTarget:
     fan_in_fan_out: bool = False
     use_dora: bool = False
     use_rslora: bool = False
+    indices: tuple[int, ...] | None = None  # "tokens": the rows replaced, in peft's order
+    saved_whole: bool = False
 
 
 @dataclass
@@ -295,6 +344,7 @@ def _read_config(folder: Path) -> tuple[Path, dict]:
                 f"{config_path}: modules_to_save entry {entry!r} is not a valid pattern ({error}); "
                 "peft matches each entry as one"
             ) from None
+    _token_indices(config, config_path)
     pattern = config.get("layers_pattern")
     if pattern and config.get("layers_to_transform") is None:
         raise CheckpointError(f"{config_path}: layers_pattern without layers_to_transform: peft refuses this config")
@@ -328,6 +378,39 @@ def _read_config(folder: Path) -> tuple[Path, dict]:
             if config.get(name) is not None:
                 raise CheckpointError(f"{config_path}: {name} with a target_modules pattern: peft refuses this config")
     return config_path, config
+
+
+def _index_list(value) -> bool:
+    return isinstance(value, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in value)
+
+
+def _token_indices(config: dict, config_path: Path) -> None:
+    """trainable_token_indices as peft takes it: a list of token ids (the input embeddings'), or module name -> list."""
+    indices = config.get("trainable_token_indices")
+    if indices is None or _index_list(indices):
+        return
+    if not (isinstance(indices, dict) and all(isinstance(k, str) and _index_list(v) for k, v in indices.items())):
+        raise CheckpointError(
+            f"{config_path}: trainable_token_indices is {indices!r}, not a list of token ids or an "
+            "object of module name -> token ids"
+        )
+
+
+def _indices_for(config: dict, module: str, config_path: Path) -> tuple[int, ...]:
+    """The rows peft's token adapter on ``module`` replaces: a list is the input embeddings' (and, on a tied model,
+    the head's tied adapter's); a dict entry names a module by the end of its path (``_set_trainable``'s endswith)."""
+    indices = config["trainable_token_indices"]
+    if isinstance(indices, dict):
+        found = [value for key, value in indices.items() if module.endswith(key)]
+        if not found:
+            raise CheckpointError(
+                f"{config_path}: the adapter holds trainable tokens for '{module}', which "
+                f"trainable_token_indices {indices!r} does not name"
+            )
+        indices = found[0]
+    if len(set(indices)) != len(indices):  # index_copy with a repeated row keeps an unspecified one of its values
+        raise CheckpointError(f"{config_path}: trainable_token_indices for '{module}' repeats a token id ({indices!r})")
+    return tuple(indices)
 
 
 def _all_linear(targets) -> bool:
@@ -377,6 +460,7 @@ def load_adapter(folder: Path) -> Adapter:
 
     # Group the saved keys by module: module path -> role -> TensorInfo; other keys replace base tensors.
     lora_modules: dict[str, dict[str, TensorInfo]] = {}
+    token_modules: dict[str, TensorInfo] = {}  # module path -> its trainable tokens' saved rows
     replacements: dict[str, tuple[TensorInfo, bool]] = {}  # base tensor name -> (saved tensor, via base_layer)
     suffixes = (*LINEAR_ROLES.items(), *EMBEDDING_ROLES.items(), (MAGNITUDE_SUFFIX, "lora_magnitude_vector"))
     for key, info in tensors.items():
@@ -385,6 +469,12 @@ def load_adapter(folder: Path) -> Adapter:
         if not DTYPES[info.dtype].cast:
             raise CheckpointError(f"{path}: tensor '{key}' has dtype {info.dtype}, not a floating type")
         rest = key[len(PEFT_PREFIX) :]
+        if rest.endswith(TOKENS_SUFFIX):
+            token_modules[rest[: -len(TOKENS_SUFFIX)]] = info
+            continue
+        if TOKENS_BASE in rest:  # the token adapter's wrapped layer: that module's own weight
+            replacements[rest.replace(TOKENS_BASE, ".")] = (info, True)
+            continue
         for suffix, role in suffixes:
             if rest.endswith(suffix):
                 lora_modules.setdefault(rest[: -len(suffix)], {})[role] = info
@@ -415,15 +505,38 @@ def load_adapter(folder: Path) -> Adapter:
                 target.tensors["base"] = replacements.pop(target.name)[0]
             targets[target.name] = target
 
+    if token_modules and config.get("trainable_token_indices") is None:
+        some = next(iter(token_modules.values()))
+        raise CheckpointError(
+            f"{path}: tensor '{some.name}' holds trainable tokens but {CONFIG_NAME} has no trainable_token_indices"
+        )
+    for module, info in token_modules.items():
+        if module in lora_modules or _saved_whole(config, module) is not None:
+            raise CheckpointError(
+                f"{path}: '{module}' has trainable tokens and LoRA tensors or modules_to_save too; peft refuses that"
+            )
+        target = LoraTarget(
+            f"{module}.weight",
+            "tokens",
+            module=module,
+            tensors={"trainable_tokens_delta": info},
+            indices=_indices_for(config, module, config_path),
+        )
+        if replacements.get(target.name, (None, False))[1]:
+            target.tensors["base"] = replacements.pop(target.name)[0]
+        targets[target.name] = target
+
     for name, (info, via_base_layer) in replacements.items():
         module = name.rpartition(".")[0]
-        if (module in lora_modules) != via_base_layer:
+        if (module in lora_modules or module in token_modules) != via_base_layer:
             # peft loads a LoRA module's own parameters from "<module>.base_layer.<param>" only, and has no
             # "base_layer" anywhere else: it would ignore this tensor
             raise CheckpointError(f"{path}: tensor '{info.name}' maps to no parameter of the model peft builds")
-        targets[name] = LoraTarget(name, "replace", module=module, tensors={"base": info})
+        targets[name] = LoraTarget(
+            name, "replace", module=module, tensors={"base": info}, saved_whole=_saved_whole(config, module) is not None
+        )
 
-    if config["ensure_weight_tying"] and any(t.kind in ("embedding", "replace") for t in targets.values()):
+    if config["ensure_weight_tying"] and any(t.kind in ("embedding", "replace", "tokens") for t in targets.values()):
         raise CheckpointError(
             f"{config_path}: ensure_weight_tying with adapted embeddings or modules_to_save: "
             "not mergeable tensor by tensor"
@@ -528,11 +641,32 @@ def validate(adapter: Adapter, base: dict, *, config: dict | None = None) -> Ada
         shape = _shape_of(base[name])
         replacement = target.tensors.get("base")
         if replacement is not None and tuple(replacement.shape) != shape:
-            raise CheckpointError(
-                f"{path}: tensor '{replacement.name}' is {list(replacement.shape)}, "
-                f"the base's '{name}' is {list(shape)}"
-            )
+            if not _vocabulary(target.module) or len(shape) != 2 or tuple(replacement.shape[1:]) != shape[1:]:
+                raise CheckpointError(
+                    f"{path}: tensor '{replacement.name}' is {list(replacement.shape)}, "
+                    f"the base's '{name}' is {list(shape)}"
+                )
+            if replacement.shape[0] < shape[0]:
+                raise CheckpointError(
+                    f"{path}: tensor '{replacement.name}' has {replacement.shape[0]} rows, fewer than the "
+                    f"{shape[0]} of the base's '{name}': an adapter can add tokens, not remove them"
+                )
+            shape = tuple(replacement.shape)  # a resized vocabulary: the adapter's rows are the model's
         if target.kind == "replace":
+            continue
+        if target.kind == "tokens":
+            delta, rows = target.tensors["trainable_tokens_delta"], len(target.indices)
+            if len(shape) != 2 or tuple(delta.shape) != (rows, shape[1]):
+                raise CheckpointError(
+                    f"{path}: tensor '{delta.name}' is {list(delta.shape)}, {rows} trainable tokens of "
+                    f"the base's '{name}' {list(shape)} need [{rows}, {shape[-1]}]"
+                )
+            outside = [i for i in target.indices if not 0 <= i < shape[0]]
+            if outside:
+                raise CheckpointError(
+                    f"{path}: trainable_token_indices for '{target.module}' has {outside[0]}, outside "
+                    f"the {shape[0]} rows of the base's '{name}'"
+                )
             continue
         if target.kind == "bias":
             lora_bias = target.tensors["lora_B.bias"]
@@ -641,6 +775,9 @@ def merge(target: LoraTarget, base_weight, lora: dict, *, inplace: bool = False)
 
     if target.kind == "replace":
         return writable()
+    if target.kind == "tokens":  # TrainableTokensLayer.merge: a new tensor with the saved rows copied in
+        index = torch.tensor(target.indices).to(device)
+        return weight.index_copy(0, index, lora["trainable_tokens_delta"].to(weight))
     if target.kind == "bias":
         merged = writable()
         merged += fp32("lora_B.bias") * target.scaling  # not mul_: fp32() may return the caller's tensor
@@ -673,3 +810,68 @@ def merge(target: LoraTarget, base_weight, lora: dict, *, inplace: bool = False)
     del weight_sum
     dora_factor = (fp32("lora_magnitude_vector") / weight_norm).view(1, -1)
     return delta.add_(weight).mul_(dora_factor).to(out_dtype)
+
+
+def untie_reason(adapter: Adapter, embedding: str, head: str = HEAD) -> str | None:
+    """For a base whose head ``head`` is tied to its input embeddings ``embedding`` (tensor names): why the model that
+    was trained has a head that differs from its input embeddings, or None where they are still one tensor.
+
+    The trained model reads one tied parameter (loaded with any weight saved in place for either) through wrappers:
+    LoRA on either, or a ``modules_to_save`` copy of either, changes that one only; trainable tokens change both
+    alike where peft ties the head's token adapter to the embeddings' (:func:`_tied_tokens`), else each its own."""
+    emb, out = adapter.targets.get(embedding), adapter.targets.get(head)
+    tied_tokens = _tied_tokens(adapter, emb)
+    if out is not None and not (out.kind == "tokens" and tied_tokens) and not _in_place(out):
+        what = {"replace": "replaces (modules_to_save)", "tokens": "trains tokens of"}.get(out.kind, "puts LoRA on")
+        return f"the adapter {what} the output head ({out.module}) and not the input embeddings"
+    if emb is None or _in_place(emb) or tied_tokens:
+        return None
+    what = {"replace": "replaces (modules_to_save)", "tokens": "trains tokens of", "embedding": "puts LoRA on"}[
+        emb.kind
+    ]
+    return f"the adapter {what} the input embeddings ({emb.module}) and not the head"
+
+
+def _in_place(target: LoraTarget) -> bool:
+    """A weight saved in place of the module's own (save_embedding_layers): on a tied base, the tied parameter's."""
+    return target.kind == "replace" and not target.saved_whole
+
+
+def _tied_tokens(adapter: Adapter, embedding: LoraTarget | None) -> bool:
+    """Whether peft gives the head a token adapter tied to the input embeddings' (set_additional_trainable_modules):
+    trainable tokens on the embeddings from a list, or from a dict whose entry for the head, if any, has the same
+    rows."""
+    if embedding is None or embedding.kind != "tokens":
+        return False
+    indices = adapter.config["trainable_token_indices"]
+    if not isinstance(indices, dict):
+        return True
+    module = HEAD.rpartition(".")[0]
+    return all(tuple(value) == embedding.indices for key, value in indices.items() if module.endswith(key))
+
+
+def tied_targets(adapter: Adapter, embedding: str, head: str = HEAD) -> tuple[LoraTarget | None, LoraTarget | None]:
+    """What the input embeddings and the head of a tied base get, each starting from the embeddings' base tensor.
+
+    peft loads every weight saved in place for either (an embedding's ``base_layer.weight``, save_embedding_layers'
+    ``embed_tokens.weight`` / ``lm_head.weight``) into the one tied parameter, in module order, the head's last; a
+    ``modules_to_save`` module has its own copy; a tied token adapter's rows are the embeddings' (peft loads those)."""
+    emb, out = adapter.targets.get(embedding), adapter.targets.get(head)
+    loaded = None
+    for target in (emb, out):
+        if target is not None and "base" in target.tensors and not (target.kind == "replace" and target.saved_whole):
+            loaded = target.tensors["base"]
+
+    def starting(target: LoraTarget | None, name: str) -> LoraTarget | None:
+        if target is not None and target.kind == "replace" and target.saved_whole:
+            return target
+        if target is None or target.kind == "replace":
+            return (
+                None
+                if loaded is None
+                else LoraTarget(name, "replace", module=name.rpartition(".")[0], tensors={"base": loaded})
+            )
+        own = {role: info for role, info in target.tensors.items() if role != "base"}
+        return dataclasses.replace(target, tensors={**own, **({"base": loaded} if loaded is not None else {})})
+
+    return starting(emb, embedding), starting(out, head)

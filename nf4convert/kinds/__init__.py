@@ -14,9 +14,10 @@ from .dequantize_4bit import Dequantize4bit
 from .dequantize_8bit import Dequantize8bit
 from .merge_lora import MergeLora
 from .transpose import Transpose
+from .untied import Untied
 
 KINDS: dict[str, type[Recipe]] = {
-    kind.kind: kind for kind in (Copy, Dequantize4bit, Dequantize8bit, Transpose, MergeLora)
+    kind.kind: kind for kind in (Copy, Dequantize4bit, Dequantize8bit, Transpose, Untied, MergeLora)
 }
 
-__all__ = ["KINDS", "Recipe", "Copy", "Dequantize4bit", "Dequantize8bit", "Transpose", "MergeLora"]
+__all__ = ["KINDS", "Recipe", "Copy", "Dequantize4bit", "Dequantize8bit", "Transpose", "Untied", "MergeLora"]

@@ -15,6 +15,7 @@ from ..formats import config as model_config
 from ..formats import peft_lora
 from ..pipeline.piece import Piece, pieces_from_memory, whole
 from .base import Recipe
+from .untied import Untied
 
 
 @dataclass(frozen=True)
@@ -30,52 +31,73 @@ class MergeLora(Recipe):
     @classmethod
     def wrap(
         cls, recipes: list[Recipe], adapter_folder: Path, dtype: DType, config: dict | None
-    ) -> tuple[list[Recipe], peft_lora.Adapter]:
-        """Each recipe whose tensor the adapter changes, wrapped in a merge; the adapter is checked first."""
+    ) -> tuple[list[Recipe], "Merged"]:
+        """Each recipe whose tensor the adapter changes, wrapped in a merge; the adapter is checked first. On a tied
+        base the embeddings start from what peft loads into the tied parameter, and where the adapter makes the head
+        differ from them, the head gets a tensor of its own: an Untied copy of the embeddings, merged with its
+        change."""
         adapter = peft_lora.load_adapter(adapter_folder)
         shapes = {name: shape for name, _, shape in (recipe.output(dtype) for recipe in recipes)}
         config = config if isinstance(config, dict) else {}
-        peft_lora.validate(adapter, shapes, config=config)
-        tied = model_config.tied(config)
-        if tied and any(name.endswith("lm_head.weight") for name in adapter.targets):
-            # peft unties the head to merge it; transformers would tie it again on load and drop the change
+        head_name = peft_lora.HEAD
+        tied = model_config.tied(config) and head_name not in shapes
+        embedding = model_config.input_embedding(shapes, config) if tied else None
+        if model_config.tied(config) and not tied:
+            if peft_lora.untie_reason(adapter, model_config.input_embedding(shapes, config) or ""):
+                # transformers ties such a head to the embeddings on load, ignoring the checkpoint's: neither is
+                # what was trained
+                raise CheckpointError(
+                    f"{adapter.path}: changes lm_head or the input embeddings, which the base ties to its input "
+                    f"embeddings (tie_word_embeddings) though it holds a '{head_name}' that transformers ignores on "
+                    "load: not mergeable"
+                )
+        # a tied head is the embeddings' tensor: an adapter may change it (peft gives the model's lm_head its own)
+        checked = {**shapes, head_name: shapes[embedding]} if embedding else shapes
+        peft_lora.validate(adapter, checked, config=config)
+        if tied and embedding is None and any(peft_lora.changes_vocabulary(t) for t in adapter.targets.values()):
             raise CheckpointError(
-                f"{adapter.path}: changes lm_head, which the base ties to its input embeddings "
-                "(tie_word_embeddings): not mergeable into a checkpoint that stays tied"
+                f"{adapter.path}: changes lm_head or embeddings, and the base ties lm_head to its input embeddings "
+                "(tie_word_embeddings) but has no one tensor named as them to untie it from"
             )
-        if tied:
-            # modules_to_save replacing the input embeddings: peft swaps in the saved copy, the head keeps the old one,
-            # and merge_and_unload unties them; a checkpoint that stays tied would give the head the new one
-            vocab = model_config.vocab_size(config)
-            for name, target in adapter.targets.items():
-                shape = shapes.get(name, ())
-                if target.kind != "replace" or len(shape) != 2:
-                    continue
-                if (
-                    shape[0] == vocab
-                    if vocab
-                    else name.endswith(("embed_tokens.weight", "wte.weight", "word_embeddings.weight"))
-                ):
+        rows = peft_lora.vocabulary_rows(adapter, checked)
+        targets = dict(adapter.targets)
+        reason = head = None
+        if embedding:
+            reason = peft_lora.untie_reason(adapter, embedding)
+            targets[embedding], head = peft_lora.tied_targets(adapter, embedding)
+            targets.pop(head_name, None)
+        if rows is not None:  # rows nobody saved were drawn at random when the trainer resized: refuse, not guess
+            if embedding:
+                starts = {embedding: targets.get(embedding), **({head_name: head} if reason else {})}
+            else:
+                vocabulary = (model_config.input_embedding(shapes, config), head_name)
+                starts = {name: targets.get(name) for name in vocabulary if name in shapes}
+            for name, start in starts.items():
+                saved = start.tensors.get("base") if start is not None else None
+                if saved is None or saved.shape[0] != rows:
                     raise CheckpointError(
-                        f"{adapter.path}: modules_to_save replaces '{name}', the input embeddings, which "
-                        "the base ties to lm_head (tie_word_embeddings): peft unties them on merge and "
-                        "keeps the old head; not mergeable into a checkpoint that stays tied"
+                        f"{adapter.path}: resizes the vocabulary to {rows} tokens but saves no {rows}-row '{name}'; "
+                        "the trained model's new rows of it are not in the adapter"
                     )
         merged = []
         for recipe in recipes:
             name, code, _ = recipe.output(dtype)
-            target = adapter.targets.get(name)
+            target = targets.get(name)
             if target is not None and not DTYPES[code].cast:
                 raise CheckpointError(f"{adapter.path}: changes '{name}', which is not a floating tensor")
             merged.append(cls(recipe, target, adapter) if target is not None else recipe)
-        return merged, adapter
+            if reason and name == embedding:  # the head right after the tensor it starts from
+                merged.append(cls(Untied(recipe, head_name), head, adapter) if head else Untied(recipe, head_name))
+        return merged, Merged(adapter, reason, (embedding, head_name) if embedding else None, rows)
 
     @property
     def sources(self) -> tuple:
         return (*self.base.sources, *self.target.tensors.values())
 
     def output(self, dtype: DType) -> tuple[str, str, tuple]:
-        return self.base.output(dtype)
+        name, code, shape = self.base.output(dtype)
+        saved = self.target.tensors.get("base")  # a saved replacement may have more rows (a resized vocabulary)
+        return name, code, tuple(saved.shape) if saved is not None else shape
 
     def exceeds_fp16(self) -> bool:
         return True  # the adapter's change is added
@@ -86,10 +108,23 @@ class MergeLora(Recipe):
         merged weight (and on the CPU route about two fp32 copies while merging) for each shard written at once."""
         import torch
 
-        made = whole(dataclasses.replace(tensor, recipe=self.base), reader, route, route.device)
-        base = made.view(DTYPES[tensor.dtype].torch).view(tensor.shape).to(route.device)
+        if "base" in self.target.tensors:  # the adapter's saved weight replaces the base's (it may have more rows)
+            base = torch.empty(0, dtype=DTYPES[tensor.dtype].torch, device=route.device)
+        else:
+            made = whole(dataclasses.replace(tensor, recipe=self.base), reader, route, route.device)
+            base = made.view(DTYPES[tensor.dtype].torch).view(tensor.shape).to(route.device)
         merged = peft_lora.merge(self.target, base, peft_lora.read_lora(self.target, reader), inplace=True)
         merged = merged.contiguous().view(-1).view(torch.uint8)
         if merged.is_cuda:  # out through pinned memory: several times faster than into fresh pageable pages
             merged = torch.empty(merged.numel(), dtype=torch.uint8, pin_memory=True).copy_(merged)
         yield from pieces_from_memory(merged, self.sources[0], route.piece_bytes)
+
+
+@dataclass
+class Merged:
+    """What merging an adapter did beyond the tensors: the plan's record of it."""
+
+    adapter: peft_lora.Adapter
+    untied: str | None  # why the tied base's head is written apart from its input embeddings
+    tied: tuple | None  # (input embeddings, head) of a tied base
+    rows: int | None  # the vocabulary the adapter resized the model to

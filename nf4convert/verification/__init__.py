@@ -176,7 +176,7 @@ def _verify(output: Path, folder: Path, adapter_folder, chosen, progress: bool, 
             f"{name}: in the output, not in the source" for name in sorted(set(produced) - set(expected))
         ]
         names = sorted(set(expected) & set(produced))
-        context = Context(expected, *meta_model(plan.config))
+        context = Context(expected, *meta_model(plan.config), plan.tied or ())
         report.problems += audit.layout_problems(plan.tensors, context)
         for name in tqdm(
             names, desc=f"verifying {output.name}", unit="tensor", disable=not progress, dynamic_ncols=True
@@ -185,6 +185,11 @@ def _verify(output: Path, folder: Path, adapter_folder, chosen, progress: bool, 
             problem = compare(expected[name], produced[name], source_reader, output_reader, chosen, report, context)
             if problem:
                 report.problems.append(f"{name}: {problem}")
+    if adapter_folder is None and audit.looks_merged(report.problems):
+        report.notes.append(
+            "the output looks merged with an adapter (weights of the source's dtype and shape, other values, or a "
+            "head the tied source lacks); if it was, pass that adapter with --adapter"
+        )
     if context.unbuilt() is not None:
         report.notes.append(
             f"config.json: transformers could not build the model from it ({context.unbuilt()}), so the "

@@ -7,13 +7,14 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Callable, NamedTuple
 
-from . import copy, dequantize_4bit, dequantize_8bit, merge_lora, transpose
+from . import copy, dequantize_4bit, dequantize_8bit, merge_lora, transpose, untied
 
 REFERENCES: dict[str, ModuleType] = {
     "copy": copy,
     "dequantize_4bit": dequantize_4bit,
     "dequantize_8bit": dequantize_8bit,
     "transpose": transpose,
+    "untied": untied,
     "merge_lora": merge_lora,
 }
 
@@ -25,6 +26,7 @@ class Context(NamedTuple):
     module_class: Callable  # module path -> the class transformers' model has there, or None
     parameter_shape: Callable  # tensor name -> the shape transformers' model gives it, or None
     unbuilt: Callable  # -> why transformers could not build the model (once asked), or None
+    tied: tuple = ()  # (input embeddings, head) of a tied base: they share one parameter while peft loads
 
     def recompute(self, tensor, reader, device):
         """``tensor`` recomputed by its kind's reference (a wrapper's reference recomputes its base through this)."""

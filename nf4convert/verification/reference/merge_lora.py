@@ -21,6 +21,16 @@ def _skeleton_module(module: str, adapter, device, dtype, references: dict, laye
 
     lora = next((t for t in adapter.targets.values() if t.module == module and t.kind in ("linear", "embedding")), None)
     params = {name.rpartition(".")[2]: value for name, value in references.items()}
+    tokens = any(t.module == module and t.kind == "tokens" for t in adapter.targets.values())
+    if tokens and lora is None and "weight" in params:  # peft's token adapter reads the layer's kind and sizes
+        rows, columns = params["weight"].shape
+        if layer_class is not None and issubclass(layer_class, torch.nn.Embedding):
+            layer = torch.nn.Embedding(rows, columns, device="meta")
+        else:
+            layer = torch.nn.Linear(columns, rows, bias="bias" in params, device="meta")
+        for name, value in params.items():
+            setattr(layer, name, torch.nn.Parameter(value, requires_grad=False))
+        return layer
     # The layer transformers' model has there, whatever kind of LoRA tensors the adapter holds: peft loads those of
     # the kind its layer calls for only, so a mismatch shows as a weight peft leaves unchanged.
     embedding = lora is not None and (
@@ -60,27 +70,45 @@ def _skeleton_module(module: str, adapter, device, dtype, references: dict, laye
 
 
 def reference(tensor, reader, device, context):
-    """peft's own merge: the tensor's module alone in a stand-in model holding the bitsandbytes reference of its
-    base tensors, then ``PeftModel.from_pretrained(...).merge_and_unload()`` (what the user's route runs)."""
+    """peft's own merge: the tensor's module in a stand-in model holding the bitsandbytes reference of its base
+    tensors, then ``PeftModel.from_pretrained(...).merge_and_unload()`` (what the user's route runs). Beside it stand
+    the modules peft must find (every one trainable_token_indices names, a LoRA target), and on a tied base the
+    embeddings and head share one parameter while peft loads the adapter, then are untied and merged apart: the
+    model that was trained."""
     import torch
     from peft import PeftConfig, PeftModel
 
     recipe = tensor.recipe
     module = tensor.name.rpartition(".")[0]
-    # every tensor of this module the adapter changes (a weight and, with lora_bias, its bias) is rebuilt
-    siblings = {name: t for name, t in context.planned.items() if name.rpartition(".")[0] == module}
-    references = {}
-    for name, sibling in siblings.items():
+    wanted = {module} | {t.module for t in recipe.adapter.targets.values() if t.kind == "tokens"}
+    pair = [name.rpartition(".")[0] for name in context.tied]
+    if module in pair:
+        wanted |= set(pair)
+    references = {}  # every planned tensor of those modules (a weight and, with lora_bias, its bias) is rebuilt
+    for name, sibling in context.planned.items():
+        if name.rpartition(".")[0] not in wanted:
+            continue
+        if sibling.recipe.kind == "merge_lora" and "base" in sibling.recipe.target.tensors:
+            # peft loads the adapter's saved weight over it, of the adapter's rows: only the shape counts
+            references[name] = torch.zeros(sibling.shape, dtype=DTYPES[sibling.dtype].torch, device=device)
+            continue
         base = sibling.recipe.base if sibling.recipe.kind == "merge_lora" else sibling.recipe
         recomputed = context.recompute(dataclasses.replace(sibling, recipe=base), reader, device)
         references[name] = recomputed.to(device).reshape(sibling.shape)
     dtype = DTYPES[tensor.dtype].torch
     root = torch.nn.Module()
-    modules = {
-        module: _skeleton_module(module, recipe.adapter, device, dtype, references, context.module_class(module))
-    }
-    if not any(t.module == module and t.kind in ("linear", "embedding") for t in recipe.adapter.targets.values()):
-        # a modules_to_save module alone: peft refuses a model with no LoRA target, so one stands beside it
+    modules = {}
+    # a causal LM registers its head after the base model, so peft loads into the tied parameter the head's weight last
+    for path in sorted(wanted, key=lambda path: (bool(pair) and path == pair[1], path)):
+        held = {name: value for name, value in references.items() if name.rpartition(".")[0] == path}
+        modules[path] = _skeleton_module(path, recipe.adapter, device, dtype, held, context.module_class(path))
+    if module in pair:  # tied, as the trained model loaded it
+        if "weight" not in modules[pair[1]]._parameters:  # a head the output keeps tied: a Linear, as the model has
+            rows, columns = modules[pair[0]].weight.shape
+            modules[pair[1]] = torch.nn.Linear(columns, rows, bias=False, device="meta")
+        modules[pair[1]].weight = modules[pair[0]].weight
+    if not any(t.module in modules and t.kind in ("linear", "embedding") for t in recipe.adapter.targets.values()):
+        # peft refuses a model with no LoRA target, so one stands beside
         lora = next(t for t in recipe.adapter.targets.values() if t.kind in ("linear", "embedding"))
         modules[lora.module] = _skeleton_module(
             lora.module, recipe.adapter, device, dtype, {}, context.module_class(lora.module)
@@ -96,10 +124,39 @@ def reference(tensor, reader, device, context):
     config = PeftConfig.from_pretrained(str(recipe.adapter.folder))
     config.task_type = None  # a bare module tree: no causal-LM wrapper
     config.inference_mode = True
+    head_tokens = (
+        any(t.module == pair[1] and t.kind == "tokens" for t in recipe.adapter.targets.values()) if pair else False
+    )
+    if module in pair and isinstance(config.trainable_token_indices, list) and head_tokens:
+        # peft ties a tied model's head token adapter to the embeddings' (a bare tree has no config saying so), whose
+        # keys the adapter saved too: the same rows on both, each loading its keys (the head's base weight last)
+        config.trainable_token_indices = {
+            pair[0]: config.trainable_token_indices,
+            pair[1]: config.trainable_token_indices,
+        }
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         peft_model = PeftModel.from_pretrained(
             root, str(recipe.adapter.folder), config=config, torch_device=str(device)
         )
+        if module in pair:  # each merged apart, as the trained model's two wrappers read them
+            _untie(peft_model, *context.tied)
         merged = peft_model.merge_and_unload()
     return merged.get_parameter(tensor.name).detach()
+
+
+def _untie(peft_model, embedding: str, head: str) -> None:
+    """The head module (under whatever peft wrapped it in) given its own copy of the parameter it shares with the
+    embeddings, as loaded: the trained model's head, now apart from what the merge does to the embeddings."""
+    import torch
+
+    modules = dict(peft_model.named_modules(remove_duplicate=False))
+    shared = {
+        id(layer._parameters["weight"])
+        for name, layer in modules.items()
+        if embedding.rpartition(".")[0] in name and layer._parameters.get("weight") is not None
+    }
+    for name, layer in modules.items():
+        held = layer._parameters.get("weight")
+        if head.rpartition(".")[0] in name and held is not None and id(held) in shared:
+            layer.weight = torch.nn.Parameter(held.detach().clone(), requires_grad=False)

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from bench_convert import build_adapter, build_source
 
-from nf4convert.formats import peft_lora
+from nf4convert.formats import peft_merge
 from nf4convert.kinds import MergeLora
 from nf4convert.pipeline.piece import whole as _whole
 from nf4convert.pipeline.routes import route_for
@@ -58,9 +58,9 @@ def main():
                     whole, t_whole = timed(lambda: _whole(base, reader, route, where), sync)
                     weight = whole.view(torch.bfloat16).view(tensor.shape)
                     on_device, t_h2d = timed(lambda: weight.to(route.device), sync)
-                    lora = peft_lora.read_lora(tensor.recipe.target, reader)
+                    lora = peft_merge.read_lora(tensor.recipe.target, reader)
                     merged, t_merge = timed(
-                        lambda: peft_lora.merge(tensor.recipe.target, on_device, lora, inplace=True), sync
+                        lambda: peft_merge.merge(tensor.recipe.target, on_device, lora, inplace=True), sync
                     )
                     flat = merged.contiguous().view(-1).view(torch.uint8)
                     out = (

@@ -80,7 +80,7 @@ def resolve_source(
     bitsandbytes is refused before its weights are downloaded; ``progress=False`` hides download bars; ``headers``
     (a ``hub.HeadersOnly``): the checkpoint's weights are not downloaded, its folder is their copy for a plan."""
     from .errors import SourceNotFoundError
-    from .formats import peft_lora
+    from .formats import peft_config, peft_lora
     from .hub import resolve
 
     source, adapter = as_text(source), as_text(adapter)
@@ -90,17 +90,17 @@ def resolve_source(
     )
     adapter_folder = resolve(adapter, **fetch) if adapter is not None else None
     weights = [p for p in folder.glob("*.safetensors") if p.name != peft_lora.WEIGHTS_NAME]
-    if adapter_folder is not None and (folder / peft_lora.CONFIG_NAME).is_file() and not weights:
+    if adapter_folder is not None and (folder / peft_config.CONFIG_NAME).is_file() and not weights:
         raise ArgumentError(
-            f"{source} is a peft adapter (it has {peft_lora.CONFIG_NAME} and no model weights) and an "
+            f"{source} is a peft adapter (it has {peft_config.CONFIG_NAME} and no model weights) and an "
             "adapter is given too: give the base checkpoint as SOURCE",
             option="adapter",
         )
-    if adapter_folder is None and (folder / peft_lora.CONFIG_NAME).is_file() and not weights:
+    if adapter_folder is None and (folder / peft_config.CONFIG_NAME).is_file() and not weights:
         base = peft_lora.load_adapter(folder).base_model_name_or_path
         if not base:
             raise SourceNotFoundError(
-                f"{folder / peft_lora.CONFIG_NAME}: an adapter whose base_model_name_or_path is "
+                f"{folder / peft_config.CONFIG_NAME}: an adapter whose base_model_name_or_path is "
                 "not set; name the base as SOURCE and this as the adapter",
                 option="adapter",
             )

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from nf4convert.errors import CheckpointError
-from nf4convert.formats import peft_lora
+from nf4convert.formats import peft_checks, peft_config, peft_lora, peft_merge
 from nf4convert.safetensors_io.read import TensorReader
 
 from fixtures.weights import bits
@@ -178,7 +178,7 @@ def _ours(dense_folder: Path, adapter_folder: Path, device="cpu") -> tuple[dict,
 
     base = load_file(dense_folder / "model.safetensors")
     shapes = {name: tuple(t.shape) for name, t in base.items()}
-    adapter = peft_lora.validate(peft_lora.load_adapter(adapter_folder), shapes)
+    adapter = peft_checks.validate(peft_lora.load_adapter(adapter_folder), shapes)
     reader = TensorReader()
     try:
         out = {}
@@ -188,11 +188,11 @@ def _ours(dense_folder: Path, adapter_folder: Path, device="cpu") -> tuple[dict,
             if target is None:
                 out[name] = tensor
                 continue
-            lora = peft_lora.read_lora(target, reader)
+            lora = peft_merge.read_lora(target, reader)
             original = tensor.clone()
-            out[name] = peft_lora.merge(target, tensor, lora)
+            out[name] = peft_merge.merge(target, tensor, lora)
             assert torch.equal(bits(tensor), bits(original)), f"{name}: merge() changed its input"
-            in_place = peft_lora.merge(target, tensor, lora, inplace=True)
+            in_place = peft_merge.merge(target, tensor, lora, inplace=True)
             assert torch.equal(bits(in_place), bits(out[name])), f"{name}: inplace=True gives other bits"
     finally:
         reader.close()
@@ -267,7 +267,7 @@ def test_merge_is_sensitive_to_rounding(tmp_path, dense):
     base = load_file(dense("llama", "bf16") / "model.safetensors")
     differing = 0
     for name, target in adapter.targets.items():
-        lora = peft_lora.read_lora(target, reader)
+        lora = peft_merge.read_lora(target, reader)
         delta = (lora["lora_B"].float() @ lora["lora_A"].float()) * target.scaling
         differing += int((bits(base[name] + delta.to(torch.bfloat16)) != bits(ours[name])).sum())
     reader.close()
@@ -279,9 +279,9 @@ def test_config_defaults_are_peft_defaults():
 
     fields = dataclasses.fields(LoraConfig)
     defaults = {f.name: (f.default_factory() if f.default is dataclasses.MISSING else f.default) for f in fields}
-    for name, value in peft_lora.CONFIG_DEFAULTS.items():
+    for name, value in peft_config.CONFIG_DEFAULTS.items():
         assert defaults[name] == value, name
-    for name, is_set in peft_lora.UNSUPPORTED_VARIANTS.items():
+    for name, is_set in peft_config.UNSUPPORTED_VARIANTS.items():
         assert not is_set(defaults[name]), name
 
 
@@ -427,10 +427,12 @@ def test_lora_tensors_of_the_other_layer_kind(linear_adapter, tmp_path, dense):
     )
     base_folder = dense("llama", "bf16")
     config = json.loads((base_folder / "config.json").read_text())  # q_proj's class, from transformers' model
-    message = _error(lambda: peft_lora.validate(peft_lora.load_adapter(folder), _base_shapes(), config=config))
+    message = _error(lambda: peft_checks.validate(peft_lora.load_adapter(folder), _base_shapes(), config=config))
     assert "'model.layers.0.self_attn.q_proj' are embedding-style (lora_embedding_A/B)" in message
     assert "is a Linear/Conv1D layer of the base model" in message
-    message = _error(lambda: peft_lora.validate(peft_lora.load_adapter(folder), _base_shapes()))  # no config: no model
+    message = _error(
+        lambda: peft_checks.validate(peft_lora.load_adapter(folder), _base_shapes())
+    )  # no config: no model
     assert "is not named like an embedding, and transformers cannot build the model from its config.json" in message
     from safetensors.torch import load_file
 
@@ -448,7 +450,7 @@ def test_lora_tensors_of_the_other_layer_kind(linear_adapter, tmp_path, dense):
     _rename_lora(
         folder, "model.embed_tokens", {"lora_embedding_A": "lora_A.weight", "lora_embedding_B": "lora_B.weight"}
     )
-    message = _error(lambda: peft_lora.validate(peft_lora.load_adapter(folder), _base_shapes()))
+    message = _error(lambda: peft_checks.validate(peft_lora.load_adapter(folder), _base_shapes()))
     assert "'model.embed_tokens' are linear-style (lora_A/B)" in message and "is an embedding layer" in message
     merged = _peft_merged(base_folder, folder, torch.bfloat16)
     saved = load_file(folder / "adapter_model.safetensors")["base_model.model.model.embed_tokens.base_layer.weight"]
@@ -473,19 +475,19 @@ def test_the_layer_kind_rule_refuses_only_what_it_knows():
 
     classes = {"transformer.tokens_embed": torch.nn.Embedding, "transformer.h.0.attn.c_attn": torch.nn.Linear}
     module_class = classes.get
-    assert not peft_lora._other_kind(target("embedding", "transformer.tokens_embed"), module_class)
-    assert peft_lora._other_kind(target("embedding", "transformer.h.0.attn.c_attn"), module_class)
-    assert peft_lora._other_kind(target("embedding", "transformer.unknown"), module_class)  # no model: nothing tells
-    assert peft_lora._other_kind(target("linear", "model.embed_tokens"), module_class)  # by name, no model asked
-    assert not peft_lora._other_kind(target("linear", "transformer.h.0.attn.c_attn"), module_class)
-    assert not peft_lora._other_kind(target("embedding", "model.embed_tokens"), lambda module: 1 / 0)  # not asked
+    assert not peft_checks._other_kind(target("embedding", "transformer.tokens_embed"), module_class)
+    assert peft_checks._other_kind(target("embedding", "transformer.h.0.attn.c_attn"), module_class)
+    assert peft_checks._other_kind(target("embedding", "transformer.unknown"), module_class)  # no model: nothing tells
+    assert peft_checks._other_kind(target("linear", "model.embed_tokens"), module_class)  # by name, no model asked
+    assert not peft_checks._other_kind(target("linear", "transformer.h.0.attn.c_attn"), module_class)
+    assert not peft_checks._other_kind(target("embedding", "model.embed_tokens"), lambda module: 1 / 0)  # not asked
 
 
 def test_shape_mismatch(linear_adapter, tmp_path):
     folder = _copy(linear_adapter, tmp_path)
     key = "base_model.model.model.layers.0.self_attn.k_proj.lora_B.weight"
     _edit_tensors(folder, lambda t: t.update({key: torch.randn(40, 4)}))
-    message = _error(lambda: peft_lora.validate(peft_lora.load_adapter(folder), _base_shapes()))
+    message = _error(lambda: peft_checks.validate(peft_lora.load_adapter(folder), _base_shapes()))
     assert key in message and "[40, 4]" in message and "[36, 72]" in message
 
 
@@ -499,11 +501,11 @@ def test_rank_mismatch_between_factors(linear_adapter, tmp_path):
 def test_target_missing_from_base(linear_adapter):
     shapes = _base_shapes()
     del shapes["model.layers.1.mlp.up_proj.weight"]
-    message = _error(lambda: peft_lora.validate(peft_lora.load_adapter(linear_adapter), shapes))
+    message = _error(lambda: peft_checks.validate(peft_lora.load_adapter(linear_adapter), shapes))
     assert "'model.layers.1.mlp.up_proj.weight', which the base checkpoint does not have" in message
     # an adapter trained on the bare LlamaModel, against a causal LM checkpoint
     bare = {name.removeprefix("model."): shape for name, shape in _base_shapes().items()}
-    message = _error(lambda: peft_lora.validate(peft_lora.load_adapter(linear_adapter), bare))
+    message = _error(lambda: peft_checks.validate(peft_lora.load_adapter(linear_adapter), bare))
     assert "was the adapter trained on another model class" in message
 
 
@@ -526,7 +528,7 @@ def test_extra_keys(linear_adapter, tmp_path):
     folder = _copy(linear_adapter, tmp_path / "d")
     key = "base_model.model.model.layers.0.mystery.weight"
     _edit_tensors(folder, lambda t: t.update({key: torch.randn(3)}))
-    assert key in _error(lambda: peft_lora.validate(peft_lora.load_adapter(folder), _base_shapes()))
+    assert key in _error(lambda: peft_checks.validate(peft_lora.load_adapter(folder), _base_shapes()))
 
     folder = _copy(linear_adapter, tmp_path / "e")
     key = "model.layers.0.self_attn.q_proj.lora_A.weight"

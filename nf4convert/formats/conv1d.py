@@ -4,7 +4,7 @@ transformers' ``Conv1D`` holds its weight as (in_features, out_features), the tr
 transformers quantizes such a layer with bitsandbytes, 4-bit or 8-bit, it transposes the weight first
 (``transformers/integrations/bitsandbytes.py``: ``if issubclass(module.source_cls, Conv1D): value = value.T``), so
 the quantized checkpoint holds it (out, in) like a Linear's, and the dense checkpoint must hold it (in, out) again.
-peft merges into a Conv1D weight with ``fan_in_fan_out`` (``peft_lora.validate`` tells it from the shapes).
+peft merges into a Conv1D weight with ``fan_in_fan_out`` (``peft_checks.validate`` tells it from the shapes).
 
 The architectures of transformers that use ``Conv1D``, and their ``Conv1D`` modules (``pytorch_utils.Conv1D`` in
 their modeling files; every other linear layer of theirs is an ``nn.Linear``). ``verify`` checks the rule against

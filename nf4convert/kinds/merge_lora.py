@@ -12,7 +12,7 @@ from typing import ClassVar, Iterator
 from ..dtypes import DTYPES, DType
 from ..errors import CheckpointError
 from ..formats import config as model_config
-from ..formats import peft_lora
+from ..formats import peft_checks, peft_lora, peft_merge, peft_tied
 from ..pipeline.piece import Piece, pieces_from_memory, whole
 from .base import Recipe
 from .untied import Untied
@@ -43,7 +43,7 @@ class MergeLora(Recipe):
         tied = model_config.tied(config) and head_name not in shapes
         embedding = model_config.input_embedding(shapes, config) if tied else None
         if model_config.tied(config) and not tied:
-            if peft_lora.untie_reason(adapter, model_config.input_embedding(shapes, config) or ""):
+            if peft_tied.untie_reason(adapter, model_config.input_embedding(shapes, config) or ""):
                 # transformers ties such a head to the embeddings on load, ignoring the checkpoint's: neither is
                 # what was trained
                 raise CheckpointError(
@@ -53,18 +53,18 @@ class MergeLora(Recipe):
                 )
         # a tied head is the embeddings' tensor: an adapter may change it (peft gives the model's lm_head its own)
         checked = {**shapes, head_name: shapes[embedding]} if embedding else shapes
-        peft_lora.validate(adapter, checked, config=config)
-        if tied and embedding is None and any(peft_lora.changes_vocabulary(t) for t in adapter.targets.values()):
+        peft_checks.validate(adapter, checked, config=config)
+        if tied and embedding is None and any(peft_tied.changes_vocabulary(t) for t in adapter.targets.values()):
             raise CheckpointError(
                 f"{adapter.path}: changes lm_head or embeddings, and the base ties lm_head to its input embeddings "
                 "(tie_word_embeddings) but has no one tensor named as them to untie it from"
             )
-        rows = peft_lora.vocabulary_rows(adapter, checked)
+        rows = peft_tied.vocabulary_rows(adapter, checked)
         targets = dict(adapter.targets)
         reason = head = None
         if embedding:
-            reason = peft_lora.untie_reason(adapter, embedding)
-            targets[embedding], head = peft_lora.tied_targets(adapter, embedding)
+            reason = peft_tied.untie_reason(adapter, embedding)
+            targets[embedding], head = peft_tied.tied_targets(adapter, embedding)
             targets.pop(head_name, None)
         if rows is not None:  # rows nobody saved were drawn at random when the trainer resized: refuse, not guess
             if embedding:
@@ -113,7 +113,7 @@ class MergeLora(Recipe):
         else:
             made = whole(dataclasses.replace(tensor, recipe=self.base), reader, route, route.device)
             base = made.view(DTYPES[tensor.dtype].torch).view(tensor.shape).to(route.device)
-        merged = peft_lora.merge(self.target, base, peft_lora.read_lora(self.target, reader), inplace=True)
+        merged = peft_merge.merge(self.target, base, peft_merge.read_lora(self.target, reader), inplace=True)
         merged = merged.contiguous().view(-1).view(torch.uint8)
         if merged.is_cuda:  # out through pinned memory: several times faster than into fresh pageable pages
             merged = torch.empty(merged.numel(), dtype=torch.uint8, pin_memory=True).copy_(merged)

@@ -17,7 +17,7 @@ the dense checkpoint loaded in the output dtype. What that does, step by step, a
   fp32, then ``weight += delta``: an in-place add of an fp32 tensor into the bf16/fp16 weight, computed in fp32
   and rounded once. peft forces ``fan_in_fan_out`` to match the layer (True for GPT-2's ``Conv1D``, False for
   ``nn.Linear``) whatever the config says; without the model we read it from the base weight's shape (see
-  :func:`validate` for square weights).
+  ``peft_checks.validate`` for square weights).
 - Embedding (``Embedding.get_delta_weight`` and ``merge``): ``delta = (B @ A).T * scaling`` in fp32, then
   ``weight += delta.to(weight.dtype)``: rounded to the output dtype *before* the add (twice rounded, unlike Linear).
 - DoRA (``DoraLinearVariant.merge_unsafe``, ``DoraLinearLayer.get_weight_norm``): with ``delta`` as above,

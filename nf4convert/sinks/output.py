@@ -13,11 +13,11 @@ import shutil
 from pathlib import Path
 
 from ..errors import OutputError
+from ..paths import NAME_MAX
 from ..sizes import size_text
 
 PARTIAL_SUFFIX = ".nf4convert-partial"
 OLD_SUFFIX = ".nf4convert-old"
-NAME_MAX = 255  # bytes in one file name on Linux's and macOS's file systems
 PID_ROOM = len("-4194304")  # a staging name ends with the run's pid; Linux's largest
 SPARE_BYTES = 64 << 20  # headroom on the disk beyond the output itself
 

@@ -57,9 +57,8 @@ class DefaultGroup(click.Group):
             except click.ClickException as error:  # a bad option or argument: one line, not the usage text
                 error_line(f"{error.format_message()} (see 'nf4convert --help')")
                 code = error.exit_code
-            except click.exceptions.Abort:
-                error_line("aborted")
-                code = 1
+            except (click.exceptions.Abort, Interrupted, Terminated) as stop:  # a stop signal outside a command's run
+                code = _stopped_outside_a_run(stop)
             except SystemExit as exiting:  # a failed run (_fail, a failed verify or batch) ends as a finished one does
                 code = _exit_code(exiting)
             if process:
@@ -84,6 +83,22 @@ class DefaultGroup(click.Group):
                     raise click.UsageError(f"options of '{named}' go after its name: nf4convert {named} [OPTIONS] ...")
                 args = ["convert", *args]
         return super().parse_args(ctx, args)
+
+
+def _stopped_outside_a_run(stop: BaseException) -> int:
+    """A stop signal that landed in click's code (which turns Ctrl-C into an Abort) or in a command before its run:
+    its line and status, as a run's."""
+    if isinstance(stop, click.exceptions.Abort):
+        stop = stop.__cause__ or stop.__context__  # the KeyboardInterrupt (or EOFError) click caught
+    if isinstance(stop, Terminated):
+        signum = stop.signum
+    elif isinstance(stop, KeyboardInterrupt):
+        signum = signal.SIGINT
+    else:
+        error_line("aborted")
+        return 1
+    error_line(f"{'interrupted' if signum == signal.SIGINT else 'terminated'}; nothing was written")
+    return 128 + signum
 
 
 def _exit_code(exiting: SystemExit) -> int:

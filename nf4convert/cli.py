@@ -50,6 +50,7 @@ class DefaultGroup(click.Group):
         args = sys.argv[1:] if args is None else list(args)
         if not args:
             args = ["--help"]
+        stdout = sys.stdout
         with StopSignals() as stops:
             try:
                 code = super().main(args, *rest, standalone_mode=False, obj=_Command(stops, process), **kwargs)
@@ -61,6 +62,8 @@ class DefaultGroup(click.Group):
                 code = _stopped_outside_a_run(stop)
             except SystemExit as exiting:  # a failed run (_fail, a failed verify or batch) ends as a finished one does
                 code = _exit_code(exiting)
+                if sys.stdout is not stdout:  # click's own help or version text met a closed pipe: click exits 1 and
+                    code = 0  # puts a stand-in in stdout's place; the text was all there was to do
             if process:
                 stops.finish()
                 _exit_now(code)
@@ -149,7 +152,10 @@ def error_line(text: str) -> None:
     """The one way an error reaches the terminal: ``Error: ...`` on one line, whatever the text holds (a path
     or tensor name with a newline or carriage return in it is shown escaped)."""
     one_line = text.replace("\r", "\\r").replace("\n", "\\n")
-    click.echo(f"Error: {one_line}", err=True)
+    try:
+        click.echo(f"Error: {one_line}", err=True)
+    except BrokenPipeError:
+        _reader_gone(sys.stderr)  # nobody reads standard error any more: the exit status says it
 
 
 def _fail(text: str, code: int = 1):
@@ -184,14 +190,30 @@ def _end(code: int):
 
 def say(text: str, *, err: bool = False) -> None:
     """A line on standard output (or error); one that cannot be printed (a full device, a closed stream) is an
-    error line on the other stream, not a traceback."""
+    error line on the other stream, not a traceback. A stream whose reader went away (``| head``) takes no more lines,
+    silently, and the command runs to its end and its own status, as standard tools do."""
     try:
         click.echo(text, err=err)
+    except BrokenPipeError:
+        _reader_gone(sys.stderr if err else sys.stdout)
     except OSError as error:
         stream = "standard error" if err else "standard output"
         if not err:
             error_line(f"cannot print to {stream} ({error.strerror or error})")
         sys.exit(1)
+
+
+def _reader_gone(stream) -> None:
+    """What is written to ``stream`` from now on goes nowhere, its unsent lines too (Python's recipe for a closed
+    pipe): no error at the next line or at the exit's flush."""
+    import os
+
+    try:
+        nowhere = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(nowhere, stream.fileno())
+        os.close(nowhere)
+    except (OSError, ValueError, AttributeError):  # no file descriptor (a test's stream): nothing to redirect
+        pass
 
 
 def message(error) -> str:

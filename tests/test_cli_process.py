@@ -105,3 +105,40 @@ def test_a_stop_signal_from_the_console_scripts_first_statement_is_never_a_trace
             seen.add("run")
             late = delay if late is None else min(late, delay)
     assert seen == {"start-up", "run"}, seen
+
+
+def _with_stdout_closed(args, cwd: Path) -> subprocess.CompletedProcess:
+    """The command with a standard output whose reader has gone (``nf4convert ... | head -1`` once head has its line):
+    every write to it fails with EPIPE."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        return subprocess.run(
+            [sys.executable, "-m", "nf4convert", *map(str, args)],
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=_env(),
+            cwd=cwd,
+            timeout=600,
+        )
+    finally:
+        os.close(write)
+
+
+def test_a_standard_output_nobody_reads_is_no_error_and_the_run_keeps_its_status(tmp_path):
+    # "nf4convert batch ... | head -1" said "cannot print to standard output (Broken pipe)" and exited 1
+    cases = [
+        (["batch", EXAMPLE, "-o", "root", "-q"], 0, ""),
+        (["batch", EXAMPLE, "missing", "-o", "root2", "-q", "--json"], 1, "1 of 2 failed\n"),  # its own status
+        ([EXAMPLE, "-o", "out", "-q", "--device", "cpu"], 0, ""),
+        (["verify", "out", EXAMPLE, "-q", "--device", "cpu"], 0, ""),
+        ([EXAMPLE, "-o", "planned", "--dry-run"], 0, ""),
+        (["--help"], 0, ""),
+    ]
+    for args, code, stderr in cases:
+        result = _with_stdout_closed(args, tmp_path)
+        assert (result.returncode, result.stderr) == (code, stderr), (args, result.stderr)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["out", "root", "root2"]  # nothing hidden, half-written
+    assert [path.name for path in (tmp_path / "root").iterdir()] == ["tiny-llama-bf16"]
+    assert (tmp_path / "out" / "model.safetensors").exists()

@@ -56,7 +56,7 @@ class DefaultGroup(click.Group):
                 code = super().main(args, *rest, standalone_mode=False, obj=_Command(stops, process), **kwargs)
                 code = code if isinstance(code, int) else 0
             except click.ClickException as error:  # a bad option or argument: one line, not the usage text
-                error_line(f"{error.format_message()} (see 'nf4convert --help')")
+                error_line(f"{error.format_message()} (see '{_help_of(getattr(error, 'ctx', None))}')")
                 code = error.exit_code
             except (click.exceptions.Abort, Interrupted, Terminated) as stop:  # a stop signal outside a command's run
                 code = _stopped_outside_a_run(stop)
@@ -68,6 +68,16 @@ class DefaultGroup(click.Group):
                 stops.finish()
                 _exit_now(code)
         sys.exit(code)
+
+    def format_options(self, ctx, formatter):
+        """The group's options and commands, then convert's options: ``nf4convert SOURCE`` is a conversion."""
+        super().format_options(ctx, formatter)
+        convert = self.commands["convert"]
+        with click.Context(convert, info_name="convert", parent=ctx) as own:
+            shown = [param for param in convert.get_params(own) if isinstance(param, click.Option)]
+            rows = [param.get_help_record(own) for param in shown if param is not convert.get_help_option(own)]
+        with formatter.section("Convert options (nf4convert SOURCE [OPTIONS], as nf4convert convert SOURCE [OPTIONS])"):
+            formatter.write_dl([row for row in rows if row])
 
     def parse_args(self, ctx, args):
         if args and args[0] not in self.commands and not args[0].startswith("-"):
@@ -86,6 +96,15 @@ class DefaultGroup(click.Group):
                     raise click.UsageError(f"options of '{named}' go after its name: nf4convert {named} [OPTIONS] ...")
                 args = ["convert", *args]
         return super().parse_args(ctx, args)
+
+
+def _help_of(ctx) -> str:
+    """The help that lists the options of the command a usage error is about (``nf4convert batch --help``)."""
+    names = []
+    while ctx is not None and ctx.parent is not None:
+        names.append(ctx.info_name)
+        ctx = ctx.parent
+    return " ".join(["nf4convert", *reversed(names), "--help"])
 
 
 def _stopped_outside_a_run(stop: BaseException) -> int:

@@ -436,10 +436,10 @@ def convert_command(
         from . import render, run
 
         if dry_run:
-            for line in render.plan_lines(
-                run.dry_run_plan(source, output, device=device, progress=not quiet, **options)
-            ):
+            prepared = run.dry_run_plan(source, output, device=device, progress=not quiet, **options)
+            for line in render.plan_lines(prepared):
                 say(line)
+            run.check_room(prepared.output, prepared.plan.output_bytes, prepared.free_bytes)
             return True
 
         def show(result) -> None:
@@ -635,6 +635,10 @@ def batch_command(
                 err=as_json,
             )
         say("dry run: nothing was written", err=as_json)
+        if result.free is not None:
+            from .run import check_room
+
+            _run(lambda: check_room(output_root, result.needed, result.free))
     if result.stopped is not None:
         untried = result.untried
         names = ", ".join(untried) if untried else "none"

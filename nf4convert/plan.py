@@ -76,6 +76,11 @@ class Plan:
         return sum(shard.nbytes for shard in self.shards)
 
     @property
+    def output_bytes(self) -> int:
+        """Every byte the output takes: its tensors, side files and card (what its disk must hold)."""
+        return self.tensor_bytes + self.side_bytes
+
+    @property
     def n_dequantized(self) -> int:
         """Tensors made by a recipe other than a plain copy."""
         return sum(tensor.recipe.kind != Copy.kind for tensor in self.tensors)

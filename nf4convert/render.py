@@ -26,7 +26,7 @@ def space_verdict(free: int, needed: int) -> str:
 def plan_lines(prepared) -> list[str]:
     """A dry run's plan (a ``conversion.Prepared``): source, output, tensors by kind, shards, bytes, free space."""
     plan = prepared.plan
-    needed = plan.tensor_bytes + plan.side_bytes
+    needed = plan.output_bytes
     kinds = Counter(tensor.recipe.label for tensor in plan.tensors)
     shown = f"{prepared.headers_only} (its headers and quant states read from the Hub; no weights downloaded)"
     lines = [

@@ -13,7 +13,9 @@ from typing import Callable
 from .conversion import ConvertResult, Prepared, convert, prepare
 from .devices import pick_device
 from .errors import Interrupted, Nf4ConvertError, Terminated
+from .paths import expanded_output
 from .settings import Settings
+from .sinks import output as lifecycle
 from .sinks.naming import batch_output, batch_stems, check_batch_root
 from .verification import VerifyReport
 
@@ -30,6 +32,13 @@ def dry_run_plan(source, output=None, *, device: str = "auto", **options) -> Pre
     refuse, this refuses too (a ``device`` that is not there, an output that exists)."""
     pick_device(device)
     return prepare(source, output, headers_only=True, **options)
+
+
+def check_room(output, needed: int, free: int | None = None) -> None:
+    """OutputError unless the file system ``output`` goes to has room for ``needed`` bytes of output, by the
+    conversion's own rule (``free``: its free bytes, as a dry run measured them): a dry run, once it has shown its
+    plan, refuses what the conversion would."""
+    lifecycle.check_free_space(expanded_output(output, "output"), needed, free)
 
 
 def convert_then(
@@ -168,7 +177,7 @@ def batch(
                 prepared = dry_run_plan(source, device=device, **common)
                 plan = prepared.plan
                 row.status, row.tensors, row.bytes = done, len(plan.tensors), plan.tensor_bytes
-                result.needed += plan.tensor_bytes + plan.side_bytes
+                result.needed += plan.output_bytes
                 result.free = prepared.free_bytes
             else:
                 converted = convert(source, device=device, **common)

@@ -223,8 +223,13 @@ def test_a_dry_run_judges_the_space_and_the_destination_as_the_run_does(checkpoi
     usage = shutil_module.disk_usage(tmp_path)
     monkeypatch.setattr(shutil_module, "disk_usage", lambda path: usage._replace(free=30_000_000))  # under the headroom
     source, out = checkpoints["llama-nf4-dq"], tmp_path / "out"
-    assert "free where it goes: 30.0 MB (NOT enough: " in run(source, "-o", out, "--dry-run")
-    assert "30.0 MB free, the output needs" in run(source, "-o", out, "-q", code=1)
+    refused = f"Error: {tmp_path}: 30.0 MB free, the output needs "
+    dry = run(source, "-o", out, "--dry-run", code=1).splitlines()  # the plan, then the run's refusal (it exited 0)
+    assert "free where it goes: 30.0 MB (NOT enough: " in dry[-3] and dry[-2] == "dry run: nothing was written"
+    assert dry[-1].startswith(refused)
+    assert run(source, "-o", out, "-q", code=1).startswith(refused)
+    dry = run("batch", source, "-o", tmp_path / "root", "--dry-run", code=1).splitlines()
+    assert "(NOT enough: " in dry[-3] and dry[-1].startswith(refused) and dry[-2] == "dry run: nothing was written"
     monkeypatch.setattr(shutil_module, "disk_usage", lambda path: usage._replace(free=10**12))
     assert "free where it goes: 1000.00 GB (enough)" in run(source, "-o", out, "--dry-run")
     real_access = os.access

@@ -115,9 +115,9 @@ def space_needed(output_bytes: int) -> int:
     return output_bytes + SPARE_BYTES
 
 
-def check_free_space(output: Path, needed: int) -> None:
-    """OutputError unless OUT's file system has ``space_needed(needed)`` bytes free."""
-    free = free_space(output)
+def check_free_space(output: Path, needed: int, free: int | None = None) -> None:
+    """OutputError unless OUT's file system has ``space_needed(needed)`` bytes free (``free``: as measured already)."""
+    free = free_space(output) if free is None else free
     if free < space_needed(needed):
         raise OutputError(
             f"{_existing_ancestor(output)}: {size_text(free)} free, the output needs "

@@ -22,6 +22,7 @@ all). Its caller prints that line; the card is still written.
 from __future__ import annotations
 
 import re
+import shlex
 from typing import NamedTuple
 
 from .dtypes import OUTPUT_DTYPES
@@ -83,6 +84,9 @@ def model_card(
     adapter: str | None = None,
     revision: str | None = None,
     commit: str | None = None,
+    title: str | None = None,
+    source_name: str | None = None,
+    has_config: bool = True,
 ) -> Card:
     """The model card (README.md) for a converted checkpoint.
 
@@ -91,8 +95,10 @@ def model_card(
     ``auto``); ``version`` the nf4convert version; ``quant_format`` the source format (``"bnb-4bit nf4"``,
     ``"bnb-4bit fp4"``, ``"bnb-8bit"``, or several joined by ", "); ``adapter`` the adapter merged into the
     weights (a repo id or a folder), if any; ``revision`` the source repo's revision as given (None: its default
-    branch) and ``commit`` the commit it resolved to, when known. Never raises on a malformed card: see the module
-    docstring.
+    branch) and ``commit`` the commit it resolved to, when known; ``title`` the output's model name (the card's
+    heading); ``source_name`` the source as the user named it (the command that made the weights shows it where it
+    is no Hub repo); ``has_config`` False for an output without config.json (its source had none). Never raises on a
+    malformed card: see the module docstring.
 
     Example:
         >>> card = model_card(readme, source_repo="unsloth/Llama-3.2-1B-Instruct-bnb-4bit", dtype="bf16",
@@ -114,8 +120,11 @@ def model_card(
         source_body=bool(body),
         revision=revision,
         commit=commit,
+        source_name=source_name,
+        has_config=has_config,
     )
-    parts = [front_matter, section] + ([body] if body else [])
+    heading = [f"# {' '.join(title.split())}"] if title and title.strip() else []
+    parts = [front_matter, *heading, section] + ([body] if body else [])
     return Card("\n\n".join(parts) + "\n", warning or yaml_warning)
 
 
@@ -210,7 +219,18 @@ def _front_matter(fields: dict) -> tuple[str, str | None]:
 
 
 def _how_made(
-    *, source_repo, original_base, dtype, version, quant_format, adapter, source_body, revision, commit
+    *,
+    source_repo,
+    original_base,
+    dtype,
+    version,
+    quant_format,
+    adapter,
+    source_body,
+    revision,
+    commit,
+    source_name=None,
+    has_config=True,
 ) -> str:
     dtype_flag = DTYPE_FLAGS.get(dtype, dtype)
     dtype_text = f"{dtype_flag} ({DTYPE_NAMES[dtype_flag]})" if dtype_flag in DTYPE_NAMES else dtype
@@ -243,22 +263,28 @@ def _how_made(
         f"These are dense {dtype_text} weights, dequantized from {source_text}, by nf4convert {version}.",
         "",
         " ".join(_exactness(kinds, dtype_flag)) + " Dequantizing does not bring back the precision lost to "
-        f"quantization. The other tensors were cast to {dtype_flag}, and `config.json` no longer has a "
-        "`quantization_config`.",
+        f"quantization. The other tensors were cast to {dtype_flag}"
+        + (
+            ", and `config.json` no longer has a `quantization_config`."
+            if has_config
+            else ". There is no `config.json`: the source had none, so transformers cannot load these weights as a "
+            "model by themselves."
+        ),
     ]
     command = [
         "nf4convert",
-        source_repo or "SOURCE",
+        source_repo or (_local(source_name) if source_name else "SOURCE"),
         *(["--revision", revision] if revision else []),
         "--dtype",
         dtype_flag,
+        *([] if has_config else ["--allow-no-config"]),
     ]
     if adapter:
         adapter_repo = looks_like_repo_id(adapter)
         name = adapter if adapter_repo else adapter.rstrip("/\\").replace("\\", "/").rsplit("/", 1)[-1]
         shown = _link(adapter) if adapter_repo else f"`{name}` (a local folder)"
         lines += ["", f"The adapter {shown} was then merged into the dequantized weights."]
-        command += ["--adapter", adapter if adapter_repo else "ADAPTER"]
+        command += ["--adapter", adapter if adapter_repo else _local(adapter)]
     lines += ["", "Made with:", "", "```sh", " ".join(command), "```"]
     if source_body:
         lines += [
@@ -267,6 +293,15 @@ def _how_made(
             "quantized, it describes the source, not these weights.",
         ]
     return "\n".join(lines)
+
+
+def _local(folder: str) -> str:
+    """A local folder in the card's command: as the user gave it, but an absolute path by its own name alone (the
+    card is published; the path above says who made it where, and means nothing elsewhere)."""
+    from pathlib import Path
+
+    path = Path(folder)
+    return shlex.quote(path.name if path.is_absolute() else folder.rstrip("/") or folder)
 
 
 def _exactness(kinds: set[str], dtype_flag: str) -> list[str]:

@@ -30,6 +30,7 @@ HINTS = {
     "device": "see --device",
     "max_shard_size": "see --max-shard-size",
     "adapter": "see --adapter",
+    "allow_no_config": "or pass --allow-no-config to write the dense tensors alone",
 }
 
 
@@ -333,6 +334,12 @@ def _convert_options(function):
                 "--overwrite", is_flag=True, help="Replace OUT if it exists (only once the new output is complete)."
             ),
             click.option(
+                "--allow-no-config",
+                is_flag=True,
+                help="Convert a SOURCE that has no config.json (refused otherwise): the output holds the dense tensors "
+                "without one, so transformers cannot load it as a model by itself.",
+            ),
+            click.option(
                 "-q",
                 "--quiet",
                 is_flag=True,
@@ -386,6 +393,7 @@ def convert_command(
     device,
     max_shard_size,
     overwrite,
+    allow_no_config,
     quiet,
     revision,
     token,
@@ -429,6 +437,7 @@ def convert_command(
         cache_dir=cache_dir,
         max_shard_size=max_shard_size,
         overwrite=overwrite,
+        allow_no_config=allow_no_config,
     )
     converted = []  # the output, once complete
 
@@ -558,6 +567,7 @@ def batch_command(
     device,
     max_shard_size,
     overwrite,
+    allow_no_config,
     quiet,
     revision,
     token,
@@ -610,6 +620,7 @@ def batch_command(
             cache_dir=cache_dir,
             max_shard_size=max_shard_size,
             overwrite=overwrite,
+            allow_no_config=allow_no_config,
             progress=not quiet and not as_json,
             on_error=failed,
             on_warning=lambda source, warning: say(f"Warning: {source}: {warning}", err=True),

@@ -12,6 +12,7 @@ from . import profile
 from .devices import pick_device
 from .dtypes import output_dtype
 from .errors import ArgumentError, CheckpointError, Nf4ConvertError
+from .formats.config import check_present as check_config_present
 from .hub import HeadersOnly, commit_of, looks_like_repo_id, model_name
 from .paths import expanded_output
 from .pipeline.routes import route_for
@@ -54,6 +55,9 @@ def model_card(prepared: "Prepared"):
         adapter=prepared.adapter,
         revision=prepared.revision,
         commit=commit_of(plan.folder),
+        title=prepared.output.name,
+        source_name=base,
+        has_config=plan.config is not None,
     )
 
 
@@ -98,12 +102,14 @@ def prepare(
     progress=True,
     headers_only=False,
     on_output=None,
+    allow_no_config=False,
 ) -> Prepared:
     """Resolve and plan a conversion and check where it goes, writing nothing (what ``convert`` and a dry run do
     first). A Hub SOURCE's weights are downloaded into the Hub cache, unless ``headers_only`` (a dry run): then the
     plan reads their headers and quant states over range requests, from a copy removed before this returns (the
     plan can then be shown, not streamed; ``reader`` is not taken). ``on_output(folder)`` is told where the output
-    goes as soon as that is known (a batch names it for a source that fails after that)."""
+    goes as soon as that is known (a batch names it for a source that fails after that). A checkpoint without
+    config.json is refused unless ``allow_no_config``."""
     if not headers_only:
         return _prepare(
             source,
@@ -120,6 +126,7 @@ def prepare(
             reader=reader,
             progress=progress,
             on_output=on_output,
+            allow_no_config=allow_no_config,
         )
     headers = HeadersOnly()
     try:
@@ -140,6 +147,7 @@ def prepare(
                 progress=progress,
                 headers=headers,
                 on_output=on_output,
+                allow_no_config=allow_no_config,
             )
     except Nf4ConvertError as error:  # named by the repo, not the temporary copy
         text = str(error)
@@ -171,6 +179,7 @@ def _prepare(
     progress,
     headers=None,
     on_output=None,
+    allow_no_config=False,
 ) -> Prepared:
     Settings.from_env()  # a dry run refuses a bad NF4CONVERT_* value as the conversion does
     source, adapter = named_sources(source, adapter)
@@ -198,6 +207,7 @@ def _prepare(
         if better is error:
             raise
         raise better from None
+    check_config_present(plan.config, base, allow_missing=allow_no_config)
     named = output is None
     if named:
         output = default_output(output_dir, stem or output_stem(source), plan.dtype.short)
@@ -230,6 +240,7 @@ def convert(
     output_dir: str | os.PathLike | None = None,
     stem: str | None = None,
     on_output=None,
+    allow_no_config: bool = False,
 ) -> ConvertResult:
     """Convert a bitsandbytes checkpoint (4-bit NF4/FP4 or 8-bit LLM.int8) into a dense safetensors checkpoint.
 
@@ -240,12 +251,14 @@ def convert(
     the weights it changes, bit for bit as peft's ``merge_and_unload`` on the dense model; a ``source``
     that is itself an adapter means its base with it merged. Nothing is written unless the whole output
     is: it appears under its name only once complete. ``on_output(folder)`` is told where the output goes as soon as
-    that is known.
+    that is known. A checkpoint without config.json is refused unless ``allow_no_config``: its output then holds the
+    dense tensors (and the files carried over) without a config.json, which transformers needs to load a model.
 
     Raises:
         ArgumentError: a bad ``dtype``, ``device``, ``max_shard_size`` or ``stem``, or ``output`` with ``output_dir``.
         SourceNotFoundError: ``source`` cannot be found or fetched.
-        CheckpointError: the checkpoint is corrupt or not a bitsandbytes checkpoint, or the adapter does not fit it.
+        CheckpointError: the checkpoint is corrupt, not a bitsandbytes checkpoint or has no config.json (and
+            ``allow_no_config`` is off), or the adapter does not fit it.
         OutputError: the output exists (and ``overwrite`` is off), the disk is too small, or writing failed.
 
     Example:
@@ -280,6 +293,7 @@ def convert(
             reader=reader,
             progress=progress,
             on_output=on_output,
+            allow_no_config=allow_no_config,
         )
         plan, output = prepared.plan, prepared.output
         profile.mark("planned")

@@ -184,7 +184,12 @@ def _verify(output: Path, folder: Path, adapter_folder, chosen, progress: bool, 
             problem = compare(expected[name], produced[name], source_reader, output_reader, chosen, report, context)
             if problem:
                 report.problems.append(f"{name}: {problem}")
-    if context.unbuilt() is not None:
+    if plan.config is None:
+        report.notes.append(
+            "config.json: the source has none and the output neither, so transformers cannot load the output as a "
+            "model; the shapes it would load and its Conv1D layers were not checked"
+        )
+    elif context.unbuilt() is not None:
         report.notes.append(
             f"config.json: transformers could not build the model from it ({context.unbuilt()}), so the "
             "shapes it loads and its Conv1D layers were not checked"

@@ -352,13 +352,6 @@ def _convert_options(function):
     return _common_source_options(function)
 
 
-def _summary(result) -> str:
-    return (
-        f"{result.output}: {result.tensors} tensors ({result.dequantized} dequantized), "
-        f"{result.bytes / 1e9:.2f} GB {result.dtype}, {result.seconds:.1f} s"
-    )
-
-
 @main.command("convert")
 @click.argument("source")
 @click.option("-o", "--output", type=click.Path(), help="Output folder (default: ./<name>-<dtype>).")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import profile
@@ -37,6 +37,7 @@ class ConvertResult:
     bytes: int  # tensor bytes written
     seconds: float
     warnings: tuple[str, ...] = ()  # what the user should know but did not stop the run (e.g. a malformed card)
+    kinds: dict[str, int] = field(default_factory=dict)  # tensors per kind, by its label (plan.Plan.kinds)
 
 
 def model_card(prepared: "Prepared"):
@@ -335,6 +336,7 @@ def convert(
             plan.tensor_bytes,
             time.perf_counter() - started,
             tuple(w for w in [card.warning, _infinite_warning(infinite)] if w),
+            plan.kinds,
         )
     return result
 

@@ -81,6 +81,11 @@ class Plan:
         return self.tensor_bytes + self.side_bytes
 
     @property
+    def kinds(self) -> dict[str, int]:
+        """How many tensors each kind makes, by the kind's label ({"copied": 11, "dequantized from 4-bit": 28})."""
+        return dict(sorted(Counter(tensor.recipe.label for tensor in self.tensors).items()))
+
+    @property
     def n_dequantized(self) -> int:
         """Tensors made by a recipe other than a plain copy."""
         return sum(tensor.recipe.kind != Copy.kind for tensor in self.tensors)

@@ -454,7 +454,7 @@ def test_conventions_help_typos_aliases_and_quiet_summary(tmp_path):
     assert "no such folder" in line
     # torch's dtype names work as the short ones do; -q keeps the one-line summary.
     output = run(EXAMPLE, "-o", tmp_path / "out", "--dtype", "bfloat16", "-q", "--device", "cpu")
-    assert output.strip().startswith(f"{tmp_path / 'out'}: 39 tensors (28 dequantized)") and "GB bfloat16" in output
+    assert output.strip().startswith(f"{tmp_path / 'out'}: 39 tensors (11 copied, 28 dequantized from 4-bit)") and "GB bfloat16" in output
     assert len(output.strip().splitlines()) == 1
 
 

@@ -12,7 +12,7 @@ from typing import Callable
 
 from .conversion import ConvertResult, Prepared, convert, prepare
 from .devices import pick_device
-from .errors import Interrupted, Nf4ConvertError, Terminated
+from .errors import Interrupted, Nf4ConvertError, Terminated, UploadError
 from .paths import expanded_output
 from .settings import Settings
 from .sinks import output as lifecycle
@@ -77,22 +77,36 @@ def convert_then(
             if not report.ok:
                 return False
         if push_to:
-            on_step(
-                Pushed(
-                    push_to_hub(
-                        result.output,
-                        push_to,
-                        private=private,
-                        token=options.get("token"),
-                        revision=push_branch,
-                        progress=progress,
-                    )
+            try:
+                url = push_to_hub(
+                    result.output,
+                    push_to,
+                    private=private,
+                    token=options.get("token"),
+                    revision=push_branch,
+                    progress=progress,
                 )
-            )
+            except UploadError as error:  # the output stays: say so, and how to push it once the cause is gone
+                again = error.option != "private"  # a public repo refused for --private: a plain upload would fill it
+                kept = kept_for_push(result.output, push_to, private, push_branch, again=again)
+                raise UploadError(f"{error}; {kept}", option=error.option) from error
+            on_step(Pushed(url))
     except (Interrupted, Terminated) as stop:
         stop.output_complete = stop.output_complete or result.output
         raise
     return True
+
+
+def kept_for_push(output, repo_id: str, private: bool, branch: str | None, *, again: bool = True) -> str:
+    """What a failed push leaves, and (``again``) the command that pushes it once the cause is gone: huggingface_hub's
+    own CLI."""
+    import shlex
+
+    kept = f"{output} is complete and kept"
+    if not again:
+        return kept
+    words = ["hf", "upload", repo_id, str(output), ".", *(["--revision", branch] if branch else [])]
+    return f"{kept}; push it again with: {shlex.join(words + (['--private'] if private else []))}"
 
 
 def verify_output(output, source, *, progress: bool = True, **options) -> VerifyReport:

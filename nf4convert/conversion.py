@@ -84,6 +84,7 @@ class Prepared:
     adapter: str | None  # the adapter as the user named it
     revision: str | None = None  # the base's revision as the user gave it (None: the default branch)
     headers_only: str | None = None  # planned from its headers alone: the Hub repo as "repo@commit" (its copy is gone)
+    leftovers: tuple = ()  # sinks.output.Leftover: killed runs' staging folders beside the output
 
 
 def prepare(
@@ -221,7 +222,14 @@ def _prepare(
         lifecycle.check_not_source(output, adapter_folder)
     free_bytes = lifecycle.free_space(output)
     return Prepared(
-        plan, output, free_bytes, base, adapter, revision if base == source else None, headers and headers.shown(folder)
+        plan,
+        output,
+        free_bytes,
+        base,
+        adapter,
+        revision if base == source else None,
+        headers and headers.shown(folder),
+        tuple(lifecycle.leftovers(output)),
     )
 
 
@@ -335,7 +343,8 @@ def convert(
             plan.n_dequantized,
             plan.tensor_bytes,
             time.perf_counter() - started,
-            tuple(w for w in [card.warning, _infinite_warning(infinite)] if w),
+            tuple(w for w in [card.warning, _infinite_warning(infinite)] if w)
+            + tuple(leftover.note(removed=leftover.own) for leftover in prepared.leftovers),  # the own: staging's
             plan.kinds,
         )
     return result

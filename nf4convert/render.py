@@ -41,6 +41,7 @@ def plan_lines(prepared) -> list[str]:
     config = "rewritten" if plan.config else "none"
     lines.append(f"side files: {len(plan.side_files)} ({plan.side_bytes / 1e6:.1f} MB), config.json {config}")
     lines.append(f"to write: {needed / 1e9:.3f} GB; free where it goes: {space_verdict(prepared.free_bytes, needed)}")
+    lines += [f"leftover: {leftover.note()}" for leftover in prepared.leftovers]
     lines.append("dry run: nothing was written")
     return lines
 

@@ -177,6 +177,13 @@ def batch(
     check_batch_root(output_root, [*sources, adapter])
     planned = [(stem, batch_output(output_root, stem, dtype)) for stem in batch_stems(sources)]
     result = BatchResult()
+    said = set()
+
+    def warn(source: str, warning: str) -> None:  # once: the outputs share a folder, and its killed runs' leftovers
+        if warning not in said:
+            said.add(warning)
+            on_warning(source, warning)
+
     done = "planned" if dry_run else "ok"
     for source, (stem, output) in zip(sources, planned):
         started = time.perf_counter()
@@ -193,6 +200,8 @@ def batch(
                 row.status, row.tensors, row.bytes = done, len(plan.tensors), plan.tensor_bytes
                 result.needed += plan.output_bytes
                 result.free = prepared.free_bytes
+                for leftover in prepared.leftovers:
+                    warn(source, leftover.note())
             else:
                 converted = convert(source, device=device, **common)
                 row.output, row.status, row.tensors, row.bytes = (
@@ -202,7 +211,7 @@ def batch(
                     converted.bytes,
                 )
                 for warning in converted.warnings:
-                    on_warning(source, warning)
+                    warn(source, warning)
         except (Interrupted, Terminated, KeyboardInterrupt) as stop:
             row.status = row.error = "interrupted"
             result.stopped = stop

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import OutputError
@@ -186,6 +188,41 @@ def _alive(pid: str) -> bool:
     except (ValueError, OSError):  # not a pid of ours to judge (or not ours to signal): leave its folder alone
         return True
     return True
+
+
+@dataclass(frozen=True)
+class Leftover:
+    """A staging folder that a run killed outright (``kill -9``, the out-of-memory killer, a power cut) left beside
+    its OUT: no process of its number runs any more."""
+
+    path: Path
+    pid: int
+    own: bool  # OUT's own: a run into OUT removes it
+
+    def note(self, *, removed: bool = False) -> str:
+        """One line naming it: removed (by a run into its OUT), or how to remove it."""
+        killed = f"left by a conversion that was killed (process {self.pid} is gone)"
+        if removed:
+            return f"removed {self.path}, {killed}"
+        remove = f"rm -rf {shlex.quote(str(self.path))}"
+        how = f"a conversion into its OUT removes it, or: {remove}" if self.own else f"remove it with: {remove}"
+        return f"{self.path}: {killed}; {how}"
+
+
+def leftovers(output: Path) -> list[Leftover]:
+    """The staging folders of killed runs beside OUT (in its parent folder), whichever OUT they were for; OUT's own are
+    marked ``own``. A parent that cannot be read has none that can be named."""
+    own = _beside(output, PARTIAL_SUFFIX, room=PID_ROOM)
+    found = []
+    try:
+        for entry in sorted(output.parent.iterdir()):
+            stem, _, pid = entry.name.rpartition("-")
+            if stem.startswith(".") and stem.endswith(PARTIAL_SUFFIX) and pid.isdigit() and entry.is_dir():
+                if not entry.is_symlink() and not _alive(pid):
+                    found.append(Leftover(entry, int(pid), stem == own))
+    except OSError:
+        return []
+    return found
 
 
 def move_into_place(temporary: Path, output: Path, *, overwrite: bool = False) -> None:

@@ -551,6 +551,19 @@ def verify_command(output, source, device, adapter, quiet, revision, token, cach
     help="Plan every source (status 'planned') and write nothing; Hub sources as "
     "convert --dry-run reads them, without their weights.",
 )
+@click.option(
+    "--skip-existing",
+    is_flag=True,
+    help="A source whose output is there already is not converted (status 'skipped', not a failure): "
+    "run the same batch again to finish it.",
+)
+@click.option(
+    "--verify",
+    "then_verify",
+    is_flag=True,
+    help="Verify each output against its source once converted (status 'verified'), and, with "
+    "--skip-existing, each output that was there already instead of skipping it.",
+)
 def batch_command(
     sources,
     output_root,
@@ -567,6 +580,8 @@ def batch_command(
     cache_dir,
     as_json,
     dry_run,
+    skip_existing,
+    then_verify,
 ):
     """Convert several SOURCES into OUTPUT_ROOT; keep going when one fails, then print a table.
 
@@ -574,13 +589,20 @@ def batch_command(
     A failed source's output is the folder it was to be written to (<name>-<dtype> where its dtype was not
     decided). Exits 1 if any failed, 130 on Ctrl-C and 143 on SIGTERM (naming the sources not attempted).
     With --dry-run each source is only planned, and the bytes all of them would write are set against the free space.
+    With --skip-existing an output that is there already is skipped (with --verify, verified as it is), so running
+    the same batch again finishes it.
 
     \b
     Example:
       nf4convert batch org/a-bnb-4bit ./b-bnb-4bit -o converted/ --dtype bf16
       nf4convert batch --from-file models.txt -o converted/ --json
       nf4convert batch --from-file models.txt -o converted/ --dry-run
+      nf4convert batch --from-file models.txt -o converted/ --skip-existing --verify   # resume, checking all
     """
+    if skip_existing and overwrite:
+        _fail("--skip-existing keeps an output that is there, --overwrite replaces it: give one of them", 2)
+    if dry_run and then_verify:
+        _fail("--dry-run writes nothing, so there is nothing to --verify", 2)
     sources = list(sources)
     if from_file is not None:
         from .run import read_source_list
@@ -594,7 +616,12 @@ def batch_command(
 
     def failed(row, error) -> None:
         if isinstance(error, Nf4ConvertError):
-            row.error = message(error)
+            resumed = error.option == "overwrite" and not overwrite  # an output there: one flag keeps, one replaces
+            row.error = (
+                f"{error} (pass --skip-existing to keep it, or --overwrite to replace it)"
+                if resumed
+                else message(error)
+            )
         if not as_json:
             error_line(row.error)
 
@@ -608,6 +635,8 @@ def batch_command(
             device=device,
             dry_run=dry_run,
             adapter=adapter,
+            skip_existing=skip_existing,
+            verify=then_verify,
             revision=revision,
             token=token,
             cache_dir=cache_dir,

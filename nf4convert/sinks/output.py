@@ -66,6 +66,14 @@ def check_destination(output: Path, *, overwrite: bool) -> None:
         )
 
 
+def holds_output(output: Path) -> bool:
+    """Whether OUT is there as a conversion would refuse to write it without ``overwrite``: a folder, not empty."""
+    try:
+        return output.is_dir() and not output.is_symlink() and any(output.iterdir())
+    except OSError:
+        return False  # one that cannot be read: the conversion's own checks say so
+
+
 def _existing_ancestor(output: Path) -> Path:
     """The folder OUT is made in: its nearest existing ancestor (OUT's parents may be created), resolved. A symbolic
     link loop on the way is one line, on every Python (from 3.13 ``resolve`` no longer raises for one)."""

@@ -142,3 +142,26 @@ def test_a_standard_output_nobody_reads_is_no_error_and_the_run_keeps_its_status
     assert sorted(path.name for path in tmp_path.iterdir()) == ["out", "root", "root2"]  # nothing hidden, half-written
     assert [path.name for path in (tmp_path / "root").iterdir()] == ["tiny-llama-bf16"]
     assert (tmp_path / "out" / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize(
+    "stop,code,word",
+    [("Interrupted", 130, "interrupted"), ("KeyboardInterrupt", 130, "interrupted"), ("Terminated", 143, "terminated")],
+)
+def test_a_stop_in_clicks_own_code_is_a_stopped_run_not_aborted(monkeypatch, tmp_path, stop, code, word):
+    # click turns a Ctrl-C in its parsing into Abort ("Error: aborted", exit 1); a SIGTERM there was a traceback
+    from click.testing import CliRunner
+
+    from nf4convert import cli, errors
+
+    raised = getattr(errors, stop, None) or KeyboardInterrupt
+
+    def stopped(ctx, param, value):
+        raise raised()
+
+    monkeypatch.chdir(tmp_path)
+    quiet = next(param for param in cli.main.commands["convert"].params if param.name == "quiet")
+    monkeypatch.setattr(quiet, "callback", stopped)  # an option's callback: runs inside click's parsing
+    result = CliRunner().invoke(cli.main, [str(EXAMPLE), "-o", "out", "-q"])
+    lines = [line for line in result.output.splitlines() if line]  # click closes a terminal's ^C with a blank line
+    assert (result.exit_code, lines) == (code, [f"Error: {word}; nothing was written"]), result.output

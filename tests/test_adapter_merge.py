@@ -13,11 +13,12 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from nf4convert.cli import main
+from nf4convert.safetensors_io.read import read_tensors
+
 from fixtures.adapters import KINDS, make_adapter, peft_merged
 from fixtures.checkpoints import _configs, build
 from fixtures.weights import bits
-from nf4convert.safetensors_io.read import read_tensors
-from nf4convert.cli import main
 
 pytest.importorskip("peft")
 pytest.importorskip("bitsandbytes")
@@ -131,7 +132,8 @@ def test_verify_with_an_adapter_keeps_peft_quiet_and_knows_out_from_source(base,
     lines = (result.stdout + result.stderr).strip().splitlines()
     assert result.returncode == 0 and len(lines) == 2 and lines[-1] == "OK: bit-exact with bitsandbytes and peft", lines
     assert run("verify", source, source, "-q", code=2).strip() == (
-        f"Error: {source} is given as both OUT and SOURCE: the order is the converted checkpoint, then the bitsandbytes one"
+        f"Error: {source} is given as both OUT and SOURCE: the order is the converted checkpoint, "
+        "then the bitsandbytes one"
     )
     (tmp_path / "a-file").write_text("x")
     assert (
@@ -187,7 +189,9 @@ def test_bad_adapters_are_one_line_and_write_nothing(case, base, tmp_path):
         "one-layer-index": "layers_to_transform is set (0)",
         "modules-to-save-str": "modules_to_save is 'lm_head'",
         "embedding-style-on-linear": "'model.layers.0.self_attn.q_proj' are embedding-style (lora_embedding_A/B)",
-        "linear-style-on-embedding": "'model.embed_tokens' are linear-style (lora_A/B), but 'model.embed_tokens' is an embedding",
+        "linear-style-on-embedding": (
+            "'model.embed_tokens' are linear-style (lora_A/B), but 'model.embed_tokens' is an embedding"
+        ),
         "bias-int": "bias is 1",
         "init-int": "init_lora_weights is 3",
     }[case]
@@ -392,8 +396,8 @@ def test_adapter_files_linked_from_outside_its_folder_are_refused(file, route, b
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert result.exit_code == 1 and len(lines) == 1, result.output
     assert (
-        lines[0]
-        == f"Error: {adapter / file}: is a link to {target.resolve()}, outside the adapter folder; copy the file into the folder instead"
+        lines[0] == f"Error: {adapter / file}: is a link to {target.resolve()}, outside the adapter folder; "
+        "copy the file into the folder instead"
     )
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
 

@@ -14,8 +14,9 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from fixtures.checkpoints import VARIANTS, build, model_class
 from nf4convert.cli import main
+
+from fixtures.checkpoints import VARIANTS, build, model_class
 
 pytest.importorskip("bitsandbytes")
 pytest.importorskip("transformers")
@@ -644,7 +645,9 @@ def test_help_and_bad_arguments_import_no_torch():
     code = """
 import sys
 from nf4convert.cli import main
-for args in (["--help"], ["verify", "--help"], ["batch", "--help"], ["verify", "/no/such/out", "src"], ["x", "--dtype", "int9"]):
+for args in (
+    ["--help"], ["verify", "--help"], ["batch", "--help"], ["verify", "/no/such/out", "src"], ["x", "--dtype", "int9"]
+):
     try:
         main(args)
     except SystemExit as exit:
@@ -672,8 +675,9 @@ def test_api_takes_paths_for_source_and_adapter(checkpoints, tmp_path):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from fixtures.checkpoints import _configs
     from nf4convert import convert, verify
+
+    from fixtures.checkpoints import _configs
 
     source = checkpoints["llama-nf4-dq"]
     result = convert(source=Path(source), output=tmp_path / "out", device="cpu", progress=False)
@@ -776,13 +780,14 @@ def test_api_refuses_output_with_stem_and_empty_names(tmp_path):
 
 
 def test_without_triton_auto_takes_the_cpu_and_cuda_is_one_line(monkeypatch, tmp_path):
-    # Triton is required on Linux only (no wheels elsewhere): without it, auto took the GPU and the kernel's import failed
+    # without Triton (torch's CPU builds, other platforms), auto took the GPU and the kernel's import failed
     import nf4convert.devices
     import nf4convert.kernels
-    from fixtures.weights import quantize
     from nf4convert import dequantize_4bit
     from nf4convert.devices import pick_device
     from nf4convert.errors import DependencyError
+
+    from fixtures.weights import quantize
 
     monkeypatch.setitem(sys.modules, "triton", None)  # what an import of a missing module meets
     for name in ("launch", "nf4", "configs", "compiled"):
@@ -868,7 +873,7 @@ def test_the_cpu_route_runs_without_torch(processes, dtype, tmp_path):
         )
         for name in ("model.safetensors", "config.json", "README.md"):
             assert (out / name).read_bytes() == (tmp_path / "with" / name).read_bytes(), name
-    # fp16 out does take torch (its conversion: numpy's goes one element at a time), so blocked it fails, writing nothing
+    # fp16 out does take torch (its conversion: numpy's goes one element at a time): blocked, it fails, writing nothing
     if processes == "2" and dtype == "bf16":
         result = subprocess.run(
             [

@@ -454,13 +454,16 @@ def test_conventions_help_typos_aliases_and_quiet_summary(tmp_path):
     assert "no such folder" in line
     # torch's dtype names work as the short ones do; -q keeps the one-line summary.
     output = run(EXAMPLE, "-o", tmp_path / "out", "--dtype", "bfloat16", "-q", "--device", "cpu")
-    assert output.strip().startswith(f"{tmp_path / 'out'}: 39 tensors (11 copied, 28 dequantized from 4-bit)") and "GB bfloat16" in output
+    assert (
+        output.strip().startswith(f"{tmp_path / 'out'}: 39 tensors (11 copied, 28 dequantized from 4-bit)")
+        and "GB bfloat16" in output
+    )
     assert len(output.strip().splitlines()) == 1
 
 
 def test_runs_to_one_output_never_share_or_replace_each_other(tmp_path):
-    from nf4convert.sinks import output
     from nf4convert.errors import OutputError
+    from nf4convert.sinks import output
 
     out = tmp_path / "out"
     stale = tmp_path / ".out.nf4convert-partial-999999999"  # a run killed outright (no such process)
@@ -556,7 +559,7 @@ def test_an_output_name_at_the_file_systems_limit_is_written_and_replaced(tmp_pa
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([name, f"{theirs}-4194300"])
 
 
-# --- ends of failed runs, folders made for OUT, batch's output root and listing ----------------------------------------
+# --- ends of failed runs, folders made for OUT, batch's output root and listing ---------------------------------------
 
 TEARDOWN_WRAPPER = """
 import atexit, sys

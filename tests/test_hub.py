@@ -394,8 +394,8 @@ def plan_lines(result) -> list[str]:
 
 
 def test_a_hub_dry_run_reads_headers_and_quant_states_and_downloads_no_weights(hub, tmp_path):
-    from nf4convert.safetensors_io.read import read_header
     from nf4convert.formats import PLAN_READS
+    from nf4convert.safetensors_io.read import read_header
 
     endpoint, source = hub
     scratch = tmp_path / "tmp"
@@ -604,7 +604,8 @@ def test_a_dry_run_without_room_for_its_copy_says_so_in_one_line(hub, tmp_path):
     env = {"HF_ENDPOINT": endpoint, "HF_HUB_DISABLE_XET": "1", "TMPDIR": str(tmp_path)}
     full = (
         "import errno, tempfile\nmade = tempfile.mkdtemp\ndef mkdtemp(*args, **kwargs):\n"
-        "    if kwargs.get('prefix') == 'nf4convert-plan-':\n        raise OSError(errno.ENOSPC, 'No space left on device')\n"
+        "    if kwargs.get('prefix') == 'nf4convert-plan-':\n"
+        "        raise OSError(errno.ENOSPC, 'No space left on device')\n"
         "    return made(*args, **kwargs)\ntempfile.mkdtemp = mkdtemp"
     )  # the dry run's copy finds the disk full
     assert (

@@ -16,15 +16,16 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from fixtures.weights import bnb_reference_cpu, quantize
 from nf4convert.pipeline import core as pipeline_core
 from nf4convert.pipeline import piece as pieces
 from nf4convert.pipeline.routes.cpu import CpuRoute
+from nf4convert.plan import make_plan
+from nf4convert.safetensors_io.read import TensorReader
+from nf4convert.safetensors_io.write import ShardWriter
 from nf4convert.settings import Settings
 from nf4convert.sinks.safetensors import write_shards
-from nf4convert.safetensors_io.write import ShardWriter
-from nf4convert.safetensors_io.read import TensorReader
-from nf4convert.plan import make_plan
+
+from fixtures.weights import bnb_reference_cpu, quantize
 
 pytest.importorskip("bitsandbytes")
 import bitsandbytes.functional as F  # noqa: E402
@@ -266,7 +267,10 @@ def test_a_route_never_closed_still_lets_the_process_exit():
     # multiprocessing's exit handler sends the workers SIGTERM (which they ignore) and waits: they are closed first.
     import subprocess
 
-    code = "from nf4convert.pipeline.routes.cpu import CpuRoute; route = CpuRoute(processes=2); assert route._workers is not None"
+    code = (
+        "from nf4convert.pipeline.routes.cpu import CpuRoute; route = CpuRoute(processes=2); "
+        "assert route._workers is not None"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 

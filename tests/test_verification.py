@@ -12,10 +12,11 @@ import shutil
 import pytest
 from click.testing import CliRunner
 
-from fixtures.checkpoints import build
 from nf4convert.cli import main
 from nf4convert.errors import CheckpointError
 from nf4convert.verification import verify
+
+from fixtures.checkpoints import build
 
 INDEX = "model.safetensors.index.json"
 
@@ -241,9 +242,10 @@ def test_links_in_the_output_are_findings(converted, tmp_path):
     (out / "generation_config.json").symlink_to(source / "generation_config.json")
     found = problems(out, source)
     assert found == [
-        f"config.json: a link (to {outside}); a conversion writes files, and the output would change with what the link points to",
-        f"generation_config.json: a link (to {source / 'generation_config.json'}); a conversion writes files, and the output "
-        "would change with what the link points to",
+        f"config.json: a link (to {outside}); a conversion writes files, and the output would change with what the "
+        "link points to",
+        f"generation_config.json: a link (to {source / 'generation_config.json'}); a conversion writes files, and the "
+        "output would change with what the link points to",
     ]
 
 

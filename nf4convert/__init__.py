@@ -1,6 +1,7 @@
 """nf4convert: turn bitsandbytes 4-bit (NF4/FP4) and 8-bit (LLM.int8) checkpoints back into dense safetensors.
 
-Public API (imported lazily, so the CLI starts without torch):
+Public API (imported lazily: the CLI starts without torch, and importing the package runs next to nothing before the
+console script's first statements, ``entry.py``):
 
     dequantize_4bit(packed, quant_state, *, out=None, backend="auto") -> torch.Tensor
     convert(source, output=None, *, dtype="auto", device="auto", ...) -> ConvertResult
@@ -10,16 +11,6 @@ Public API (imported lazily, so the CLI starts without torch):
     Nf4ConvertError and its subclasses ArgumentError, SourceNotFoundError, CheckpointError, OutputError, UploadError,
     DependencyError
 """
-
-from .errors import (
-    ArgumentError,
-    CheckpointError,
-    DependencyError,
-    Nf4ConvertError,
-    OutputError,
-    SourceNotFoundError,
-    UploadError,
-)
 
 __version__ = "0.1.0"
 
@@ -31,19 +22,16 @@ _EXPORTS = {
     "verify": ("nf4convert.verification", "verify"),
     "VerifyReport": ("nf4convert.verification", "VerifyReport"),
     "push_to_hub": ("nf4convert.upload", "push_to_hub"),
+    "Nf4ConvertError": ("nf4convert.errors", "Nf4ConvertError"),
+    "ArgumentError": ("nf4convert.errors", "ArgumentError"),
+    "SourceNotFoundError": ("nf4convert.errors", "SourceNotFoundError"),
+    "CheckpointError": ("nf4convert.errors", "CheckpointError"),
+    "OutputError": ("nf4convert.errors", "OutputError"),
+    "UploadError": ("nf4convert.errors", "UploadError"),
+    "DependencyError": ("nf4convert.errors", "DependencyError"),
 }
 
-__all__ = [
-    "__version__",
-    *_EXPORTS,
-    "Nf4ConvertError",
-    "ArgumentError",
-    "SourceNotFoundError",
-    "CheckpointError",
-    "OutputError",
-    "UploadError",
-    "DependencyError",
-]
+__all__ = ["__version__", *_EXPORTS]
 
 
 def __getattr__(name):

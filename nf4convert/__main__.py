@@ -1,5 +1,5 @@
 """``python -m nf4convert ...`` is the ``nf4convert`` command."""
 
-from .cli import main
+from .entry import main
 
 main(prog_name="nf4convert")

@@ -22,6 +22,7 @@ all). Its caller prints that line; the card is still written.
 from __future__ import annotations
 
 import re
+import shlex
 from typing import NamedTuple
 
 from .dtypes import OUTPUT_DTYPES
@@ -86,6 +87,9 @@ def model_card(
     untied: str | None = None,
     vocabulary: int | None = None,
     tokenizer: bool = False,
+    title: str | None = None,
+    source_name: str | None = None,
+    has_config: bool = True,
 ) -> Card:
     """The model card (README.md) for a converted checkpoint.
 
@@ -96,7 +100,10 @@ def model_card(
     weights (a repo id or a folder), if any; ``revision`` the source repo's revision as given (None: its default
     branch) and ``commit`` the commit it resolved to, when known; ``untied`` why the tied base's head was written
     apart from its input embeddings (plan.untied), if it was; ``vocabulary`` the token count the adapter resized the
-    model to, if it did, and ``tokenizer`` whether the tokenizer files came from the adapter. Never raises on a
+    model to, if it did, and ``tokenizer`` whether the tokenizer files came from the adapter; ``title`` the output's
+    model name (the card's heading); ``source_name`` the source as the user named it (the command that made the
+    weights shows it where it is no Hub repo); ``has_config`` False for an output without config.json (its source had
+    none). Never raises on a
     malformed card: see the module docstring.
 
     Example:
@@ -122,8 +129,11 @@ def model_card(
         untied=untied,
         vocabulary=vocabulary,
         tokenizer=tokenizer,
+        source_name=source_name,
+        has_config=has_config,
     )
-    parts = [front_matter, section] + ([body] if body else [])
+    heading = [f"# {' '.join(title.split())}"] if title and title.strip() else []
+    parts = [front_matter, *heading, section] + ([body] if body else [])
     return Card("\n\n".join(parts) + "\n", warning or yaml_warning)
 
 
@@ -231,6 +241,8 @@ def _how_made(
     untied=None,
     vocabulary=None,
     tokenizer=False,
+    source_name=None,
+    has_config=True,
 ) -> str:
     dtype_flag = DTYPE_FLAGS.get(dtype, dtype)
     dtype_text = f"{dtype_flag} ({DTYPE_NAMES[dtype_flag]})" if dtype_flag in DTYPE_NAMES else dtype
@@ -263,15 +275,21 @@ def _how_made(
         f"These are dense {dtype_text} weights, dequantized from {source_text}, by nf4convert {version}.",
         "",
         " ".join(_exactness(kinds, dtype_flag)) + " Dequantizing does not bring back the precision lost to "
-        f"quantization. The other tensors were cast to {dtype_flag}, and `config.json` no longer has a "
-        "`quantization_config`.",
+        f"quantization. The other tensors were cast to {dtype_flag}"
+        + (
+            ", and `config.json` no longer has a `quantization_config`."
+            if has_config
+            else ". There is no `config.json`: the source had none, so transformers cannot load these weights as a "
+            "model by themselves."
+        ),
     ]
     command = [
         "nf4convert",
-        source_repo or "SOURCE",
+        source_repo or (_local(source_name) if source_name else "SOURCE"),
         *(["--revision", revision] if revision else []),
         "--dtype",
         dtype_flag,
+        *([] if has_config else ["--allow-no-config"]),
     ]
     if adapter:
         adapter_repo = looks_like_repo_id(adapter)
@@ -295,7 +313,7 @@ def _how_made(
                     else "the adapter folder held no tokenizer files: the base's were kept."
                 )
             )
-        command += ["--adapter", adapter if adapter_repo else "ADAPTER"]
+        command += ["--adapter", adapter if adapter_repo else _local(adapter)]
     lines += ["", "Made with:", "", "```sh", " ".join(command), "```"]
     if source_body:
         lines += [
@@ -304,6 +322,15 @@ def _how_made(
             "quantized, it describes the source, not these weights.",
         ]
     return "\n".join(lines)
+
+
+def _local(folder: str) -> str:
+    """A local folder in the card's command: as the user gave it, but an absolute path by its own name alone (the
+    card is published; the path above says who made it where, and means nothing elsewhere)."""
+    from pathlib import Path
+
+    path = Path(folder)
+    return shlex.quote(path.name if path.is_absolute() else folder.rstrip("/") or folder)
 
 
 def _exactness(kinds: set[str], dtype_flag: str) -> list[str]:

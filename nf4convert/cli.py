@@ -30,6 +30,7 @@ HINTS = {
     "device": "see --device",
     "max_shard_size": "see --max-shard-size",
     "adapter": "see --adapter",
+    "allow_no_config": "or pass --allow-no-config to write the dense tensors alone",
 }
 
 
@@ -50,22 +51,34 @@ class DefaultGroup(click.Group):
         args = sys.argv[1:] if args is None else list(args)
         if not args:
             args = ["--help"]
+        stdout = sys.stdout
         with StopSignals() as stops:
             try:
                 code = super().main(args, *rest, standalone_mode=False, obj=_Command(stops, process), **kwargs)
                 code = code if isinstance(code, int) else 0
             except click.ClickException as error:  # a bad option or argument: one line, not the usage text
-                error_line(f"{error.format_message()} (see 'nf4convert --help')")
+                error_line(f"{error.format_message()} (see '{_help_of(getattr(error, 'ctx', None))}')")
                 code = error.exit_code
-            except click.exceptions.Abort:
-                error_line("aborted")
-                code = 1
+            except (click.exceptions.Abort, Interrupted, Terminated) as stop:  # a stop signal outside a command's run
+                code = _stopped_outside_a_run(stop)
             except SystemExit as exiting:  # a failed run (_fail, a failed verify or batch) ends as a finished one does
                 code = _exit_code(exiting)
+                if sys.stdout is not stdout:  # click's own help or version text met a closed pipe: click exits 1 and
+                    code = 0  # puts a stand-in in stdout's place; the text was all there was to do
             if process:
                 stops.finish()
                 _exit_now(code)
         sys.exit(code)
+
+    def format_options(self, ctx, formatter):
+        """The group's options and commands, then convert's options: ``nf4convert SOURCE`` is a conversion."""
+        super().format_options(ctx, formatter)
+        convert = self.commands["convert"]
+        with click.Context(convert, info_name="convert", parent=ctx) as own:
+            shown = [param for param in convert.get_params(own) if isinstance(param, click.Option)]
+            rows = [param.get_help_record(own) for param in shown if param is not convert.get_help_option(own)]
+        with formatter.section("Convert options (nf4convert SOURCE [OPTIONS], as nf4convert convert SOURCE [OPTIONS])"):
+            formatter.write_dl([row for row in rows if row])
 
     def parse_args(self, ctx, args):
         if args and args[0] not in self.commands and not args[0].startswith("-"):
@@ -84,6 +97,31 @@ class DefaultGroup(click.Group):
                     raise click.UsageError(f"options of '{named}' go after its name: nf4convert {named} [OPTIONS] ...")
                 args = ["convert", *args]
         return super().parse_args(ctx, args)
+
+
+def _help_of(ctx) -> str:
+    """The help that lists the options of the command a usage error is about (``nf4convert batch --help``)."""
+    names = []
+    while ctx is not None and ctx.parent is not None:
+        names.append(ctx.info_name)
+        ctx = ctx.parent
+    return " ".join(["nf4convert", *reversed(names), "--help"])
+
+
+def _stopped_outside_a_run(stop: BaseException) -> int:
+    """A stop signal that landed in click's code (which turns Ctrl-C into an Abort) or in a command before its run:
+    its line and status, as a run's."""
+    if isinstance(stop, click.exceptions.Abort):
+        stop = stop.__cause__ or stop.__context__  # the KeyboardInterrupt (or EOFError) click caught
+    if isinstance(stop, Terminated):
+        signum = stop.signum
+    elif isinstance(stop, KeyboardInterrupt):
+        signum = signal.SIGINT
+    else:
+        error_line("aborted")
+        return 1
+    error_line(f"{'interrupted' if signum == signal.SIGINT else 'terminated'}; nothing was written")
+    return 128 + signum
 
 
 def _exit_code(exiting: SystemExit) -> int:
@@ -134,7 +172,10 @@ def error_line(text: str) -> None:
     """The one way an error reaches the terminal: ``Error: ...`` on one line, whatever the text holds (a path
     or tensor name with a newline or carriage return in it is shown escaped)."""
     one_line = text.replace("\r", "\\r").replace("\n", "\\n")
-    click.echo(f"Error: {one_line}", err=True)
+    try:
+        click.echo(f"Error: {one_line}", err=True)
+    except BrokenPipeError:
+        _reader_gone(sys.stderr)  # nobody reads standard error any more: the exit status says it
 
 
 def _fail(text: str, code: int = 1):
@@ -169,14 +210,30 @@ def _end(code: int):
 
 def say(text: str, *, err: bool = False) -> None:
     """A line on standard output (or error); one that cannot be printed (a full device, a closed stream) is an
-    error line on the other stream, not a traceback."""
+    error line on the other stream, not a traceback. A stream whose reader went away (``| head``) takes no more lines,
+    silently, and the command runs to its end and its own status, as standard tools do."""
     try:
         click.echo(text, err=err)
+    except BrokenPipeError:
+        _reader_gone(sys.stderr if err else sys.stdout)
     except OSError as error:
         stream = "standard error" if err else "standard output"
         if not err:
             error_line(f"cannot print to {stream} ({error.strerror or error})")
         sys.exit(1)
+
+
+def _reader_gone(stream) -> None:
+    """What is written to ``stream`` from now on goes nowhere, its unsent lines too (Python's recipe for a closed
+    pipe): no error at the next line or at the exit's flush."""
+    import os
+
+    try:
+        nowhere = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(nowhere, stream.fileno())
+        os.close(nowhere)
+    except (OSError, ValueError, AttributeError):  # no file descriptor (a test's stream): nothing to redirect
+        pass
 
 
 def message(error) -> str:
@@ -277,6 +334,12 @@ def _convert_options(function):
                 "--overwrite", is_flag=True, help="Replace OUT if it exists (only once the new output is complete)."
             ),
             click.option(
+                "--allow-no-config",
+                is_flag=True,
+                help="Convert a SOURCE that has no config.json (refused otherwise): the output holds the dense tensors "
+                "without one, so transformers cannot load it as a model by itself.",
+            ),
+            click.option(
                 "-q",
                 "--quiet",
                 is_flag=True,
@@ -287,13 +350,6 @@ def _convert_options(function):
     ):
         function = option(function)
     return _common_source_options(function)
-
-
-def _summary(result) -> str:
-    return (
-        f"{result.output}: {result.tensors} tensors ({result.dequantized} dequantized), "
-        f"{result.bytes / 1e9:.2f} GB {result.dtype}, {result.seconds:.1f} s"
-    )
 
 
 @main.command("convert")
@@ -330,6 +386,7 @@ def convert_command(
     device,
     max_shard_size,
     overwrite,
+    allow_no_config,
     quiet,
     revision,
     token,
@@ -373,6 +430,7 @@ def convert_command(
         cache_dir=cache_dir,
         max_shard_size=max_shard_size,
         overwrite=overwrite,
+        allow_no_config=allow_no_config,
     )
     converted = []  # the output, once complete
 
@@ -380,10 +438,10 @@ def convert_command(
         from . import render, run
 
         if dry_run:
-            for line in render.plan_lines(
-                run.dry_run_plan(source, output, device=device, progress=not quiet, **options)
-            ):
+            prepared = run.dry_run_plan(source, output, device=device, progress=not quiet, **options)
+            for line in render.plan_lines(prepared):
                 say(line)
+            run.check_room(prepared.output, prepared.plan.output_bytes, prepared.free_bytes)
             return True
 
         def show(result) -> None:
@@ -493,6 +551,19 @@ def verify_command(output, source, device, adapter, quiet, revision, token, cach
     help="Plan every source (status 'planned') and write nothing; Hub sources as "
     "convert --dry-run reads them, without their weights.",
 )
+@click.option(
+    "--skip-existing",
+    is_flag=True,
+    help="A source whose output is there already is not converted (status 'skipped', not a failure): "
+    "run the same batch again to finish it.",
+)
+@click.option(
+    "--verify",
+    "then_verify",
+    is_flag=True,
+    help="Verify each output against its source once converted (status 'verified'), and, with "
+    "--skip-existing, each output that was there already instead of skipping it.",
+)
 def batch_command(
     sources,
     output_root,
@@ -502,12 +573,15 @@ def batch_command(
     device,
     max_shard_size,
     overwrite,
+    allow_no_config,
     quiet,
     revision,
     token,
     cache_dir,
     as_json,
     dry_run,
+    skip_existing,
+    then_verify,
 ):
     """Convert several SOURCES into OUTPUT_ROOT; keep going when one fails, then print a table.
 
@@ -515,13 +589,20 @@ def batch_command(
     A failed source's output is the folder it was to be written to (<name>-<dtype> where its dtype was not
     decided). Exits 1 if any failed, 130 on Ctrl-C and 143 on SIGTERM (naming the sources not attempted).
     With --dry-run each source is only planned, and the bytes all of them would write are set against the free space.
+    With --skip-existing an output that is there already is skipped (with --verify, verified as it is), so running
+    the same batch again finishes it.
 
     \b
     Example:
       nf4convert batch org/a-bnb-4bit ./b-bnb-4bit -o converted/ --dtype bf16
       nf4convert batch --from-file models.txt -o converted/ --json
       nf4convert batch --from-file models.txt -o converted/ --dry-run
+      nf4convert batch --from-file models.txt -o converted/ --skip-existing --verify   # resume, checking all
     """
+    if skip_existing and overwrite:
+        _fail("--skip-existing keeps an output that is there, --overwrite replaces it: give one of them", 2)
+    if dry_run and then_verify:
+        _fail("--dry-run writes nothing, so there is nothing to --verify", 2)
     sources = list(sources)
     if from_file is not None:
         from .run import read_source_list
@@ -535,7 +616,12 @@ def batch_command(
 
     def failed(row, error) -> None:
         if isinstance(error, Nf4ConvertError):
-            row.error = message(error)
+            resumed = error.option == "overwrite" and not overwrite  # an output there: one flag keeps, one replaces
+            row.error = (
+                f"{error} (pass --skip-existing to keep it, or --overwrite to replace it)"
+                if resumed
+                else message(error)
+            )
         if not as_json:
             error_line(row.error)
 
@@ -549,11 +635,14 @@ def batch_command(
             device=device,
             dry_run=dry_run,
             adapter=adapter,
+            skip_existing=skip_existing,
+            verify=then_verify,
             revision=revision,
             token=token,
             cache_dir=cache_dir,
             max_shard_size=max_shard_size,
             overwrite=overwrite,
+            allow_no_config=allow_no_config,
             progress=not quiet and not as_json,
             on_error=failed,
             on_warning=lambda source, warning: say(f"Warning: {source}: {warning}", err=True),
@@ -579,6 +668,10 @@ def batch_command(
                 err=as_json,
             )
         say("dry run: nothing was written", err=as_json)
+        if result.free is not None:
+            from .run import check_room
+
+            _run(lambda: check_room(output_root, result.needed, result.free))
     if result.stopped is not None:
         untried = result.untried
         names = ", ".join(untried) if untried else "none"

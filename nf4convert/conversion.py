@@ -5,13 +5,14 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import profile
 from .devices import pick_device
 from .dtypes import output_dtype
 from .errors import ArgumentError, CheckpointError, Nf4ConvertError
+from .formats.config import check_present as check_config_present
 from .hub import HeadersOnly, commit_of, looks_like_repo_id, model_name
 from .paths import expanded_output
 from .pipeline.routes import route_for
@@ -36,6 +37,7 @@ class ConvertResult:
     bytes: int  # tensor bytes written
     seconds: float
     warnings: tuple[str, ...] = ()  # what the user should know but did not stop the run (e.g. a malformed card)
+    kinds: dict[str, int] = field(default_factory=dict)  # tensors per kind, by its label (plan.Plan.kinds)
 
 
 def model_card(prepared: "Prepared"):
@@ -57,6 +59,9 @@ def model_card(prepared: "Prepared"):
         untied=plan.untied,
         vocabulary=plan.rows,
         tokenizer=bool(plan.adapter_files),
+        title=prepared.output.name,
+        source_name=base,
+        has_config=plan.config is not None,
     )
 
 
@@ -82,6 +87,7 @@ class Prepared:
     adapter: str | None  # the adapter as the user named it
     revision: str | None = None  # the base's revision as the user gave it (None: the default branch)
     headers_only: str | None = None  # planned from its headers alone: the Hub repo as "repo@commit" (its copy is gone)
+    leftovers: tuple = ()  # sinks.output.Leftover: killed runs' staging folders beside the output
 
 
 def prepare(
@@ -101,12 +107,14 @@ def prepare(
     progress=True,
     headers_only=False,
     on_output=None,
+    allow_no_config=False,
 ) -> Prepared:
     """Resolve and plan a conversion and check where it goes, writing nothing (what ``convert`` and a dry run do
     first). A Hub SOURCE's weights are downloaded into the Hub cache, unless ``headers_only`` (a dry run): then the
     plan reads their headers and quant states over range requests, from a copy removed before this returns (the
     plan can then be shown, not streamed; ``reader`` is not taken). ``on_output(folder)`` is told where the output
-    goes as soon as that is known (a batch names it for a source that fails after that)."""
+    goes as soon as that is known (a batch names it for a source that fails after that). A checkpoint without
+    config.json is refused unless ``allow_no_config``."""
     options = dict(
         dtype=dtype,
         adapter=adapter,
@@ -119,6 +127,7 @@ def prepare(
         stem=stem,
         progress=progress,
         on_output=on_output,
+        allow_no_config=allow_no_config,
     )
     if not headers_only:
         return _prepare(source, output, reader=reader, **options)
@@ -156,6 +165,7 @@ def _prepare(
     progress,
     headers=None,
     on_output=None,
+    allow_no_config=False,
 ) -> Prepared:
     Settings.from_env()  # a dry run refuses a bad NF4CONVERT_* value as the conversion does
     source, adapter = named_sources(source, adapter)
@@ -183,6 +193,7 @@ def _prepare(
         if better is error:
             raise
         raise better from None
+    check_config_present(plan.config, base, allow_missing=allow_no_config)
     named = output is None
     if named:
         output = default_output(output_dir, stem or output_stem(source), plan.dtype.short)
@@ -195,7 +206,14 @@ def _prepare(
         lifecycle.check_not_source(output, adapter_folder)
     free_bytes = lifecycle.free_space(output)
     return Prepared(
-        plan, output, free_bytes, base, adapter, revision if base == source else None, headers and headers.shown(folder)
+        plan,
+        output,
+        free_bytes,
+        base,
+        adapter,
+        revision if base == source else None,
+        headers and headers.shown(folder),
+        tuple(lifecycle.leftovers(output)),
     )
 
 
@@ -215,6 +233,7 @@ def convert(
     output_dir: str | os.PathLike | None = None,
     stem: str | None = None,
     on_output=None,
+    allow_no_config: bool = False,
 ) -> ConvertResult:
     """Convert a bitsandbytes checkpoint (4-bit NF4/FP4 or 8-bit LLM.int8) into a dense safetensors checkpoint.
 
@@ -225,12 +244,14 @@ def convert(
     the weights it changes, bit for bit as peft's ``merge_and_unload`` on the dense model; a ``source``
     that is itself an adapter means its base with it merged. Nothing is written unless the whole output
     is: it appears under its name only once complete. ``on_output(folder)`` is told where the output goes as soon as
-    that is known.
+    that is known. A checkpoint without config.json is refused unless ``allow_no_config``: its output then holds the
+    dense tensors (and the files carried over) without a config.json, which transformers needs to load a model.
 
     Raises:
         ArgumentError: a bad ``dtype``, ``device``, ``max_shard_size`` or ``stem``, or ``output`` with ``output_dir``.
         SourceNotFoundError: ``source`` cannot be found or fetched.
-        CheckpointError: the checkpoint is corrupt or not a bitsandbytes checkpoint, or the adapter does not fit it.
+        CheckpointError: the checkpoint is corrupt, not a bitsandbytes checkpoint or has no config.json (and
+            ``allow_no_config`` is off), or the adapter does not fit it.
         OutputError: the output exists (and ``overwrite`` is off), the disk is too small, or writing failed.
 
     Example:
@@ -265,6 +286,7 @@ def convert(
             reader=reader,
             progress=progress,
             on_output=on_output,
+            allow_no_config=allow_no_config,
         )
         plan, output = prepared.plan, prepared.output
         profile.mark("planned")
@@ -305,7 +327,9 @@ def convert(
             plan.n_dequantized,
             plan.tensor_bytes,
             time.perf_counter() - started,
-            tuple(w for w in [card.warning, _infinite_warning(infinite)] if w),
+            tuple(w for w in [card.warning, _infinite_warning(infinite)] if w)
+            + tuple(leftover.note(removed=leftover.own) for leftover in prepared.leftovers),  # the own: staging's
+            plan.kinds,
         )
     return result
 

@@ -222,15 +222,25 @@ def resolve(
         ) from None
     except errors.RevisionNotFoundError:
         raise SourceNotFoundError(f"{source}: revision {revision!r} not found", option="revision") from None
-    except errors.LocalEntryNotFoundError:
-        raise SourceNotFoundError(
-            f"{source}: not in the Hub cache, and the Hub cannot be reached "
-            "(offline: HF_HUB_OFFLINE is set or there is no network)"
-        ) from None
+    except errors.LocalEntryNotFoundError as error:
+        raise SourceNotFoundError(f"{source}: not in the Hub cache, and {_not_reached(error)}") from None
     except Nf4ConvertError:  # the precheck's verdict
         raise
     except Exception as error:  # noqa: BLE001  (network, HTTP, xet, file system: one line that keeps the cause)
         raise SourceNotFoundError(f"{source}: cannot be fetched: {hub_error_line(error)}") from None
+
+
+def _not_reached(error: BaseException) -> str:
+    """Why the Hub was not reached for a repo the cache lacks: the offline switch, or the endpoint and its answer
+    (a refused connection, an unknown host, an HTTP error), never a guess between the two."""
+    from huggingface_hub import constants  # noqa: PLC0415
+
+    from .hub_errors import cause_line  # noqa: PLC0415
+
+    if constants.HF_HUB_OFFLINE:
+        return "HF_HUB_OFFLINE is set, so the Hub was not asked"
+    cause = cause_line(error)
+    return f"the Hub at {constants.ENDPOINT} could not be reached" + (f": {cause}" if cause else "")
 
 
 def _check_cached_weights(source: str, folder: Path) -> None:

@@ -72,12 +72,29 @@ def hub_error_line(error: BaseException) -> str:
         return f"{type(error).__name__}: {_one_line(error)}"
 
 
-def _line(error: BaseException) -> str:
-    chain = _chain(error)
+def cause_line(error: BaseException) -> str | None:
+    """The HTTP answer or the network failure behind ``error`` (a LocalEntryNotFoundError that huggingface_hub raised
+    for it, say), in one line as ``hub_error_line`` says it; None where the error holds neither. Never raises."""
+    try:
+        chain = _chain(error)
+        return _http_cause(chain) or _network_line(chain)
+    except Exception:  # noqa: BLE001  (as hub_error_line: whatever the error looks like)
+        return None
+
+
+def _http_cause(chain: list[BaseException]) -> str | None:
     for link in chain:  # an HTTP answer, even when wrapped (LocalEntryNotFoundError from a 5xx...)
         response = getattr(link, "response", None)
         if response is not None and isinstance(getattr(response, "status_code", None), int):
             return _http_line(link, response)
+    return None
+
+
+def _line(error: BaseException) -> str:
+    chain = _chain(error)
+    answered = _http_cause(chain)
+    if answered is not None:
+        return answered
     names = {cls.__name__ for link in chain for cls in type(link).__mro__}
     if "OfflineModeIsEnabled" in names:
         offline = "offline mode (HF_HUB_OFFLINE=1) forbids reaching the Hub"

@@ -1,21 +1,52 @@
-"""How the names a user gives (SOURCE, ADAPTER, OUT, output roots) become paths: ``~`` expanded, as a shell would."""
+"""How the names a user gives (SOURCE, ADAPTER, OUT, output roots) become paths: ``~`` expanded, as a shell would, and
+a name the file system cannot look at refused in one line naming it."""
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 
-from .errors import ArgumentError, OutputError
+from .errors import ArgumentError, OutputError, SourceNotFoundError
+
+NAME_MAX = 255  # bytes in one file name on Linux's and macOS's file systems
+# What looking at a path may meet that says only "not there (yet)": the checks after this one say it in their words.
+_NOT_THERE = (errno.ENOENT, errno.ENOTDIR, errno.ELOOP)
+_OUTPUTS = ("output", "output_dir")
 
 
 def expanded(name: str | os.PathLike, option: str) -> Path:
     """``name`` as a Path, ``~`` and ``~user`` expanded; ArgumentError (naming ``option``) for a ``~user`` whose user
-    does not exist, where Python raises RuntimeError."""
+    does not exist, where Python raises RuntimeError, and for a name no file system takes (a part longer than
+    ``NAME_MAX`` bytes); OutputError (an output) or SourceNotFoundError (a source) for one that cannot be looked at."""
     try:
-        return Path(name).expanduser()
+        path = Path(name).expanduser()
     except RuntimeError:
         user = os.fspath(name).split("/", 1)[0]
         raise ArgumentError(f"{os.fspath(name)}: no such user for '{user}'", option=option) from None
+    _looked_at(path, option)
+    return path
+
+
+def _looked_at(path: Path, option: str) -> None:
+    """Refuse now what every later look at ``path`` (``exists()``, ``is_dir()``) would raise as an OSError."""
+    too_long = next((part for part in path.parts if len(os.fsencode(part)) > NAME_MAX), None)
+    if too_long is not None:
+        raise ArgumentError(
+            f"{path}: a name in it is {len(os.fsencode(too_long))} bytes long; a file system takes at most {NAME_MAX}",
+            option=option,
+        )
+    try:
+        os.lstat(path)
+    except OSError as error:
+        if error.errno in _NOT_THERE:
+            return
+        if error.errno == errno.ENAMETOOLONG:  # the whole path, past the system's limit
+            raise ArgumentError(f"{path}: {error.strerror}", option=option) from None
+        refused = OutputError if option in _OUTPUTS else SourceNotFoundError
+        raise refused(f"{path}: cannot be looked at ({error.strerror or error})") from None
+    except ValueError as error:  # an embedded NUL byte
+        raise ArgumentError(f"{os.fspath(path)!r}: {error}", option=option) from None
 
 
 def expanded_output(name: str | os.PathLike, option: str) -> Path:

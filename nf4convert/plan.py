@@ -80,6 +80,16 @@ class Plan:
         return sum(shard.nbytes for shard in self.shards)
 
     @property
+    def output_bytes(self) -> int:
+        """Every byte the output takes: its tensors, side files and card (what its disk must hold)."""
+        return self.tensor_bytes + self.side_bytes
+
+    @property
+    def kinds(self) -> dict[str, int]:
+        """How many tensors each kind makes, by the kind's label ({"copied": 11, "dequantized from 4-bit": 28})."""
+        return dict(sorted(Counter(tensor.recipe.label for tensor in self.tensors).items()))
+
+    @property
     def n_dequantized(self) -> int:
         """Tensors made by a recipe other than a plain copy."""
         return sum(tensor.recipe.kind != Copy.kind for tensor in self.tensors)

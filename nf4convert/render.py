@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
-from collections import Counter
-
 from .sinks.output import space_needed
 from .sizes import size_text
 
 
 def summary(result) -> str:
-    """A ``ConvertResult`` in one line."""
+    """A ``ConvertResult`` in one line, its tensors counted by kind as the plan counts them."""
+    made = kinds_text(result.kinds) if result.kinds else f"{result.dequantized} dequantized"
     return (
-        f"{result.output}: {result.tensors} tensors ({result.dequantized} dequantized), "
+        f"{result.output}: {result.tensors} tensors ({made}), "
         f"{result.bytes / 1e9:.2f} GB {result.dtype}, {result.seconds:.1f} s"
     )
+
+
+def kinds_text(kinds: dict[str, int]) -> str:
+    """Tensors per kind (``plan.Plan.kinds``): "11 copied, 20 dequantized from 4-bit, 9 merged with the adapter"."""
+    return ", ".join(f"{count} {label}" for label, count in kinds.items())
 
 
 def space_verdict(free: int, needed: int) -> str:
@@ -26,18 +30,18 @@ def space_verdict(free: int, needed: int) -> str:
 def plan_lines(prepared) -> list[str]:
     """A dry run's plan (a ``conversion.Prepared``): source, output, tensors by kind, shards, bytes, free space."""
     plan = prepared.plan
-    needed = plan.tensor_bytes + plan.side_bytes
-    kinds = Counter(tensor.recipe.label for tensor in plan.tensors)
+    needed = plan.output_bytes
     shown = f"{prepared.headers_only} (its headers and quant states read from the Hub; no weights downloaded)"
     lines = [
         f"source: {shown if prepared.headers_only else plan.folder}",
         f"output: {prepared.output} ({plan.dtype.name})",
-        f"tensors: {len(plan.tensors)} (" + ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items())) + ")",
+        f"tensors: {len(plan.tensors)} ({kinds_text(plan.kinds)})",
     ]
     lines += [f"  {shard.filename}: {len(shard.tensors)} tensors, {shard.nbytes / 1e9:.3f} GB" for shard in plan.shards]
     config = "rewritten" if plan.config else "none"
     lines.append(f"side files: {len(plan.side_files)} ({plan.side_bytes / 1e6:.1f} MB), config.json {config}")
     lines.append(f"to write: {needed / 1e9:.3f} GB; free where it goes: {space_verdict(prepared.free_bytes, needed)}")
+    lines += [f"leftover: {leftover.note()}" for leftover in prepared.leftovers]
     lines.append("dry run: nothing was written")
     return lines
 

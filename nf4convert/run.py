@@ -12,8 +12,10 @@ from typing import Callable
 
 from .conversion import ConvertResult, Prepared, convert, prepare
 from .devices import pick_device
-from .errors import Interrupted, Nf4ConvertError, Terminated
+from .errors import Interrupted, Nf4ConvertError, Terminated, UploadError
+from .paths import expanded_output
 from .settings import Settings
+from .sinks import output as lifecycle
 from .sinks.naming import batch_output, batch_stems, check_batch_root
 from .verification import VerifyReport
 
@@ -30,6 +32,13 @@ def dry_run_plan(source, output=None, *, device: str = "auto", **options) -> Pre
     refuse, this refuses too (a ``device`` that is not there, an output that exists)."""
     pick_device(device)
     return prepare(source, output, headers_only=True, **options)
+
+
+def check_room(output, needed: int, free: int | None = None) -> None:
+    """OutputError unless the file system ``output`` goes to has room for ``needed`` bytes of output, by the
+    conversion's own rule (``free``: its free bytes, as a dry run measured them): a dry run, once it has shown its
+    plan, refuses what the conversion would."""
+    lifecycle.check_free_space(expanded_output(output, "output"), needed, free)
 
 
 def convert_then(
@@ -68,22 +77,36 @@ def convert_then(
             if not report.ok:
                 return False
         if push_to:
-            on_step(
-                Pushed(
-                    push_to_hub(
-                        result.output,
-                        push_to,
-                        private=private,
-                        token=options.get("token"),
-                        revision=push_branch,
-                        progress=progress,
-                    )
+            try:
+                url = push_to_hub(
+                    result.output,
+                    push_to,
+                    private=private,
+                    token=options.get("token"),
+                    revision=push_branch,
+                    progress=progress,
                 )
-            )
+            except UploadError as error:  # the output stays: say so, and how to push it once the cause is gone
+                again = error.option != "private"  # a public repo refused for --private: a plain upload would fill it
+                kept = kept_for_push(result.output, push_to, private, push_branch, again=again)
+                raise UploadError(f"{error}; {kept}", option=error.option) from error
+            on_step(Pushed(url))
     except (Interrupted, Terminated) as stop:
         stop.output_complete = stop.output_complete or result.output
         raise
     return True
+
+
+def kept_for_push(output, repo_id: str, private: bool, branch: str | None, *, again: bool = True) -> str:
+    """What a failed push leaves, and (``again``) the command that pushes it once the cause is gone: huggingface_hub's
+    own CLI."""
+    import shlex
+
+    kept = f"{output} is complete and kept"
+    if not again:
+        return kept
+    words = ["hf", "upload", repo_id, str(output), ".", *(["--revision", branch] if branch else [])]
+    return f"{kept}; push it again with: {shlex.join(words + (['--private'] if private else []))}"
 
 
 def verify_output(output, source, *, progress: bool = True, **options) -> VerifyReport:
@@ -101,11 +124,12 @@ class Row:
 
     source: str
     output: str | None
-    status: str = "failed"  # ok, planned, failed, interrupted, not attempted
+    status: str = "failed"  # ok, verified, skipped, planned, failed, interrupted, not attempted
     error: str | None = None
     tensors: int | None = None
     bytes: int | None = None
     seconds: float | None = None
+    existing: bool = False  # its output was there before the batch (skip_existing): skipped, or verified as it is
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -120,7 +144,7 @@ class BatchResult:
 
     @property
     def failed(self) -> int:
-        done = {"ok", "planned"}
+        done = {"ok", "verified", "skipped", "planned"}
         return sum(row.status not in done for row in self.rows)
 
     @property
@@ -143,17 +167,29 @@ def batch(
     device: str = "auto",
     dry_run: bool = False,
     adapter=None,
+    skip_existing: bool = False,
+    verify: bool = False,
     on_error: Callable[[Row, Exception], None] = lambda row, error: None,
     on_warning: Callable[[str, str], None] = lambda source, warning: None,
     **options,
 ) -> BatchResult:
     """Convert (or with ``dry_run`` plan) each source into ``output_root``, going on past failures; a stop signal
-    ends the batch (the sources after it are "not attempted"). ``on_error(row, error)`` sees each failed row as it
-    fails (and may reword its ``error``), ``on_warning(source, warning)`` each conversion's warnings as they come."""
+    ends the batch (the sources after it are "not attempted"). ``skip_existing``: a source whose output is there
+    already is "skipped" (not converted, not a failure), or with ``verify`` verified as it is; ``verify``: each output
+    is verified once converted ("verified"; a mismatch fails the row, the output kept). ``on_error(row, error)`` sees
+    each failed row as it fails (and may reword its ``error``), ``on_warning(source, warning)`` each conversion's
+    warnings as they come (each text once)."""
     Settings.from_env()  # once, before any source (each would fail alike)
     check_batch_root(output_root, [*sources, adapter])
     planned = [(stem, batch_output(output_root, stem, dtype)) for stem in batch_stems(sources)]
     result = BatchResult()
+    said = set()
+
+    def warn(source: str, warning: str) -> None:  # once: the outputs share a folder, and its killed runs' leftovers
+        if warning not in said:
+            said.add(warning)
+            on_warning(source, warning)
+
     done = "planned" if dry_run else "ok"
     for source, (stem, output) in zip(sources, planned):
         started = time.perf_counter()
@@ -164,12 +200,19 @@ def batch(
 
         try:
             common = dict(dtype=dtype, adapter=adapter, output_dir=output_root, stem=stem, on_output=named, **options)
-            if dry_run:
+            found = _existing(source, output, device, common) if skip_existing else None
+            if found is not None:
+                row.output, row.existing = str(found), True
+                row.tensors = _verified(found, source, device, adapter, options) if verify else None
+                row.status = "verified" if verify else "skipped"
+            elif dry_run:
                 prepared = dry_run_plan(source, device=device, **common)
                 plan = prepared.plan
                 row.status, row.tensors, row.bytes = done, len(plan.tensors), plan.tensor_bytes
-                result.needed += plan.tensor_bytes + plan.side_bytes
+                result.needed += plan.output_bytes
                 result.free = prepared.free_bytes
+                for leftover in prepared.leftovers:
+                    warn(source, leftover.note())
             else:
                 converted = convert(source, device=device, **common)
                 row.output, row.status, row.tensors, row.bytes = (
@@ -179,13 +222,21 @@ def batch(
                     converted.bytes,
                 )
                 for warning in converted.warnings:
-                    on_warning(source, warning)
+                    warn(source, warning)
+                if verify:
+                    try:
+                        _verified(converted.output, source, device, adapter, options)
+                    except (Interrupted, Terminated) as stop:  # the output was complete: it is kept, and ok
+                        stop.output_complete = stop.output_complete or converted.output
+                        raise
+                    row.status = "verified"
         except (Interrupted, Terminated, KeyboardInterrupt) as stop:
             row.status = row.error = "interrupted"
             result.stopped = stop
             if getattr(stop, "output_complete", None):
                 row.output, row.status = str(stop.output_complete), "ok"
         except Exception as error:  # noqa: BLE001  (one source's failure, whatever it is, must not stop the others)
+            row.status = "failed"  # a verification that failed after the conversion, too
             row.error = (
                 str(error) if isinstance(error, Nf4ConvertError) else f"internal error: {type(error).__name__}: {error}"
             )
@@ -196,3 +247,51 @@ def batch(
             break
     result.rows += [Row(source, None, "not attempted") for source in sources[len(result.rows) :]]
     return result
+
+
+class _Existing(Exception):
+    """A batch output found there already (raised from ``on_output`` to stop a plan as soon as its output is known)."""
+
+    def __init__(self, folder: Path):
+        super().__init__(str(folder))
+        self.folder = folder
+
+
+def _existing(source: str, output: str, device: str, common: dict) -> Path | None:
+    """A batch source's output if it is there already: named in advance where the dtype is given; else, as the plan
+    of the source's headers names it (a Hub repo's weights are not downloaded to learn it)."""
+    if not output.endswith("<dtype>"):
+        return Path(output) if lifecycle.holds_output(Path(output)) else None
+    told = common["on_output"]
+
+    def named(folder: Path) -> None:
+        told(folder)
+        if lifecycle.holds_output(folder):
+            raise _Existing(folder)
+
+    try:
+        dry_run_plan(source, device=device, **{**common, "on_output": named})
+    except _Existing as found:
+        return found.folder
+    return None
+
+
+def _verified(output, source: str, device: str, adapter, options: dict) -> int:
+    """Verify a batch's output; the tensors checked, or Nf4ConvertError naming the first mismatch (the output stays)."""
+    report = verify_output(
+        output,
+        source,
+        device=device,
+        adapter=adapter,
+        revision=options.get("revision"),
+        token=options.get("token"),
+        cache_dir=options.get("cache_dir"),
+        progress=options.get("progress", True),
+    )
+    if not report.ok:
+        count = len(report.problems)
+        raise Nf4ConvertError(
+            f"{output}: verification failed ({count} problem{'s' if count != 1 else ''}, the first: "
+            f"{report.problems[0]}); the output is kept"
+        )
+    return report.checked

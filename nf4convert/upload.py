@@ -116,7 +116,8 @@ def push_to_hub(
             if private and not api.repo_info(repo_id).private:
                 raise UploadError(
                     f"{repo_id}: the repository exists and is public; nothing was uploaded (make it "
-                    "private on the Hub first, or push without --private)"
+                    "private on the Hub first, or push without --private)",
+                    option="private",
                 )
             if revision is not None and not revision.startswith("refs/"):
                 api.create_branch(repo_id, branch=revision, exist_ok=True)

@@ -60,7 +60,10 @@ def test_merge_while_converting_equals_peft(kind, base, gpt2_base, tmp_path):
     adapter = make_adapter(tmp_path / "adapter", kind, seed=list(KINDS).index(kind) + 20, arch=arch)
     out = tmp_path / "merged"
     summary = run(source, "--adapter", adapter, "-o", out, "--device", "cpu", "--max-shard-size", "400KB")
-    assert "tensors" in summary
+    # the summary counts the tensors by kind as the plan does (it said "29 dequantized" for 20 and 9 merged)
+    planned = run(source, "--adapter", adapter, "-o", tmp_path / "planned", "--dry-run").splitlines()
+    kinds = next(line for line in planned if line.startswith("tensors: ")).split(" ", 2)[2]
+    assert "merged with the adapter" in kinds and f"tensors {kinds}, " in summary, (kinds, summary)
     merged = {}
     for shard in out.glob("*.safetensors"):
         merged.update(load_file(shard))
@@ -129,8 +132,8 @@ def test_verify_with_an_adapter_keeps_peft_quiet_and_knows_out_from_source(base,
     lines = (result.stdout + result.stderr).strip().splitlines()
     assert result.returncode == 0 and len(lines) == 2 and lines[-1] == "OK: bit-exact with bitsandbytes and peft", lines
     assert run("verify", source, source, "-q", code=2).strip() == (
-        f"Error: {source} is given as both OUT and SOURCE: the order is the converted checkpoint, then the "
-        "bitsandbytes one"
+        f"Error: {source} is given as both OUT and SOURCE: the order is the converted checkpoint, "
+        "then the bitsandbytes one"
     )
     (tmp_path / "a-file").write_text("x")
     assert (
@@ -186,8 +189,9 @@ def test_bad_adapters_are_one_line_and_write_nothing(case, base, tmp_path):
         "one-layer-index": "layers_to_transform is set (0)",
         "modules-to-save-str": "modules_to_save is 'lm_head'",
         "embedding-style-on-linear": "'model.layers.0.self_attn.q_proj' are embedding-style (lora_embedding_A/B)",
-        "linear-style-on-embedding": "'model.embed_tokens' are linear-style (lora_A/B), but 'model.embed_tokens' is "
-        "an embedding",
+        "linear-style-on-embedding": (
+            "'model.embed_tokens' are linear-style (lora_A/B), but 'model.embed_tokens' is an embedding"
+        ),
         "bias-int": "bias is 1",
         "init-int": "init_lora_weights is 3",
     }[case]

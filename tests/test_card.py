@@ -153,7 +153,7 @@ def test_quantizer_card_from_a_local_folder_with_an_adapter():
     assert "dense fp16 (float16) weights, dequantized from a local bitsandbytes 8-bit (LLM.int8) checkpoint" in body
     assert "quantized from [mistralai/Mistral-7B-v0.1](https://huggingface.co/mistralai/Mistral-7B-v0.1)" in body
     assert "The adapter `zephyr-lora` (a local folder) was then merged" in body
-    assert "nf4convert SOURCE --dtype fp16 --adapter ADAPTER" in body
+    assert "nf4convert SOURCE --dtype fp16 --adapter zephyr-lora\n" in body  # the folder by its name alone
     assert "/home/alice" not in card.text  # a local path says nothing about the user's machine
 
 
@@ -344,3 +344,47 @@ def test_random_junk_never_raises():
         fields, _ = parse(card.text)
         assert isinstance(fields, dict) and fields.get("library_name") is not None, source
         assert card.warning is None or "\n" not in card.warning, source
+
+
+@pytest.mark.parametrize(
+    "given,shown",
+    [
+        ("./my-model-bnb-4bit", "./my-model-bnb-4bit"),
+        ("my-model-bnb-4bit/", "my-model-bnb-4bit"),
+        ("~/models/my model", "'~/models/my model'"),  # quoted as a shell takes it
+        ("/home/alice/models/my-model-bnb-4bit", "my-model-bnb-4bit"),  # the published card names no one's machine
+    ],
+)
+def test_the_card_has_a_title_and_the_command_shows_a_local_source_as_given(given, shown):
+    # the card had no title, and its command read "nf4convert SOURCE" for every local source
+    card = model_card(
+        UNSLOTH_CARD,
+        source_repo=None,
+        dtype="bf16",
+        version="0.1.0",
+        quant_format="bnb-4bit nf4",
+        title="my-model-bf16",
+        source_name=given,
+    )
+    fields, body = parse(card.text)
+    assert body.lstrip().startswith("# my-model-bf16\n\n## How these weights were made")
+    assert f"```sh\nnf4convert {shown} --dtype bf16\n```" in body and "SOURCE" not in body
+    assert "/home/alice" not in card.text
+
+
+def test_a_card_without_config_says_so():
+    # the card of an output written without config.json said "config.json no longer has a quantization_config"
+    with_config = model_card(None, source_repo=None, dtype="bf16", version="0.1.0", quant_format="bnb-4bit nf4")
+    assert "`config.json` no longer has a `quantization_config`" in with_config.text
+    card = model_card(
+        None,
+        source_repo=None,
+        dtype="bf16",
+        version="0.1.0",
+        quant_format="bnb-4bit nf4",
+        source_name="src",
+        has_config=False,
+    )
+    assert "quantization_config" not in card.text
+    assert "There is no `config.json`: the source had none, so transformers cannot load these weights" in card.text
+    assert "nf4convert src --dtype bf16 --allow-no-config\n" in card.text

@@ -224,8 +224,13 @@ def test_a_dry_run_judges_the_space_and_the_destination_as_the_run_does(checkpoi
     usage = shutil_module.disk_usage(tmp_path)
     monkeypatch.setattr(shutil_module, "disk_usage", lambda path: usage._replace(free=30_000_000))  # under the headroom
     source, out = checkpoints["llama-nf4-dq"], tmp_path / "out"
-    assert "free where it goes: 30.0 MB (NOT enough: " in run(source, "-o", out, "--dry-run")
-    assert "30.0 MB free, the output needs" in run(source, "-o", out, "-q", code=1)
+    refused = f"Error: {tmp_path}: 30.0 MB free, the output needs "
+    dry = run(source, "-o", out, "--dry-run", code=1).splitlines()  # the plan, then the run's refusal (it exited 0)
+    assert "free where it goes: 30.0 MB (NOT enough: " in dry[-3] and dry[-2] == "dry run: nothing was written"
+    assert dry[-1].startswith(refused)
+    assert run(source, "-o", out, "-q", code=1).startswith(refused)
+    dry = run("batch", source, "-o", tmp_path / "root", "--dry-run", code=1).splitlines()
+    assert "(NOT enough: " in dry[-3] and dry[-1].startswith(refused) and dry[-2] == "dry run: nothing was written"
     monkeypatch.setattr(shutil_module, "disk_usage", lambda path: usage._replace(free=10**12))
     assert "free where it goes: 1000.00 GB (enough)" in run(source, "-o", out, "--dry-run")
     real_access = os.access
@@ -640,8 +645,9 @@ def test_help_and_bad_arguments_import_no_torch():
     code = """
 import sys
 from nf4convert.cli import main
-for args in (["--help"], ["verify", "--help"], ["batch", "--help"], ["verify", "/no/such/out", "src"],
-             ["x", "--dtype", "int9"]):
+for args in (
+    ["--help"], ["verify", "--help"], ["batch", "--help"], ["verify", "/no/such/out", "src"], ["x", "--dtype", "int9"]
+):
     try:
         main(args)
     except SystemExit as exit:
@@ -774,8 +780,7 @@ def test_api_refuses_output_with_stem_and_empty_names(tmp_path):
 
 
 def test_without_triton_auto_takes_the_cpu_and_cuda_is_one_line(monkeypatch, tmp_path):
-    # Triton is required on Linux only (no wheels elsewhere): without it, auto took the GPU and the kernel's import
-    # failed
+    # without Triton (torch's CPU builds, other platforms), auto took the GPU and the kernel's import failed
     import nf4convert.devices
     import nf4convert.kernels
     from nf4convert import dequantize_4bit
@@ -868,8 +873,7 @@ def test_the_cpu_route_runs_without_torch(processes, dtype, tmp_path):
         )
         for name in ("model.safetensors", "config.json", "README.md"):
             assert (out / name).read_bytes() == (tmp_path / "with" / name).read_bytes(), name
-    # fp16 out does take torch (its conversion: numpy's goes one element at a time), so blocked it fails, writing
-    # nothing
+    # fp16 out does take torch (its conversion: numpy's goes one element at a time): blocked, it fails, writing nothing
     if processes == "2" and dtype == "bf16":
         result = subprocess.run(
             [

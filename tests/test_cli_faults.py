@@ -454,7 +454,10 @@ def test_conventions_help_typos_aliases_and_quiet_summary(tmp_path):
     assert "no such folder" in line
     # torch's dtype names work as the short ones do; -q keeps the one-line summary.
     output = run(EXAMPLE, "-o", tmp_path / "out", "--dtype", "bfloat16", "-q", "--device", "cpu")
-    assert output.strip().startswith(f"{tmp_path / 'out'}: 39 tensors (28 dequantized)") and "GB bfloat16" in output
+    assert (
+        output.strip().startswith(f"{tmp_path / 'out'}: 39 tensors (11 copied, 28 dequantized from 4-bit)")
+        and "GB bfloat16" in output
+    )
     assert len(output.strip().splitlines()) == 1
 
 
@@ -556,8 +559,7 @@ def test_an_output_name_at_the_file_systems_limit_is_written_and_replaced(tmp_pa
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([name, f"{theirs}-4194300"])
 
 
-# --- ends of failed runs, folders made for OUT, batch's output root and listing
-# ----------------------------------------
+# --- ends of failed runs, folders made for OUT, batch's output root and listing ---------------------------------------
 
 TEARDOWN_WRAPPER = """
 import atexit, sys

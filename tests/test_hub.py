@@ -231,6 +231,26 @@ def test_hub_errors_are_one_line(hub, tmp_path, repo, env, message):
     assert len(lines) == 1 and lines[0].startswith("Error: ") and message in lines[0], result.stderr
 
 
+@pytest.mark.parametrize("case", ["refused", "offline"])
+def test_a_repo_the_cache_lacks_says_why_the_hub_was_not_reached(tmp_path, case):
+    # a refused HF_ENDPOINT was reported as "offline (HF_HUB_OFFLINE is set or there is no network)"
+    from fixtures.fake_hub import closed_port
+
+    endpoint = f"http://127.0.0.1:{closed_port()}"
+    env = {"HF_ENDPOINT": endpoint, "HF_HUB_DISABLE_XET": "1", **({"HF_HUB_OFFLINE": "1"} if case == "offline" else {})}
+    for extra in ([], ["--dry-run"]):
+        result = cli(REPO, "-q", "--cache-dir", tmp_path / "empty-cache", *extra, env=env, cwd=tmp_path)
+        lines = error_lines(result)
+        assert result.returncode == 1 and len(lines) == 1, result.stderr
+        why = (
+            f"the Hub at {endpoint} could not be reached: connection refused by {endpoint.removeprefix('http://')} "
+            "(is the endpoint right, and the server up?)"
+            if case == "refused"
+            else "HF_HUB_OFFLINE is set, so the Hub was not asked"
+        )
+        assert lines[0] == f"Error: {REPO}: not in the Hub cache, and {why}", lines[0]
+
+
 def error_lines(result) -> list[str]:
     return [line for line in result.stderr.splitlines() if line.strip() and "kernels-community" not in line]
 
@@ -584,8 +604,8 @@ def test_a_dry_run_without_room_for_its_copy_says_so_in_one_line(hub, tmp_path):
     env = {"HF_ENDPOINT": endpoint, "HF_HUB_DISABLE_XET": "1", "TMPDIR": str(tmp_path)}
     full = (
         "import errno, tempfile\nmade = tempfile.mkdtemp\ndef mkdtemp(*args, **kwargs):\n"
-        "    if kwargs.get('prefix') == 'nf4convert-plan-':\n        raise OSError(errno.ENOSPC, 'No space left on "
-        "device')\n"
+        "    if kwargs.get('prefix') == 'nf4convert-plan-':\n"
+        "        raise OSError(errno.ENOSPC, 'No space left on device')\n"
         "    return made(*args, **kwargs)\ntempfile.mkdtemp = mkdtemp"
     )  # the dry run's copy finds the disk full
     assert (

@@ -332,6 +332,51 @@ def test_cli_converts_verifies_then_pushes(hub, tmp_path):
     assert result.returncode == 2 and "go with --push-to-hub" in result.stderr
 
 
+@pytest.mark.parametrize("branch", [None, "dense"])
+def test_a_failed_push_says_the_output_is_kept_and_how_to_push_it_again(hub, tmp_path, branch):
+    # the one line said why the upload failed, not that the converted folder stays nor how to push it
+    endpoint, state = hub
+    example = Path(__file__).resolve().parents[1] / "examples" / "tiny-llama-bnb-4bit"
+    out = tmp_path / "my out"
+    env = client_env(endpoint, tmp_path / "home", HF_HUB_DISABLE_XET="1")
+    options = ["--push-branch", branch] if branch else []
+    result = subprocess.run(
+        [sys.executable, "-m", "nf4convert", str(example), "-o", str(out), "--device", "cpu", "-q"]
+        + ["--push-to-hub", "me/tiny", "--private", "--token", READ_TOKEN, *options],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 1 and len(lines) == 1 and "me/tiny: upload failed: HTTP 403" in lines[0], lines
+    again = f"hf upload me/tiny '{out}' ." + (f" --revision {branch}" if branch else "") + " --private"
+    assert lines[0].endswith(f"; {out} is complete and kept; push it again with: {again}"), lines[0]
+    assert (out / "model.safetensors").is_file() and "me/tiny" not in state.repos
+
+
+def test_a_push_refused_for_a_public_repo_suggests_no_command_that_would_fill_it(hub, tmp_path):
+    # hf upload --private leaves an existing public repo public: it is no way to push again there
+    endpoint, state = hub
+    state.add_repo("me/public", private=False)
+    example = Path(__file__).resolve().parents[1] / "examples" / "tiny-llama-bnb-4bit"
+    out = tmp_path / "out"
+    result = subprocess.run(
+        [sys.executable, "-m", "nf4convert", str(example), "-o", str(out), "--device", "cpu", "-q"]
+        + ["--push-to-hub", "me/public", "--private", "--token", WRITE_TOKEN],
+        capture_output=True,
+        text=True,
+        env=client_env(endpoint, tmp_path / "home", HF_HUB_DISABLE_XET="1"),
+        timeout=300,
+    )
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 1 and len(lines) == 1, lines
+    assert lines[0] == (
+        "Error: me/public: the repository exists and is public; nothing was uploaded (make it private on the Hub "
+        f"first, or push without --private); {out} is complete and kept"
+    )
+
+
 @pytest.fixture(scope="module")
 def two_outputs(tmp_path_factory):
     """The example converted twice: fp32 in one model.safetensors, bf16 in three shards with their index."""

@@ -26,6 +26,17 @@ def read_config(folder: Path) -> dict | None:
     return config
 
 
+def check_present(config: dict | None, source: str, *, allow_missing: bool) -> None:
+    """CheckpointError for a checkpoint without config.json (``config`` None), unless ``allow_missing``: its output
+    would have none either, and transformers loads no model without one (it reads the model's type there)."""
+    if config is None and not allow_missing:
+        raise CheckpointError(
+            f"{source}: has no config.json, so its output would not load in transformers as a model (it reads the "
+            "model's type there); add the model's config.json to it",
+            option="allow_no_config",
+        )
+
+
 def dense_config(config: dict, dtype: DType) -> dict:
     """config.json for the dense model: quantization_config gone everywhere, the dtype recorded."""
 

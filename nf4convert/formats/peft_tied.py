@@ -22,7 +22,8 @@ def changes_vocabulary(target: LoraTarget) -> bool:
 
 def vocabulary_rows(adapter: Adapter, shapes: dict) -> int | None:
     """The vocabulary an adapter was trained with, where it saved its embeddings or head with more rows than the base
-    (``shapes``: base tensor name -> shape) after resizing them; None where it did not. Call after ``peft_checks.validate``."""
+    (``shapes``: base tensor name -> shape) after resizing them; None where it did not. Call after
+    ``peft_checks.validate``."""
     rows = {
         info.shape[0]
         for name, target in adapter.targets.items()

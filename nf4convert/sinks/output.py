@@ -9,15 +9,17 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import OutputError
+from ..paths import NAME_MAX
 from ..sizes import size_text
 
 PARTIAL_SUFFIX = ".nf4convert-partial"
 OLD_SUFFIX = ".nf4convert-old"
-NAME_MAX = 255  # bytes in one file name on Linux's and macOS's file systems
 PID_ROOM = len("-4194304")  # a staging name ends with the run's pid; Linux's largest
 SPARE_BYTES = 64 << 20  # headroom on the disk beyond the output itself
 
@@ -62,6 +64,14 @@ def check_destination(output: Path, *, overwrite: bool) -> None:
         raise OutputError(
             f"{folder}: cannot be written (a read-only file system or no permission); choose another output"
         )
+
+
+def holds_output(output: Path) -> bool:
+    """Whether OUT is there as a conversion would refuse to write it without ``overwrite``: a folder, not empty."""
+    try:
+        return output.is_dir() and not output.is_symlink() and any(output.iterdir())
+    except OSError:
+        return False  # one that cannot be read: the conversion's own checks say so
 
 
 def _existing_ancestor(output: Path) -> Path:
@@ -115,9 +125,9 @@ def space_needed(output_bytes: int) -> int:
     return output_bytes + SPARE_BYTES
 
 
-def check_free_space(output: Path, needed: int) -> None:
-    """OutputError unless OUT's file system has ``space_needed(needed)`` bytes free."""
-    free = free_space(output)
+def check_free_space(output: Path, needed: int, free: int | None = None) -> None:
+    """OutputError unless OUT's file system has ``space_needed(needed)`` bytes free (``free``: as measured already)."""
+    free = free_space(output) if free is None else free
     if free < space_needed(needed):
         raise OutputError(
             f"{_existing_ancestor(output)}: {size_text(free)} free, the output needs "
@@ -186,6 +196,41 @@ def _alive(pid: str) -> bool:
     except (ValueError, OSError):  # not a pid of ours to judge (or not ours to signal): leave its folder alone
         return True
     return True
+
+
+@dataclass(frozen=True)
+class Leftover:
+    """A staging folder that a run killed outright (``kill -9``, the out-of-memory killer, a power cut) left beside
+    its OUT: no process of its number runs any more."""
+
+    path: Path
+    pid: int
+    own: bool  # OUT's own: a run into OUT removes it
+
+    def note(self, *, removed: bool = False) -> str:
+        """One line naming it: removed (by a run into its OUT), or how to remove it."""
+        killed = f"left by a conversion that was killed (process {self.pid} is gone)"
+        if removed:
+            return f"removed {self.path}, {killed}"
+        remove = f"rm -rf {shlex.quote(str(self.path))}"
+        how = f"a conversion into its OUT removes it, or: {remove}" if self.own else f"remove it with: {remove}"
+        return f"{self.path}: {killed}; {how}"
+
+
+def leftovers(output: Path) -> list[Leftover]:
+    """The staging folders of killed runs beside OUT (in its parent folder), whichever OUT they were for; OUT's own are
+    marked ``own``. A parent that cannot be read has none that can be named."""
+    own = _beside(output, PARTIAL_SUFFIX, room=PID_ROOM)
+    found = []
+    try:
+        for entry in sorted(output.parent.iterdir()):
+            stem, _, pid = entry.name.rpartition("-")
+            if stem.startswith(".") and stem.endswith(PARTIAL_SUFFIX) and pid.isdigit() and entry.is_dir():
+                if not entry.is_symlink() and not _alive(pid):
+                    found.append(Leftover(entry, int(pid), stem == own))
+    except OSError:
+        return []
+    return found
 
 
 def move_into_place(temporary: Path, output: Path, *, overwrite: bool = False) -> None:

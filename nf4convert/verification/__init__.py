@@ -190,7 +190,12 @@ def _verify(output: Path, folder: Path, adapter_folder, chosen, progress: bool, 
             "the output looks merged with an adapter (weights of the source's dtype and shape, other values, or a "
             "head the tied source lacks); if it was, pass that adapter with --adapter"
         )
-    if context.unbuilt() is not None:
+    if plan.config is None:
+        report.notes.append(
+            "config.json: the source has none and the output neither, so transformers cannot load the output as a "
+            "model; the shapes it would load and its Conv1D layers were not checked"
+        )
+    elif context.unbuilt() is not None:
         report.notes.append(
             f"config.json: transformers could not build the model from it ({context.unbuilt()}), so the "
             "shapes it loads and its Conv1D layers were not checked"

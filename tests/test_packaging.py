@@ -1,0 +1,40 @@
+"""What an install pulls: the package's own dependencies (a CPU-only machine gets no Triton) and the test extra (every
+test of the suite runs on a CPU-only machine; only the GPU tests skip)."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _project() -> dict:
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pip, which installed the package, carries a TOML reader on every Python it runs on
+        from pip._vendor import tomli as tomllib
+    return tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+
+
+def _names(requirements: list[str]) -> dict[str, str]:
+    """Each requirement's distribution name (lowercased) -> its environment marker ('' when it has none)."""
+    named = {}
+    for requirement in requirements:
+        name = re.match(r"[A-Za-z0-9._-]+", requirement).group(0).lower()
+        named[name] = requirement.partition(";")[2].strip()
+    return named
+
+
+def test_the_package_pulls_no_triton():
+    # the CPU route never imports Triton; torch's CUDA builds bring it where the GPU route needs it
+    assert "triton" not in _names(_project()["dependencies"])
+
+
+def test_the_test_extra_holds_what_the_suite_imports():
+    test = _names(_project()["optional-dependencies"]["test"])
+    assert "requests" in test and test["requests"] == ""  # the hub-error tests check requests' errors too
+    assert "triton" in test  # the kernel's tests run it in Triton's interpreter on a CPU
+    for imported in ("pytest", "peft", "psutil", "accelerate"):
+        assert imported in test

@@ -341,6 +341,7 @@ def test_fp16_beyond_its_range_is_named_in_a_warning(tmp_path, device):
                 "-q",
                 "--device",
                 device,
+                "--allow-no-config",  # the hand-made ones are tensors alone
             ],
             capture_output=True,
             text=True,
@@ -368,6 +369,7 @@ def test_fp16_beyond_its_range_is_named_in_a_warning(tmp_path, device):
                 "-q",
                 "--device",
                 device,
+                "--allow-no-config",
             ],
             capture_output=True,
             text=True,
@@ -859,9 +861,9 @@ def test_the_cpu_route_runs_without_torch(processes, dtype, tmp_path):
     # torch's import is seconds with a CUDA build: a 4-bit checkpoint on the CPU route (threads, or worker processes)
     # never imports it for bf16 or fp32 out, and gives the same bytes as a conversion in a process that has torch
     example = Path(__file__).resolve().parents[1] / "examples" / "tiny-llama-bnb-4bit"
-    run(example, "-o", tmp_path / "with", "--device", "cpu", "--dtype", dtype)
+    run(example, "-o", tmp_path / "with" / "out", "--device", "cpu", "--dtype", dtype)  # one name: the card's title
     for device in ("cpu", "auto"):
-        out = tmp_path / f"without-{device}"
+        out = tmp_path / f"without-{device}" / "out"
         env = {**os.environ, "NF4CONVERT_PROCESSES": processes}
         if device == "auto" and any(Path("/dev").glob("nvidia[0-9]*")):
             continue  # a GPU's driver: auto asks torch
@@ -872,7 +874,7 @@ def test_the_cpu_route_runs_without_torch(processes, dtype, tmp_path):
             env=env,
         )
         for name in ("model.safetensors", "config.json", "README.md"):
-            assert (out / name).read_bytes() == (tmp_path / "with" / name).read_bytes(), name
+            assert (out / name).read_bytes() == (tmp_path / "with" / "out" / name).read_bytes(), name
     # fp16 out does take torch (its conversion: numpy's goes one element at a time): blocked, it fails, writing nothing
     if processes == "2" and dtype == "bf16":
         result = subprocess.run(

@@ -1,9 +1,7 @@
-"""The command line: parse, call the API (``run.py``), render results (``render.py``) and errors.
-
-Every failure is one ``Error:`` line and a non-zero exit: 1 for bad input or a failed run, 2 for a usage error, 130 for
-Ctrl-C, 143 for SIGTERM and 129 for SIGHUP (each removes what was partly written). The API is imported inside the
-commands (it brings numpy, and with it seconds of start-up where torch follows), so ``--help`` and argument errors
-are instant.
+"""The commands: ``convert`` (the default: ``nf4convert SOURCE``), ``verify`` and ``batch``. Each parses its options,
+calls the API (``run.py``) and renders the results (``render.py``); how errors, exit codes and stop signals reach the
+terminal is ``console.py``'s. The API is imported inside the commands (it brings numpy, and with it seconds of
+start-up where torch follows), so ``--help`` and argument errors are instant.
 """
 
 from __future__ import annotations
@@ -11,252 +9,14 @@ from __future__ import annotations
 import json
 import signal
 import sys
-from dataclasses import dataclass
 
 import click
 
 from . import __version__
+from .console import DefaultGroup, end, error_line, fail, message, run_action, say
 from .dtypes import OUTPUT_CHOICES
-from .errors import ArgumentError, Interrupted, Nf4ConvertError, Terminated
-from .signals import StopSignals
+from .errors import ArgumentError, Nf4ConvertError, Terminated
 from .sizes import DEFAULT_SHARD_SIZE
-
-# What a library error's ``option`` becomes on the command line.
-HINTS = {
-    "overwrite": "pass --overwrite to replace it",
-    "token": "pass --token or set HF_TOKEN",
-    "revision": "see --revision",
-    "dtype": "see --dtype",
-    "device": "see --device",
-    "max_shard_size": "see --max-shard-size",
-    "adapter": "see --adapter",
-    "allow_no_config": "or pass --allow-no-config to write the dense tensors alone",
-}
-
-
-@dataclass
-class _Command:
-    """What one command line's run knows of itself (click's ``ctx.obj``)."""
-
-    stops: StopSignals
-    process: bool  # running as the process's own command line (not a test's CliRunner)
-
-
-class DefaultGroup(click.Group):
-    """``nf4convert SOURCE ...`` means ``nf4convert convert SOURCE ...``; usage errors are one line."""
-
-    def main(self, args=None, *rest, **kwargs):
-        kwargs.pop("standalone_mode", None)
-        process = args is None
-        args = sys.argv[1:] if args is None else list(args)
-        if not args:
-            args = ["--help"]
-        stdout = sys.stdout
-        with StopSignals() as stops:
-            try:
-                code = super().main(args, *rest, standalone_mode=False, obj=_Command(stops, process), **kwargs)
-                code = code if isinstance(code, int) else 0
-            except click.ClickException as error:  # a bad option or argument: one line, not the usage text
-                error_line(f"{error.format_message()} (see '{_help_of(getattr(error, 'ctx', None))}')")
-                code = error.exit_code
-            except (click.exceptions.Abort, Interrupted, Terminated) as stop:  # a stop signal outside a command's run
-                code = _stopped_outside_a_run(stop)
-            except SystemExit as exiting:  # a failed run (_fail, a failed verify or batch) ends as a finished one does
-                code = _exit_code(exiting)
-                if sys.stdout is not stdout:  # click's own help or version text met a closed pipe: click exits 1 and
-                    code = 0  # puts a stand-in in stdout's place; the text was all there was to do
-            if process:
-                stops.finish()
-                _exit_now(code)
-        sys.exit(code)
-
-    def format_options(self, ctx, formatter):
-        """The group's options and commands, then convert's options: ``nf4convert SOURCE`` is a conversion."""
-        super().format_options(ctx, formatter)
-        convert = self.commands["convert"]
-        with click.Context(convert, info_name="convert", parent=ctx) as own:
-            shown = [param for param in convert.get_params(own) if isinstance(param, click.Option)]
-            rows = [param.get_help_record(own) for param in shown if param is not convert.get_help_option(own)]
-        with formatter.section("Convert options (nf4convert SOURCE [OPTIONS], as nf4convert convert SOURCE [OPTIONS])"):
-            formatter.write_dl([row for row in rows if row])
-
-    def parse_args(self, ctx, args):
-        if args and args[0] not in self.commands and not args[0].startswith("-"):
-            _refuse_mistyped_command(args[0], list(self.commands))
-            args = ["convert", *args]
-        elif args and args[0].startswith("-"):  # convert's options before SOURCE (nf4convert -q SOURCE, -- SOURCE)
-            own = {name for param in self.get_params(ctx) for name in (*param.opts, *param.secondary_opts)}
-            if args[0].split("=", 1)[0] not in own:
-                from pathlib import Path
-
-                named = next(
-                    (word for word in args if word in self.commands and word != "convert" and not Path(word).exists()),
-                    None,
-                )
-                if named is not None:
-                    raise click.UsageError(f"options of '{named}' go after its name: nf4convert {named} [OPTIONS] ...")
-                args = ["convert", *args]
-        return super().parse_args(ctx, args)
-
-
-def _help_of(ctx) -> str:
-    """The help that lists the options of the command a usage error is about (``nf4convert batch --help``)."""
-    names = []
-    while ctx is not None and ctx.parent is not None:
-        names.append(ctx.info_name)
-        ctx = ctx.parent
-    return " ".join(["nf4convert", *reversed(names), "--help"])
-
-
-def _stopped_outside_a_run(stop: BaseException) -> int:
-    """A stop signal that landed in click's code (which turns Ctrl-C into an Abort) or in a command before its run:
-    its line and status, as a run's."""
-    if isinstance(stop, click.exceptions.Abort):
-        stop = stop.__cause__ or stop.__context__  # the KeyboardInterrupt (or EOFError) click caught
-    if isinstance(stop, Terminated):
-        signum = stop.signum
-    elif isinstance(stop, KeyboardInterrupt):
-        signum = signal.SIGINT
-    else:
-        error_line("aborted")
-        return 1
-    error_line(f"{'interrupted' if signum == signal.SIGINT else 'terminated'}; nothing was written")
-    return 128 + signum
-
-
-def _exit_code(exiting: SystemExit) -> int:
-    """The status ``sys.exit(value)`` gives the process: None is 0, an int itself, anything else printed and 1."""
-    if exiting.code is None or isinstance(exiting.code, int):
-        return exiting.code or 0
-    print(exiting.code, file=sys.stderr)
-    return 1
-
-
-def _exit_now(code: int) -> None:
-    """End the run, finished or failed, without the interpreter's teardown: with torch (and CUDA) loaded, destructors,
-    the CUDA context and pinned memory take a while to unwind, for nothing (every file is closed and in place, or
-    removed, by now), and a Ctrl-C in that time would print a traceback from torch's exit callbacks. Every run ends
-    so, with torch or without: one way out."""
-    import os
-
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            if stream is not None:  # None: the stream was closed when the process started (>&-)
-                stream.flush()
-        except (
-            OSError,
-            ValueError,
-        ):  # a closed pipe (| head), a full device or a closed stream: nothing more can reach it
-            pass
-    os._exit(code)
-
-
-def _refuse_mistyped_command(word: str, commands: list[str]) -> None:
-    """A first word that is no folder, no repo id and close to a command is a typo, not a SOURCE."""
-    import difflib
-
-    from .hub import looks_like_repo_id
-    from .paths import expanded
-
-    try:
-        if expanded(word, "source").exists() or looks_like_repo_id(word):
-            return
-    except ArgumentError:
-        return  # a ~user with no such user: a SOURCE, whose resolution says so
-    close = difflib.get_close_matches(word, commands, n=1, cutoff=0.6)
-    if close:
-        raise click.UsageError(f"no such command '{word}'; did you mean {close[0]}?")
-
-
-def error_line(text: str) -> None:
-    """The one way an error reaches the terminal: ``Error: ...`` on one line, whatever the text holds (a path
-    or tensor name with a newline or carriage return in it is shown escaped)."""
-    one_line = text.replace("\r", "\\r").replace("\n", "\\n")
-    try:
-        click.echo(f"Error: {one_line}", err=True)
-    except BrokenPipeError:
-        _reader_gone(sys.stderr)  # nobody reads standard error any more: the exit status says it
-
-
-def _fail(text: str, code: int = 1):
-    error_line(text)
-    sys.exit(code)
-
-
-def _command() -> _Command:
-    return click.get_current_context().obj
-
-
-def _stopped(stop: BaseException | None, signum: int, kept=None):
-    """A stop signal's line and exit: what was partly written is gone by now; an OUT that was complete before the
-    signal could act (``kept``, or the stop's ``output_complete``) is named. The process ends without the interpreter's
-    teardown, which would wait for any worker thread still running."""
-    word = "interrupted" if signum == signal.SIGINT else "terminated"
-    complete = getattr(stop, "output_complete", None) or kept
-    if complete:
-        error_line(f"{word}; {complete} was complete and is kept")
-    elif stop is None:  # the exception was swallowed where it was raised (a destructor): the work ran to its end
-        error_line(f"{word} as the work finished")
-    else:
-        error_line(f"{word}; nothing was written")
-    _end(128 + signum)
-
-
-def _end(code: int):
-    if _command().process:
-        _exit_now(code)
-    sys.exit(code)
-
-
-def say(text: str, *, err: bool = False) -> None:
-    """A line on standard output (or error); one that cannot be printed (a full device, a closed stream) is an
-    error line on the other stream, not a traceback. A stream whose reader went away (``| head``) takes no more lines,
-    silently, and the command runs to its end and its own status, as standard tools do."""
-    try:
-        click.echo(text, err=err)
-    except BrokenPipeError:
-        _reader_gone(sys.stderr if err else sys.stdout)
-    except OSError as error:
-        stream = "standard error" if err else "standard output"
-        if not err:
-            error_line(f"cannot print to {stream} ({error.strerror or error})")
-        sys.exit(1)
-
-
-def _reader_gone(stream) -> None:
-    """What is written to ``stream`` from now on goes nowhere, its unsent lines too (Python's recipe for a closed
-    pipe): no error at the next line or at the exit's flush."""
-    import os
-
-    try:
-        nowhere = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(nowhere, stream.fileno())
-        os.close(nowhere)
-    except (OSError, ValueError, AttributeError):  # no file descriptor (a test's stream): nothing to redirect
-        pass
-
-
-def message(error) -> str:
-    """A library error's line, with the flag that would change the outcome."""
-    hint = HINTS.get(getattr(error, "option", None) or "")
-    return f"{error} ({hint})" if hint else str(error)
-
-
-def _run(action, *, stops_reported: bool = False, kept=lambda: None):
-    """Run ``action``; user mistakes and bad input become one line and a non-zero exit. ``stops_reported``: the action
-    reports the stop signals it met itself (a batch's table); ``kept()``: the output the action completed, if any."""
-    try:
-        result = action()
-    except (Interrupted, KeyboardInterrupt) as stop:
-        _stopped(stop, signal.SIGINT)
-    except Terminated as stop:
-        _stopped(stop, stop.signum)
-    except Nf4ConvertError as error:
-        _fail(message(error), 2 if isinstance(error, ArgumentError) else 1)  # a bad option value is a usage error
-    received = _command().stops.received
-    if received and not stops_reported:  # a stop signal whose exception a destructor swallowed: still a stopped run
-        _stopped(None, received[0], kept())
-    return result
 
 
 @click.group(cls=DefaultGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -412,16 +172,16 @@ def convert_command(
       nf4convert convert org/model-bnb-4bit --verify --push-to-hub me/model-bf16 --private
     """
     if (private or push_branch) and not push_to:
-        _fail("--private and --push-branch go with --push-to-hub REPO_ID", 2)
+        fail("--private and --push-branch go with --push-to-hub REPO_ID", 2)
     if dry_run and (then_verify or push_to):
-        _fail("--dry-run writes nothing, so there is nothing to --verify or --push-to-hub", 2)
+        fail("--dry-run writes nothing, so there is nothing to --verify or --push-to-hub", 2)
     if push_to:
         from .upload import check_target
 
         try:
             check_target(push_to, push_branch)
         except ArgumentError as error:
-            _fail(f"--{error.option.replace('_', '-')}: {error}", 2)
+            fail(f"--{error.option.replace('_', '-')}: {error}", 2)
     options = dict(
         dtype=dtype,
         adapter=adapter,
@@ -470,7 +230,7 @@ def convert_command(
             **options,
         )
 
-    if not _run(action, kept=lambda: converted[0] if converted else None):
+    if not run_action(action, kept=lambda: converted[0] if converted else None):
         sys.exit(1)
 
 
@@ -522,7 +282,7 @@ def verify_command(output, source, device, adapter, quiet, revision, token, cach
         _show_report(report)
         return report.ok
 
-    if not _run(action):
+    if not run_action(action):
         sys.exit(1)
 
 
@@ -600,9 +360,9 @@ def batch_command(
       nf4convert batch --from-file models.txt -o converted/ --skip-existing --verify   # resume, checking all
     """
     if skip_existing and overwrite:
-        _fail("--skip-existing keeps an output that is there, --overwrite replaces it: give one of them", 2)
+        fail("--skip-existing keeps an output that is there, --overwrite replaces it: give one of them", 2)
     if dry_run and then_verify:
-        _fail("--dry-run writes nothing, so there is nothing to --verify", 2)
+        fail("--dry-run writes nothing, so there is nothing to --verify", 2)
     sources = list(sources)
     if from_file is not None:
         from .run import read_source_list
@@ -610,9 +370,9 @@ def batch_command(
         try:
             sources += read_source_list(from_file.read())
         except UnicodeDecodeError as error:
-            _fail(f"--from-file {from_file.name}: not UTF-8 text (byte {error.start}: {error.reason})", 2)
+            fail(f"--from-file {from_file.name}: not UTF-8 text (byte {error.start}: {error.reason})", 2)
     if not sources:
-        _fail("no sources given (name them, or pass --from-file)", 2)
+        fail("no sources given (name them, or pass --from-file)", 2)
 
     def failed(row, error) -> None:
         if isinstance(error, Nf4ConvertError):
@@ -648,7 +408,7 @@ def batch_command(
             on_warning=lambda source, warning: say(f"Warning: {source}: {warning}", err=True),
         )
 
-    result = _run(action, stops_reported=True)
+    result = run_action(action, stops_reported=True)
     if as_json:
         for row in result.rows:
             say(json.dumps(row.as_dict()))
@@ -671,13 +431,13 @@ def batch_command(
         if result.free is not None:
             from .run import check_room
 
-            _run(lambda: check_room(output_root, result.needed, result.free))
+            run_action(lambda: check_room(output_root, result.needed, result.free))
     if result.stopped is not None:
         untried = result.untried
         names = ", ".join(untried) if untried else "none"
         terminated = isinstance(result.stopped, Terminated)
         error_line(f"{'terminated' if terminated else 'interrupted'}; not attempted: {names}")
-        _end(128 + (result.stopped.signum if terminated else signal.SIGINT))
+        end(128 + (result.stopped.signum if terminated else signal.SIGINT))
     if result.failed:
         say(f"{result.failed} of {len(sources)} failed", err=True)
         sys.exit(1)

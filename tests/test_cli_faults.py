@@ -579,7 +579,7 @@ def _truncated(tmp_path: Path) -> Path:
 
 @pytest.mark.parametrize("case", ["convert", "usage", "batch", "verify"])
 def test_a_failed_run_ends_without_the_interpreters_teardown(tmp_path, converted, case):
-    # A failed run leaves as a finished one does (cli._exit_now): no ~0.5 s of torch's teardown in which a Ctrl-C
+    # A failed run leaves as a finished one does (console._exit_now): no ~0.5 s of torch's teardown in which a Ctrl-C
     # printed a traceback from torch's atexit callback; what it printed is flushed first and the exit code is kept.
     out = tmp_path / "out"
     if case == "convert":

@@ -4,12 +4,18 @@ from __future__ import annotations
 
 from collections import Counter
 
+from .sinks.gguf import size_bound as gguf_size_bound
 from .sinks.output import space_needed
 from .sizes import size_text
 
 
 def summary(result) -> str:
     """A ``ConvertResult`` in one line."""
+    if result.gguf_type:
+        return (
+            f"{result.output}: {result.tensors} tensors ({result.dequantized} dequantized), "
+            f"{result.bytes / 1e9:.2f} GB GGUF {result.gguf_type} (made from {result.dtype}), {result.seconds:.1f} s"
+        )
     return (
         f"{result.output}: {result.tensors} tensors ({result.dequantized} dequantized), "
         f"{result.bytes / 1e9:.2f} GB {result.dtype}, {result.seconds:.1f} s"
@@ -25,19 +31,31 @@ def space_verdict(free: int, needed: int) -> str:
 
 def plan_lines(prepared) -> list[str]:
     """A dry run's plan (a ``conversion.Prepared``): source, output, tensors by kind, shards, bytes, free space."""
-    plan = prepared.plan
-    needed = plan.tensor_bytes + plan.side_bytes
+    plan, gguf = prepared.plan, prepared.gguf
+    needed = plan.tensor_bytes + plan.side_bytes if gguf is None else gguf_size_bound(plan, gguf.type)
     kinds = Counter(tensor.recipe.label for tensor in plan.tensors)
     shown = f"{prepared.headers_only} (its headers and quant states read from the Hub; no weights downloaded)"
+    made = f"GGUF {gguf.type}, from {plan.dtype.name} tensors" if gguf else plan.dtype.name
     lines = [
         f"source: {shown if prepared.headers_only else plan.folder}",
-        f"output: {prepared.output} ({plan.dtype.name})",
+        f"output: {prepared.output} ({made})",
         f"tensors: {len(plan.tensors)} (" + ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items())) + ")",
     ]
-    lines += [f"  {shard.filename}: {len(shard.tensors)} tensors, {shard.nbytes / 1e9:.3f} GB" for shard in plan.shards]
-    config = "rewritten" if plan.config else "none"
-    lines.append(f"side files: {len(plan.side_files)} ({plan.side_bytes / 1e6:.1f} MB), config.json {config}")
-    lines.append(f"to write: {needed / 1e9:.3f} GB; free where it goes: {space_verdict(prepared.free_bytes, needed)}")
+    if gguf is None:
+        lines += [
+            f"  {shard.filename}: {len(shard.tensors)} tensors, {shard.nbytes / 1e9:.3f} GB" for shard in plan.shards
+        ]
+        config = "rewritten" if plan.config else "none"
+        lines.append(f"side files: {len(plan.side_files)} ({plan.side_bytes / 1e6:.1f} MB), config.json {config}")
+    else:
+        architecture = (plan.config or {}).get("architectures", ["?"])[0]
+        lines.append(
+            f"llama.cpp's converter: takes {architecture}, its tensors and its tokenizer (model name {gguf.name!r})"
+        )
+    at_most = "at most " if gguf else ""
+    lines.append(
+        f"to write: {at_most}{needed / 1e9:.3f} GB; free where it goes: {space_verdict(prepared.free_bytes, needed)}"
+    )
     lines.append("dry run: nothing was written")
     return lines
 

@@ -63,11 +63,28 @@ def convert_then(
                 token=options.get("token"),
                 cache_dir=options.get("cache_dir"),
                 progress=progress,
+                **({"dtype": result.dtype} if result.gguf_type else {}),
             )
             on_step(report)
             if not report.ok:
                 return False
-        if push_to:
+        if push_to and result.gguf_type:
+            from .upload import push_file_to_hub
+
+            on_step(
+                Pushed(
+                    push_file_to_hub(
+                        result.output,
+                        push_to,
+                        card=result.card,
+                        private=private,
+                        token=options.get("token"),
+                        revision=push_branch,
+                        progress=progress,
+                    )
+                )
+            )
+        elif push_to:
             on_step(
                 Pushed(
                     push_to_hub(
@@ -143,16 +160,23 @@ def batch(
     device: str = "auto",
     dry_run: bool = False,
     adapter=None,
+    gguf_type: str | None = None,
     on_error: Callable[[Row, Exception], None] = lambda row, error: None,
     on_warning: Callable[[str, str], None] = lambda source, warning: None,
     **options,
 ) -> BatchResult:
     """Convert (or with ``dry_run`` plan) each source into ``output_root``, going on past failures; a stop signal
     ends the batch (the sources after it are "not attempted"). ``on_error(row, error)`` sees each failed row as it
-    fails (and may reword its ``error``), ``on_warning(source, warning)`` each conversion's warnings as they come."""
+    fails (and may reword its ``error``), ``on_warning(source, warning)`` each conversion's warnings as they come.
+    ``gguf_type``: each output is one GGUF file of that type, ``<output_root>/<name>-<type>.gguf``."""
     Settings.from_env()  # once, before any source (each would fail alike)
     check_batch_root(output_root, [*sources, adapter])
-    planned = [(stem, batch_output(output_root, stem, dtype)) for stem in batch_stems(sources)]
+    if gguf_type is not None:
+        from .sinks.gguf import default_gguf_output
+
+        planned = [(stem, str(default_gguf_output(output_root, stem, gguf_type))) for stem in batch_stems(sources)]
+    else:
+        planned = [(stem, batch_output(output_root, stem, dtype)) for stem in batch_stems(sources)]
     result = BatchResult()
     done = "planned" if dry_run else "ok"
     for source, (stem, output) in zip(sources, planned):
@@ -164,11 +188,18 @@ def batch(
 
         try:
             common = dict(dtype=dtype, adapter=adapter, output_dir=output_root, stem=stem, on_output=named, **options)
+            if gguf_type is not None:
+                common["gguf_type"] = gguf_type
             if dry_run:
                 prepared = dry_run_plan(source, device=device, **common)
                 plan = prepared.plan
                 row.status, row.tensors, row.bytes = done, len(plan.tensors), plan.tensor_bytes
-                result.needed += plan.tensor_bytes + plan.side_bytes
+                if prepared.gguf is not None:
+                    from .sinks.gguf import size_bound
+
+                    result.needed += size_bound(plan, prepared.gguf.type)
+                else:
+                    result.needed += plan.tensor_bytes + plan.side_bytes
                 result.free = prepared.free_bytes
             else:
                 converted = convert(source, device=device, **common)

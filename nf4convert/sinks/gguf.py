@@ -95,7 +95,7 @@ class GgufWritten:
     tensors: int = 0  # tensors in the GGUF
     fast: int = 0  # of which a fast path wrote
     infinite: list[str] = field(default_factory=list)  # fp16 tensors made with ±inf (plan.may_exceed)
-    warnings: list[str] = field(default_factory=list)  # the converter's, each once
+    warnings: list[str] = field(default_factory=list)  # the converter's on the tensors, each once
 
 
 def write_gguf(
@@ -155,7 +155,7 @@ def write_gguf(
         with (
             staged(plan.folder, plan.config or {}, card, name) as stage,
             converter_errors(plan.folder),
-            quiet_converter(written.warnings),
+            quiet_converter(),
             torch.inference_mode(),
         ):
             model = converter_model(stage, tensors_of(plan), feed.take, Path(path), gguf_type)
@@ -163,7 +163,8 @@ def write_gguf(
             write_tensors = writer.write_tensors_to_file
 
             def prepared():
-                prepare_tensors()
+                with quiet_converter(written.warnings):  # its words on the tensors (a type it falls back from)
+                    prepare_tensors()
                 install(writer)
 
             model.prepare_tensors = prepared

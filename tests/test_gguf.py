@@ -254,3 +254,15 @@ def test_a_type_the_converter_falls_back_from_is_said(tmp_path, monkeypatch):
     types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(tmp_path / "ours.gguf").tensors}
     assert types["blk.0.ffn_down.weight"] == "F16" and types["blk.0.ffn_up.weight"] == "Q8_0"
     assert result.stderr.count("Warning: llama.cpp's converter: ") == 1 and "falling back to F16" in result.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("outtype", ["bf16", "f16", "q8_0"])
+def test_cuda_route_writes_the_converters_file(edge_source, outtype, tmp_path, monkeypatch):
+    """On a GPU (tensors made by the kernel, fast paths on the device, edge blocks back to gguf-py): the same file."""
+    source, root = edge_source
+    expected = converter(
+        dense(source, root / "dense", DENSE_DTYPE[outtype]), outtype, tmp_path / "cpu.gguf", monkeypatch
+    )
+    cli(source, "-o", tmp_path / "cuda.gguf", "--gguf-type", outtype, "-q", "--device", "cuda")
+    assert_same_gguf(expected, tmp_path / "cuda.gguf")

@@ -15,7 +15,7 @@ from typing import Callable
 
 BLOCK = 32  # values per Q8_0 block
 BLOCK_BYTES = 2 + BLOCK  # the fp16 scale, then the int8 values
-CHUNK_VALUES = 1 << 22  # values quantized per step: fp32 temporaries of a few of these stay small
+CHUNK_VALUES = 1 << 20  # values quantized per step, in buffers reused from step to step
 
 
 def q8_0_bytes(values) -> int:
@@ -23,31 +23,68 @@ def q8_0_bytes(values) -> int:
     return values.numel() // BLOCK * BLOCK_BYTES
 
 
+class Q8_0:
+    """Quantizes to Q8_0 on one device, chunk by chunk, in buffers it keeps: on a CPU, a fresh tensor for each step
+    of each chunk would cost more in page faults than the arithmetic. ``edge_blocks(blocks)`` quantizes the blocks
+    torch leaves alone (a float32 numpy array of shape (n, 32) -> uint8 (n, 34)): gguf-py's own
+    ``Q8_0.quantize_blocks``."""
+
+    def __init__(self, device, edge_blocks: Callable):
+        import torch
+
+        blocks = CHUNK_VALUES // BLOCK
+        self.edge_blocks = edge_blocks
+        self._values = torch.empty((blocks, BLOCK), dtype=torch.float32, device=device)
+        self._work = torch.empty((blocks, BLOCK), dtype=torch.float32, device=device)
+        self._floored = torch.empty((blocks, BLOCK), dtype=torch.float32, device=device)
+        self._scale = torch.empty((blocks, 1), dtype=torch.float32, device=device)
+        self._inverse = torch.empty((blocks, 1), dtype=torch.float32, device=device)
+        self._out = torch.empty((blocks, BLOCK_BYTES), dtype=torch.uint8, device=device)
+
+    def __call__(self, values):
+        """``values`` (a float tensor of any dtype on this device, at most ``CHUNK_VALUES`` of them, a multiple of 32,
+        read in row-major order) as Q8_0 blocks: a uint8 tensor of ``numel / 32 * 34`` bytes on this device, valid
+        until the next call."""
+        import torch
+
+        n = values.numel() // BLOCK
+        blocks, work, floored = self._values[:n], self._work[:n], self._floored[:n]
+        scale, inverse, out = self._scale[:n], self._inverse[:n], self._out[:n]
+        blocks.copy_(values.reshape(n, BLOCK))  # to fp32: exact from fp16 and bf16
+        torch.abs(blocks, out=work)
+        torch.amax(work, dim=1, keepdim=True, out=scale)
+        torch.div(scale, 127, out=scale)
+        torch.reciprocal(scale, out=inverse)
+        inverse.masked_fill_(scale == 0, 0)
+        torch.mul(blocks, inverse, out=work)  # the scaled values
+        # np_roundf: round half away from zero, as sign(x) * (floor(|x|) + floor(2 * (|x| - floor(|x|)))), each step
+        # exact
+        torch.abs(work, out=blocks)
+        torch.floor(blocks, out=floored)
+        blocks.sub_(floored).mul_(2).floor_().add_(floored)
+        torch.sign(work, out=work)
+        work.mul_(blocks)
+        out[:, :2].copy_(scale.to(torch.float16).view(torch.uint8))
+        out[:, 2:].copy_(work.to(torch.int8).view(torch.uint8))
+        finite = torch.isfinite(work).all(dim=1)
+        if not bool(finite.all()):
+            edge = (~finite).nonzero().flatten()
+            original = values.reshape(n, BLOCK)[edge].float().cpu().numpy()
+            out[edge] = torch.from_numpy(self.edge_blocks(original)).to(out.device)
+        return out.view(-1)
+
+
 def quantize_q8_0(values, edge_blocks: Callable):
     """``values`` (a float tensor of any dtype on any device, its element count a multiple of 32, read in row-major
-    order) as Q8_0 blocks: a uint8 tensor of ``numel / 32 * 34`` bytes on the same device. ``edge_blocks(blocks)``
-    quantizes the blocks torch leaves alone (a float32 numpy array of shape (n, 32) -> uint8 (n, 34)): gguf-py's own
-    ``Q8_0.quantize_blocks``."""
+    order) as Q8_0 blocks: a new uint8 tensor of ``numel / 32 * 34`` bytes on the same device (``Q8_0``, chunk by
+    chunk)."""
     import torch
 
-    blocks = values.reshape(-1, BLOCK).float()  # exact from fp16 and bf16
-    magnitude = blocks.abs().amax(dim=1, keepdim=True)
-    scale = magnitude / 127
-    inverse = torch.where(scale == 0, torch.zeros_like(scale), torch.reciprocal(scale))
-    scaled = blocks * inverse
-    # np_roundf: round half away from zero, as floor(|x|) + floor(2 * (|x| - floor(|x|))), each step exact
-    absolute = scaled.abs()
-    floored = absolute.floor()
-    rounded = torch.sign(scaled) * (floored + (2 * (absolute - floored)).floor())
-    finite = torch.isfinite(rounded).all(dim=1)
-    out = torch.empty((blocks.shape[0], BLOCK_BYTES), dtype=torch.uint8, device=blocks.device)
-    out[:, :2] = scale.to(torch.float16).view(torch.uint8)
-    out[:, 2:] = torch.where(torch.isfinite(rounded), rounded, 0).to(torch.int8).view(torch.uint8)
-    if not bool(finite.all()):
-        edge = (~finite).nonzero().flatten()
-        made = edge_blocks(blocks[edge].cpu().numpy())
-        out[edge] = torch.from_numpy(made).to(out.device)
-    return out.view(-1)
+    quantize = Q8_0(values.device, edge_blocks)
+    flat = values.reshape(-1)
+    return torch.cat(
+        [quantize(flat[first : first + CHUNK_VALUES]).clone() for first in range(0, flat.numel(), CHUNK_VALUES)]
+    )
 
 
 def quiet_bf16(words):

@@ -11,6 +11,7 @@ Which GGUF type: ``--gguf-type``, or the dense dtype's own float type (bf16 -> b
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +27,7 @@ from ..gguf_converter import (
     staged,
     tensors_of,
 )
+from ..kernels.q8_0 import Q8_0
 from ..settings import Settings
 from .gguf_fast import FastTensor, recognise
 from .gguf_feed import Feed
@@ -136,6 +138,8 @@ def write_gguf(
         with np.errstate(all="ignore"):  # NaN and overflow are what these blocks hold: gguf-py's answer, unsaid
             return gguf.quants.Q8_0.quantize_blocks(blocks)
 
+    quantizer = functools.cache(lambda: Q8_0(route.device, edge_blocks))  # one set of buffers for every tensor
+
     def install(writer) -> None:
         """Every written tensor taken by a fast path where one gives its bytes; the feed started in writing order."""
         order = []
@@ -143,7 +147,7 @@ def write_gguf(
             for info in split.values():
                 recognised = recognise(info.tensor, is_source, gguf) if fast else None
                 if recognised is not None:
-                    info.tensor = FastTensor(recognised, info.nbytes, feed.take, route.device, edge_blocks)
+                    info.tensor = FastTensor(recognised, info.nbytes, feed.take, route.device, quantizer)
                     order.append(recognised.source)
                     written.fast += 1
                 else:

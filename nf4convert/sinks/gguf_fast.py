@@ -22,7 +22,7 @@ import functools
 from dataclasses import dataclass
 from typing import Callable
 
-from ..kernels.q8_0 import CHUNK_VALUES, quantize_q8_0, quiet_bf16
+from ..kernels.q8_0 import CHUNK_VALUES, quiet_bf16
 
 # tensor methods that only move values (or view them): replaying them on bf16 instead of fp32 moves the same bits
 LAYOUT = frozenset(
@@ -154,16 +154,11 @@ def _replay(function, args, kwargs, tensor):
 
 class FastTensor:
     """Stands for one of the converter's lazy tensors in its writer (which asks only ``nbytes`` and ``tofile``): the
-    same bytes, made by a fast path on ``device``."""
+    same bytes, made by a fast path on ``device``. ``quantizer()``: the ``kernels.q8_0.Q8_0`` to quantize with."""
 
-    def __init__(self, recognised: Recognised, nbytes: int, take: Callable, device, edge_blocks: Callable):
-        self.recognised, self.nbytes, self._take, self._device, self._edge_blocks = (
-            recognised,
-            nbytes,
-            take,
-            device,
-            edge_blocks,
-        )
+    def __init__(self, recognised: Recognised, nbytes: int, take: Callable, device, quantizer: Callable):
+        self.recognised, self.nbytes = recognised, nbytes
+        self._take, self._device, self._quantizer = take, device, quantizer
 
     def tofile(self, out) -> None:
         import torch
@@ -175,11 +170,12 @@ class FastTensor:
             tensor = step(tensor)
         values = tensor.contiguous().view(-1)
         del tensor
+        quantize = self._quantizer() if self.recognised.kind == "q8_0" else None
         written = 0
         for first in range(0, values.numel(), CHUNK_VALUES):
             chunk = values[first : first + CHUNK_VALUES]
-            if self.recognised.kind == "q8_0":
-                made = quantize_q8_0(chunk, self._edge_blocks)
+            if quantize is not None:
+                made = quantize(chunk)
             elif chunk.dtype == torch.bfloat16:
                 made = quiet_bf16(chunk.view(torch.int16)).view(torch.uint8)
             else:

@@ -23,6 +23,7 @@ from ..gguf_converter import (
     converter,
     converter_errors,
     converter_model,
+    converter_order,
     quiet_converter,
     staged,
     tensors_of,
@@ -147,14 +148,16 @@ def write_gguf(
             for info in split.values():
                 recognised = recognise(info.tensor, is_source, gguf) if fast else None
                 if recognised is not None:
-                    info.tensor = FastTensor(recognised, info.nbytes, feed.take, route.device, quantizer)
+                    device = route.device if recognised.kind == "q8_0" else "cpu"  # nothing to compute for the rest
+                    info.tensor = FastTensor(recognised, info.nbytes, feed.take, device, quantizer)
                     order.append(recognised.source)
                     written.fast += 1
                 else:
                     order += _sources(info.tensor, is_source)
                 written.tensors += 1
-        feed.start(order)
+        feed.expect(order)
 
+    feed.start([name for name, *_ in converter_order(tensors_of(plan))])  # while the converter sets up
     try:
         with (
             staged(plan.folder, plan.config or {}, card, name) as stage,

@@ -6,12 +6,15 @@ and decoded piece after piece on one core; instead a thread of our own pushes th
 converts and writes the tensors before. At most ``ahead`` bytes are made and not yet taken (one tensor whatever its
 size), so memory stays at the tensor being written, ``ahead`` bytes and the pipeline's pieces.
 
-A tensor asked for out of that order (the converter evaluating one early, or twice) is made on the asking thread.
+The feed starts on a forecast of that order (the converter's reading order), while the converter sets up; the writer's
+own order replaces it once known (``expect``). A tensor asked for out of order (the converter evaluating one early, or
+twice) is made on the asking thread.
 """
 
 from __future__ import annotations
 
 import threading
+from collections import deque
 from typing import Callable
 
 from ..pipeline.core import Pipeline
@@ -63,26 +66,50 @@ class Feed:
         self._stop = False
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
+        self._queue: deque = deque()
+        self._wanted: set[str] = set()
+        self._taken: set[str] = set()
         self.infinite: list[str] = []  # fp16 tensors written with ±inf (plan.may_exceed), as the pipeline found them
 
     def start(self, order: list[str]) -> None:
         """Make the tensors named in ``order`` (each once), in that order, on a thread of their own."""
-        order = list(dict.fromkeys(name for name in order if name in self._tensors))
-        self._thread = threading.Thread(target=self._run, args=(order,), name="nf4convert-gguf-feed", daemon=True)
+        with self._changed:
+            self._queue = deque(dict.fromkeys(name for name in order if name in self._tensors))
+            self._wanted = set(self._queue)
+        self._thread = threading.Thread(target=self._run, name="nf4convert-gguf-feed", daemon=True)
         self._thread.start()
 
-    def _run(self, order: list[str]) -> None:
+    def expect(self, order: list[str]) -> None:
+        """The order the writer will ask in, once known (``start`` was given a forecast): what it will not ask for is
+        dropped, and the rest is made in this order."""
+        with self._changed:
+            wanted = dict.fromkeys(name for name in order if name in self._tensors and name not in self._taken)
+            for name in [name for name in self._made if name not in wanted]:
+                self._pending -= self._made.pop(name).tensor.nbytes
+            self._queue = deque(name for name in wanted if name not in self._made)
+            self._wanted = set(wanted)
+            self._changed.notify_all()
+
+    def _next(self) -> str | None:
+        with self._changed:
+            return self._queue.popleft() if self._queue and not self._stop else None
+
+    def _run(self) -> None:
         try:
             self._route.warm(self._plan, self._reader)
+            made_names = []
             with Pipeline(self._route, self._reader, self._progress, writers=self._writers) as pipeline:
-                for name in order:
+                while (name := self._next()) is not None:
                     tensor = self._tensors[name]
                     if not self._room(tensor.nbytes, pipeline):
                         return
                     made = _Made(tensor, self._notify)
                     with self._changed:
+                        if name not in self._wanted or name in self._made:  # the order changed meanwhile
+                            continue
                         self._made[name] = made
                         self._pending += tensor.nbytes
+                    made_names.append(name)
                     watched = may_exceed(tensor)
                     for piece in tensor.recipe.produce(tensor, self._reader, self._route):
                         if self._stop:
@@ -92,7 +119,7 @@ class Feed:
                     if made.complete:
                         self._notify()
                 pipeline.drain()
-                self.infinite += [name for name in order if name in pipeline.infinite]
+                self.infinite += [name for name in made_names if name in pipeline.infinite]
         except BaseException as error:  # noqa: BLE001  (handed to the thread that takes the tensors)
             with self._changed:
                 self._error = error
@@ -127,6 +154,7 @@ class Feed:
                 self._changed.wait()
             if self._error is not None:
                 raise self._error
+            self._taken.add(name)
             if made is not None:
                 del self._made[name]
                 self._pending -= tensor.nbytes

@@ -40,6 +40,8 @@ class Q8_0:
         self._scale = torch.empty((blocks, 1), dtype=torch.float32, device=device)
         self._inverse = torch.empty((blocks, 1), dtype=torch.float32, device=device)
         self._out = torch.empty((blocks, BLOCK_BYTES), dtype=torch.uint8, device=device)
+        # a tensor, not the number: CUDA divides by a host scalar as a product with its reciprocal, rounded twice
+        self._127 = torch.full((1, 1), 127.0, dtype=torch.float32, device=device)
 
     def __call__(self, values):
         """``values`` (a float tensor of any dtype on this device, at most ``CHUNK_VALUES`` of them, a multiple of 32,
@@ -53,7 +55,7 @@ class Q8_0:
         blocks.copy_(values.reshape(n, BLOCK))  # to fp32: exact from fp16 and bf16
         torch.abs(blocks, out=work)
         torch.amax(work, dim=1, keepdim=True, out=scale)
-        torch.div(scale, 127, out=scale)
+        torch.div(scale, self._127, out=scale)
         torch.reciprocal(scale, out=inverse)
         inverse.masked_fill_(scale == 0, 0)
         torch.mul(blocks, inverse, out=work)  # the scaled values

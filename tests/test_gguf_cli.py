@@ -226,24 +226,38 @@ def test_existing_file_is_kept_unless_overwrite(llama, tmp_path):
 
 @pytest.mark.parametrize("failure", ["disk-full", "ctrl-c"])
 def test_a_failure_mid_write_leaves_nothing_and_the_old_file(llama, tmp_path, monkeypatch, failure):
+    """The disk filling up under a tensor's writes (on the writing threads), or Ctrl-C in the writer: one line, no
+    partial file, the user's old file as it was."""
     from nf4convert.errors import Interrupted
-    from nf4convert.sinks import gguf_fast
+    from nf4convert.sinks import gguf_fast, gguf_writes
 
     out = tmp_path / "x.gguf"
     out.write_bytes(b"the user's file")
-    written = []
+    calls = []
+    if failure == "disk-full":
+        pwrite = gguf_writes.os.pwrite
 
-    def fail_midway(self, stream):
-        if written:
-            raise OSError(28, "No space left on device") if failure == "disk-full" else Interrupted()
-        stream.write(b"part of a tensor")
-        written.append(self)
+        def full(descriptor, data, offset):
+            calls.append(offset)
+            if len(calls) > 3:
+                raise OSError(28, "No space left on device")
+            return pwrite(descriptor, data, offset)
 
-    monkeypatch.setattr(gguf_fast.FastTensor, "tofile", fail_midway)
+        monkeypatch.setattr(gguf_writes.os, "pwrite", full)
+    else:
+        tofile = gguf_fast.FastTensor.tofile
+
+        def interrupted(self, stream):
+            calls.append(self)
+            if len(calls) > 3:
+                raise Interrupted()
+            tofile(self, stream)
+
+        monkeypatch.setattr(gguf_fast.FastTensor, "tofile", interrupted)
     result = cli(llama, "-o", out, "-q", "--device", "cpu", "--overwrite", code=1 if failure == "disk-full" else 130)
     line = error_line(result)
     assert "nothing was written" in line and ("No space left on device" in line or failure == "ctrl-c")
-    assert out.read_bytes() == b"the user's file" and _files(tmp_path) == ["x.gguf"]
+    assert len(calls) > 3 and out.read_bytes() == b"the user's file" and _files(tmp_path) == ["x.gguf"]
 
 
 def test_dry_run_writes_nothing_and_reads_no_weight(llama, tmp_path, no_weight_read):

@@ -32,6 +32,7 @@ from ..kernels.q8_0 import Q8_0
 from ..settings import Settings
 from .gguf_fast import FastTensor, recognise
 from .gguf_feed import Feed
+from .gguf_writes import PositionalWrites
 from .naming import default_output
 
 GGUF_SUFFIX = ".gguf"
@@ -130,6 +131,7 @@ def write_gguf(
     gguf, _ = converter()
     written = GgufWritten()
     feed = Feed(plan, reader, route, writers=settings.writers, progress=progress)
+    writes: list[PositionalWrites] = []  # the file's, once the converter's writer has opened it
 
     def is_source(node):
         function = node._func
@@ -149,7 +151,7 @@ def write_gguf(
                 recognised = recognise(info.tensor, is_source, gguf) if fast else None
                 if recognised is not None:
                     device = route.device if recognised.kind == "q8_0" else "cpu"  # nothing to compute for the rest
-                    info.tensor = FastTensor(recognised, info.nbytes, feed.take, device, quantizer)
+                    info.tensor = FastTensor(recognised, info.nbytes, feed.take, device, quantizer, lambda: writes[0])
                     order.append(recognised.source)
                     written.fast += 1
                 else:
@@ -174,8 +176,16 @@ def write_gguf(
                     prepare_tensors()
                 install(writer)
 
+            def write_tensors_in_place(progress=False):
+                writes.append(PositionalWrites(writer.fout[0].fileno(), writeback=settings.writeback))
+                try:
+                    write_tensors(progress=False)  # our bar, not its
+                    writes[0].finish()
+                finally:
+                    writes[0].close()
+
             model.prepare_tensors = prepared
-            writer.write_tensors_to_file = lambda progress=False: write_tensors(progress=False)  # our bar, not its
+            writer.write_tensors_to_file = write_tensors_in_place
             model.write()
     finally:
         feed.close()

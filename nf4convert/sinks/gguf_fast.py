@@ -154,15 +154,18 @@ def _replay(function, args, kwargs, tensor):
 
 class FastTensor:
     """Stands for one of the converter's lazy tensors in its writer (which asks only ``nbytes`` and ``tofile``): the
-    same bytes, made by a fast path on ``device``. ``quantizer()``: the ``kernels.q8_0.Q8_0`` to quantize with."""
+    same bytes, made by a fast path on ``device`` and handed to ``writes()`` (the file's
+    ``gguf_writes.PositionalWrites``) at the writer's place, which it moves past them. ``quantizer()``: the
+    ``kernels.q8_0.Q8_0`` to quantize with."""
 
-    def __init__(self, recognised: Recognised, nbytes: int, take: Callable, device, quantizer: Callable):
+    def __init__(self, recognised: Recognised, nbytes: int, take: Callable, device, quantizer: Callable, writes):
         self.recognised, self.nbytes = recognised, nbytes
-        self._take, self._device, self._quantizer = take, device, quantizer
+        self._take, self._device, self._quantizer, self._writes = take, device, quantizer, writes
 
     def tofile(self, out) -> None:
         import torch
 
+        start, writes = out.tell(), self._writes()
         tensor = self._take(self.recognised.source)
         if tensor.device != torch.device(self._device):
             tensor = tensor.to(self._device)
@@ -174,16 +177,16 @@ class FastTensor:
         written = 0
         for first in range(0, values.numel(), CHUNK_VALUES):
             chunk = values[first : first + CHUNK_VALUES]
-            if quantize is not None:
-                made = quantize(chunk)
+            if quantize is not None:  # into the quantizer's own buffers: copied out before the next chunk
+                made = quantize(chunk).to("cpu", copy=True)
             elif chunk.dtype == torch.bfloat16:
                 made = quiet_bf16(chunk.view(torch.int16)).view(torch.uint8)
             else:
                 made = chunk.view(torch.uint8)
-            made = made.cpu().numpy()
-            out.write(memoryview(made))
-            written += made.nbytes
+            writes.put(start + written, made.cpu())
+            written += made.numel()
         if written != self.nbytes:
             from ..errors import InternalError
 
             raise InternalError(f"a GGUF tensor of {self.nbytes} bytes was written with {written}")
+        out.seek(start + written)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from nf4convert.kernels.q8_0 import CHUNK_VALUES, quantize_q8_0, quiet_bf16
+from nf4convert.kernels.q8_0 import Q8_0, quantize_q8_0, quiet_bf16
 
 gguf = pytest.importorskip("gguf")
 
@@ -62,7 +62,7 @@ def test_q8_0_equals_gguf_py(device):
     cases = {
         "scales": rng.standard_normal((64, 96)) * 10.0 ** rng.integers(-40, 38, (64, 1)),
         "edges": edge_cases(rng),
-        "chunks": rng.standard_normal(CHUNK_VALUES * 2 + 32 * 7),  # two whole chunks and a part
+        "chunks": rng.standard_normal(Q8_0(device, None).chunk_values * 2 + 32 * 7),  # two whole chunks and a part
     }
     for name, values in cases.items():
         values = values.astype(np.float32)

@@ -15,7 +15,8 @@ from typing import Callable
 
 BLOCK = 32  # values per Q8_0 block
 BLOCK_BYTES = 2 + BLOCK  # the fp16 scale, then the int8 values
-CHUNK_VALUES = 1 << 20  # values quantized per step, in buffers reused from step to step
+CHUNK_VALUES = 1 << 20  # values quantized per step on a CPU, in buffers reused from step to step (cache-sized)
+CUDA_CHUNK_VALUES = 1 << 24  # on a GPU: fewer launches and copies back, for buffers of a few hundred MB
 
 
 def q8_0_bytes(values) -> int:
@@ -32,7 +33,8 @@ class Q8_0:
     def __init__(self, device, edge_blocks: Callable):
         import torch
 
-        blocks = CHUNK_VALUES // BLOCK
+        self.chunk_values = CUDA_CHUNK_VALUES if torch.device(device).type == "cuda" else CHUNK_VALUES
+        blocks = self.chunk_values // BLOCK
         self.edge_blocks = edge_blocks
         self._values = torch.empty((blocks, BLOCK), dtype=torch.float32, device=device)
         self._work = torch.empty((blocks, BLOCK), dtype=torch.float32, device=device)
@@ -44,7 +46,7 @@ class Q8_0:
         self._127 = torch.full((1, 1), 127.0, dtype=torch.float32, device=device)
 
     def __call__(self, values):
-        """``values`` (a float tensor of any dtype on this device, at most ``CHUNK_VALUES`` of them, a multiple of 32,
+        """``values`` (a float tensor of any dtype on this device, at most ``chunk_values`` of them, a multiple of 32,
         read in row-major order) as Q8_0 blocks: a uint8 tensor of ``numel / 32 * 34`` bytes on this device, valid
         until the next call."""
         import torch
@@ -85,10 +87,8 @@ def quantize_q8_0(values, edge_blocks: Callable):
     import torch
 
     quantize = Q8_0(values.device, edge_blocks)
-    flat = values.reshape(-1)
-    return torch.cat(
-        [quantize(flat[first : first + CHUNK_VALUES]).clone() for first in range(0, flat.numel(), CHUNK_VALUES)]
-    )
+    flat, step = values.reshape(-1), quantize.chunk_values
+    return torch.cat([quantize(flat[first : first + step]).clone() for first in range(0, flat.numel(), step)])
 
 
 def quiet_bf16(words):

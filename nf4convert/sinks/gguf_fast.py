@@ -22,7 +22,9 @@ import functools
 from dataclasses import dataclass
 from typing import Callable
 
-from ..kernels.q8_0 import CHUNK_VALUES, quiet_bf16
+from ..kernels.q8_0 import quiet_bf16
+
+SAME_CHUNK_VALUES = 1 << 22  # values handed to the writing threads at once, for a type written as it is made
 
 # tensor methods that only move values (or view them): replaying them on bf16 instead of fp32 moves the same bits
 LAYOUT = frozenset(
@@ -174,9 +176,10 @@ class FastTensor:
         values = tensor.contiguous().view(-1)
         del tensor
         quantize = self._quantizer() if self.recognised.kind == "q8_0" else None
+        step = quantize.chunk_values if quantize is not None else SAME_CHUNK_VALUES
         written = 0
-        for first in range(0, values.numel(), CHUNK_VALUES):
-            chunk = values[first : first + CHUNK_VALUES]
+        for first in range(0, values.numel(), step):
+            chunk = values[first : first + step]
             if quantize is not None:  # into the quantizer's own buffers: copied out before the next chunk
                 made = quantize(chunk).to("cpu", copy=True)
             elif chunk.dtype == torch.bfloat16:

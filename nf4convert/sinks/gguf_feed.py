@@ -21,7 +21,7 @@ from ..pipeline.core import Pipeline
 from ..pipeline.piece import whole
 from ..plan import may_exceed
 
-AHEAD_BYTES = 512 << 20
+AHEAD_BYTES = 256 << 20  # made, not yet taken: enough to keep the writer fed, little beside the largest tensor
 
 
 class _Made:

@@ -379,3 +379,32 @@ def test_feed_holds_at_most_its_bytes_ahead(llama):
             feed.close()
     assert peak and max(peak) <= max(ahead, largest)
     assert again.equal(made[order[0]]) and out_of_order.shape == tuple(plan.tensors[0].shape)
+
+
+def test_push_uploads_the_file_and_a_card_and_keeps_the_rest(llama, tmp_path):
+    """--verify --push-to-hub: the verified file and its card go up; the repo's other weights stay."""
+    import subprocess
+    import sys
+
+    from fixtures.fake_hub import WRITE_TOKEN, client_env, serve
+
+    with serve() as (endpoint, state):
+        env = client_env(endpoint, tmp_path / "home", HF_XET_XORB_COMPRESSION_POLICY="none", HF_HUB_DISABLE_XET="1")
+        first = tmp_path / "dense"
+        command = [sys.executable, "-m", "nf4convert", str(llama), "--device", "cpu", "-q", "--token", WRITE_TOKEN]
+        done = subprocess.run([*command, "-o", str(first), "--push-to-hub", "me/llama"], env=env, capture_output=True)
+        assert done.returncode == 0, done.stderr
+        out = tmp_path / "llama-q8_0.gguf"
+        done = subprocess.run(
+            [*command, "-o", str(out), "--gguf-type", "q8_0", "--verify", "--push-to-hub", "me/llama"],
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+        assert done.returncode == 0, done.stderr
+        assert "OK: bit-exact with llama.cpp's converter" in done.stdout and "pushed to" in done.stdout
+        files = state.repos["me/llama"]["branches"]["main"]
+    assert files["llama-q8_0.gguf"] == out.read_bytes() and files["model.safetensors"]  # the folder's weights stay
+    card = files["README.md"].decode()
+    assert "## GGUF" in card and "`llama-q8_0.gguf` is a GGUF file of type q8_0" in card
+    assert card.startswith("---\n") and "How these weights were made" in card

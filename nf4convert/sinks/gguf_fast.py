@@ -180,16 +180,23 @@ class FastTensor:
         written = 0
         for first in range(0, values.numel(), step):
             chunk = values[first : first + step]
+            prepare = None
             if quantize is not None:  # into the quantizer's own buffers: copied out before the next chunk
                 made = quantize(chunk).to("cpu", copy=True)
-            elif chunk.dtype == torch.bfloat16:
-                made = quiet_bf16(chunk.view(torch.int16)).view(torch.uint8)
             else:
-                made = chunk.view(torch.uint8)
-            writes.put(start + written, made.cpu())
+                made = chunk.view(torch.uint8).cpu()
+                prepare = _quiet_bf16_bytes if chunk.dtype == torch.bfloat16 else None  # on the writing threads
+            writes.put(start + written, made, prepare)
             written += made.numel()
         if written != self.nbytes:
             from ..errors import InternalError
 
             raise InternalError(f"a GGUF tensor of {self.nbytes} bytes was written with {written}")
         out.seek(start + written)
+
+
+def _quiet_bf16_bytes(raw):
+    """bf16 bytes (a uint8 numpy array) with every NaN's quiet bit set, as gguf-py writes them."""
+    import torch
+
+    return quiet_bf16(torch.from_numpy(raw).view(torch.int16)).view(torch.uint8).numpy()

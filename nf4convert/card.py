@@ -74,6 +74,34 @@ class Card(NamedTuple):
     """One line saying what of the source card had to be dropped, or None."""
 
 
+def card_for_plan(plan, *, base: str, adapter: str | None, revision: str | None, title: str | None) -> Card:
+    """The card of a conversion of ``plan`` (a ``plan.Plan``): ``base`` the checkpoint as the user named it (SOURCE, or
+    the base an adapter SOURCE names), ``adapter`` as named, ``revision`` the base's as given, ``title`` the output's
+    name. What a conversion writes, and what verify gives llama.cpp's converter again for a GGUF's metadata."""
+    from pathlib import Path
+
+    from . import __version__
+    from .hub import commit_of
+
+    text = plan.card.read_bytes().decode("utf-8", errors="replace") if plan.card is not None else None
+    return model_card(
+        text,
+        source_repo=base if looks_like_repo_id(base) and not Path(base).exists() else None,
+        dtype=plan.dtype.short,
+        version=__version__,
+        quant_format=", ".join(plan.source_formats) or "bitsandbytes",
+        adapter=adapter,
+        revision=revision,
+        commit=commit_of(plan.folder),
+        untied=plan.untied,
+        vocabulary=plan.rows,
+        tokenizer=bool(plan.adapter_files),
+        title=title,
+        source_name=base,
+        has_config=plan.config is not None,
+    )
+
+
 def model_card(
     source_card_text: str | None,
     *,

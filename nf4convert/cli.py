@@ -16,6 +16,7 @@ from . import __version__
 from .console import DefaultGroup, end, error_line, fail, message, run_action, say
 from .dtypes import OUTPUT_CHOICES
 from .errors import ArgumentError, Nf4ConvertError, Terminated
+from .gguf_converter import GGUF_TYPES
 from .sizes import DEFAULT_SHARD_SIZE
 
 
@@ -79,6 +80,12 @@ def _convert_options(function):
                 help="Output dtype; auto keeps the dtype the model was quantized from.",
             ),
             click.option(
+                "--gguf-type",
+                type=click.Choice(GGUF_TYPES, case_sensitive=False),
+                help="Write one GGUF file of this type, as llama.cpp's converter writes it from the dense output "
+                "(default with a .gguf OUT: the --dtype's own float type).",
+            ),
+            click.option(
                 "--device",
                 default="auto",
                 show_default=True,
@@ -114,7 +121,12 @@ def _convert_options(function):
 
 @main.command("convert")
 @click.argument("source")
-@click.option("-o", "--output", type=click.Path(), help="Output folder (default: ./<name>-<dtype>).")
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(),
+    help="Output folder (default: ./<name>-<dtype>), or one GGUF file: a name ending in .gguf.",
+)
 @_convert_options
 @click.option(
     "--dry-run",
@@ -143,6 +155,7 @@ def convert_command(
     output,
     adapter,
     dtype,
+    gguf_type,
     device,
     max_shard_size,
     overwrite,
@@ -170,6 +183,7 @@ def convert_command(
       nf4convert convert ./my-qlora-adapter          # an adapter alone: merged into the base it names
       nf4convert convert ./local-bnb-4bit --dry-run
       nf4convert convert org/model-bnb-4bit --verify --push-to-hub me/model-bf16 --private
+      nf4convert convert ./local-bnb-4bit --adapter ./my-qlora-adapter -o model-q8_0.gguf --gguf-type q8_0
     """
     if (private or push_branch) and not push_to:
         fail("--private and --push-branch go with --push-to-hub REPO_ID", 2)
@@ -191,6 +205,7 @@ def convert_command(
         max_shard_size=max_shard_size,
         overwrite=overwrite,
         allow_no_config=allow_no_config,
+        **({"gguf_type": gguf_type.lower()} if gguf_type else {}),
     )
     converted = []  # the output, once complete
 
@@ -253,17 +268,26 @@ def _show_report(report) -> None:
     callback=_one_adapter,
     help="The LoRA adapter that was merged (peft merges it again for the check).",
 )
+@click.option(
+    "--dtype",
+    type=click.Choice(OUTPUT_CHOICES, case_sensitive=False),
+    default="auto",
+    show_default=True,
+    help="For a GGUF OUTPUT: the --dtype it was converted with (its tensors' dtype before the GGUF type).",
+)
 @click.option("-q", "--quiet", is_flag=True, callback=_quiet, help="No progress bars (downloads too).")
 @_common_source_options
-def verify_command(output, source, device, adapter, quiet, revision, token, cache_dir):
+def verify_command(output, source, device, adapter, dtype, quiet, revision, token, cache_dir):
     """Check OUTPUT against SOURCE with bitsandbytes' own dequantization, bit for bit.
 
     Exits 0 only if every weight matches, every source tensor is there and no quantization
-    key or config remains.
+    key or config remains. A GGUF OUTPUT is checked against llama.cpp's converter run on
+    bitsandbytes' dequantization: every tensor's bytes and every metadata field.
 
     \b
     Example:
       nf4convert verify Llama-3.2-1B-Instruct-bf16 unsloth/Llama-3.2-1B-Instruct-bnb-4bit
+      nf4convert verify Llama-3.2-1B-Instruct-q8_0.gguf unsloth/Llama-3.2-1B-Instruct-bnb-4bit
     """
 
     def action():
@@ -278,6 +302,7 @@ def verify_command(output, source, device, adapter, quiet, revision, token, cach
             token=token,
             cache_dir=cache_dir,
             progress=not quiet,
+            **({"dtype": dtype} if dtype != "auto" else {}),
         )
         _show_report(report)
         return report.ok
@@ -294,7 +319,7 @@ def verify_command(output, source, device, adapter, quiet, revision, token, cach
     "output_root",
     type=click.Path(file_okay=False),
     required=True,
-    help="Folder that receives one <name>-<dtype> folder per source.",
+    help="Folder that receives one <name>-<dtype> folder (with --gguf-type: <name>-<type>.gguf file) per source.",
 )
 @click.option(
     "--from-file",
@@ -330,6 +355,7 @@ def batch_command(
     from_file,
     adapter,
     dtype,
+    gguf_type,
     device,
     max_shard_size,
     overwrite,
@@ -358,6 +384,7 @@ def batch_command(
       nf4convert batch --from-file models.txt -o converted/ --json
       nf4convert batch --from-file models.txt -o converted/ --dry-run
       nf4convert batch --from-file models.txt -o converted/ --skip-existing --verify   # resume, checking all
+      nf4convert batch org/a-bnb-4bit ./b-bnb-4bit -o gguf/ --gguf-type q8_0
     """
     if skip_existing and overwrite:
         fail("--skip-existing keeps an output that is there, --overwrite replaces it: give one of them", 2)
@@ -397,6 +424,7 @@ def batch_command(
             adapter=adapter,
             skip_existing=skip_existing,
             verify=then_verify,
+            gguf_type=gguf_type.lower() if gguf_type else None,
             revision=revision,
             token=token,
             cache_dir=cache_dir,

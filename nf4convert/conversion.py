@@ -13,19 +13,21 @@ from .devices import pick_device
 from .dtypes import output_dtype
 from .errors import ArgumentError, CheckpointError, Nf4ConvertError
 from .formats.config import check_present as check_config_present
-from .hub import HeadersOnly, commit_of, looks_like_repo_id, model_name
+from .gguf_converter import dense_dtype
+from .hub import HeadersOnly, model_name
 from .paths import expanded_output
 from .pipeline.routes import route_for
 from .plan import make_plan
 from .safetensors_io.read import TensorReader
 from .settings import Settings
 from .signals import held as signals_held
+from .sinks import gguf as gguf_sink
 from .sinks import output as lifecycle
 from .sinks.naming import default_output, output_stem, plain_name
 from .sinks.safetensors import write_shards
 from .sinks.side_files import write_side_files
 from .sizes import DEFAULT_SHARD_SIZE, parse_size
-from .source import as_text, named_sources, resolve_source, reworded
+from .source import as_text, model_stem, named_sources, resolve_source, reworded
 
 
 @dataclass(frozen=True)
@@ -38,30 +40,20 @@ class ConvertResult:
     seconds: float
     warnings: tuple[str, ...] = ()  # what the user should know but did not stop the run (e.g. a malformed card)
     kinds: dict[str, int] = field(default_factory=dict)  # tensors per kind, by its label (plan.Plan.kinds)
+    gguf_type: str | None = None  # a GGUF output: its type (``dtype`` is then that of the tensors it was made from)
+    card: str | None = None  # a GGUF output: the model card a push uploads beside it
 
 
 def model_card(prepared: "Prepared"):
     """The output's README.md (a ``card.Card``): the base's card made true for the dense (merged) model."""
-    from . import __version__
-    from .card import model_card as make_card
+    from .card import card_for_plan
 
-    plan, base = prepared.plan, prepared.base
-    text = plan.card.read_bytes().decode("utf-8", errors="replace") if plan.card is not None else None
-    return make_card(
-        text,
-        source_repo=base if looks_like_repo_id(base) and not Path(base).exists() else None,
-        dtype=plan.dtype.short,
-        version=__version__,
-        quant_format=", ".join(plan.source_formats) or "bitsandbytes",
+    return card_for_plan(
+        prepared.plan,
+        base=prepared.base,
         adapter=prepared.adapter,
         revision=prepared.revision,
-        commit=commit_of(plan.folder),
-        untied=plan.untied,
-        vocabulary=plan.rows,
-        tokenizer=bool(plan.adapter_files),
         title=prepared.output.name,
-        source_name=base,
-        has_config=plan.config is not None,
     )
 
 
@@ -88,6 +80,7 @@ class Prepared:
     revision: str | None = None  # the base's revision as the user gave it (None: the default branch)
     headers_only: str | None = None  # planned from its headers alone: the Hub repo as "repo@commit" (its copy is gone)
     leftovers: tuple = ()  # sinks.output.Leftover: killed runs' staging folders beside the output
+    gguf: gguf_sink.GgufTarget | None = None  # a GGUF output (else a folder)
 
 
 def prepare(
@@ -108,13 +101,16 @@ def prepare(
     headers_only=False,
     on_output=None,
     allow_no_config=False,
+    gguf_type=None,
 ) -> Prepared:
     """Resolve and plan a conversion and check where it goes, writing nothing (what ``convert`` and a dry run do
     first). A Hub SOURCE's weights are downloaded into the Hub cache, unless ``headers_only`` (a dry run): then the
     plan reads their headers and quant states over range requests, from a copy removed before this returns (the
     plan can then be shown, not streamed; ``reader`` is not taken). ``on_output(folder)`` is told where the output
     goes as soon as that is known (a batch names it for a source that fails after that). A checkpoint without
-    config.json is refused unless ``allow_no_config``."""
+    config.json is refused unless ``allow_no_config``. An ``output`` ending in ``.gguf``, or a ``gguf_type``, means one
+    GGUF file (``sinks/gguf.py``): what llama.cpp's converter refuses of the model is refused here too, before any
+    weight is read."""
     options = dict(
         dtype=dtype,
         adapter=adapter,
@@ -128,6 +124,7 @@ def prepare(
         progress=progress,
         on_output=on_output,
         allow_no_config=allow_no_config,
+        gguf_type=gguf_type,
     )
     if not headers_only:
         return _prepare(source, output, reader=reader, **options)
@@ -166,9 +163,19 @@ def _prepare(
     headers=None,
     on_output=None,
     allow_no_config=False,
+    gguf_type=None,
 ) -> Prepared:
     Settings.from_env()  # a dry run refuses a bad NF4CONVERT_* value as the conversion does
     source, adapter = named_sources(source, adapter)
+    gguf = gguf_sink.is_gguf(output) or (output is None and gguf_type is not None)
+    if gguf_type is not None and not gguf:
+        raise ArgumentError(
+            f"gguf_type {gguf_type!r} writes one GGUF file: give an output ending in .gguf", option="gguf_type"
+        )
+    if gguf:
+        dtype = dense_dtype(dtype, gguf_type)
+        max_shard_size = DEFAULT_SHARD_SIZE  # the converter's tensor order is that of the default dense output
+        gguf_sink.converter()  # before any download: without the "gguf" extra, say what to install
     if output is not None and (output_dir is not None or stem is not None):
         given = "output_dir" if output_dir is not None else "stem"
         raise ArgumentError(
@@ -182,7 +189,7 @@ def _prepare(
     output_dtype(dtype)
     if output is not None:  # before any download
         output = expanded_output(output, "output")
-        lifecycle.check_destination(output, overwrite=overwrite)
+        lifecycle.check_destination(output, overwrite=overwrite, file=gguf)
     folder, adapter_folder, base, adapter = resolve_source(
         source, adapter, revision=revision, token=token, cache_dir=cache_dir, progress=progress, headers=headers
     )
@@ -195,15 +202,22 @@ def _prepare(
         raise better from None
     check_config_present(plan.config, base, allow_missing=allow_no_config)
     named = output is None
-    if named:
+    target = None
+    if gguf:
+        target = gguf_sink.GgufTarget(gguf_sink.written_type(gguf_type, plan.dtype), model_stem(source))
+    if named and gguf:
+        output = gguf_sink.default_gguf_output(output_dir, stem or output_stem(source), target.type)
+    elif named:
         output = default_output(output_dir, stem or output_stem(source), plan.dtype.short)
     if on_output is not None:
         on_output(output)
     if named:
-        lifecycle.check_destination(output, overwrite=overwrite)
+        lifecycle.check_destination(output, overwrite=overwrite, file=gguf)
     lifecycle.check_not_source(output, folder)
     if adapter_folder is not None:
         lifecycle.check_not_source(output, adapter_folder)
+    if target is not None:
+        gguf_sink.check_convertible(plan, target.type, target.name)
     free_bytes = lifecycle.free_space(output)
     return Prepared(
         plan,
@@ -214,6 +228,7 @@ def _prepare(
         revision if base == source else None,
         headers and headers.shown(folder),
         tuple(lifecycle.leftovers(output)),
+        target,
     )
 
 
@@ -234,8 +249,10 @@ def convert(
     stem: str | None = None,
     on_output=None,
     allow_no_config: bool = False,
+    gguf_type: str | None = None,
 ) -> ConvertResult:
-    """Convert a bitsandbytes checkpoint (4-bit NF4/FP4 or 8-bit LLM.int8) into a dense safetensors checkpoint.
+    """Convert a bitsandbytes checkpoint (4-bit NF4/FP4 or 8-bit LLM.int8) into a dense safetensors checkpoint, or into
+    one GGUF file.
 
     ``output`` defaults to ``<output_dir or .>/<stem>-<dtype>``, the stem being the model's name without
     its quantization suffix (``stem`` a plain folder name; ``output`` and ``output_dir`` are not given together;
@@ -247,8 +264,14 @@ def convert(
     that is known. A checkpoint without config.json is refused unless ``allow_no_config``: its output then holds the
     dense tensors (and the files carried over) without a config.json, which transformers needs to load a model.
 
+    An ``output`` ending in ``.gguf`` (or a ``gguf_type``, then named ``<stem>-<type>.gguf``) is one GGUF file, the one
+    llama.cpp's converter (the "gguf" extra) writes from the dense output: of type ``gguf_type`` (f32, f16, bf16,
+    q8_0), by default ``dtype``'s own float type; with ``dtype`` "auto", a float ``gguf_type`` sets the dtype too.
+
     Raises:
-        ArgumentError: a bad ``dtype``, ``device``, ``max_shard_size`` or ``stem``, or ``output`` with ``output_dir``.
+        ArgumentError: a bad ``dtype``, ``device``, ``max_shard_size``, ``stem`` or ``gguf_type``, or ``output`` with
+            ``output_dir``.
+        DependencyError: a GGUF output without llama.cpp's converter (``pip install "nf4convert[gguf]"``).
         SourceNotFoundError: ``source`` cannot be found or fetched.
         CheckpointError: the checkpoint is corrupt, not a bitsandbytes checkpoint or has no config.json (and
             ``allow_no_config`` is off), or the adapter does not fit it.
@@ -287,11 +310,14 @@ def convert(
             progress=progress,
             on_output=on_output,
             allow_no_config=allow_no_config,
+            gguf_type=gguf_type,
         )
-        plan, output = prepared.plan, prepared.output
+        plan, output, gguf = prepared.plan, prepared.output, prepared.gguf
         profile.mark("planned")
-        lifecycle.check_free_space(output, plan.tensor_bytes + plan.side_bytes)
+        needed = gguf_sink.size_bound(plan, gguf.type) if gguf else plan.tensor_bytes + plan.side_bytes
+        lifecycle.check_free_space(output, needed)
         card = side.submit(model_card, prepared)
+        written = None
         with lifecycle.staging(output) as temporary:
             n_tensors = len(plan.tensors)
             with tqdm(
@@ -300,36 +326,58 @@ def convert(
                 unit_scale=True,
                 unit_divisor=1000,
                 disable=not progress,
-                desc=f"{model_name(source)} -> {plan.dtype.name}",
+                desc=f"{model_name(source)} -> {f'GGUF {gguf.type}' if gguf else plan.dtype.name}",
                 dynamic_ncols=True,
             ) as bar:
-                infinite = write_shards(
-                    plan,
-                    temporary,
-                    reader,
-                    chosen_device,
-                    progress=bar.update,
-                    route=route,
-                    settings=settings,
-                    tensor_done=lambda done: bar.set_postfix_str(f"{done}/{n_tensors} tensors", refresh=False),
-                )
+                if gguf:
+                    written = gguf_sink.write_gguf(
+                        plan,
+                        temporary / output.name,
+                        reader,
+                        route,
+                        gguf_type=gguf.type,
+                        name=gguf.name,
+                        card=card.result().text,
+                        settings=settings,
+                        progress=bar.update,
+                    )
+                    infinite = written.infinite
+                else:
+                    infinite = write_shards(
+                        plan,
+                        temporary,
+                        reader,
+                        chosen_device,
+                        progress=bar.update,
+                        route=route,
+                        settings=settings,
+                        tensor_done=lambda done: bar.set_postfix_str(f"{done}/{n_tensors} tensors", refresh=False),
+                    )
             profile.mark("tensors written")
             card = card.result()
-            write_side_files(plan, temporary, card.text)
+            if not gguf:
+                write_side_files(plan, temporary, card.text)
             finishing.enter_context(signals_held(output))
-            lifecycle.move_into_place(temporary, output, overwrite=overwrite)
+            if gguf:
+                size = (temporary / output.name).stat().st_size
+                lifecycle.move_file_into_place(temporary, output, overwrite=overwrite)
+            else:
+                lifecycle.move_into_place(temporary, output, overwrite=overwrite)
         profile.mark("in place")
         profile.report()
+        converter_warnings = [f"llama.cpp's converter: {line}" for line in (written.warnings if written else [])]
         result = ConvertResult(
             output,
             plan.dtype.name,
-            len(plan.tensors),
+            written.tensors if written else len(plan.tensors),
             plan.n_dequantized,
-            plan.tensor_bytes,
+            size if gguf else plan.tensor_bytes,
             time.perf_counter() - started,
-            tuple(w for w in [card.warning, _infinite_warning(infinite)] if w)
+            tuple(w for w in [card.warning, _infinite_warning(infinite), *converter_warnings] if w)
             + tuple(leftover.note(removed=leftover.own) for leftover in prepared.leftovers),  # the own: staging's
             plan.kinds,
+            gguf.type if gguf else None,
+            gguf_sink.pushed_card(card.text, output.name, gguf.type) if gguf else None,
         )
     return result
 

@@ -72,20 +72,34 @@ def convert_then(
                 token=options.get("token"),
                 cache_dir=options.get("cache_dir"),
                 progress=progress,
+                **({"dtype": result.dtype} if result.gguf_type else {}),
             )
             on_step(report)
             if not report.ok:
                 return False
         if push_to:
             try:
-                url = push_to_hub(
-                    result.output,
-                    push_to,
-                    private=private,
-                    token=options.get("token"),
-                    revision=push_branch,
-                    progress=progress,
-                )
+                if result.gguf_type:  # one file, and its model card beside it
+                    from .upload import push_file_to_hub
+
+                    url = push_file_to_hub(
+                        result.output,
+                        push_to,
+                        card=result.card,
+                        private=private,
+                        token=options.get("token"),
+                        revision=push_branch,
+                        progress=progress,
+                    )
+                else:
+                    url = push_to_hub(
+                        result.output,
+                        push_to,
+                        private=private,
+                        token=options.get("token"),
+                        revision=push_branch,
+                        progress=progress,
+                    )
             except UploadError as error:  # the output stays: say so, and how to push it once the cause is gone
                 again = error.option != "private"  # a public repo refused for --private: a plain upload would fill it
                 kept = kept_for_push(result.output, push_to, private, push_branch, again=again)
@@ -169,6 +183,7 @@ def batch(
     adapter=None,
     skip_existing: bool = False,
     verify: bool = False,
+    gguf_type: str | None = None,
     on_error: Callable[[Row, Exception], None] = lambda row, error: None,
     on_warning: Callable[[str, str], None] = lambda source, warning: None,
     **options,
@@ -176,12 +191,18 @@ def batch(
     """Convert (or with ``dry_run`` plan) each source into ``output_root``, going on past failures; a stop signal
     ends the batch (the sources after it are "not attempted"). ``skip_existing``: a source whose output is there
     already is "skipped" (not converted, not a failure), or with ``verify`` verified as it is; ``verify``: each output
-    is verified once converted ("verified"; a mismatch fails the row, the output kept). ``on_error(row, error)`` sees
-    each failed row as it fails (and may reword its ``error``), ``on_warning(source, warning)`` each conversion's
-    warnings as they come (each text once)."""
+    is verified once converted ("verified"; a mismatch fails the row, the output kept). ``gguf_type``: each output is
+    one GGUF file of that type, ``<output_root>/<name>-<type>.gguf``. ``on_error(row, error)`` sees each failed row as
+    it fails (and may reword its ``error``), ``on_warning(source, warning)`` each conversion's warnings as they come
+    (each text once)."""
     Settings.from_env()  # once, before any source (each would fail alike)
     check_batch_root(output_root, [*sources, adapter])
-    planned = [(stem, batch_output(output_root, stem, dtype)) for stem in batch_stems(sources)]
+    if gguf_type is not None:
+        from .sinks.gguf import default_gguf_output
+
+        planned = [(stem, str(default_gguf_output(output_root, stem, gguf_type))) for stem in batch_stems(sources)]
+    else:
+        planned = [(stem, batch_output(output_root, stem, dtype)) for stem in batch_stems(sources)]
     result = BatchResult()
     said = set()
 
@@ -200,6 +221,8 @@ def batch(
 
         try:
             common = dict(dtype=dtype, adapter=adapter, output_dir=output_root, stem=stem, on_output=named, **options)
+            if gguf_type is not None:
+                common["gguf_type"] = gguf_type
             found = _existing(source, output, device, common) if skip_existing else None
             if found is not None:
                 row.output, row.existing = str(found), True
@@ -209,7 +232,12 @@ def batch(
                 prepared = dry_run_plan(source, device=device, **common)
                 plan = prepared.plan
                 row.status, row.tensors, row.bytes = done, len(plan.tensors), plan.tensor_bytes
-                result.needed += plan.output_bytes
+                if prepared.gguf is not None:
+                    from .sinks.gguf import size_bound
+
+                    result.needed += size_bound(plan, prepared.gguf.type)
+                else:
+                    result.needed += plan.output_bytes
                 result.free = prepared.free_bytes
                 for leftover in prepared.leftovers:
                     warn(source, leftover.note())

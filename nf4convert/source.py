@@ -7,6 +7,7 @@ verify both start here."""
 from __future__ import annotations
 
 import os
+import re
 from functools import partial
 from pathlib import Path
 
@@ -18,6 +19,18 @@ from .paths import expanded
 def as_text(name):
     """A source or adapter as the API takes it (a str or an os.PathLike) in the str the rest of the code reads."""
     return os.fspath(name) if name is not None else None
+
+
+# A quantization suffix on a model's name: dropped from the name of what is made of it
+QUANT_SUFFIX = re.compile(r"-(?:bnb-)?(?:4bit|nf4|fp4|8bit|int8)$", re.IGNORECASE)
+
+
+def model_stem(source: str) -> str:
+    """The model's name, its quantization suffix dropped (org/Llama-bnb-4bit -> Llama): the default output's name, and
+    the name llama.cpp's converter is given for a GGUF (by convert and verify alike)."""
+    from .hub import model_name
+
+    return QUANT_SUFFIX.sub("", model_name(source)) or model_name(source)
 
 
 def named_sources(source, adapter) -> tuple[str, str | None]:

@@ -83,6 +83,7 @@ def push_to_hub(
     revision: str | None = None,
     progress: bool = True,
     commit_message: str | None = None,
+    replace_weights: bool = True,
 ) -> str:
     """Upload ``folder`` (a finished conversion) to the model repo ``repo_id``; return the repo's URL (with
     ``/tree/<revision>`` when a revision was given).
@@ -90,11 +91,12 @@ def push_to_hub(
     The repo is created if needed (private when ``private``; an existing public repo is refused rather than
     filled, since ``private`` cannot change it). Weight files at the repo's root that ``folder`` lacks
     (``REPLACED_FILES``: an earlier push's shards, a ``.bin`` copy, an adapter's files) are deleted in the same
-    commit, so the repo holds exactly the folder's weights. A ``revision`` that names a missing branch is created from
-    the default branch; ``refs/pr/N`` must exist. ``token`` defaults to HF_TOKEN or the saved login; ``progress=False``
-    silences huggingface_hub's progress display for this call. A repo id or branch name the Hub refuses, or
-    HF_HUB_OFFLINE on, is an ``ArgumentError`` (``check_target``); every other failure raises ``UploadError`` with one
-    line naming the repo and the cause (network, token, HTTP status and the server's message).
+    commit, so the repo holds exactly the folder's weights (unless ``replace_weights`` is off). A ``revision`` that
+    names a missing branch is created from the default branch; ``refs/pr/N`` must exist. ``token`` defaults to
+    HF_TOKEN or the saved login; ``progress=False`` silences huggingface_hub's progress display for this call. A repo
+    id or branch name the Hub refuses, or HF_HUB_OFFLINE on, is an ``ArgumentError`` (``check_target``); every other
+    failure raises ``UploadError`` with one line naming the repo and the cause (network, token, HTTP status and the
+    server's message).
 
     Example:
         >>> push_to_hub(Path("Llama-3.2-1B-Instruct-bf16"), "me/Llama-3.2-1B-Instruct-bf16", private=True)
@@ -121,7 +123,7 @@ def push_to_hub(
                 )
             if revision is not None and not revision.startswith("refs/"):
                 api.create_branch(repo_id, branch=revision, exist_ok=True)
-            stale = stale_weights(api.list_repo_files(repo_id, revision=revision), folder)
+            stale = stale_weights(api.list_repo_files(repo_id, revision=revision), folder) if replace_weights else []
             # upload_folder matches its patterns against the whole path (``*`` crosses ``/``): exact names, escaped
             api.upload_folder(
                 repo_id=repo_id,
@@ -146,3 +148,51 @@ def stale_weights(repo_files: list[str], folder: Path) -> list[str]:
         and not (folder / name).is_file()
         and any(fnmatchcase(name, pattern) for pattern in REPLACED_FILES)
     ]
+
+
+def push_file_to_hub(
+    file: Path | str,
+    repo_id: str,
+    *,
+    card: str | None,
+    private: bool = False,
+    token: str | None = None,
+    revision: str | None = None,
+    progress: bool = True,
+) -> str:
+    """Upload one finished file (a GGUF) and its model card (``card``, as README.md) to ``repo_id``, as
+    ``push_to_hub`` uploads a folder, keeping the repo's other files (a GGUF sits beside other weights). Returns the
+    repo's URL."""
+    import os
+    import shutil
+    import tempfile
+
+    check_target(repo_id, revision)
+    file = Path(file)
+    if not file.is_file():
+        raise UploadError(f"{file}: no such file to upload")
+    try:
+        folder = Path(tempfile.mkdtemp(prefix=f".{file.name}.nf4convert-push-", dir=file.parent))
+    except OSError:  # a folder that cannot be written: the system's temporary folder then
+        folder = Path(tempfile.mkdtemp(prefix="nf4convert-push-"))
+    try:
+        try:
+            os.link(file, folder / file.name)  # the same bytes without a copy
+        except OSError:
+            os.symlink(file.resolve(), folder / file.name)
+        if card is not None:
+            (folder / "README.md").write_text(card, encoding="utf-8")
+        return push_to_hub(
+            folder,
+            repo_id,
+            private=private,
+            token=token,
+            revision=revision,
+            progress=progress,
+            commit_message=f"Upload {file.name}, written by nf4convert",
+            replace_weights=False,
+        )
+    except OSError as error:
+        raise UploadError(f"{file}: cannot be staged for the upload ({error.strerror or error})") from None
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)

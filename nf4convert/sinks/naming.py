@@ -3,22 +3,20 @@ its quantization suffix; a batch's names, made distinct."""
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 from ..dtypes import output_dtype
 from ..errors import ArgumentError
-from ..hub import looks_like_repo_id, model_name
+from ..hub import looks_like_repo_id
 from ..paths import expanded, expanded_output
+from ..source import model_stem
 from .output import placed
-
-QUANT_SUFFIX = re.compile(r"-(?:bnb-)?(?:4bit|nf4|fp4|8bit|int8)$", re.IGNORECASE)
 
 
 def output_stem(source: str, *, qualified: bool = False) -> str:
     """The default output's name before ``-<dtype>``: the model's name, a quantization suffix dropped
     (org/Llama-bnb-4bit -> Llama); ``qualified`` puts the owner (or parent folder) first: org--Llama."""
-    name = QUANT_SUFFIX.sub("", model_name(source)) or model_name(source)
+    name = model_stem(source)
     if qualified:
         parent = (
             source.rstrip("/").split("/")[-2]

@@ -1,5 +1,6 @@
-"""The output folder's lifecycle: checks before anything is written, a temporary folder beside OUT, the side
-files (config, index, carried files), the atomic move into place, and cleanup on any failure.
+"""The output's lifecycle: checks before anything is written, a temporary folder beside OUT, the side files (config,
+index, carried files), the atomic move into place, and cleanup on any failure. A GGUF output is one file, written in
+such a temporary folder and renamed into place from it.
 
 OUT only ever appears complete: until the last rename it does not exist (or, with ``overwrite``, it is the
 user's old folder, untouched). Every OSError on this path becomes one OutputError line.
@@ -42,17 +43,24 @@ def _reason(error: OSError) -> str:
     return error.strerror or str(error)
 
 
-def check_destination(output: Path, *, overwrite: bool) -> None:
+def check_destination(output: Path, *, overwrite: bool, file: bool = False) -> None:
     """OutputError if OUT is a file, or a non-empty folder and ``overwrite`` is off, or where it goes cannot be
-    written (a read-only file system, no permission): found by a dry run too, not by the first write."""
+    written (a read-only file system, no permission): found by a dry run too, not by the first write. ``file``: OUT is
+    one file (a GGUF), refused if it is a folder, or a file and ``overwrite`` is off."""
     if output.is_symlink():
-        raise OutputError(f"{output}: is a symbolic link; give the folder it points to, or a new name")
+        raise OutputError(
+            f"{output}: is a symbolic link; give the {'file' if file else 'folder'} it points to, or a new name"
+        )
     folder = _existing_ancestor(output)  # first: a symlink loop on the way is one line
     cwd = Path.cwd().resolve()
     if output.name in ("", ".", "..") or output.resolve() == cwd or output.resolve() in cwd.parents:
         raise OutputError(f"{output}: is the current folder or holds it; give the output a folder name of its own")
     try:
-        if output.exists() and not output.is_dir():
+        if file and output.is_dir():
+            raise OutputError(f"{output}: is a folder; a GGUF output is one file (give a new file name)")
+        if file and output.exists() and not overwrite:
+            raise OutputError(f"{output}: exists", option="overwrite")
+        if not file and output.exists() and not output.is_dir():
             raise OutputError(f"{output}: exists and is not a folder")
         if output.is_dir() and any(output.iterdir()) and not overwrite:
             raise OutputError(f"{output}: exists and is not empty", option="overwrite")
@@ -231,6 +239,18 @@ def leftovers(output: Path) -> list[Leftover]:
     except OSError:
         return []
     return found
+
+
+def move_file_into_place(temporary: Path, output: Path, *, overwrite: bool = False) -> None:
+    """Rename the finished file ``temporary / OUT's name`` (written in its staging folder) to OUT, replacing an old OUT
+    in the same rename when ``overwrite``, then remove the emptied staging folder. An OUT that another run wrote
+    meanwhile is not replaced unless ``overwrite``."""
+    if output.exists() and not overwrite:
+        raise OutputError(
+            f"{output}: appeared while converting (another run?); nothing of this run was kept", option="overwrite"
+        )
+    os.replace(temporary / output.name, output)
+    temporary.rmdir()
 
 
 def move_into_place(temporary: Path, output: Path, *, overwrite: bool = False) -> None:

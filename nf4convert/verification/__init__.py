@@ -38,6 +38,7 @@ class VerifyReport:
     device: str = "cpu"
     problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # checks that could not run (not problems: the weights may be right)
+    gguf: bool = False  # a GGUF file, checked against llama.cpp's converter run on the reference
 
     @property
     def ok(self) -> bool:
@@ -82,9 +83,11 @@ def verify(
     token: str | None = None,
     cache_dir: str | None = None,
     progress: bool = False,
+    dtype: str = "auto",
 ) -> VerifyReport:
     """Compare the converted checkpoint in ``output`` with ``source`` (and the LoRA ``adapter`` merged into it, by
-    peft's own merge); mismatches go in the report, not exceptions.
+    peft's own merge); mismatches go in the report, not exceptions. An ``output`` ending in ``.gguf`` is checked against
+    llama.cpp's converter run on the reference (``gguf.verify_gguf``; ``dtype``: the conversion's ``--dtype``).
 
     Raises:
         ArgumentError: a bad ``device``, an empty ``output``, ``source`` or ``adapter``, or ``output`` and ``source``
@@ -99,6 +102,11 @@ def verify(
     """
     from tqdm.auto import tqdm
 
+    if os.fspath(output).lower().endswith(".gguf"):
+        from .gguf import verify_gguf
+
+        options = dict(adapter=adapter, revision=revision, token=token, cache_dir=cache_dir, progress=progress)
+        return verify_gguf(output, source, device=device, dtype=dtype, **options)
     source, adapter = named_sources(source, adapter)
     output = os.fspath(output)
     if not output.strip():
@@ -205,6 +213,8 @@ def _verify(output: Path, folder: Path, adapter_folder, chosen, progress: bool, 
 
 def report_lines(report: VerifyReport) -> list[str]:
     libraries = "bitsandbytes and peft" if report.merged else "bitsandbytes"
+    if report.gguf:
+        libraries = f"llama.cpp's converter on {libraries}"
     lines = [
         f"{report.output}: {report.checked} tensors checked "
         f"({report.dequantized} recomputed by {libraries} on {report.device})"

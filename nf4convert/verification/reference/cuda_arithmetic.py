@@ -47,6 +47,7 @@ The CPU work goes in chunks of whole quant blocks (``CHUNK_ELEMENTS``), so the f
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Mapping
 
@@ -76,7 +77,7 @@ def dequantize_4bit(packed: torch.Tensor, quant_state: Any, *, dtype: torch.dtyp
     """
     device = torch.device(device)
     raw = _as_bytes(packed)
-    _check(raw.numel(), quant_state, dtype)
+    check(raw.numel(), quant_state, dtype)
     if device.type == "cuda":
         return _dequantize_cuda(raw, quant_state, dtype, device)
     if device.type != "cpu":
@@ -123,7 +124,7 @@ def _as_bytes(packed: torch.Tensor) -> torch.Tensor:
     return packed.detach().contiguous().view(torch.uint8).reshape(-1)
 
 
-def _check(n_bytes: int, quant_state: Any, dtype: torch.dtype) -> None:
+def check(n_bytes: int, quant_state: Any, dtype: torch.dtype) -> None:
     if dtype not in OUT_DTYPES:
         raise ArgumentError(f"dtype must be float16, bfloat16 or float32, not {dtype}")
     if quant_state.quant_type not in ("nf4", "fp4"):
@@ -214,6 +215,7 @@ def _block_scales(quant_state: Any, first_block: int, last_block: int, operands:
     return _flush_operand(scale)
 
 
+@functools.lru_cache(maxsize=None)
 def _pair_table(quant_type: str):
     """numpy fp32 [256, 2]: the CUDA code of the high and the low nibble of every byte."""
     import bitsandbytes.functional as F
@@ -224,7 +226,9 @@ def _pair_table(quant_type: str):
         code[8] = -0.0  # CUDA: lut[0] * (1 - 2 * 1) = 0.0f * -1.0f; bitsandbytes' table holds +0.0
     values = code.numpy()
     byte = np.arange(256)
-    return np.ascontiguousarray(np.stack((values[byte >> 4], values[byte & 15]), axis=1), dtype=np.float32)
+    table = np.ascontiguousarray(np.stack((values[byte >> 4], values[byte & 15]), axis=1), dtype=np.float32)
+    table.flags.writeable = False  # shared by every call
+    return table
 
 
 def _dequantize_cpu(raw: torch.Tensor, quant_state: Any, dtype: torch.dtype) -> torch.Tensor:
@@ -245,10 +249,14 @@ def _dequantize_cpu(raw: torch.Tensor, quant_state: Any, dtype: torch.dtype) -> 
             "offset": torch.as_tensor(quant_state.offset, dtype=torch.float32).cpu().reshape(()),
             "shift": state2.blocksize.bit_length() - 1,  # CUDA indexes by shift: k >> log2(blocksize)
         }
+    scales = _block_scales(quant_state, 0, n_blocks, operands)  # 4 bytes a block, in one pass of few calls
     # |code| >= 1/192 for every non-zero entry, so a block whose |scale| is at least this has no product
     # near FLT_MIN and skips the flush (with a margin: the products then exceed 2 * FLT_MIN).
     smallest_code = float(np.abs(pairs[pairs != 0]).min())
     no_flush_scale = 2 * FLT_MIN / smallest_code
+    tiny = bool((scales.abs() < no_flush_scale).any())  # not min(): a NaN scale would hide a tiny one
+    # |code| <= 1 and finite: a product is NaN only where its scale is NaN or infinite (inf * 0)
+    finite = bool(torch.isfinite(scales).all())
     raw_bytes = raw.numpy()
     chunk_blocks = max(1, min(n_blocks, CHUNK_ELEMENTS // blocksize))
     scratch = torch.empty(chunk_blocks * blocksize, dtype=torch.float32)
@@ -261,16 +269,17 @@ def _dequantize_cpu(raw: torch.Tensor, quant_state: Any, dtype: torch.dtype) -> 
         # mode="clip": every byte is a valid row, and the default "raise" buffers the output (a copy)
         np.take(pairs, raw_bytes[first_byte:end_byte], axis=0, out=scratch_pairs[:count_bytes], mode="clip")
         values = scratch[: (last_block - first_block) * blocksize]
-        values[2 * count_bytes :] = 0.0  # the rest of a partial last block: computed, never written out
+        if 2 * count_bytes < values.numel():
+            values[2 * count_bytes :] = 0.0  # the rest of a partial last block: computed, never written out
         blocks = values.view(last_block - first_block, blocksize)
-        scale = _block_scales(quant_state, first_block, last_block, operands)
-        if (scale.abs() < no_flush_scale).any():  # not min(): a NaN scale would hide a tiny one
-            _multiply_ftz(blocks, scale[:, None])
+        scale = scales[first_block:last_block, None]
+        if tiny and (scale.abs() < no_flush_scale).any():
+            _multiply_ftz(blocks, scale)
         else:
-            blocks.mul_(scale[:, None])
+            blocks.mul_(scale)
         out[first_element:end_element].copy_(values[: end_element - first_element])
     # A NaN scale (or inf * 0) makes NaNs: CUDA's arithmetic and conversions give the canonical one
-    return canonical_nans(out).view(shape)
+    return (out if finite else canonical_nans(out)).view(shape)
 
 
 CANONICAL_NAN = {2: 0x7FFF, 4: 0x7FFFFFFF, 8: 0x7FFFFFFFFFFFFFFF}  # by element size: all bits but the sign set

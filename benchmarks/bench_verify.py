@@ -18,6 +18,7 @@ Steps (``--steps``, comma-separated, run in the order given, each in a fresh pro
   dd              dd if=/dev/zero of the dense output's size
   cuda, cpu       nf4convert SOURCE -o OUT --device cuda / cpu
   adapter         nf4convert SOURCE --adapter LORA --device cuda: a rank-64 LoRA on every linear layer merged
+                  (adapter-cpu: the same on the CPU)
   cuda+verify     nf4convert SOURCE -o OUT --device cuda --verify (cpu+verify, adapter+verify likewise)
   verify-cuda     nf4convert verify OUT SOURCE --device cuda, OUT the cuda step's output (verify-cpu: the cpu step's
                   output on the CPU; verify-adapter: the adapter step's, --adapter LORA, on the GPU;
@@ -54,6 +55,7 @@ SHAPES = {
 VOCAB = 128256
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 SHARD_BYTES = 5 * 10**9
+CONVERSIONS = {"cuda": "cuda", "cpu": "cpu", "adapter": "cuda", "adapter-cpu": "cpu"}  # step -> its --device
 IMPORTS = "import torch, bitsandbytes, transformers"
 # the conversion a step is compared with ("x its conversion"): a verify with the conversion that wrote its output
 CONVERSION_OF = {
@@ -64,6 +66,8 @@ CONVERSION_OF = {
     "cuda+verify": "cuda",
     "cpu+verify": "cpu",
     "adapter+verify": "adapter",
+    "verify-adapter-cpu": "adapter-cpu",
+    "adapter-cpu+verify": "adapter-cpu",
 }
 
 
@@ -203,11 +207,12 @@ def plan_steps(steps: list[str]) -> list[dict]:
         if step in ("dd", "imports"):
             planned.append({"step": step})
         elif step.startswith("verify-"):
-            target = step.removeprefix("verify-")
-            made, _, on = target.partition("-on-")
-            planned.append({"step": step, "reads": f"out-{made}", "device": on or ("cuda" if made != "cpu" else "cpu")})
-        elif route in ("cuda", "cpu", "adapter") and then in ("", "verify"):
-            planned.append({"step": step, "writes": f"out-{step}", "device": "cpu" if route == "cpu" else "cuda"})
+            made, _, on = step.removeprefix("verify-").partition("-on-")
+            if made not in CONVERSIONS:
+                raise SystemExit(f"unknown step {step!r}: no conversion {made!r}")
+            planned.append({"step": step, "reads": f"out-{made}", "device": on or CONVERSIONS[made]})
+        elif route in CONVERSIONS and then in ("", "verify"):
+            planned.append({"step": step, "writes": f"out-{step}", "device": CONVERSIONS[route]})
         else:
             raise SystemExit(f"unknown step {step!r}")
     return planned
@@ -223,7 +228,7 @@ def command(step: dict, source: Path, adapter: Path, workdir: Path, dense: int) 
     if name == "imports":
         return [sys.executable, "-c", IMPORTS]
     if "reads" in step:
-        merged = ["--adapter", str(adapter)] if step["reads"] == "out-adapter" else []
+        merged = ["--adapter", str(adapter)] if step["reads"].startswith("out-adapter") else []
         return [*module, "verify", str(workdir / step["reads"]), str(source), "-q", "--device", step["device"], *merged]
     merged = ["--adapter", str(adapter)] if name.startswith("adapter") else []
     then = ["--verify"] if name.endswith("+verify") else []
@@ -257,6 +262,10 @@ def main():
         for key in ("writes", "reads"):
             if key in step:
                 last_read[step[key]] = index
+    if "out-cuda" in last_read and "out-cpu" in last_read:  # each kept until the other is made: compared
+        made = max(i for i, s in enumerate(steps) if s.get("writes") in ("out-cuda", "out-cpu"))
+        for out in ("out-cuda", "out-cpu"):
+            last_read[out] = max(last_read[out], made)
     results = {}
     for index, step in enumerate(steps):
         name = step["step"]

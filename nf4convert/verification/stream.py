@@ -20,7 +20,7 @@ from ..errors import CheckpointError
 from .compare import Tallies, differing
 from .reference import against
 
-CPU_SLICE_BYTES = 1 << 24  # output bytes a CPU thread recomputes at once: the per-slice work of Python stays small
+CPU_SLICE_BYTES = 1 << 23  # output bytes a CPU thread recomputes at once: its buffers reused, slice after slice
 CUDA_SLICE_BYTES = 1 << 25  # on a GPU: larger copies, fewer launches
 COMPARE_BYTES = 1 << 22  # output bytes read and compared at a time (a whole tensor's reference is compared in these)
 CUDA_THREADS = 4  # enough reads in flight to keep the copies and the GPU busy
@@ -84,6 +84,7 @@ def check_tensors(pairs, source_reader, output_reader, device, context, tallies:
         torch.set_num_threads(1)  # this thread's torch on one core: the threads share the cores
         local.stream = torch.cuda.Stream(device) if cuda else None
         local.source, local.output = _Buffers(pinned=cuda), _Buffers(pinned=cuda)
+        local.made = _Buffers(pinned=False)
 
     def check(name, info, piece, itemsize):
         try:
@@ -100,8 +101,9 @@ def check_tensors(pairs, source_reader, output_reader, device, context, tallies:
 
     def _compare(name, info, piece, itemsize):
         local.source.reset()
+        local.made.reset()
         try:
-            expected = piece.make(local.source.reading(source_reader))
+            expected = piece.make(local.source.reading(source_reader), local.made.take)
             if expected.numel() != piece.nbytes:
                 raise ValueError(f"{expected.numel()} bytes computed where the output has {piece.nbytes}")
         except CheckpointError:

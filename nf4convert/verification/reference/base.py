@@ -6,9 +6,10 @@ from typing import Callable, NamedTuple
 
 
 class Slice(NamedTuple):
-    """Bytes ``[offset, offset + nbytes)`` of an output tensor as the reference computes them: ``make(read)`` returns
-    them as a flat uint8 tensor, on the CPU or the device that computed them. ``read(info, first, count)`` gives bytes
-    of a source tensor as a uint8 CPU tensor (the caller decides where they land and when the memory is reused)."""
+    """Bytes ``[offset, offset + nbytes)`` of an output tensor as the reference computes them: ``make(read, take)``
+    returns them as a flat uint8 tensor, on the CPU or the device that computed them. ``read(info, first, count)``
+    gives bytes of a source tensor as a uint8 CPU tensor, ``take(nbytes)`` CPU memory to compute into (the caller
+    decides where both lie and when they are reused: after the slice is compared)."""
 
     offset: int
     nbytes: int
@@ -24,7 +25,10 @@ def whole(tensor, reader, device, context):
 
     made = None
     for piece in context.slices(tensor, reader, device, 1 << 24):
-        computed = piece.make(lambda info, first, count: reader.read(info, first, count))
+        computed = piece.make(
+            lambda info, first, count: reader.read(info, first, count),
+            lambda nbytes: torch.empty(nbytes, dtype=torch.uint8),
+        )
         if made is None:
             made = torch.empty(tensor.nbytes, dtype=torch.uint8, device=computed.device)
         made[piece.offset : piece.offset + piece.nbytes].copy_(computed)

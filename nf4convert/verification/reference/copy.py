@@ -22,7 +22,7 @@ def slices(tensor, reader, device, context, piece_bytes: int):
 
 
 def _cast(tensor, first: int, count: int):
-    def make(read):
+    def make(read, take):
         """A NaN a cast makes is CUDA's canonical NaN (all bits but the sign), as the converter casts on every route
         (torch's own NaN bits depend on the CPU)."""
         from .cuda_arithmetic import canonical_nans
@@ -32,7 +32,7 @@ def _cast(tensor, first: int, count: int):
         values = read(source, first * size, count * size).view(DTYPES[source.dtype].torch)
         if source.dtype == tensor.dtype:
             return as_bytes(values)
-        cast = values.to(DTYPES[tensor.dtype].torch)
+        cast = take(count * DTYPES[tensor.dtype].itemsize).view(DTYPES[tensor.dtype].torch).copy_(values)
         if cast.is_floating_point():
             cast = canonical_nans(cast)  # a cast is a new tensor: the source's bytes stay as read
         return as_bytes(cast)

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 from typing import Any, Mapping
 
 import torch
@@ -62,13 +63,16 @@ BLOCKSIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)
 OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def dequantize_4bit(packed: torch.Tensor, quant_state: Any, *, dtype: torch.dtype, device) -> torch.Tensor:
+def dequantize_4bit(
+    packed: torch.Tensor, quant_state: Any, *, dtype: torch.dtype, device, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """What bitsandbytes' CUDA kernels give for ``packed``, as a tensor of ``quant_state.shape`` and ``dtype``.
 
     ``quant_state`` is a ``bitsandbytes.functional.QuantState`` (or anything with its fields), on any
     device; ``packed`` is the packed weight in any storage dtype (read as bytes). On a CUDA ``device`` this
     runs ``bitsandbytes.functional.dequantize_4bit`` there (the caller's state is not modified); on the
-    CPU, the exact computation described in this module's docstring.
+    CPU, the exact computation described in this module's docstring, into ``out`` where given (CPU memory of at
+    least the result's bytes, any dtype: a caller's reused buffer).
 
         >>> packed, state = F.quantize_4bit(weight.cuda(), quant_type="nf4", compress_statistics=True)
         >>> dense = dequantize_4bit(packed.cpu(), cpu_state, dtype=torch.bfloat16, device="cpu")
@@ -82,7 +86,7 @@ def dequantize_4bit(packed: torch.Tensor, quant_state: Any, *, dtype: torch.dtyp
         return _dequantize_cuda(raw, quant_state, dtype, device)
     if device.type != "cpu":
         raise ArgumentError(f"device {device} is not supported: the reference runs on cpu or cuda")
-    return _dequantize_cpu(raw.cpu(), quant_state, dtype)
+    return _dequantize_cpu(raw.cpu(), quant_state, dtype, out)
 
 
 def quant_state_from_tensors(tensors: Mapping[str, torch.Tensor], device, *, file: str | None = None):
@@ -231,14 +235,17 @@ def _pair_table(quant_type: str):
     return table
 
 
-def _dequantize_cpu(raw: torch.Tensor, quant_state: Any, dtype: torch.dtype) -> torch.Tensor:
+def _dequantize_cpu(raw: torch.Tensor, quant_state: Any, dtype: torch.dtype, out=None) -> torch.Tensor:
     import numpy as np
 
     shape = torch.Size(quant_state.shape)
     n_elements = shape.numel()
     blocksize = quant_state.blocksize
     n_blocks = -(-n_elements // blocksize)
-    out = torch.empty(n_elements, dtype=dtype)
+    if out is None:
+        out = torch.empty(n_elements, dtype=dtype)
+    else:
+        out = out.view(-1).view(torch.uint8)[: n_elements * dtype.itemsize].view(dtype)
     pairs = _pair_table(quant_state.quant_type)
     operands = {}
     if quant_state.nested:
@@ -259,7 +266,7 @@ def _dequantize_cpu(raw: torch.Tensor, quant_state: Any, dtype: torch.dtype) -> 
     finite = bool(torch.isfinite(scales).all())
     raw_bytes = raw.numpy()
     chunk_blocks = max(1, min(n_blocks, CHUNK_ELEMENTS // blocksize))
-    scratch = torch.empty(chunk_blocks * blocksize, dtype=torch.float32)
+    scratch = _scratch(chunk_blocks * blocksize)
     scratch_pairs = scratch.numpy().reshape(-1, 2)
     for first_block in range(0, n_blocks, chunk_blocks):
         last_block = min(first_block + chunk_blocks, n_blocks)
@@ -273,13 +280,27 @@ def _dequantize_cpu(raw: torch.Tensor, quant_state: Any, dtype: torch.dtype) -> 
             values[2 * count_bytes :] = 0.0  # the rest of a partial last block: computed, never written out
         blocks = values.view(last_block - first_block, blocksize)
         scale = scales[first_block:last_block, None]
+        target = out[first_element:end_element]
         if tiny and (scale.abs() < no_flush_scale).any():
-            _multiply_ftz(blocks, scale)
+            target.copy_(_multiply_ftz(blocks, scale).view(-1)[: target.numel()])
+        elif target.numel() == values.numel():  # whole blocks: the product rounded to fp32, then to ``dtype``
+            torch.mul(blocks, scale, out=target.view(blocks.shape))
         else:
-            blocks.mul_(scale)
-        out[first_element:end_element].copy_(values[: end_element - first_element])
+            target.copy_(blocks.mul_(scale).view(-1)[: target.numel()])
     # A NaN scale (or inf * 0) makes NaNs: CUDA's arithmetic and conversions give the canonical one
     return (out if finite else canonical_nans(out)).view(shape)
+
+
+_scratches = threading.local()
+
+
+def _scratch(elements: int) -> torch.Tensor:
+    """This thread's fp32 scratch of at least ``elements`` (reused: verify's threads each decode slice after slice)."""
+    held = getattr(_scratches, "buffer", None)
+    if held is None or held.numel() < elements:
+        _scratches.buffer = held = None
+        _scratches.buffer = held = torch.empty(elements, dtype=torch.float32)
+    return held[:elements]
 
 
 CANONICAL_NAN = {2: 0x7FFF, 4: 0x7FFFFFFF, 8: 0x7FFFFFFFFFFFFFFF}  # by element size: all bits but the sign set

@@ -68,11 +68,12 @@ def state_of_run(state, first: int, count: int):
 
 
 def _run(packed, first: int, count: int, state, dtype, device):
-    def make(read):
+    def make(read, take):
         from .cuda_arithmetic import dequantize_4bit
 
         raw = read(packed, first // 2, (count + 1) // 2)
-        return as_bytes(dequantize_4bit(raw, state, dtype=dtype, device=device))
+        out = take(count * dtype.itemsize) if getattr(device, "type", device) == "cpu" else None
+        return as_bytes(dequantize_4bit(raw, state, dtype=dtype, device=device, out=out))
 
     return make
 

@@ -27,7 +27,7 @@ def slices(tensor, reader, device, context, piece_bytes: int):
 
 
 def _rows(tensor, scb, first: int, count: int, device):
-    def make(read):
+    def make(read, take):
         import bitsandbytes.functional as F
         import torch
 

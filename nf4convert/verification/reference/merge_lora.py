@@ -19,7 +19,7 @@ def against(tensor, device) -> str:
 
 
 def slices(tensor, reader, device, context, piece_bytes: int):
-    yield Slice(0, tensor.nbytes, lambda read: as_bytes(reference(tensor, reader, device, context)))
+    yield Slice(0, tensor.nbytes, lambda read, take: as_bytes(reference(tensor, reader, device, context)))
 
 
 def _skeleton_module(module: str, adapter, device, dtype, references: dict, layer_class):

@@ -239,6 +239,8 @@ def test_the_report_says_what_each_tensor_was_compared_against(outputs):
     report = verify(out, str(source), adapter=str(adapter), device="cpu")
     merged, plain = report.against[f"{CPU_REFERENCE} + peft"], report.against["the source tensor"]
     assert report.ok and merged == 14 and plain > 0 and sum(report.against.values()) == report.checked
+    assert report.compared_against["model.layers.0.self_attn.q_proj.weight"] == f"{CPU_REFERENCE} + peft"
+    assert report.compared_against["model.norm.weight"] == "the source tensor"
     first, last = report_lines(report)
     assert first == (
         f"{out}: {report.checked} tensors checked on cpu ({merged} against {CPU_REFERENCE} + peft, "

@@ -39,11 +39,16 @@ class VerifyReport:
     device: str = "cpu"
     problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # checks that could not run (not problems: the weights may be right)
-    against: Counter = field(default_factory=Counter)  # tensors compared, by what they were compared against
+    compared_against: dict[str, str] = field(default_factory=dict)  # tensor -> what it was compared against
 
     @property
     def ok(self) -> bool:
         return not self.problems
+
+    @property
+    def against(self) -> Counter:
+        """How many tensors were compared against each reference ("bitsandbytes", "the source tensor", ...)."""
+        return Counter(self.compared_against.values())
 
     @property
     def libraries(self) -> str:
@@ -209,7 +214,7 @@ def _verify(output: Path, folder: Path, adapter_folder, chosen, progress: bool, 
             report.checked += 1
             tally = tallies.by_name.get(name)
             if tally is not None:
-                report.against[tally.against] += 1
+                report.compared_against[name] = tally.against
                 if not expected[name].recipe.plain:
                     report.dequantized += 1
                     report.merged += expected[name].recipe.kind == "merge_lora"

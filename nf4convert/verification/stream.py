@@ -24,8 +24,8 @@ CPU_SLICE_BYTES = 1 << 23  # output bytes a CPU thread recomputes at once: its b
 CUDA_SLICE_BYTES = 1 << 25  # on a GPU: larger copies, fewer launches
 COMPARE_BYTES = 1 << 22  # output bytes read and compared at a time (a whole tensor's reference is compared in these)
 CUDA_THREADS = 4  # enough reads in flight to keep the copies and the GPU busy
-# On the CPU: one per core up to this. Each thread holds Python's lock between its numpy and torch calls: on a 16-core
-# host 8 threads checked an 8B-shaped output faster than 16, in two thirds of the memory.
+# On the CPU: one per core up to this. Each thread holds Python's lock between its numpy and torch calls, and its
+# slice's buffers: past this many, threads waited on the lock more than they added, in more memory.
 MAX_THREADS = 8
 
 

@@ -40,8 +40,10 @@ Each step and why (read in bitsandbytes' csrc/kernels.cu, kDequantizeBlockwise, 
   conversion of the fp32 product to the output dtype, round to nearest even (``__float2half_rn``,
   ``__float2bfloat16_rn`` in CUDA, ``Tensor.copy_`` here, which keeps fp16 subnormals as CUDA does).
 
-The CPU work goes in chunks of whole quant blocks (``CHUNK_ELEMENTS``), so the fp32 scratch stays bounded
-(a 28672x8192 weight needs its output and 4 MiB more). Torch's default gradual underflow is assumed
+The CPU work goes in chunks of whole quant blocks (``CHUNK_ELEMENTS``) through one fp32 scratch per thread, kept
+for the thread's next call, so memory stays bounded: the output, its blocks' scales (4 bytes a block) and the
+scratch. Each chunk takes few calls (the lookup, then the product rounded to fp32 and to the output dtype in one
+torch call): several threads can share the cores, each waiting little on Python's lock. Torch's default gradual underflow is assumed
 (``torch.set_flush_denormal(False)``): only the offset add depends on it.
 """
 

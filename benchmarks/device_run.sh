@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU machine: the GPU tests, the whole-model conversion benchmark, the kernel benchmark, torch.compile against eager.
 # Expects bitsandbytes unpacked under .carry/site, peft 0.21 under .carry/peft and Unsloth's kernel copy under
-# .carry/peers (docs/performance.md, "How to run them"). STAGES picks parts (tests,convert,dequant,compile,kernels); logs go to $OUT.
+# .carry/peers (docs/performance.md, "How to run them"). STAGES picks parts (tests,convert,verify,dequant,compile,kernels); logs go
+# to $OUT.
 set -o pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 carry=$(cd "$root/.." && pwd)  # .carry when run from .carry/perf
@@ -26,6 +27,13 @@ if [[ $stages == *convert* ]]; then
     --routes ${ROUTES:-dd,cuda,cpu,transformers,adapter,peft,cuda+TRITON_CACHE_DIR=/tmp/nf4convert-empty-triton-cache} ${CONVERT_ARGS:-} 2>&1 \
     | tee "$out/convert.log" | grep -v '^ *$'
   rm -rf /tmp/bench-convert
+fi
+if [[ $stages == *verify* ]]; then
+  # verify beside the conversion. VERIFY_ARGS: the 8B shapes by default; "--shape 70b --layers 8 --steps
+  # dd,cuda,verify-cuda,cpu,verify-cpu,adapter,verify-adapter" for the 70B shapes (the checkpoint stays in
+  # /tmp/bench-verify for a later stage of the same call: "--build-only" first splits a long run).
+  timeout ${VERIFY_TIMEOUT:-540} python3 benchmarks/bench_verify.py --workdir /tmp/bench-verify --json "$out/verify.json" \
+    ${VERIFY_ARGS:---shape 8b} 2>&1 | tee "$out/verify.log" | grep -v '^{'
 fi
 if [[ $stages == *dequant* ]]; then
   timeout ${DEQUANT_TIMEOUT:-200} python3 benchmarks/bench_dequant.py --json "$out/dequant.json" ${DEQUANT_ARGS:---timer graph --rounds 3} 2>&1 | tee "$out/dequant.log" | grep -v '^{'

@@ -15,6 +15,7 @@ from click.testing import CliRunner
 
 from nf4convert.cli import main
 from nf4convert.safetensors_io.read import read_tensors
+from nf4convert.verification.reference.dequantize_4bit import CPU_REFERENCE
 
 from fixtures.adapters import KINDS, make_adapter, peft_merged
 from fixtures.checkpoints import _configs, build
@@ -100,7 +101,7 @@ def test_adapter_as_source_and_verify_catches_a_wrong_merge(base, tmp_path):
     # Verified against another adapter (same shapes, other values), the merged weights are named.
     other = make_adapter(tmp_path / "other", "linear", seed=43)
     output = run("verify", out, source, "--adapter", other, "-q", "--device", "cpu", code=1)
-    assert "q_proj.weight: " in output and "differ from bitsandbytes + peft" in output
+    assert "q_proj.weight: " in output and f"differ from {CPU_REFERENCE} + peft" in output
 
 
 def test_verify_with_an_adapter_keeps_peft_quiet_and_knows_out_from_source(base, tmp_path):
@@ -130,7 +131,8 @@ def test_verify_with_an_adapter_keeps_peft_quiet_and_knows_out_from_source(base,
         timeout=600,
     )
     lines = (result.stdout + result.stderr).strip().splitlines()
-    assert result.returncode == 0 and len(lines) == 2 and lines[-1] == "OK: bit-exact with bitsandbytes and peft", lines
+    assert result.returncode == 0 and len(lines) == 2, lines
+    assert lines[-1] == f"OK: bit-exact with {CPU_REFERENCE} and peft", lines
     assert run("verify", source, source, "-q", code=2).strip() == (
         f"Error: {source} is given as both OUT and SOURCE: the order is the converted checkpoint, "
         "then the bitsandbytes one"

@@ -15,6 +15,10 @@ import torch
 from click.testing import CliRunner
 
 from nf4convert.cli import main
+from nf4convert.verification.reference.dequantize_4bit import CPU_REFERENCE
+
+# what verify --device auto compares 4-bit weights against: bitsandbytes itself on a GPU
+AUTO_REFERENCE = "bitsandbytes" if torch.cuda.is_available() else CPU_REFERENCE
 
 from fixtures.checkpoints import VARIANTS, build, model_class
 
@@ -89,7 +93,7 @@ def test_convert_verify_and_load(variant, checkpoints, tmp_path):
     ) - sum(8 + struct.unpack("<Q", (out / f).read_bytes()[:8])[0] for f in set(index["weight_map"].values()))
 
     output = run("verify", out, source)
-    assert "OK: bit-exact with bitsandbytes" in output
+    assert f"OK: bit-exact with {AUTO_REFERENCE}\n" in output
 
     # transformers loads it as an ordinary dense model, and its outputs match transformers' own
     # dequantize() of the 4-bit model exactly (same weights, same dense operations).
@@ -270,7 +274,7 @@ def test_verify_says_which_checks_it_could_not_run(tmp_path):
     )
     run(source, "-o", tmp_path / "out", "-q")
     lines = run("verify", tmp_path / "out", source, "-q").splitlines()
-    assert lines[-1] == "OK: bit-exact with bitsandbytes"
+    assert lines[-1] == f"OK: bit-exact with {AUTO_REFERENCE}"
     assert lines[-2].startswith("  note: config.json: transformers could not build the model from it (")
     assert lines[-2].endswith("so the shapes it loads and its Conv1D layers were not checked")
     assert "note" not in run("verify", tmp_path / "out", source, "-q").replace(lines[-2], "")  # once

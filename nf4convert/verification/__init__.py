@@ -25,8 +25,9 @@ from ..safetensors_io.read import TensorInfo, TensorReader, read_tensors
 from ..skeleton import meta_model
 from ..source import named_sources, resolve_source
 from . import audit
-from .compare import compare
+from .compare import Tallies, described
 from .reference import Context
+from .stream import check_tensors
 
 
 @dataclass
@@ -38,11 +39,29 @@ class VerifyReport:
     device: str = "cpu"
     problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # checks that could not run (not problems: the weights may be right)
+    compared_against: dict[str, str] = field(default_factory=dict)  # tensor -> what it was compared against
     gguf: bool = False  # a GGUF file, checked against llama.cpp's converter run on the reference
 
     @property
     def ok(self) -> bool:
         return not self.problems
+
+    @property
+    def against(self) -> Counter:
+        """How many tensors were compared against each reference ("bitsandbytes", "the source tensor", ...)."""
+        return Counter(self.compared_against.values())
+
+    @property
+    def libraries(self) -> str:
+        """What the recomputed tensors were compared against, together ("bitsandbytes and peft")."""
+        if self.gguf:  # every tensor went through the converter, run on the reference libraries' tensors
+            return "llama.cpp's converter on " + ("bitsandbytes and peft" if self.merged else "bitsandbytes")
+        names = []
+        for what in sorted(self.against):
+            for part in what.split(" + "):
+                if part != "the source tensor" and part not in names:
+                    names.append(part)
+        return " and ".join(names) or "the source tensors"
 
 
 def _output_dtype(output: Path, produced: dict[str, TensorInfo]) -> str:
@@ -186,11 +205,31 @@ def _verify(output: Path, folder: Path, adapter_folder, chosen, progress: bool, 
         names = sorted(set(expected) & set(produced))
         context = Context(expected, *meta_model(plan.config), plan.tied or ())
         report.problems += audit.layout_problems(plan.tensors, context)
-        for name in tqdm(
-            names, desc=f"verifying {output.name}", unit="tensor", disable=not progress, dynamic_ncols=True
-        ):
+        retyped = {name: described(expected[name], produced[name]) for name in names}
+        # in the output's order: each file read front to back
+        pairs = sorted(
+            ((expected[name], produced[name]) for name in names if retyped[name] is None),
+            key=lambda pair: (str(pair[1].path), pair[1].begin),
+        )
+        tallies = Tallies()
+        with tqdm(
+            total=sum(info.nbytes for _, info in pairs),
+            desc=f"verifying {output.name}",
+            unit="B",
+            unit_scale=True,
+            disable=not progress,
+            dynamic_ncols=True,
+        ) as bar:
+            check_tensors(pairs, source_reader, output_reader, chosen, context, tallies, bar.update)
+        for name in names:
             report.checked += 1
-            problem = compare(expected[name], produced[name], source_reader, output_reader, chosen, report, context)
+            tally = tallies.by_name.get(name)
+            if tally is not None:
+                report.compared_against[name] = tally.against
+                if not expected[name].recipe.plain:
+                    report.dequantized += 1
+                    report.merged += expected[name].recipe.kind == "merge_lora"
+            problem = retyped[name] or (tally.problem() if tally is not None else None)
             if problem:
                 report.problems.append(f"{name}: {problem}")
     if adapter_folder is None and audit.looks_merged(report.problems):
@@ -212,12 +251,15 @@ def _verify(output: Path, folder: Path, adapter_folder, chosen, progress: bool, 
 
 
 def report_lines(report: VerifyReport) -> list[str]:
-    libraries = "bitsandbytes and peft" if report.merged else "bitsandbytes"
+    """The report as the command prints it: what was compared against what, each problem, the verdict."""
+    compared = ", ".join(
+        f"{count} against {'their source tensors' if what == 'the source tensor' else what}"
+        for what, count in sorted(report.against.items())
+    )
     if report.gguf:
-        libraries = f"llama.cpp's converter on {libraries}"
+        compared = f"{report.dequantized} recomputed by {report.libraries}"
     lines = [
-        f"{report.output}: {report.checked} tensors checked "
-        f"({report.dequantized} recomputed by {libraries} on {report.device})"
+        f"{report.output}: {report.checked} tensors checked on {report.device}" + (f" ({compared})" if compared else "")
     ]
     lines += [f"  MISMATCH {problem}" for problem in report.problems[:20]]
     if len(report.problems) > 20:
@@ -225,6 +267,6 @@ def report_lines(report: VerifyReport) -> list[str]:
     lines += [f"  note: {note}" for note in report.notes]
     count = len(report.problems)
     lines.append(
-        f"OK: bit-exact with {libraries}" if report.ok else f"FAILED: {count} problem{'s' if count != 1 else ''}"
+        f"OK: bit-exact with {report.libraries}" if report.ok else f"FAILED: {count} problem{'s' if count != 1 else ''}"
     )
     return lines

@@ -40,14 +40,18 @@ Each step and why (read in bitsandbytes' csrc/kernels.cu, kDequantizeBlockwise, 
   conversion of the fp32 product to the output dtype, round to nearest even (``__float2half_rn``,
   ``__float2bfloat16_rn`` in CUDA, ``Tensor.copy_`` here, which keeps fp16 subnormals as CUDA does).
 
-The CPU work goes in chunks of whole quant blocks (``CHUNK_ELEMENTS``), so the fp32 scratch stays bounded
-(a 28672x8192 weight needs its output and 4 MiB more). Torch's default gradual underflow is assumed
+The CPU work goes in chunks of whole quant blocks (``CHUNK_ELEMENTS``) through one fp32 scratch per thread, kept
+for the thread's next call, so memory stays bounded: the output, its blocks' scales (4 bytes a block) and the
+scratch. Each chunk takes few calls (the lookup, then the product rounded to fp32 and to the output dtype in one
+torch call): several threads can share the cores, each waiting little on Python's lock. Torch's default gradual underflow is assumed
 (``torch.set_flush_denormal(False)``): only the offset add depends on it.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+import threading
 from typing import Any, Mapping
 
 import torch
@@ -61,13 +65,16 @@ BLOCKSIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)
 OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def dequantize_4bit(packed: torch.Tensor, quant_state: Any, *, dtype: torch.dtype, device) -> torch.Tensor:
+def dequantize_4bit(
+    packed: torch.Tensor, quant_state: Any, *, dtype: torch.dtype, device, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """What bitsandbytes' CUDA kernels give for ``packed``, as a tensor of ``quant_state.shape`` and ``dtype``.
 
     ``quant_state`` is a ``bitsandbytes.functional.QuantState`` (or anything with its fields), on any
     device; ``packed`` is the packed weight in any storage dtype (read as bytes). On a CUDA ``device`` this
     runs ``bitsandbytes.functional.dequantize_4bit`` there (the caller's state is not modified); on the
-    CPU, the exact computation described in this module's docstring.
+    CPU, the exact computation described in this module's docstring, into ``out`` where given (CPU memory of at
+    least the result's bytes, any dtype: a caller's reused buffer).
 
         >>> packed, state = F.quantize_4bit(weight.cuda(), quant_type="nf4", compress_statistics=True)
         >>> dense = dequantize_4bit(packed.cpu(), cpu_state, dtype=torch.bfloat16, device="cpu")
@@ -76,12 +83,12 @@ def dequantize_4bit(packed: torch.Tensor, quant_state: Any, *, dtype: torch.dtyp
     """
     device = torch.device(device)
     raw = _as_bytes(packed)
-    _check(raw.numel(), quant_state, dtype)
+    check(raw.numel(), quant_state, dtype)
     if device.type == "cuda":
         return _dequantize_cuda(raw, quant_state, dtype, device)
     if device.type != "cpu":
         raise ArgumentError(f"device {device} is not supported: the reference runs on cpu or cuda")
-    return _dequantize_cpu(raw.cpu(), quant_state, dtype)
+    return _dequantize_cpu(raw.cpu(), quant_state, dtype, out)
 
 
 def quant_state_from_tensors(tensors: Mapping[str, torch.Tensor], device, *, file: str | None = None):
@@ -123,7 +130,7 @@ def _as_bytes(packed: torch.Tensor) -> torch.Tensor:
     return packed.detach().contiguous().view(torch.uint8).reshape(-1)
 
 
-def _check(n_bytes: int, quant_state: Any, dtype: torch.dtype) -> None:
+def check(n_bytes: int, quant_state: Any, dtype: torch.dtype) -> None:
     if dtype not in OUT_DTYPES:
         raise ArgumentError(f"dtype must be float16, bfloat16 or float32, not {dtype}")
     if quant_state.quant_type not in ("nf4", "fp4"):
@@ -214,6 +221,7 @@ def _block_scales(quant_state: Any, first_block: int, last_block: int, operands:
     return _flush_operand(scale)
 
 
+@functools.lru_cache(maxsize=None)
 def _pair_table(quant_type: str):
     """numpy fp32 [256, 2]: the CUDA code of the high and the low nibble of every byte."""
     import bitsandbytes.functional as F
@@ -224,17 +232,22 @@ def _pair_table(quant_type: str):
         code[8] = -0.0  # CUDA: lut[0] * (1 - 2 * 1) = 0.0f * -1.0f; bitsandbytes' table holds +0.0
     values = code.numpy()
     byte = np.arange(256)
-    return np.ascontiguousarray(np.stack((values[byte >> 4], values[byte & 15]), axis=1), dtype=np.float32)
+    table = np.ascontiguousarray(np.stack((values[byte >> 4], values[byte & 15]), axis=1), dtype=np.float32)
+    table.flags.writeable = False  # shared by every call
+    return table
 
 
-def _dequantize_cpu(raw: torch.Tensor, quant_state: Any, dtype: torch.dtype) -> torch.Tensor:
+def _dequantize_cpu(raw: torch.Tensor, quant_state: Any, dtype: torch.dtype, out=None) -> torch.Tensor:
     import numpy as np
 
     shape = torch.Size(quant_state.shape)
     n_elements = shape.numel()
     blocksize = quant_state.blocksize
     n_blocks = -(-n_elements // blocksize)
-    out = torch.empty(n_elements, dtype=dtype)
+    if out is None:
+        out = torch.empty(n_elements, dtype=dtype)
+    else:
+        out = out.view(-1).view(torch.uint8)[: n_elements * dtype.itemsize].view(dtype)
     pairs = _pair_table(quant_state.quant_type)
     operands = {}
     if quant_state.nested:
@@ -245,13 +258,17 @@ def _dequantize_cpu(raw: torch.Tensor, quant_state: Any, dtype: torch.dtype) -> 
             "offset": torch.as_tensor(quant_state.offset, dtype=torch.float32).cpu().reshape(()),
             "shift": state2.blocksize.bit_length() - 1,  # CUDA indexes by shift: k >> log2(blocksize)
         }
+    scales = _block_scales(quant_state, 0, n_blocks, operands)  # 4 bytes a block, in one pass of few calls
     # |code| >= 1/192 for every non-zero entry, so a block whose |scale| is at least this has no product
     # near FLT_MIN and skips the flush (with a margin: the products then exceed 2 * FLT_MIN).
     smallest_code = float(np.abs(pairs[pairs != 0]).min())
     no_flush_scale = 2 * FLT_MIN / smallest_code
+    tiny = bool((scales.abs() < no_flush_scale).any())  # not min(): a NaN scale would hide a tiny one
+    # |code| <= 1 and finite: a product is NaN only where its scale is NaN or infinite (inf * 0)
+    finite = bool(torch.isfinite(scales).all())
     raw_bytes = raw.numpy()
     chunk_blocks = max(1, min(n_blocks, CHUNK_ELEMENTS // blocksize))
-    scratch = torch.empty(chunk_blocks * blocksize, dtype=torch.float32)
+    scratch = _scratch(chunk_blocks * blocksize)
     scratch_pairs = scratch.numpy().reshape(-1, 2)
     for first_block in range(0, n_blocks, chunk_blocks):
         last_block = min(first_block + chunk_blocks, n_blocks)
@@ -261,16 +278,31 @@ def _dequantize_cpu(raw: torch.Tensor, quant_state: Any, dtype: torch.dtype) -> 
         # mode="clip": every byte is a valid row, and the default "raise" buffers the output (a copy)
         np.take(pairs, raw_bytes[first_byte:end_byte], axis=0, out=scratch_pairs[:count_bytes], mode="clip")
         values = scratch[: (last_block - first_block) * blocksize]
-        values[2 * count_bytes :] = 0.0  # the rest of a partial last block: computed, never written out
+        if 2 * count_bytes < values.numel():
+            values[2 * count_bytes :] = 0.0  # the rest of a partial last block: computed, never written out
         blocks = values.view(last_block - first_block, blocksize)
-        scale = _block_scales(quant_state, first_block, last_block, operands)
-        if (scale.abs() < no_flush_scale).any():  # not min(): a NaN scale would hide a tiny one
-            _multiply_ftz(blocks, scale[:, None])
+        scale = scales[first_block:last_block, None]
+        target = out[first_element:end_element]
+        if tiny and (scale.abs() < no_flush_scale).any():
+            target.copy_(_multiply_ftz(blocks, scale).view(-1)[: target.numel()])
+        elif target.numel() == values.numel():  # whole blocks: the product rounded to fp32, then to ``dtype``
+            torch.mul(blocks, scale, out=target.view(blocks.shape))
         else:
-            blocks.mul_(scale[:, None])
-        out[first_element:end_element].copy_(values[: end_element - first_element])
+            target.copy_(blocks.mul_(scale).view(-1)[: target.numel()])
     # A NaN scale (or inf * 0) makes NaNs: CUDA's arithmetic and conversions give the canonical one
-    return canonical_nans(out).view(shape)
+    return (out if finite else canonical_nans(out)).view(shape)
+
+
+_scratches = threading.local()
+
+
+def _scratch(elements: int) -> torch.Tensor:
+    """This thread's fp32 scratch of at least ``elements`` (reused: verify's threads each decode slice after slice)."""
+    held = getattr(_scratches, "buffer", None)
+    if held is None or held.numel() < elements:
+        _scratches.buffer = held = None
+        _scratches.buffer = held = torch.empty(elements, dtype=torch.float32)
+    return held[:elements]
 
 
 CANONICAL_NAN = {2: 0x7FFF, 4: 0x7FFFFFFF, 8: 0x7FFFFFFFFFFFFFFF}  # by element size: all bits but the sign set

@@ -1,6 +1,7 @@
 """The reference of a merged tensor: peft's own merge. The tensor's module alone, in a stand-in model holding the
 references of its base tensors, then ``PeftModel.from_pretrained(...).merge_and_unload()``: what the user's route
-runs, with none of our merge code."""
+runs, with none of our merge code. A merge needs the whole tensor: one slice, the one tensor held (on the GPU where
+verify runs there)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,17 @@ import dataclasses
 import warnings
 
 from ...dtypes import DTYPES
+from .base import Slice, as_bytes
 
-BLAME = "bitsandbytes + peft"
+
+def against(tensor, device) -> str:
+    from . import against as base_against
+
+    return f"{base_against(dataclasses.replace(tensor, recipe=tensor.recipe.base), device)} + peft"
+
+
+def slices(tensor, reader, device, context, piece_bytes: int):
+    yield Slice(0, tensor.nbytes, lambda read, take: as_bytes(reference(tensor, reader, device, context)))
 
 
 def _skeleton_module(module: str, adapter, device, dtype, references: dict, layer_class):

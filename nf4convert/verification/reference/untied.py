@@ -4,8 +4,20 @@ from __future__ import annotations
 
 import dataclasses
 
-BLAME = "the source tensor"
+
+def _base(tensor):
+    return dataclasses.replace(tensor, recipe=tensor.recipe.base)
+
+
+def against(tensor, device) -> str:
+    from . import against as base_against
+
+    return base_against(_base(tensor), device)
+
+
+def slices(tensor, reader, device, context, piece_bytes: int):
+    return context.slices(_base(tensor), reader, device, piece_bytes)
 
 
 def reference(tensor, reader, device, context):
-    return context.recompute(dataclasses.replace(tensor, recipe=tensor.recipe.base), reader, device)
+    return context.recompute(_base(tensor), reader, device)

@@ -17,10 +17,10 @@ from click.testing import CliRunner
 from nf4convert.cli import main
 from nf4convert.verification.reference.dequantize_4bit import CPU_REFERENCE
 
+from fixtures.checkpoints import VARIANTS, build, model_class
+
 # what verify --device auto compares 4-bit weights against: bitsandbytes itself on a GPU
 AUTO_REFERENCE = "bitsandbytes" if torch.cuda.is_available() else CPU_REFERENCE
-
-from fixtures.checkpoints import VARIANTS, build, model_class
 
 pytest.importorskip("bitsandbytes")
 pytest.importorskip("transformers")

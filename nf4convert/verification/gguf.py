@@ -34,7 +34,7 @@ from ..plan import make_plan
 from ..safetensors_io.read import TensorReader
 from ..skeleton import meta_model
 from ..source import model_stem, named_sources, resolve_source
-from .reference import Context, blame
+from .reference import Context, against
 
 HEADER_FIELDS = ("GGUF.version", "GGUF.tensor_count", "GGUF.kv_count")  # the reader's names for the header's words
 
@@ -125,7 +125,7 @@ def verify_gguf(
                     report.dequantized += not tensor.recipe.plain
                     report.merged += tensor.recipe.kind == "merge_lora"
                 if problem:
-                    sources = ", ".join(sorted({blame(tensor) for tensor in recomputed})) or "the reference"
+                    sources = ", ".join(sorted({against(tensor, chosen) for tensor in recomputed})) or "the reference"
                     report.problems.append(f"{name}: {problem} (llama.cpp's converter on {sources})")
     return report
 

@@ -43,8 +43,8 @@ Each step and why (read in bitsandbytes' csrc/kernels.cu, kDequantizeBlockwise, 
 The CPU work goes in chunks of whole quant blocks (``CHUNK_ELEMENTS``) through one fp32 scratch per thread, kept
 for the thread's next call, so memory stays bounded: the output, its blocks' scales (4 bytes a block) and the
 scratch. Each chunk takes few calls (the lookup, then the product rounded to fp32 and to the output dtype in one
-torch call): several threads can share the cores, each waiting little on Python's lock. Torch's default gradual underflow is assumed
-(``torch.set_flush_denormal(False)``): only the offset add depends on it.
+torch call): several threads can share the cores, each waiting little on Python's lock. Torch's default gradual
+underflow is assumed (``torch.set_flush_denormal(False)``): only the offset add depends on it.
 """
 
 from __future__ import annotations

@@ -315,7 +315,7 @@ def test_cli_converts_verifies_then_pushes(hub, tmp_path):
     result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr
     assert (
-        "OK: bit-exact with bitsandbytes" in result.stdout
+        "OK: bit-exact with the CPU reference of bitsandbytes' CUDA arithmetic" in result.stdout
         and f"pushed to {endpoint}/me/tiny-llama-bf16" in result.stdout
     )
     repo = state.repos["me/tiny-llama-bf16"]

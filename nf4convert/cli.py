@@ -13,11 +13,10 @@ import sys
 import click
 
 from . import __version__
+from .cli_options import convert_options, one_adapter, quiet, source_options
 from .console import DefaultGroup, end, error_line, fail, message, run_action, say
 from .dtypes import OUTPUT_CHOICES
 from .errors import ArgumentError, Nf4ConvertError, Terminated
-from .gguf_converter import GGUF_TYPES
-from .sizes import DEFAULT_SHARD_SIZE
 
 
 @click.group(cls=DefaultGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -34,91 +33,6 @@ def main():
     """
 
 
-def _quiet(ctx, param, value) -> bool:
-    return value or sys.stderr is None  # no standard error (closed at start): no bars to draw on it
-
-
-def _common_source_options(function):
-    for option in reversed(
-        [
-            click.option(
-                "--revision", help="Hub branch, tag or commit of SOURCE (default: main; not for a local folder)."
-            ),
-            click.option(
-                "--token", envvar="HF_TOKEN", help="Hub token for private or gated repos (default: $HF_TOKEN)."
-            ),
-            click.option(
-                "--cache-dir", type=click.Path(file_okay=False), help="Hub cache folder (default: $HF_HUB_CACHE)."
-            ),
-        ]
-    ):
-        function = option(function)
-    return function
-
-
-ADAPTER_HELP = "A peft LoRA adapter (folder or Hub repo id) to merge into the weights, bit for bit as peft merges."
-
-
-def _one_adapter(ctx, param, values):
-    """--adapter given once at most: click would keep the last of several and drop the others unsaid."""
-    if len(values) > 1:
-        raise click.BadParameter(
-            f"given {len(values)} times; one adapter per conversion (merge several into one with peft first)"
-        )
-    return values[0] if values else None
-
-
-def _convert_options(function):
-    for option in reversed(
-        [
-            click.option("--adapter", multiple=True, callback=_one_adapter, help=ADAPTER_HELP),
-            click.option(
-                "--dtype",
-                type=click.Choice(OUTPUT_CHOICES, case_sensitive=False),
-                default="auto",
-                show_default=True,
-                help="Output dtype; auto keeps the dtype the model was quantized from.",
-            ),
-            click.option(
-                "--gguf-type",
-                type=click.Choice(GGUF_TYPES, case_sensitive=False),
-                help="Write one GGUF file of this type, as llama.cpp's converter writes it from the dense output "
-                "(default with a .gguf OUT: the --dtype's own float type).",
-            ),
-            click.option(
-                "--device",
-                default="auto",
-                show_default=True,
-                help="auto, cpu, cuda or cuda:N (auto: the GPU if there is one).",
-            ),
-            click.option(
-                "--max-shard-size",
-                default=DEFAULT_SHARD_SIZE,
-                show_default=True,
-                help="Largest output shard, like transformers'.",
-            ),
-            click.option(
-                "--overwrite", is_flag=True, help="Replace OUT if it exists (only once the new output is complete)."
-            ),
-            click.option(
-                "--allow-no-config",
-                is_flag=True,
-                help="Convert a SOURCE that has no config.json (refused otherwise): the output holds the dense tensors "
-                "without one, so transformers cannot load it as a model by itself.",
-            ),
-            click.option(
-                "-q",
-                "--quiet",
-                is_flag=True,
-                callback=_quiet,
-                help="No progress bars (downloads and uploads too); the one-line summary stays.",
-            ),
-        ]
-    ):
-        function = option(function)
-    return _common_source_options(function)
-
-
 @main.command("convert")
 @click.argument("source")
 @click.option(
@@ -127,7 +41,7 @@ def _convert_options(function):
     type=click.Path(),
     help="Output folder (default: ./<name>-<dtype>), or one GGUF file: a name ending in .gguf.",
 )
-@_convert_options
+@convert_options
 @click.option(
     "--dry-run",
     is_flag=True,
@@ -265,7 +179,7 @@ def _show_report(report) -> None:
 @click.option(
     "--adapter",
     multiple=True,
-    callback=_one_adapter,
+    callback=one_adapter,
     help="The LoRA adapter that was merged (peft merges it again for the check).",
 )
 @click.option(
@@ -275,8 +189,8 @@ def _show_report(report) -> None:
     show_default=True,
     help="For a GGUF OUTPUT: the --dtype it was converted with (its tensors' dtype before the GGUF type).",
 )
-@click.option("-q", "--quiet", is_flag=True, callback=_quiet, help="No progress bars (downloads too).")
-@_common_source_options
+@click.option("-q", "--quiet", is_flag=True, callback=quiet, help="No progress bars (downloads too).")
+@source_options
 def verify_command(output, source, device, adapter, dtype, quiet, revision, token, cache_dir):
     """Check OUTPUT against SOURCE with bitsandbytes' own dequantization, bit for bit.
 
@@ -326,7 +240,7 @@ def verify_command(output, source, device, adapter, dtype, quiet, revision, toke
     type=click.File("r", encoding="utf-8-sig"),
     help="Read more sources from this file, one per line ('#' at a line's start or after a space begins a comment).",
 )
-@_convert_options
+@convert_options
 @click.option(
     "--json", "as_json", is_flag=True, help="Print one JSON object per source (a line each) instead of the table."
 )

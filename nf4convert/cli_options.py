@@ -1,0 +1,97 @@
+"""The options the commands share, declared once: where sources come from (``--revision``, ``--token``,
+``--cache-dir``) and how a conversion is made (``--adapter``, ``--dtype``, ``--gguf-type``, ``--device``, ...)."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from .dtypes import OUTPUT_CHOICES
+from .gguf_converter import GGUF_TYPES
+from .sizes import DEFAULT_SHARD_SIZE
+
+
+def quiet(ctx, param, value) -> bool:
+    return value or sys.stderr is None  # no standard error (closed at start): no bars to draw on it
+
+
+def source_options(function):
+    for option in reversed(
+        [
+            click.option(
+                "--revision", help="Hub branch, tag or commit of SOURCE (default: main; not for a local folder)."
+            ),
+            click.option(
+                "--token", envvar="HF_TOKEN", help="Hub token for private or gated repos (default: $HF_TOKEN)."
+            ),
+            click.option(
+                "--cache-dir", type=click.Path(file_okay=False), help="Hub cache folder (default: $HF_HUB_CACHE)."
+            ),
+        ]
+    ):
+        function = option(function)
+    return function
+
+
+ADAPTER_HELP = "A peft LoRA adapter (folder or Hub repo id) to merge into the weights, bit for bit as peft merges."
+
+
+def one_adapter(ctx, param, values):
+    """--adapter given once at most: click would keep the last of several and drop the others unsaid."""
+    if len(values) > 1:
+        raise click.BadParameter(
+            f"given {len(values)} times; one adapter per conversion (merge several into one with peft first)"
+        )
+    return values[0] if values else None
+
+
+def convert_options(function):
+    for option in reversed(
+        [
+            click.option("--adapter", multiple=True, callback=one_adapter, help=ADAPTER_HELP),
+            click.option(
+                "--dtype",
+                type=click.Choice(OUTPUT_CHOICES, case_sensitive=False),
+                default="auto",
+                show_default=True,
+                help="Output dtype; auto keeps the dtype the model was quantized from.",
+            ),
+            click.option(
+                "--gguf-type",
+                type=click.Choice(GGUF_TYPES, case_sensitive=False),
+                help="Write one GGUF file of this type, as llama.cpp's converter writes it from the dense output "
+                "(default with a .gguf OUT: the --dtype's own float type).",
+            ),
+            click.option(
+                "--device",
+                default="auto",
+                show_default=True,
+                help="auto, cpu, cuda or cuda:N (auto: the GPU if there is one).",
+            ),
+            click.option(
+                "--max-shard-size",
+                default=DEFAULT_SHARD_SIZE,
+                show_default=True,
+                help="Largest output shard, like transformers'.",
+            ),
+            click.option(
+                "--overwrite", is_flag=True, help="Replace OUT if it exists (only once the new output is complete)."
+            ),
+            click.option(
+                "--allow-no-config",
+                is_flag=True,
+                help="Convert a SOURCE that has no config.json (refused otherwise): the output holds the dense tensors "
+                "without one, so transformers cannot load it as a model by itself.",
+            ),
+            click.option(
+                "-q",
+                "--quiet",
+                is_flag=True,
+                callback=quiet,
+                help="No progress bars (downloads and uploads too); the one-line summary stays.",
+            ),
+        ]
+    ):
+        function = option(function)
+    return source_options(function)

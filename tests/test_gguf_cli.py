@@ -277,7 +277,7 @@ def test_default_name_and_quiet(llama, tmp_path, monkeypatch):
     assert _files(tmp_path) == ["llama-q8_0.gguf"]
     assert result.stderr == "" and result.stdout.count("\n") == 1
     assert result.stdout.startswith(
-        "llama-q8_0.gguf: 21 tensors (14 dequantized), 0.00 GB GGUF q8_0 (made from bfloat16)"
+        "llama-q8_0.gguf: 21 tensors (7 copied, 14 dequantized from 4-bit), 0.00 GB GGUF q8_0 (made from bfloat16)"
     )
 
 

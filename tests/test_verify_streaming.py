@@ -324,7 +324,7 @@ def test_memory_does_not_grow_with_the_tensor(tmp_path):
     for rows in (2048, 16384):
         source, name = _one_big_weight(tmp_path / f"src-{rows}", rows)
         out = tmp_path / f"out-{rows}"
-        run(source, "-o", out, "-q", "--device", "cpu")
+        run(source, "-o", out, "-q", "--device", "cpu", "--allow-no-config")  # a weight alone: no config.json
         if rows == 16384:
             flip(out, name, 0.9, bit=2)
         result = subprocess.run(

@@ -61,9 +61,10 @@ model.save_pretrained(sys.argv[2], save_original_format=False)
 """
 
 
-def _weights(layers: int, vocab_size: int = LLAMA_8B["vocab_size"]):
-    """(name, shape, quantized) in the order transformers saves a Llama."""
-    hidden, inter, kv = LLAMA_8B["hidden_size"], LLAMA_8B["intermediate_size"], LLAMA_8B["num_key_value_heads"] * 128
+def _weights(layers: int, vocab_size: int = LLAMA_8B["vocab_size"], sizes: dict = LLAMA_8B):
+    """(name, shape, quantized) in the order transformers saves a Llama of ``sizes`` (8B's by default)."""
+    hidden, inter = sizes["hidden_size"], sizes["intermediate_size"]
+    kv = sizes["num_key_value_heads"] * (hidden // sizes["num_attention_heads"])
     yield "model.embed_tokens.weight", (vocab_size, hidden), False
     for i in range(layers):
         prefix = f"model.layers.{i}"

@@ -46,7 +46,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_convert import build_source, measure, sync_seconds
+from bench_convert import _weights, build_source, measure, sync_seconds
 
 SHAPES = {
     "8b": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8),
@@ -73,26 +73,7 @@ CONVERSION_OF = {
 
 def weights(shape: str, layers: int, vocab: int = VOCAB):
     """(name, (rows, columns) or (n,), quantized) in the order transformers saves a Llama."""
-    sizes = SHAPES[shape]
-    hidden, inter = sizes["hidden_size"], sizes["intermediate_size"]
-    kv = sizes["num_key_value_heads"] * (hidden // sizes["num_attention_heads"])
-    yield "model.embed_tokens.weight", (vocab, hidden), False
-    for i in range(layers):
-        prefix = f"model.layers.{i}"
-        for name, dims in (
-            ("self_attn.q_proj", (hidden, hidden)),
-            ("self_attn.k_proj", (kv, hidden)),
-            ("self_attn.v_proj", (kv, hidden)),
-            ("self_attn.o_proj", (hidden, hidden)),
-            ("mlp.gate_proj", (inter, hidden)),
-            ("mlp.up_proj", (inter, hidden)),
-            ("mlp.down_proj", (hidden, inter)),
-        ):
-            yield f"{prefix}.{name}.weight", dims, True
-        yield f"{prefix}.input_layernorm.weight", (hidden,), False
-        yield f"{prefix}.post_attention_layernorm.weight", (hidden,), False
-    yield "model.norm.weight", (hidden,), False
-    yield "lm_head.weight", (vocab, hidden), False
+    yield from _weights(layers, vocab, SHAPES[shape])
 
 
 def build_quantized(folder: Path, shape: str, layers: int, vocab: int = VOCAB) -> int:

@@ -101,7 +101,9 @@ def test_a_stop_signal_from_the_console_scripts_first_statement_is_never_a_trace
         if stderr == "":
             seen.add("start-up")  # before the command line's own handlers: a quiet exit
         else:
-            assert stderr == f"Error: {word}; nothing was written\n", stderr
+            # a Ctrl-C that lands in click's own parsing comes after the blank line click closes a terminal's ^C with
+            expected = f"Error: {word}; nothing was written\n"
+            assert stderr in (expected, "\n" + expected) if signum == signal.SIGINT else stderr == expected, stderr
             seen.add("run")
             late = delay if late is None else min(late, delay)
     assert seen == {"start-up", "run"}, seen

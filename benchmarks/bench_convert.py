@@ -61,6 +61,18 @@ model.save_pretrained(sys.argv[2], save_original_format=False)
 """
 
 
+def name_shards(folder: Path, shards: list) -> dict:
+    """Rename the ``part-N.safetensors`` files written in order to transformers' shard names; the weight map (tensor ->
+    file) of ``shards``, each part's tensor names."""
+    names = sorted(folder.glob("part-*.safetensors"), key=lambda p: int(p.stem.split("-")[1]))
+    weight_map = {}
+    for index, path in enumerate(names, 1):
+        target = folder / f"model-{index:05d}-of-{len(names):05d}.safetensors"
+        path.rename(target)
+        weight_map.update({key: target.name for key in shards[index - 1]})
+    return weight_map
+
+
 def _weights(layers: int, vocab_size: int = LLAMA_8B["vocab_size"], sizes: dict = LLAMA_8B):
     """(name, shape, quantized) in the order transformers saves a Llama of ``sizes`` (8B's by default)."""
     hidden, inter = sizes["hidden_size"], sizes["intermediate_size"]
@@ -145,12 +157,7 @@ def build_source(
         current.update(tensors)
         size += nbytes
     flush()
-    names = sorted(folder.glob("part-*.safetensors"), key=lambda p: int(p.stem.split("-")[1]))
-    weight_map = {}
-    for index, path in enumerate(names, 1):
-        target = folder / f"model-{index:05d}-of-{len(names):05d}.safetensors"
-        path.rename(target)
-        weight_map.update({key: target.name for key in shards[index - 1]})
+    weight_map = name_shards(folder, shards)
     (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     config = LlamaConfig(
         **{**LLAMA_8B, "vocab_size": vocab_size},

@@ -46,7 +46,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_convert import _weights, build_source, measure, sync_seconds
+from bench_convert import _weights, build_source, measure, name_shards, sync_seconds
 
 SHAPES = {
     "8b": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8),
@@ -114,12 +114,7 @@ def build_quantized(folder: Path, shape: str, layers: int, vocab: int = VOCAB) -
         current.update(tensors)
         size += nbytes
     flush()
-    names = sorted(folder.glob("part-*.safetensors"), key=lambda p: int(p.stem.split("-")[1]))
-    weight_map = {}
-    for index, path in enumerate(names, 1):
-        target = folder / f"model-{index:05d}-of-{len(names):05d}.safetensors"
-        path.rename(target)
-        weight_map.update({key: target.name for key in shards[index - 1]})
+    weight_map = name_shards(folder, shards)
     total = sum(p.stat().st_size for p in folder.glob("model-*.safetensors"))
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (folder / "model.safetensors.index.json").write_text(json.dumps(index))

@@ -46,6 +46,8 @@ KINDS = {
 }
 BASES = {"tied": ("qwen2-tied-fp4", 2), "untied": ("llama-nf4-dq", 3)}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# the conversion's --device, and where the reference merges and the logits are computed: the same device type
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 def run(*args, code=0):
@@ -110,14 +112,14 @@ def _untie_after_loading(peft_model):
             module.weight = torch.nn.Parameter(held.detach().clone(), requires_grad=False)
 
 
-def reference(dense, adapter):
+def reference(dense, adapter, device="cpu"):
     """peft's merge_and_unload on the dense base untied after loading, and the unmerged (trained) adapter model."""
     from peft import PeftModel
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trained = PeftModel.from_pretrained(_load(dense), adapter).eval()
-        model = PeftModel.from_pretrained(_load(dense), adapter)
+        trained = PeftModel.from_pretrained(_load(dense).to(device), adapter).eval()
+        model = PeftModel.from_pretrained(_load(dense).to(device), adapter)
         _untie_after_loading(model)
         merged = model.merge_and_unload().eval()
     return merged, trained
@@ -132,17 +134,18 @@ def _output_tensors(folder):
     return tensors
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("base", list(BASES))
 @pytest.mark.parametrize("kind", list(KINDS))
-def test_merge_is_the_trained_model(kind, base, dtype, bases, tmp_path):
+def test_merge_is_the_trained_model(kind, base, dtype, device, bases, tmp_path):
     source, dense = bases(base, dtype)
     seed = 100 + list(KINDS).index(kind) * 4 + list(BASES).index(base) * 2 + list(DTYPES).index(dtype)
     adapter = make_adapter(dense, tmp_path / "adapter", kind, seed)
     out = tmp_path / "merged"
-    run(source, "--adapter", adapter, "-o", out, "--device", "cpu", "--dtype", dtype, "--max-shard-size", "300KB", "-q")
-    merged, trained = reference(dense, adapter)
-    expected = {name: tensor.contiguous() for name, tensor in merged.state_dict().items()}
+    run(source, "--adapter", adapter, "-o", out, "--device", device, "--dtype", dtype, "--max-shard-size", "300KB")
+    merged, trained = reference(dense, adapter, device)
+    expected = {name: tensor.cpu().contiguous() for name, tensor in merged.state_dict().items()}
     got = _output_tensors(out)
     config = json.loads((out / "config.json").read_text())
     untied = base == "tied" and KINDS[kind][1]
@@ -163,12 +166,13 @@ def test_merge_is_the_trained_model(kind, base, dtype, bases, tmp_path):
     # Loaded by transformers, the output is the trained adapter model, up to the merge's rounding.
     ids = torch.randint(0, 512, (2, 9), generator=torch.Generator().manual_seed(seed))
     ids[0, :4] = torch.tensor([1, 2, 3, 7])  # the trainable tokens
+    ids = ids.to(device)
     with torch.no_grad():
-        ours = _load(out)(input_ids=ids).logits
+        ours = _load(out).to(device)(input_ids=ids).logits
         assert torch.equal(ours, merged(input_ids=ids).logits)
         wanted = trained(input_ids=ids).logits
     assert (ours.float() - wanted.float()).abs().max() <= 0.02 * wanted.float().abs().max()
-    assert "OK: bit-exact" in run("verify", out, source, "--adapter", adapter, "--device", "cpu", "-q")
+    assert "OK: bit-exact" in run("verify", out, source, "--adapter", adapter, "--device", device, "-q")
 
 
 def test_verify_without_the_adapter_says_the_output_looks_merged(bases, tmp_path):
@@ -274,24 +278,25 @@ def make_resized_adapter(dense, folder, kind, seed):
     return folder
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("base", list(BASES))
 @pytest.mark.parametrize("kind", list(RESIZED))
-def test_resized_vocabulary_merges_as_trained(kind, base, dtype, bases, tmp_path):
+def test_resized_vocabulary_merges_as_trained(kind, base, dtype, device, bases, tmp_path):
     from peft import PeftModel
 
     source, dense = bases(base, dtype)
     seed = 200 + list(RESIZED).index(kind) * 4 + list(BASES).index(base) * 2 + list(DTYPES).index(dtype)
     adapter = make_resized_adapter(dense, tmp_path / "adapter", kind, seed)
     out = tmp_path / "merged"
-    run(source, "--adapter", adapter, "-o", out, "--device", "cpu", "--dtype", dtype, "-q")
+    run(source, "--adapter", adapter, "-o", out, "--device", device, "--dtype", dtype, "-q")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trained = PeftModel.from_pretrained(_resized(dense), adapter).eval()
-        model = PeftModel.from_pretrained(_resized(dense), adapter)
+        trained = PeftModel.from_pretrained(_resized(dense).to(device), adapter).eval()
+        model = PeftModel.from_pretrained(_resized(dense).to(device), adapter)
         _untie_after_loading(model)
         merged = model.merge_and_unload().eval()
-    expected = {name: tensor.contiguous() for name, tensor in merged.state_dict().items()}
+    expected = {name: tensor.cpu().contiguous() for name, tensor in merged.state_dict().items()}
     got = _output_tensors(out)
     config = json.loads((out / "config.json").read_text())
     assert config["vocab_size"] == ROWS and got["model.embed_tokens.weight"].shape[0] == ROWS
@@ -309,12 +314,13 @@ def test_resized_vocabulary_merges_as_trained(kind, base, dtype, bases, tmp_path
     assert "resized to 520 tokens" in (out / "README.md").read_text()
     ids = torch.randint(0, ROWS, (2, 9), generator=torch.Generator().manual_seed(seed))
     ids[0, :3] = torch.tensor([512, 515, 519])
+    ids = ids.to(device)
     with torch.no_grad():
-        ours = _load(out)(input_ids=ids).logits
+        ours = _load(out).to(device)(input_ids=ids).logits
         assert torch.equal(ours, merged(input_ids=ids).logits)
         wanted = trained(input_ids=ids).logits
     assert (ours.float() - wanted.float()).abs().max() <= 0.02 * wanted.float().abs().max()
-    assert "OK: bit-exact" in run("verify", out, source, "--adapter", adapter, "--device", "cpu", "-q")
+    assert "OK: bit-exact" in run("verify", out, source, "--adapter", adapter, "--device", device, "-q")
 
 
 @pytest.mark.parametrize("case", ["fewer-rows", "other-width", "head-rows-missing"])

@@ -660,6 +660,39 @@ def test_cuda_route_writes_the_cpu_route_bytes(tmp_path, piece_bytes):
     assert _files(tmp_path / "cuda") == _files(tmp_path / "cpu")
 
 
+@pytest.mark.gpu
+def test_a_tensor_made_on_the_gpu_leaves_it_a_piece_at_a_time_through_the_pinned_buffers():
+    # a merged weight: host memory holds the pieces being copied out, never the weight
+    from nf4convert.pipeline.routes.cuda import CudaRoute
+    from nf4convert.safetensors_io.read import TensorInfo
+
+    with CudaRoute(torch.device("cuda")) as route:
+        size = 3 * route.piece_bytes + 1000
+        data = torch.randint(0, 256, (size,), dtype=torch.uint8, device="cuda")
+        expected = data.cpu()
+        info = TensorInfo("w", "U8", (size,), 0, 0, Path("unused"))
+        made = list(route.pieces_of(data ^ 0, info))  # cut while the work making it may still be queued
+        step = route.piece_bytes
+        assert [(p.offset, p.nbytes) for p in made] == [(0, step), (step, step), (2 * step, step), (3 * step, 1000)]
+        assert all(p.on_device and p.count == 0 for p in made)
+        nothing = torch.empty(0, dtype=torch.uint8)
+        host = torch.empty(size, dtype=torch.uint8)
+        for piece in made:
+            buffer = route.pool(piece).take(piece.nbytes)
+            assert buffer.is_pinned() and buffer.numel() == route.piece_bytes
+            piece.make(nothing, buffer[: piece.nbytes]).synchronize()
+            host[piece.offset : piece.offset + piece.nbytes] = buffer[: piece.nbytes]
+            route.pool(piece).give(buffer)
+        assert torch.equal(host, expected)
+        # made whole again, on the GPU or in host memory (what a transpose or a GGUF sink asks for)
+        for target in (torch.zeros(size, dtype=torch.uint8, device="cuda"), torch.zeros(size, dtype=torch.uint8)):
+            for piece in made:
+                route.make_into(piece, nothing, target[piece.offset : piece.offset + piece.nbytes])
+            assert torch.equal(target.cpu(), expected)
+        in_memory = list(route.pieces_of(expected, info))  # a tensor in host memory is handed over as it is
+        assert not any(piece.on_device for piece in in_memory)
+
+
 @pytest.mark.parametrize(
     "env,writeback,makers,processes",
     [

@@ -13,7 +13,7 @@ from ..dtypes import DTYPES, DType
 from ..errors import CheckpointError
 from ..formats import config as model_config
 from ..formats import peft_checks, peft_lora, peft_merge, peft_tied
-from ..pipeline.piece import Piece, pieces_from_memory, whole
+from ..pipeline.piece import Piece, whole
 from .base import Recipe
 from .untied import Untied
 
@@ -103,9 +103,9 @@ class MergeLora(Recipe):
         return True  # the adapter's change is added
 
     def produce(self, tensor, reader, route) -> Iterator[Piece]:
-        """On the GPU route the weight is made whole in device memory and the merged result copied out through
-        pinned memory (a round trip through pageable pages costs many times the merge itself). Host memory: the
-        merged weight (and on the CPU route about two fp32 copies while merging) for each shard written at once."""
+        """On the GPU route the weight is made whole and merged in device memory, and copied out a piece at a time
+        through the route's pinned buffers: host memory holds a few pieces. On the CPU route, host memory holds the
+        merged weight (and about two fp32 copies while merging) for each shard written at once."""
         import torch
 
         if "base" in self.target.tensors:  # the adapter's saved weight replaces the base's (it may have more rows)
@@ -114,10 +114,7 @@ class MergeLora(Recipe):
             made = whole(dataclasses.replace(tensor, recipe=self.base), reader, route, route.device)
             base = made.view(DTYPES[tensor.dtype].torch).view(tensor.shape).to(route.device)
         merged = peft_merge.merge(self.target, base, peft_merge.read_lora(self.target, reader), inplace=True)
-        merged = merged.contiguous().view(-1).view(torch.uint8)
-        if merged.is_cuda:  # out through pinned memory: several times faster than into fresh pageable pages
-            merged = torch.empty(merged.numel(), dtype=torch.uint8, pin_memory=True).copy_(merged)
-        yield from pieces_from_memory(merged, self.sources[0], route.piece_bytes)
+        yield from route.pieces_of(merged.contiguous().view(-1).view(torch.uint8), self.sources[0])
 
 
 @dataclass

@@ -9,6 +9,7 @@ and the pipeline ask of it:
     state_4bit(state)                    a 4-bit quant state as this route's kernel takes it
     dequantize_4bit(state), dequantize_8bit(scb, columns, out_type) -> make
     make_into(piece, read, target)       one piece made straight into a tensor made whole
+    pieces_of(data, source)              a tensor already made (raw bytes, in its memory) as pieces for the writers
 """
 
 from __future__ import annotations

@@ -6,13 +6,13 @@ CPU kernel works on whole blocks, so any piece stands alone) where the machine h
 from __future__ import annotations
 
 import sys
-from typing import Callable
+from typing import Callable, Iterator
 
 from ...formats import bnb4, bnb8
 from ...safetensors_io.read import TensorReader
 from ...settings import Settings
 from ..core import READ_AHEAD, WRITE_AHEAD
-from ..piece import Buffers, Piece
+from ..piece import Buffers, Piece, pieces_from_memory
 
 CPU_PIECE_BYTES = 1 << 22  # output bytes per piece: small, as every core holds one (and its fp32 scratch)
 # Worker processes, one per two cores and at most MAX_PROCESSES, pay where there are PROCESS_MIN_CORES cores or more:
@@ -122,6 +122,10 @@ class CpuRoute:
     def make_into(self, piece: Piece, read, target) -> None:
         """Make ``piece`` from ``read`` into ``target`` (host tensors) on this thread: a tensor made whole."""
         piece.make(read.numpy(), target.numpy())
+
+    def pieces_of(self, data, source) -> Iterator[Piece]:
+        """A tensor already made in host memory (raw bytes), handed to the writers piece by piece."""
+        return pieces_from_memory(data, source, self.piece_bytes)
 
     def dequantize_4bit(self, state):
         return self._made(_dequantize_4bit_on_cpu, state)

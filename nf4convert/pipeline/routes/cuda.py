@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import Callable
+from typing import Callable, Iterator
 
 from ... import profile
 from ...formats import bnb4, bnb8
 from ...safetensors_io.read import TensorReader
-from ..piece import Buffers, Piece
+from ..piece import Buffers, Piece, pieces_from_memory
 from .cpu import cast
 
 CUDA_PIECE_BYTES = 1 << 24  # large copies and writes, a few pinned buffers of it
@@ -146,16 +146,30 @@ class CudaRoute:
         round trip through the host) where the GPU makes it, else on the host and copied in; or into host memory."""
         import torch
 
-        if target.is_cuda and isinstance(piece.make, _DeviceMake):
+        if target.is_cuda and isinstance(piece.make, (_DeviceMake, _FromDevice)):
             piece.make.into(read, target)
         elif target.is_cuda:  # made on the host (a cast, bytes already in memory)
             made = torch.empty(piece.nbytes, dtype=torch.uint8)
             piece.make(read.numpy(), made.numpy())
             target.copy_(made)
-        elif isinstance(piece.make, _DeviceMake):
+        elif isinstance(piece.make, (_DeviceMake, _FromDevice)):
             piece.make(read, target).synchronize()
         else:
             piece.make(read.numpy(), target.numpy())
+
+    def pieces_of(self, data, source) -> Iterator[Piece]:
+        """A tensor already made (raw bytes), handed to the writers piece by piece. One in this GPU's memory (a merged
+        weight) stays there and is copied out a piece at a time into the reused pinned buffers, so host memory holds
+        a few pieces, not the weight; one in host memory is handed over as it is."""
+        import torch
+
+        if not data.is_cuda:
+            yield from pieces_from_memory(data, source, self.piece_bytes)
+            return
+        ready = torch.cuda.current_stream(data.device).record_event()  # the work that made ``data`` is enqueued
+        for first in range(0, data.numel(), self.piece_bytes):
+            part = data[first : first + self.piece_bytes]
+            yield Piece(first, part.numel(), source, 0, 0, _FromDevice(self, part, ready), on_device=True)
 
     def dequantize_4bit(self, state):
         from ...dequantize import dequantize_4bit
@@ -174,6 +188,30 @@ class CudaRoute:
             return bnb8.dequantize(codes.view(torch.int8).view(rows, columns), scb, out_type).view(-1).view(torch.uint8)
 
         return _DeviceMake(self, compute)
+
+
+class _FromDevice:
+    """A piece of a tensor already in device memory: called as ``make(read, out)`` (``read`` is empty), it copies the
+    piece into host ``out`` on the route's download stream once ``ready`` has passed and returns the copy's event."""
+
+    def __init__(self, route: "CudaRoute", part, ready):
+        self.route, self.part, self.ready = route, part, ready
+
+    def __call__(self, read, out):
+        import torch
+
+        route = self.route
+        route._ready.result()
+        with route._lock, torch.cuda.stream(route._download):
+            route._download.wait_event(self.ready)
+            out.copy_(self.part, non_blocking=True)
+            return route._download.record_event()
+
+    def into(self, read, target) -> None:
+        import torch
+
+        torch.cuda.current_stream(target.device).wait_event(self.ready)
+        target.copy_(self.part)
 
 
 class _DeviceMake:

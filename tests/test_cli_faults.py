@@ -19,6 +19,8 @@ from click.testing import CliRunner
 
 from nf4convert.cli import main
 
+from fixtures.processes import default_stop_signals
+
 pytest.importorskip("bitsandbytes")
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "tiny-llama-bnb-4bit"
@@ -117,6 +119,7 @@ def test_signal_while_writing_leaves_nothing(tmp_path, signal_name, code, word, 
         env=env,
         timeout=300,
         start_new_session=True,
+        preexec_fn=default_stop_signals,
     )
     assert result.returncode == code, result.stderr
     assert one_error_line(result.stdout + result.stderr) == f"Error: {word}; nothing was written"
@@ -224,6 +227,7 @@ def test_a_signal_at_any_moment_says_what_was_written(tmp_path, moment, signal_n
         text=True,
         env=env,
         timeout=300,
+        preexec_fn=default_stop_signals,
     )
     assert result.returncode == code, result.stderr
     line = one_error_line(result.stderr)
@@ -292,6 +296,7 @@ def test_batch_signal_names_sources_not_attempted(tmp_path):
         text=True,
         env=env,
         timeout=300,
+        preexec_fn=default_stop_signals,
     )
     assert result.returncode == 143, result.stderr
     assert f"Error: terminated; not attempted: {second}" in result.stderr

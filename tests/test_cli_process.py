@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from fixtures.processes import default_stop_signals
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "tiny-llama-bnb-4bit"
 # pip's console-script wrapper (distlib's template), around the entry point pyproject.toml names
@@ -62,6 +64,7 @@ def _stop_at(script: Path, out: Path, signum: int, delay: float) -> tuple[int, s
         stderr=subprocess.PIPE,
         text=True,
         env=_env(),
+        preexec_fn=default_stop_signals,
     )
     try:
         process.wait(delay)

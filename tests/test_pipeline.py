@@ -25,6 +25,7 @@ from nf4convert.safetensors_io.write import ShardWriter
 from nf4convert.settings import Settings
 from nf4convert.sinks.safetensors import write_shards
 
+from fixtures.processes import default_stop_signals
 from fixtures.weights import bnb_reference_cpu, quantize
 
 pytest.importorskip("bitsandbytes")
@@ -216,7 +217,12 @@ def test_a_stop_signal_while_the_workers_start_reaches_only_this_process():
     import subprocess
 
     result = subprocess.run(
-        [sys.executable, "-c", FORK_WINDOW], capture_output=True, text=True, timeout=60, start_new_session=True
+        [sys.executable, "-c", FORK_WINDOW],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        start_new_session=True,
+        preexec_fn=default_stop_signals,
     )
     assert result.stdout.split() == ["started", "interrupted"] and "Traceback" not in result.stderr, result.stderr
 

@@ -112,17 +112,29 @@ def _untie_after_loading(peft_model):
             module.weight = torch.nn.Parameter(held.detach().clone(), requires_grad=False)
 
 
-def reference(dense, adapter, device="cpu"):
-    """peft's merge_and_unload on the dense base untied after loading, and the unmerged (trained) adapter model."""
+def reference(dense, adapter, device="cpu", base=_load):
+    """peft's merge_and_unload on the dense base (as ``base`` loads it) untied after loading, and the unmerged
+    (trained) adapter model, on ``device``."""
     from peft import PeftModel
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trained = PeftModel.from_pretrained(_load(dense).to(device), adapter).eval()
-        model = PeftModel.from_pretrained(_load(dense).to(device), adapter)
+        trained = PeftModel.from_pretrained(base(dense).to(device), adapter).eval()
+        model = PeftModel.from_pretrained(base(dense).to(device), adapter)
         _untie_after_loading(model)
         merged = model.merge_and_unload().eval()
     return merged, trained
+
+
+def assert_computes_the_trained_model(out, merged, trained, ids, device):
+    """Loaded by transformers, the output gives the reference merge's logits bit for bit, and the trained (unmerged)
+    adapter model's up to the merge's rounding."""
+    ids = ids.to(device)
+    with torch.no_grad():
+        ours = _load(out).to(device)(input_ids=ids).logits
+        assert torch.equal(ours, merged(input_ids=ids).logits)
+        wanted = trained(input_ids=ids).logits
+    assert (ours.float() - wanted.float()).abs().max() <= 0.02 * wanted.float().abs().max()
 
 
 def _output_tensors(folder):
@@ -163,15 +175,9 @@ def test_merge_is_the_trained_model(kind, base, dtype, device, bases, tmp_path):
         assert tensor.dtype == DTYPES[dtype] and torch.equal(bits(tensor), bits(expected[name])), name
         changed += name not in dense_tensors or not torch.equal(bits(tensor), bits(dense_tensors[name]))
     assert changed >= 2
-    # Loaded by transformers, the output is the trained adapter model, up to the merge's rounding.
     ids = torch.randint(0, 512, (2, 9), generator=torch.Generator().manual_seed(seed))
     ids[0, :4] = torch.tensor([1, 2, 3, 7])  # the trainable tokens
-    ids = ids.to(device)
-    with torch.no_grad():
-        ours = _load(out).to(device)(input_ids=ids).logits
-        assert torch.equal(ours, merged(input_ids=ids).logits)
-        wanted = trained(input_ids=ids).logits
-    assert (ours.float() - wanted.float()).abs().max() <= 0.02 * wanted.float().abs().max()
+    assert_computes_the_trained_model(out, merged, trained, ids, device)
     assert "OK: bit-exact" in run("verify", out, source, "--adapter", adapter, "--device", device, "-q")
 
 
@@ -283,19 +289,12 @@ def make_resized_adapter(dense, folder, kind, seed):
 @pytest.mark.parametrize("base", list(BASES))
 @pytest.mark.parametrize("kind", list(RESIZED))
 def test_resized_vocabulary_merges_as_trained(kind, base, dtype, device, bases, tmp_path):
-    from peft import PeftModel
-
     source, dense = bases(base, dtype)
     seed = 200 + list(RESIZED).index(kind) * 4 + list(BASES).index(base) * 2 + list(DTYPES).index(dtype)
     adapter = make_resized_adapter(dense, tmp_path / "adapter", kind, seed)
     out = tmp_path / "merged"
     run(source, "--adapter", adapter, "-o", out, "--device", device, "--dtype", dtype, "-q")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        trained = PeftModel.from_pretrained(_resized(dense).to(device), adapter).eval()
-        model = PeftModel.from_pretrained(_resized(dense).to(device), adapter)
-        _untie_after_loading(model)
-        merged = model.merge_and_unload().eval()
+    merged, trained = reference(dense, adapter, device, base=_resized)
     expected = {name: tensor.cpu().contiguous() for name, tensor in merged.state_dict().items()}
     got = _output_tensors(out)
     config = json.loads((out / "config.json").read_text())
@@ -314,12 +313,7 @@ def test_resized_vocabulary_merges_as_trained(kind, base, dtype, device, bases, 
     assert "resized to 520 tokens" in (out / "README.md").read_text()
     ids = torch.randint(0, ROWS, (2, 9), generator=torch.Generator().manual_seed(seed))
     ids[0, :3] = torch.tensor([512, 515, 519])
-    ids = ids.to(device)
-    with torch.no_grad():
-        ours = _load(out).to(device)(input_ids=ids).logits
-        assert torch.equal(ours, merged(input_ids=ids).logits)
-        wanted = trained(input_ids=ids).logits
-    assert (ours.float() - wanted.float()).abs().max() <= 0.02 * wanted.float().abs().max()
+    assert_computes_the_trained_model(out, merged, trained, ids, device)
     assert "OK: bit-exact" in run("verify", out, source, "--adapter", adapter, "--device", device, "-q")
 
 

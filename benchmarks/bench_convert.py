@@ -61,16 +61,48 @@ model.save_pretrained(sys.argv[2], save_original_format=False)
 """
 
 
-def name_shards(folder: Path, shards: list) -> dict:
-    """Rename the ``part-N.safetensors`` files written in order to transformers' shard names; the weight map (tensor ->
-    file) of ``shards``, each part's tensor names."""
-    names = sorted(folder.glob("part-*.safetensors"), key=lambda p: int(p.stem.split("-")[1]))
+def write_checkpoint(folder: Path, weights, sizes: dict, shard_bytes: int = 5 * 10**9) -> None:
+    """Save ``weights`` (one dict of tensors per weight, in the order transformers saves them) as transformers saves a
+    bnb-4bit Llama of ``sizes`` (LlamaConfig's arguments): shards of at most ``shard_bytes`` under transformers'
+    names, their index, and config.json (NF4, double quantization, bf16, lm_head untied). Each shard's tensors are
+    dropped once it is written."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import BitsAndBytesConfig, LlamaConfig
+
+    folder.mkdir(parents=True, exist_ok=True)
+    names, current, size = [], {}, 0  # names: each written part's tensor names
+
+    def flush():
+        nonlocal current, size
+        if current:
+            names.append(list(current))
+            save_file(current, folder / f"part-{len(names)}.safetensors", metadata={"format": "pt"})
+            current, size = {}, 0
+
+    for tensors in weights:
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        if size + nbytes > shard_bytes:
+            flush()
+        current.update(tensors)
+        size += nbytes
+    flush()
     weight_map = {}
-    for index, path in enumerate(names, 1):
+    for index, part in enumerate(names, 1):
         target = folder / f"model-{index:05d}-of-{len(names):05d}.safetensors"
-        path.rename(target)
-        weight_map.update({key: target.name for key in shards[index - 1]})
-    return weight_map
+        (folder / f"part-{index}.safetensors").rename(target)
+        weight_map.update(dict.fromkeys(part, target.name))
+    total = sum((folder / name).stat().st_size for name in set(weight_map.values()))
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    config = LlamaConfig(**sizes, tie_word_embeddings=False, torch_dtype="bfloat16").to_dict()
+    config["quantization_config"] = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.bfloat16,
+    ).to_dict()
+    (folder / "config.json").write_text(json.dumps(config, indent=2, default=str))
 
 
 def _weights(layers: int, vocab_size: int = LLAMA_8B["vocab_size"], sizes: dict = LLAMA_8B):
@@ -102,8 +134,6 @@ def build_source(
     """Write the synthesized checkpoint; returns the bytes of its dense bf16 output."""
     import torch
     from bitsandbytes.functional import create_dynamic_map
-    from safetensors.torch import save_file
-    from transformers import BitsAndBytesConfig, LlamaConfig
 
     from nf4convert.formats.bnb4 import CODES
 
@@ -111,20 +141,13 @@ def build_source(
     generator = torch.Generator(device).manual_seed(0)
     quant_map = torch.tensor(CODES["nf4"], dtype=torch.float32)
     nested_map = create_dynamic_map(signed=True).float()
-    folder.mkdir(parents=True, exist_ok=True)
-    shards, current, size, dense = [], {}, 0, 0
 
-    def flush():
-        nonlocal current, size
-        if current:
-            shards.append(current)
-            save_file(current, folder / f"part-{len(shards)}.safetensors", metadata={"format": "pt"})
-            current, size = {}, 0
-
-    for name, shape, quantized in _weights(layers, vocab_size):
-        n = math.prod(shape)
-        dense += 2 * n
-        if quantized:
+    def weights():
+        for name, shape, quantized in _weights(layers, vocab_size):
+            n = math.prod(shape)
+            if not quantized:
+                yield {name: (torch.randn(shape, device=device, generator=generator) * 0.02).to(torch.bfloat16).cpu()}
+                continue
             blocks = n // 64
             meta = {
                 "quant_type": "nf4",
@@ -135,7 +158,7 @@ def build_source(
                 "nested_dtype": "float32",
                 "nested_offset": 0.0312,
             }
-            tensors = {
+            yield {
                 name: torch.randint(0, 256, (n // 2, 1), dtype=torch.uint8, device=device, generator=generator).cpu(),
                 f"{name}.absmax": torch.randint(
                     0, 256, (blocks,), dtype=torch.uint8, device=device, generator=generator
@@ -149,30 +172,10 @@ def build_source(
                     list(json.dumps(meta).encode()), dtype=torch.uint8
                 ),
             }
-        else:
-            tensors = {name: (torch.randn(shape, device=device, generator=generator) * 0.02).to(torch.bfloat16).cpu()}
-        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-        if size + nbytes > shard_bytes:
-            flush()
-        current.update(tensors)
-        size += nbytes
-    flush()
-    weight_map = name_shards(folder, shards)
-    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    config = LlamaConfig(
-        **{**LLAMA_8B, "vocab_size": vocab_size},
-        num_hidden_layers=layers,
-        tie_word_embeddings=False,
-        torch_dtype="bfloat16",
-    ).to_dict()
-    config["quantization_config"] = BitsAndBytesConfig(
-        load_in_4bit=True,
-        bnb_4bit_quant_type="nf4",
-        bnb_4bit_use_double_quant=True,
-        bnb_4bit_compute_dtype=torch.bfloat16,
-    ).to_dict()
-    (folder / "config.json").write_text(json.dumps(config, indent=2, default=str))
-    return dense
+
+    sizes = {**LLAMA_8B, "vocab_size": vocab_size, "num_hidden_layers": layers}
+    write_checkpoint(folder, weights(), sizes, shard_bytes)
+    return sum(2 * math.prod(shape) for _, shape, _ in _weights(layers, vocab_size))
 
 
 def build_adapter(folder: Path, layers: int, rank: int = 16) -> None:

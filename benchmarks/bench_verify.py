@@ -46,7 +46,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_convert import _weights, build_source, measure, name_shards, sync_seconds
+from bench_convert import _weights, build_source, measure, sync_seconds, write_checkpoint
 
 SHAPES = {
     "8b": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8),
@@ -81,54 +81,25 @@ def build_quantized(folder: Path, shape: str, layers: int, vocab: int = VOCAB) -
     transformers saves them; returns the dense bf16 output's bytes."""
     import bitsandbytes.functional as F
     import torch
-    from safetensors.torch import save_file
-    from transformers import BitsAndBytesConfig, LlamaConfig
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     generator = torch.Generator(device).manual_seed(0)
-    folder.mkdir(parents=True, exist_ok=True)
-    shards, current, size, dense = [], {}, 0, 0
 
-    def flush():
-        nonlocal current, size
-        if current:
-            shards.append(current)
-            save_file(current, folder / f"part-{len(shards)}.safetensors", metadata={"format": "pt"})
-            current, size = {}, 0
-
-    for name, dims, quantized in weights(shape, layers, vocab):
-        dense += 2 * math.prod(dims)
-        values = torch.randn(dims, device=device, generator=generator, dtype=torch.float32).mul_(0.02)
-        values = values.to(torch.bfloat16)
-        if quantized:
+    def quantized_weights():
+        for name, dims, quantized in weights(shape, layers, vocab):
+            values = torch.randn(dims, device=device, generator=generator, dtype=torch.float32).mul_(0.02)
+            values = values.to(torch.bfloat16)
+            if not quantized:
+                yield {name: values.cpu()}
+                continue
             packed, state = F.quantize_4bit(values, blocksize=64, compress_statistics=True, quant_type="nf4")
-            tensors = {name: packed.cpu()}
-            for key, value in state.as_dict(packed=True).items():
-                tensors[f"{name}.{key}"] = value.cpu()
-        else:
-            tensors = {name: values.cpu()}
-        del values
-        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-        if size + nbytes > SHARD_BYTES:
-            flush()
-        current.update(tensors)
-        size += nbytes
-    flush()
-    weight_map = name_shards(folder, shards)
-    total = sum(p.stat().st_size for p in folder.glob("model-*.safetensors"))
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
-    config = LlamaConfig(
-        **SHAPES[shape], vocab_size=vocab, num_hidden_layers=layers, tie_word_embeddings=False, torch_dtype="bfloat16"
-    ).to_dict()
-    config["quantization_config"] = BitsAndBytesConfig(
-        load_in_4bit=True,
-        bnb_4bit_quant_type="nf4",
-        bnb_4bit_use_double_quant=True,
-        bnb_4bit_compute_dtype=torch.bfloat16,
-    ).to_dict()
-    (folder / "config.json").write_text(json.dumps(config, indent=2, default=str))
-    return dense
+            del values
+            parts = state.as_dict(packed=True)
+            yield {name: packed.cpu(), **{f"{name}.{key}": value.cpu() for key, value in parts.items()}}
+
+    sizes = {**SHAPES[shape], "vocab_size": vocab, "num_hidden_layers": layers}
+    write_checkpoint(folder, quantized_weights(), sizes, SHARD_BYTES)
+    return sum(2 * math.prod(dims) for _, dims, _ in weights(shape, layers, vocab))
 
 
 def build_adapter(folder: Path, shape: str, layers: int, rank: int) -> None:

@@ -19,7 +19,7 @@ from click.testing import CliRunner
 
 from nf4convert.cli import main
 
-from fixtures.processes import default_stop_signals
+from fixtures.processes import default_stop_signals, package_env
 
 pytest.importorskip("bitsandbytes")
 ROOT = Path(__file__).resolve().parents[1]
@@ -107,11 +107,7 @@ main(sys.argv[2:])
 )
 def test_signal_while_writing_leaves_nothing(tmp_path, signal_name, code, word, processes):
     out = tmp_path / "out"
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-        "NF4CONVERT_PROCESSES": processes,
-    }
+    env = package_env(NF4CONVERT_PROCESSES=processes)
     result = subprocess.run(
         [sys.executable, "-c", WRAPPER, signal_name, str(EXAMPLE), "-o", str(out), "-q", "--device", "cpu"],
         capture_output=True,
@@ -141,11 +137,7 @@ main(sys.argv[1:])
 
 def test_a_worker_process_killed_is_one_line_and_leaves_nothing(tmp_path):
     out = tmp_path / "out"
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-        "NF4CONVERT_PROCESSES": "2",
-    }
+    env = package_env(NF4CONVERT_PROCESSES="2")
     result = subprocess.run(
         [sys.executable, "-c", KILLED_WORKER, str(EXAMPLE), "-o", str(out), "-q", "--device", "cpu"],
         capture_output=True,
@@ -207,7 +199,7 @@ main(sys.argv[3:])
 @pytest.mark.parametrize("signal_name,code,word", [("SIGINT", 130, "interrupted"), ("SIGTERM", 143, "terminated")])
 def test_a_signal_at_any_moment_says_what_was_written(tmp_path, moment, signal_name, code, word):
     out = tmp_path / "out"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env = package_env()
     result = subprocess.run(
         [
             sys.executable,
@@ -244,7 +236,7 @@ def test_a_signal_the_caller_ignores_stays_ignored(tmp_path):
     import signal
 
     out = tmp_path / "out"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env = package_env()
     result = subprocess.run(
         [sys.executable, "-c", WRAPPER, "SIGHUP", str(EXAMPLE), "-o", str(out), "-q", "--device", "cpu"],
         capture_output=True,
@@ -276,7 +268,7 @@ def test_a_signal_deferred_out_of_an_import_is_not_sent_after_the_command(monkey
 def test_batch_signal_names_sources_not_attempted(tmp_path):
     second = tmp_path / "second-bnb-4bit"
     shutil.copytree(EXAMPLE, second)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env = package_env()
     result = subprocess.run(
         [
             sys.executable,
@@ -445,7 +437,7 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path):
 
 
 def test_conventions_help_typos_aliases_and_quiet_summary(tmp_path):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env = package_env()
     bare = subprocess.run([sys.executable, "-m", "nf4convert"], capture_output=True, text=True, env=env, timeout=120)
     assert bare.returncode == 0 and "Usage: nf4convert" in bare.stdout and "verify" in bare.stdout
     typo = subprocess.run(
@@ -501,7 +493,7 @@ def test_verify_checks_the_output_config(converted, tmp_path, case):
 
 
 def _process(args, **kwargs):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env = package_env()
     return subprocess.run([sys.executable, "-m", "nf4convert", *map(str, args)], env=env, timeout=300, **kwargs)
 
 
@@ -597,7 +589,7 @@ def test_a_failed_run_ends_without_the_interpreters_teardown(tmp_path, converted
         shutil.copytree(converted, out)
         (out / "config.json").write_text("{}")
         args, code = ["verify", out, EXAMPLE, "--device", "cpu"], 1
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env = package_env()
     result = subprocess.run(
         [sys.executable, "-c", TEARDOWN_WRAPPER, *map(str, args), "-q"],
         capture_output=True,
@@ -618,7 +610,7 @@ def test_a_failed_run_ends_without_the_interpreters_teardown(tmp_path, converted
 
 def test_folders_made_for_an_interrupted_output_go_too(tmp_path):
     # -o out10/x interrupted while writing: out10, made for it, goes with the staging folder
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env = package_env()
     result = subprocess.run(
         [
             sys.executable,

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from fixtures.processes import default_stop_signals
+from fixtures.processes import default_stop_signals, package_env
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "tiny-llama-bnb-4bit"
@@ -33,10 +33,6 @@ def _console_script(folder: Path) -> Path:
     script = folder / "nf4convert"
     script.write_text(CONSOLE_SCRIPT.format(module=module, function=function))
     return script
-
-
-def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
 
 
 def _landed_before_the_script(returncode: int, stderr: str, signum: int, script: Path) -> bool:
@@ -63,7 +59,7 @@ def _stop_at(script: Path, out: Path, signum: int, delay: float) -> tuple[int, s
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env=_env(),
+        env=package_env(),
         preexec_fn=default_stop_signals,
     )
     try:
@@ -123,7 +119,7 @@ def _with_stdout_closed(args, cwd: Path) -> subprocess.CompletedProcess:
             stdout=write,
             stderr=subprocess.PIPE,
             text=True,
-            env=_env(),
+            env=package_env(),
             cwd=cwd,
             timeout=600,
         )

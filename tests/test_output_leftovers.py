@@ -14,6 +14,8 @@ from click.testing import CliRunner
 
 from nf4convert.cli import main
 
+from fixtures.processes import package_env
+
 pytest.importorskip("bitsandbytes")
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "tiny-llama-bnb-4bit"
@@ -40,7 +42,7 @@ def run(*args, code=0):
 
 def test_a_killed_runs_staging_folder_is_named_then_removed_by_a_run_into_its_out(tmp_path, monkeypatch):
     # it stayed, unnamed, until a run into the same OUT removed it without a word
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env = package_env()
     killed = subprocess.run(
         [sys.executable, "-c", KILLED, str(EXAMPLE), "-o", str(tmp_path / "out"), "-q", "--device", "cpu"],
         env={**env, "NF4CONVERT_PROCESSES": "0"},

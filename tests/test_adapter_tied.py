@@ -126,6 +126,20 @@ def reference(dense, adapter, device="cpu", base=_load):
     return merged, trained
 
 
+def assert_tied_where_trained_so(got: dict, expected: dict, config: dict, base: str, untied: bool) -> None:
+    """On a tied base, the output stays tied (no head tensor; the reference's head, then dropped from ``expected``, is
+    the embeddings) unless the adapter makes the head differ (``untied``: a head of its own, and the config says so);
+    either way the output has the reference's tensors."""
+    embedding = "model.embed_tokens.weight"
+    if base == "tied" and not untied:
+        assert "lm_head.weight" not in got and config["tie_word_embeddings"] is True
+        assert torch.equal(bits(expected.pop("lm_head.weight")), bits(expected[embedding]))
+    elif base == "tied":
+        assert config["tie_word_embeddings"] is False and "lm_head.weight" in got
+        assert not torch.equal(bits(got["lm_head.weight"]), bits(got[embedding]))
+    assert sorted(got) == sorted(expected)
+
+
 def assert_computes_the_trained_model(out, merged, trained, ids, device):
     """Loaded by transformers, the output gives the reference merge's logits bit for bit, and the trained (unmerged)
     adapter model's up to the merge's rounding."""
@@ -160,15 +174,7 @@ def test_merge_is_the_trained_model(kind, base, dtype, device, bases, tmp_path):
     expected = {name: tensor.cpu().contiguous() for name, tensor in merged.state_dict().items()}
     got = _output_tensors(out)
     config = json.loads((out / "config.json").read_text())
-    untied = base == "tied" and KINDS[kind][1]
-    embedding = "model.embed_tokens.weight"
-    if base == "tied" and not untied:  # kept tied: no head tensor, and the reference's head is the embeddings
-        assert "lm_head.weight" not in got and config["tie_word_embeddings"] is True
-        assert torch.equal(bits(expected.pop("lm_head.weight")), bits(expected[embedding]))
-    elif base == "tied":
-        assert config["tie_word_embeddings"] is False and "lm_head.weight" in got
-        assert not torch.equal(bits(got["lm_head.weight"]), bits(got[embedding]))
-    assert sorted(got) == sorted(expected)
+    assert_tied_where_trained_so(got, expected, config, base, untied=KINDS[kind][1])
     dense_tensors = _output_tensors(dense)
     changed = 0
     for name, tensor in got.items():
@@ -299,13 +305,7 @@ def test_resized_vocabulary_merges_as_trained(kind, base, dtype, device, bases, 
     got = _output_tensors(out)
     config = json.loads((out / "config.json").read_text())
     assert config["vocab_size"] == ROWS and got["model.embed_tokens.weight"].shape[0] == ROWS
-    untied = base == "tied" and RESIZED[kind][2]
-    if base == "tied" and not untied:
-        assert "lm_head.weight" not in got and config["tie_word_embeddings"] is True
-        assert torch.equal(bits(expected.pop("lm_head.weight")), bits(expected["model.embed_tokens.weight"]))
-    elif base == "tied":
-        assert config["tie_word_embeddings"] is False
-    assert sorted(got) == sorted(expected)
+    assert_tied_where_trained_so(got, expected, config, base, untied=RESIZED[kind][2])
     for name, tensor in got.items():
         assert torch.equal(bits(tensor), bits(expected[name])), name
     for name, text in TOKENIZER.items():  # the adapter's tokenizer, in place of the base's

@@ -331,7 +331,7 @@ def main():
     if "adapter" in options.routes or "peft" in options.routes:
         shutil.rmtree(adapter, ignore_errors=True)
         build_adapter(adapter, options.layers)
-    module = [sys.executable, "-m", "nf4convert.cli"]
+    module = [sys.executable, "-m", "nf4convert.cli.commands"]
     dtype = ["--dtype", options.dtype] if options.dtype else []
     cli = [*module, str(source), "-q", "--overwrite", *dtype, "-o"]
     routes = {

@@ -69,7 +69,7 @@ def main():
     options = parser.parse_args()
     import torch
 
-    from nf4convert.source import model_stem
+    from nf4convert.hub.names import model_stem
 
     workdir = options.workdir or Path(tempfile.mkdtemp(prefix="nf4convert-bench-gguf-"))
     source = workdir / "llama-8b-shaped-bnb-4bit"

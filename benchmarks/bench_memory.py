@@ -80,7 +80,7 @@ def main():
         "nf4convert": [
             sys.executable,
             "-m",
-            "nf4convert.cli",
+            "nf4convert.cli.commands",
             str(source),
             "-o",
             str(workdir / "out-nf4convert"),

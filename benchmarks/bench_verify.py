@@ -166,7 +166,7 @@ def plan_steps(steps: list[str]) -> list[dict]:
 
 
 def command(step: dict, source: Path, adapter: Path, workdir: Path, dense: int) -> list[str]:
-    module = [sys.executable, "-m", "nf4convert.cli"]
+    module = [sys.executable, "-m", "nf4convert.cli.commands"]
     name = step["step"]
     if name == "dd":
         out = workdir / "out-dd"

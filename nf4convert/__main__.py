@@ -1,5 +1,5 @@
 """``python -m nf4convert ...`` is the ``nf4convert`` command."""
 
-from .entry import main
+from .cli.entry import main
 
 main(prog_name="nf4convert")

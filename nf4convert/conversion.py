@@ -13,21 +13,21 @@ from .devices import pick_device
 from .dtypes import output_dtype
 from .errors import ArgumentError, CheckpointError, Nf4ConvertError
 from .formats.config import check_present as check_config_present
-from .gguf_converter import dense_dtype
-from .hub import HeadersOnly, model_name
+from .hub.names import model_name, model_stem
+from .hub.ranges import HeadersOnly
+from .hub.sources import as_text, named_sources, resolve_source, reworded
 from .paths import expanded_output
 from .pipeline.routes import route_for
 from .plan import make_plan
 from .safetensors_io.read import TensorReader
 from .settings import Settings
-from .signals import held as signals_held
-from .sinks import gguf as gguf_sink
 from .sinks import output as lifecycle
+from .sinks.gguf import sink as gguf_sink
+from .sinks.gguf.converter import dense_dtype
 from .sinks.naming import default_output, output_stem, plain_name
 from .sinks.safetensors import write_shards
 from .sinks.side_files import write_side_files
 from .sizes import DEFAULT_SHARD_SIZE, parse_size
-from .source import as_text, model_stem, named_sources, resolve_source, reworded
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ class ConvertResult:
 
 def model_card(prepared: "Prepared"):
     """The output's README.md (a ``card.Card``): the base's card made true for the dense (merged) model."""
-    from .card import card_for_plan
+    from .hub.card import card_for_plan
 
     return card_for_plan(
         prepared.plan,
@@ -282,7 +282,7 @@ def convert(
     """
     from tqdm.auto import tqdm
 
-    from . import card as _card  # noqa: F401  (imported here, not first on the side thread: see _side_thread)
+    from .hub import card as _card  # noqa: F401  (imported here, not first on the side thread: see _side_thread)
 
     source = as_text(source)
     started = time.perf_counter()
@@ -357,7 +357,7 @@ def convert(
             card = card.result()
             if not gguf:
                 write_side_files(plan, temporary, card.text)
-            finishing.enter_context(signals_held(output))
+            finishing.enter_context(lifecycle.held(output))
             if gguf:
                 size = (temporary / output.name).stat().st_size
                 lifecycle.move_file_into_place(temporary, output, overwrite=overwrite)

@@ -19,6 +19,7 @@ KeyboardInterrupt) or :class:`Terminated` (SIGTERM, SIGHUP), which unwind a run 
 partly written.
 """
 
+import signal
 from pathlib import Path
 
 
@@ -62,6 +63,11 @@ class WorkerError(Nf4ConvertError):
 class InternalError(Nf4ConvertError, RuntimeError):
     """A broken invariant of nf4convert's own code (a piece written where the plan put none): a bug, reported in one
     line like any other failure, never a traceback."""
+
+
+# The signals that stop a run (Ctrl-C; kill, timeout, docker stop; a closed terminal or ssh session): the command line
+# raises them as the two exceptions below.
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
 
 
 class Interrupted(KeyboardInterrupt):

@@ -20,29 +20,17 @@ from .files import TOKENIZER_FILES, carried_files, inside, tokenizer_files
 from .formats import bnb4_weights, bnb8, peft_lora
 from .formats.config import dense_config, quantization_config, read_config, resized_config, untied_config
 from .kinds import Copy, Dequantize4bit, Dequantize8bit, MergeLora, Recipe, Transpose
+from .kinds.base import PlannedTensor
 from .safetensors_io.read import TensorInfo, TensorReader, read_tensors
 from .sizes import DEFAULT_SHARD_SIZE, parse_size
 from .strict_json import shown
 
 
-def may_exceed(tensor: "PlannedTensor") -> bool:
+def may_exceed(tensor: PlannedTensor) -> bool:
     """Whether the output dtype may not hold the tensor's values: fp16 (largest 65504) made from a wider-ranged source
     (each kind says: ``Recipe.exceeds_fp16``). Such tensors are checked for ±inf as they are written, and named in a
     warning."""
     return tensor.dtype == "F16" and tensor.recipe.exceeds_fp16()
-
-
-@dataclass(frozen=True)
-class PlannedTensor:
-    """One output tensor: what it is, where it goes (``offset`` from the start of its shard's data), how it is made."""
-
-    name: str
-    dtype: str  # safetensors' name
-    shape: tuple
-    nbytes: int
-    shard: str
-    offset: int
-    recipe: Recipe
 
 
 @dataclass

@@ -13,7 +13,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from nf4convert.cli import main
+from nf4convert.cli.commands import main
 from nf4convert.safetensors_io.read import read_tensors
 from nf4convert.verification.reference.dequantize_4bit import CPU_REFERENCE
 
@@ -427,7 +427,7 @@ def test_an_adapter_as_source_with_another_adapter_is_a_usage_error(tmp_path):
     # it said "no .safetensors files (only safetensors checkpoints can be converted)"
     from click.testing import CliRunner
 
-    from nf4convert.cli import main
+    from nf4convert.cli.commands import main
 
     adapter = tmp_path / "adapter"
     adapter.mkdir()

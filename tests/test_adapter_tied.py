@@ -13,7 +13,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from nf4convert.cli import main
+from nf4convert.cli.commands import main
 
 from fixtures.checkpoints import build
 from fixtures.weights import bits

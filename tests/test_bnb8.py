@@ -333,7 +333,7 @@ def test_cuda_equals_bitsandbytes_on_cuda_and_the_cpu(checkpoints, reader):
 def _cli(*args, code=0):
     from click.testing import CliRunner
 
-    from nf4convert.cli import main
+    from nf4convert.cli.commands import main
 
     result = CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
     assert result.exit_code == code, result.output

@@ -14,7 +14,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from nf4convert.cli import main
+from nf4convert.cli.commands import main
 from nf4convert.verification.reference.dequantize_4bit import CPU_REFERENCE
 
 from fixtures.checkpoints import VARIANTS, build, model_class
@@ -650,7 +650,7 @@ def test_help_and_bad_arguments_import_no_torch():
     # torch costs ~2 s and bitsandbytes ~5 s to import: help and argument errors must not pay for them.
     code = """
 import sys
-from nf4convert.cli import main
+from nf4convert.cli.commands import main
 for args in (
     ["--help"], ["verify", "--help"], ["batch", "--help"], ["verify", "/no/such/out", "src"], ["x", "--dtype", "int9"]
 ):
@@ -666,7 +666,7 @@ print("heavy", heavy)
     assert result.stdout.count("exit 0") == 3 and "exit 1" in result.stdout and "exit 2" in result.stdout
     assert "/no/such/out: no such folder" in result.stderr
     result = subprocess.run(
-        [sys.executable, "-m", "nf4convert.cli", "--help"], capture_output=True, text=True, check=True
+        [sys.executable, "-m", "nf4convert.cli.commands", "--help"], capture_output=True, text=True, check=True
     )
     assert "verify" in result.stdout and "batch" in result.stdout
     for command in ("convert", "verify", "batch"):
@@ -818,7 +818,7 @@ def test_without_triton_auto_takes_the_cpu_and_cuda_is_one_line(monkeypatch, tmp
         dequantize_4bit(packed, state, backend="triton")
     assert dequantize_4bit(packed, state).dtype == torch.float16  # the CPU path needs no Triton
     code = (
-        "import sys; sys.modules['triton'] = None; from nf4convert.cli import main; "
+        "import sys; sys.modules['triton'] = None; from nf4convert.cli.commands import main; "
         f"main([{str(example)!r}, '-o', {str(tmp_path / 'cpu')!r}, '-q'])"
     )
     subprocess.run(
@@ -851,7 +851,7 @@ def test_an_amd_gpu_is_not_taken_for_an_nvidia_one(monkeypatch, tmp_path):
 NO_TORCH = """
 import sys
 sys.modules["torch"] = None  # what an import of a missing module meets: any import of torch fails
-from nf4convert.cli import main
+from nf4convert.cli.commands import main
 try:
     main(sys.argv[1:])
 finally:

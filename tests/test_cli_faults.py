@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from nf4convert.cli import main
+from nf4convert.cli.commands import main
 
 from fixtures.processes import default_stop_signals, package_env
 
@@ -95,7 +95,7 @@ def producer(*args):
         (os.killpg if os.getpgrp() == os.getpid() else os.kill)(os.getpid(), getattr(signal, sys.argv[1]))
     yield from original(*args)
 Copy.produce = producer
-from nf4convert.cli import main
+from nf4convert.cli.commands import main
 main(sys.argv[2:])
 """
 
@@ -130,7 +130,7 @@ def killed(*args):
     if os.getpid() != parent:
         os.kill(os.getpid(), signal.SIGKILL)
 cpu._dequantize_4bit_on_cpu = killed
-from nf4convert.cli import main
+from nf4convert.cli.commands import main
 main(sys.argv[1:])
 """
 
@@ -165,7 +165,7 @@ if sys.argv[2] == "staged":
             os.kill(os.getpid(), sig)
     pathlib.Path.mkdir = staged
 elif sys.argv[2] == "verify":  # after OUT is complete, while --verify runs
-    from nf4convert import verification
+    from nf4convert.verification import verify as verification
     check = verification.verify
     def verify(*args, **kwargs):
         os.kill(os.getpid(), sig)
@@ -190,7 +190,7 @@ else:
             Signals()
         yield from original(*args)
     Copy.produce = producer
-from nf4convert.cli import main
+from nf4convert.cli.commands import main
 main(sys.argv[3:])
 """
 
@@ -254,7 +254,7 @@ def test_a_signal_deferred_out_of_an_import_is_not_sent_after_the_command(monkey
     # (the caller's own handlers are back by then: a test run, or the process, would be stopped by it)
     import signal
 
-    from nf4convert.signals import StopSignals
+    from nf4convert.cli.signals import StopSignals
 
     sent = []
     monkeypatch.setattr(signal, "pthread_kill", lambda thread, signum: sent.append(signum))
@@ -561,7 +561,7 @@ def test_an_output_name_at_the_file_systems_limit_is_written_and_replaced(tmp_pa
 TEARDOWN_WRAPPER = """
 import atexit, sys
 atexit.register(lambda: print("interpreter teardown", file=sys.stderr))  # runs only if the interpreter unwinds
-from nf4convert.cli import main
+from nf4convert.cli.commands import main
 main()
 """
 

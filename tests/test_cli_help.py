@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from click.testing import CliRunner
 
-from nf4convert.cli import main
+from nf4convert.cli.commands import main
 
 
 def _run(*args):

@@ -153,7 +153,8 @@ def test_a_stop_in_clicks_own_code_is_a_stopped_run_not_aborted(monkeypatch, tmp
     # click turns a Ctrl-C in its parsing into Abort ("Error: aborted", exit 1); a SIGTERM there was a traceback
     from click.testing import CliRunner
 
-    from nf4convert import cli, errors
+    from nf4convert import errors
+    from nf4convert.cli import commands as cli
 
     raised = getattr(errors, stop, None) or KeyboardInterrupt
 

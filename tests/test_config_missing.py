@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from nf4convert.cli import main
+from nf4convert.cli.commands import main
 from nf4convert.verification.reference.dequantize_4bit import CPU_REFERENCE
 
 pytest.importorskip("bitsandbytes")

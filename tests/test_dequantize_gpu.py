@@ -227,7 +227,7 @@ def test_cli_convert_on_cuda_matches_cpu_and_bnb_cuda(builder, variant, tmp_path
 
     from click.testing import CliRunner
 
-    from nf4convert.cli import main
+    from nf4convert.cli.commands import main
 
     source = importlib.import_module(f"fixtures.{builder}").build(tmp_path / "src", variant)
     for device in ("cuda", "cpu"):
@@ -350,7 +350,7 @@ def test_adapter_merge_on_cuda_equals_peft_on_cuda(kind, tmp_path):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from nf4convert.cli import main
+    from nf4convert.cli.commands import main
 
     from fixtures.adapters import KINDS, make_adapter
     from fixtures.checkpoints import build

@@ -631,7 +631,7 @@ def _checkpoint(folder: Path, world, weight: str, other: str, content: bytes) ->
 def _cli(*args):
     from click.testing import CliRunner
 
-    from nf4convert.cli import main
+    from nf4convert.cli.commands import main
 
     return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=True)
 

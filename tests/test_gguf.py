@@ -18,8 +18,8 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from nf4convert.cli import main
-from nf4convert.source import model_stem
+from nf4convert.cli.commands import main
+from nf4convert.hub.names import model_stem
 
 from fixtures.adapters import make_adapter
 from fixtures.checkpoints import build
@@ -198,7 +198,7 @@ def edge_source(tmp_path_factory):
 
 @pytest.mark.parametrize("outtype", ["bf16", "f16", "q8_0"])
 def test_fast_paths_on_edge_values(edge_source, outtype, tmp_path, monkeypatch):
-    from nf4convert.sinks import gguf_fast
+    from nf4convert.sinks.gguf import fast as gguf_fast
 
     source, root = edge_source
     taken = []
@@ -222,7 +222,7 @@ def test_which_tensors_take_a_fast_path(tmp_path):
     from nf4convert.pipeline.routes.cpu import CpuRoute
     from nf4convert.plan import make_plan
     from nf4convert.safetensors_io.read import TensorReader
-    from nf4convert.sinks.gguf import write_gguf
+    from nf4convert.sinks.gguf.sink import write_gguf
 
     source = build(tmp_path / "llama-bnb-4bit", "llama-nf4-dq", seed=2)
     sentencepiece_tokenizer(source)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from nf4convert.cli import main
+from nf4convert.cli.commands import main
 
 from fixtures.adapters import make_adapter
 from fixtures.checkpoints import build
@@ -43,15 +43,15 @@ def llama(tmp_path_factory):
 @pytest.fixture
 def no_weight_read(monkeypatch):
     """Fails the test if a weight is made (the checks must come first)."""
-    from nf4convert.pipeline import piece
-    from nf4convert.sinks import gguf_feed
+    from nf4convert.kinds import base as kinds_base
+    from nf4convert.sinks.gguf import feed as gguf_feed
 
     def refuse(*args, **kwargs):
         raise AssertionError("a weight was read")
 
     monkeypatch.setattr(gguf_feed.Feed, "start", refuse)
     monkeypatch.setattr(gguf_feed, "whole", refuse)
-    monkeypatch.setattr(piece, "whole", refuse)
+    monkeypatch.setattr(kinds_base, "whole", refuse)
 
 
 def _files(folder: Path) -> list[str]:
@@ -146,7 +146,7 @@ def test_bad_input_is_one_line_before_any_weight_is_read(case, tmp_path, no_weig
 def test_without_the_extra_one_line_says_what_to_install(tmp_path, monkeypatch):
     from importlib import metadata
 
-    from nf4convert import gguf_converter
+    from nf4convert.sinks.gguf import converter as gguf_converter
 
     real = metadata.distribution
 
@@ -170,7 +170,7 @@ def test_a_replaced_gguf_package_is_named(monkeypatch, tmp_path):
     """PyPI's gguf installed after the converter replaces the copy it ships: said, with the command that repairs it."""
     from importlib import metadata
 
-    from nf4convert import gguf_converter
+    from nf4convert.sinks.gguf import converter as gguf_converter
 
     real = metadata.distribution
     wheel = real(gguf_converter.CONVERTER)
@@ -229,7 +229,8 @@ def test_a_failure_mid_write_leaves_nothing_and_the_old_file(llama, tmp_path, mo
     """The disk filling up under a tensor's writes (on the writing threads), or Ctrl-C in the writer: one line, no
     partial file, the user's old file as it was."""
     from nf4convert.errors import Interrupted
-    from nf4convert.sinks import gguf_fast, gguf_writes
+    from nf4convert.sinks.gguf import fast as gguf_fast
+    from nf4convert.sinks.gguf import writes as gguf_writes
 
     out = tmp_path / "x.gguf"
     out.write_bytes(b"the user's file")
@@ -354,7 +355,7 @@ def test_feed_holds_at_most_its_bytes_ahead(llama):
     from nf4convert.pipeline.routes.cpu import CpuRoute
     from nf4convert.plan import make_plan
     from nf4convert.safetensors_io.read import TensorReader
-    from nf4convert.sinks.gguf_feed import Feed
+    from nf4convert.sinks.gguf.feed import Feed
 
     plan = make_plan(llama)
     order = [tensor.name for tensor in plan.tensors][::-1]

@@ -169,9 +169,9 @@ def cli(*args, env, cwd, patch=""):
     full_env.update(env)
     full_env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), full_env.get("PYTHONPATH", "")])
     command = (
-        ["-m", "nf4convert.cli"]
+        ["-m", "nf4convert.cli.commands"]
         if not patch
-        else ["-c", f"import sys\n{patch}\nfrom nf4convert.cli import main\nmain(sys.argv[1:])"]
+        else ["-c", f"import sys\n{patch}\nfrom nf4convert.cli.commands import main\nmain(sys.argv[1:])"]
     )
     return subprocess.run(
         [sys.executable, *command, *map(str, args)], capture_output=True, text=True, env=full_env, cwd=cwd, timeout=600
@@ -385,7 +385,7 @@ def test_an_adapter_repo_as_source_is_resolved_to_its_base(hub, tmp_path):
 
 # Limits small enough for the test repo: its headers are over 1 KiB (a second request each), and its quant states are
 # fetched one range each, not merged with their neighbours.
-SMALL_LIMITS = "import nf4convert.hub as hub; hub._FIRST_BYTES = 1024; hub._GAP_BYTES = 0"
+SMALL_LIMITS = "import nf4convert.hub.ranges as hub; hub._FIRST_BYTES = 1024; hub._GAP_BYTES = 0"
 
 
 def plan_lines(result) -> list[str]:

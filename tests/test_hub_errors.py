@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-from nf4convert.hub_errors import hub_error_line
+from nf4convert.hub.errors import hub_error_line
 
 from fixtures.fake_hub import READ_TOKEN, client_env, closed_port, serve
 
@@ -132,7 +132,7 @@ def test_http_errors_keep_status_request_and_server_message(path, token, expecte
 DOWNLOAD = """
 import json, sys
 from huggingface_hub import hf_hub_download, snapshot_download
-from nf4convert.hub_errors import hub_error_line
+from nf4convert.hub.errors import hub_error_line
 calls = {
     "snapshot": lambda: snapshot_download("me/missing", cache_dir=sys.argv[1]),
     "file": lambda: hf_hub_download("me/missing", "config.json", cache_dir=sys.argv[1]),

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from nf4convert.cli import main
+from nf4convert.cli.commands import main
 
 from fixtures.processes import package_env
 
@@ -29,7 +29,7 @@ def producer(*args):
         os.kill(os.getpid(), signal.SIGKILL)
     yield from original(*args)
 Copy.produce = producer
-from nf4convert.cli import main
+from nf4convert.cli.commands import main
 main(sys.argv[1:])
 """
 

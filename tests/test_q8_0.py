@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from nf4convert.kernels.q8_0 import Q8_0, quantize_q8_0, quiet_bf16
+from nf4convert.sinks.gguf.q8_0 import Q8_0, quantize_q8_0, quiet_bf16
 
 gguf = pytest.importorskip("gguf")
 

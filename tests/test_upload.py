@@ -43,7 +43,7 @@ def safetensors_bytes(tensors: dict[str, tuple[str, list[int]]], rng: random.Ran
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
     """A small converted folder: two shards (several Xet chunks each, odd sizes), index, config, README."""
-    from nf4convert.card import model_card
+    from nf4convert.hub.card import model_card
 
     rng = random.Random(20240613)
     folder = tmp_path_factory.mktemp("converted") / "tiny-llama-bf16"
@@ -82,7 +82,7 @@ import json, sys
 from huggingface_hub import HfApi
 from huggingface_hub.utils import are_progress_bars_disabled
 from nf4convert.errors import UploadError
-from nf4convert.upload import push_to_hub
+from nf4convert.hub.upload import push_to_hub
 
 upload_folder, seen = HfApi.upload_folder, {}
 def watched_upload_folder(self, **kwargs):  # the real upload, noting whether progress bars were off during it
@@ -224,7 +224,7 @@ def test_push_errors_are_one_line_with_their_cause(hub, converted, tmp_path, cas
 
 def test_push_refuses_a_missing_or_empty_folder_without_asking_the_hub(hub, tmp_path):
     from nf4convert.errors import UploadError
-    from nf4convert.upload import push_to_hub
+    from nf4convert.hub.upload import push_to_hub
 
     endpoint, state = hub
     (tmp_path / "empty").mkdir()
@@ -251,7 +251,7 @@ def test_push_refuses_a_missing_or_empty_folder_without_asking_the_hub(hub, tmp_
 def test_a_push_that_cannot_happen_is_refused_before_any_work(hub, tmp_path, repo_id, branch, message, monkeypatch):
     # each was found only after the whole conversion, as an upload failure (exit 1)
     from nf4convert.errors import ArgumentError
-    from nf4convert.upload import push_to_hub
+    from nf4convert.hub.upload import push_to_hub
 
     endpoint, state = hub
     if "OFFLINE" in message:
@@ -437,7 +437,7 @@ def test_a_second_push_leaves_only_the_new_weights(hub, two_outputs, tmp_path, f
 
 
 def test_stale_weights_are_the_root_weight_files_the_folder_lacks(tmp_path):
-    from nf4convert.upload import stale_weights
+    from nf4convert.hub.upload import stale_weights
 
     (tmp_path / "model.safetensors").write_bytes(b"new")
     repo = [

@@ -12,9 +12,9 @@ import shutil
 import pytest
 from click.testing import CliRunner
 
-from nf4convert.cli import main
+from nf4convert.cli.commands import main
 from nf4convert.errors import CheckpointError
-from nf4convert.verification import verify
+from nf4convert.verification.verify import verify
 
 from fixtures.checkpoints import build
 

@@ -18,10 +18,12 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from nf4convert.cli import main
+from nf4convert.cli.commands import main
 from nf4convert.errors import CheckpointError
-from nf4convert.verification import report_lines, stream, verify
+from nf4convert.verification import stream
 from nf4convert.verification.reference.dequantize_4bit import CPU_REFERENCE
+from nf4convert.verification.report import report_lines
+from nf4convert.verification.verify import verify
 
 from fixtures import checkpoints, checkpoints8
 from fixtures.adapters import make_adapter
@@ -286,7 +288,7 @@ def test_torch_threads_are_as_before(outputs):
 MEMORY = """
 import json, os, re, sys
 os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:2])
-from nf4convert.verification import verify
+from nf4convert.verification.verify import verify
 report = verify(sys.argv[1], sys.argv[2], device="cpu")
 peak = int(re.search(r"VmHWM:\\s+(\\d+) kB", open("/proc/self/status").read())[1])
 print(json.dumps({"ok": report.ok, "problems": report.problems, "peak_mb": peak / 1024}))

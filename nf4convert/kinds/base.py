@@ -1,15 +1,17 @@
 """What every tensor kind says of itself: the interface the planner, the pipeline and verify ask through, so that none
-of them needs to know which kinds there are (the registry, ``kinds/__init__.py``, does)."""
+of them needs to know which kinds there are (the registry, ``kinds/__init__.py``, does); a planned output tensor, which
+carries its recipe; and a tensor made whole from its recipe's pieces."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Iterator
+
+from ..pipeline.piece import Piece
+from ..safetensors_io.read import TensorReader
 
 if TYPE_CHECKING:
     from ..dtypes import DType
-    from ..pipeline.piece import Piece
-    from ..plan import PlannedTensor
-    from ..safetensors_io.read import TensorReader
 
 
 class Recipe:
@@ -76,3 +78,32 @@ class Recipe:
     def produce(self, tensor: "PlannedTensor", reader: "TensorReader", route) -> "Iterator[Piece]":
         """The pieces that make ``tensor`` (this recipe's planned tensor) on ``route``."""
         raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class PlannedTensor:
+    """One output tensor: what it is, where it goes (``offset`` from the start of its shard's data), how it is made."""
+
+    name: str
+    dtype: str  # safetensors' name
+    shape: tuple
+    nbytes: int
+    shard: str
+    offset: int
+    recipe: Recipe
+
+
+def whole(tensor: PlannedTensor, reader: TensorReader, route, device="cpu"):
+    """A planned tensor made whole through ``route``, as raw bytes (a uint8 tensor) in ``device``'s memory: what a
+    transpose or a merge needs, and what a sink that takes whole tensors (GGUF) is fed."""
+    import torch
+
+    made = torch.empty(tensor.nbytes, dtype=torch.uint8, device=device)
+    for piece in tensor.recipe.produce(tensor, reader, route):
+        read = reader.read(piece.source, piece.first, piece.count)
+        target = made[piece.offset : piece.offset + piece.nbytes]
+        if piece.make is None:
+            target.copy_(read)
+        else:
+            route.make_into(piece, read, target)
+    return made

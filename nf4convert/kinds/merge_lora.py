@@ -13,8 +13,8 @@ from ..dtypes import DTYPES, DType
 from ..errors import CheckpointError
 from ..formats import config as model_config
 from ..formats import peft_checks, peft_lora, peft_merge, peft_tied
-from ..pipeline.piece import Piece, whole
-from .base import Recipe
+from ..pipeline.piece import Piece
+from .base import Recipe, whole
 from .untied import Untied
 
 

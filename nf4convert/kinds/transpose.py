@@ -10,8 +10,8 @@ from typing import ClassVar, Iterator
 
 from ..dtypes import DTYPES, DType
 from ..formats import conv1d
-from ..pipeline.piece import Piece, pieces_from_memory, whole
-from .base import Recipe
+from ..pipeline.piece import Piece, pieces_from_memory
+from .base import Recipe, whole
 
 
 @dataclass(frozen=True)

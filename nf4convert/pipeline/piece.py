@@ -1,5 +1,5 @@
 """A piece: a slice of one output tensor and how it is made, the unit every stage of the pipeline moves; the host
-buffers pieces are read and made into; and a tensor made whole from its pieces.
+buffers pieces are read and made into.
 
 A kind's producer (``kinds/``) cuts its tensor into pieces of at most ``route.piece_bytes`` (whole quant blocks, whole
 8-bit rows); a route (``pipeline/routes/``) gives each piece its ``make``.
@@ -9,12 +9,9 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterator, Optional
+from typing import Callable, Iterator, Optional
 
-from ..safetensors_io.read import TensorInfo, TensorReader, as_array
-
-if TYPE_CHECKING:
-    from ..plan import PlannedTensor
+from ..safetensors_io.read import TensorInfo, as_array
 
 
 @dataclass
@@ -30,22 +27,6 @@ class Piece:
     make: Optional[Callable] = None
     on_device: bool = False  # made on the route's device (its buffers pinned on CUDA), not on the CPU
     watched: bool = False  # fp16 bytes checked for ±inf when written (plan.may_exceed)
-
-
-def whole(tensor: "PlannedTensor", reader: TensorReader, route, device="cpu"):
-    """A planned tensor made whole through ``route``, as raw bytes (a uint8 tensor) in ``device``'s memory: what a
-    transpose or a merge needs, and what a sink that takes whole tensors (GGUF) is fed."""
-    import torch
-
-    made = torch.empty(tensor.nbytes, dtype=torch.uint8, device=device)
-    for piece in tensor.recipe.produce(tensor, reader, route):
-        read = reader.read(piece.source, piece.first, piece.count)
-        target = made[piece.offset : piece.offset + piece.nbytes]
-        if piece.make is None:
-            target.copy_(read)
-        else:
-            route.make_into(piece, read, target)
-    return made
 
 
 def pieces_from_memory(data, source: TensorInfo, piece_bytes: int) -> Iterator[Piece]:

@@ -7,9 +7,8 @@ from pathlib import Path
 
 from ..dtypes import output_dtype
 from ..errors import ArgumentError
-from ..hub import looks_like_repo_id
+from ..hub.names import looks_like_repo_id, model_stem
 from ..paths import expanded, expanded_output
-from ..source import model_stem
 from .output import placed
 
 

@@ -1,6 +1,6 @@
 """The output's lifecycle: checks before anything is written, a temporary folder beside OUT, the side files (config,
 index, carried files), the atomic move into place, and cleanup on any failure. A GGUF output is one file, written in
-such a temporary folder and renamed into place from it.
+such a temporary folder and renamed into place from it. Stop signals wait while OUT is put in place (``held``).
 
 OUT only ever appears complete: until the last rename it does not exist (or, with ``overwrite``, it is the
 user's old folder, untouched). Every OSError on this path becomes one OutputError line.
@@ -12,10 +12,12 @@ import contextlib
 import os
 import shlex
 import shutil
+import signal
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import OutputError
+from ..errors import STOP_SIGNALS, Interrupted, OutputError, Terminated
 from ..paths import NAME_MAX
 from ..sizes import size_text
 
@@ -273,3 +275,30 @@ def move_into_place(temporary: Path, output: Path, *, overwrite: bool = False) -
         raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def held(output: Path):
+    """SIGINT, SIGTERM and SIGHUP wait while OUT is put in place and the run winds down (main thread only), so that
+    none can leave the user's OUT half-replaced or a complete OUT reported as not written. A signal that came is
+    delivered at the end, its exception's ``output_complete`` set to OUT when the block finished."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    came: list[int] = []
+    previous = {number: signal.signal(number, lambda signum, frame: came.append(signum)) for number in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+    if came:
+        handler = previous[came[0]]
+        if handler is signal.SIG_DFL:
+            signal.raise_signal(came[0])  # the default action: the process ends (OUT is complete)
+        elif callable(handler):
+            try:
+                handler(came[0], None)
+            except (Interrupted, Terminated) as stop:
+                stop.output_complete = output
+                raise

@@ -15,10 +15,15 @@ import os
 import tempfile
 from pathlib import Path
 
-from ..card import card_for_plan
 from ..devices import pick_device
 from ..errors import ArgumentError, CheckpointError, SourceNotFoundError
-from ..gguf_converter import (
+from ..hub.card import card_for_plan
+from ..hub.names import model_stem
+from ..hub.sources import named_sources, resolve_source
+from ..paths import expanded
+from ..plan import make_plan
+from ..safetensors_io.read import TensorReader
+from ..sinks.gguf.converter import (
     GGUF_TYPES,
     NAME_FIELDS,
     converter,
@@ -29,11 +34,7 @@ from ..gguf_converter import (
     staged,
     tensors_of,
 )
-from ..paths import expanded
-from ..plan import make_plan
-from ..safetensors_io.read import TensorReader
 from ..skeleton import meta_model
-from ..source import model_stem, named_sources, resolve_source
 from .reference import Context, against
 
 HEADER_FIELDS = ("GGUF.version", "GGUF.tensor_count", "GGUF.kv_count")  # the reader's names for the header's words
@@ -63,7 +64,8 @@ def verify_gguf(
     import torch
     from tqdm.auto import tqdm
 
-    from . import VerifyReport, _quiet_loggers, _reference_library
+    from .libraries import quiet_loggers, reference_library
+    from .report import VerifyReport
 
     source, adapter = named_sources(source, adapter)
     output = expanded(os.fspath(output), "output")
@@ -74,13 +76,13 @@ def verify_gguf(
     gguf_type = _gguf_type(gguf, actual, output)
     chosen = pick_device(device, kernel=False)
     report = VerifyReport(output, device=str(chosen), gguf=True)
-    with _quiet_loggers(), TensorReader() as source_reader:
-        _reference_library("bitsandbytes")
+    with quiet_loggers(), TensorReader() as source_reader:
+        reference_library("bitsandbytes")
         folder, adapter_folder, base, adapter_name = resolve_source(
             source, adapter, revision=revision, token=token, cache_dir=cache_dir, progress=progress
         )
         if adapter_folder is not None:
-            _reference_library("peft")
+            reference_library("peft")
         plan = make_plan(folder, dtype=dense_dtype(dtype, gguf_type), reader=source_reader, adapter=adapter_folder)
         card = card_for_plan(
             plan, base=base, adapter=adapter_name, revision=revision if base == source else None, title=output.name

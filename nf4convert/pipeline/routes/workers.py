@@ -16,7 +16,7 @@ the readers and writers of cores (routes/cpu.py: one per two cores).
   numpy arrays on both sides.
 - A piece whose bytes are not both in the mapping (no slot was free, or a piece larger than a slot) is made on the
   calling thread by the same function: the same bytes either way.
-- Workers ignore Ctrl-C, SIGTERM and SIGHUP (output.STOP_SIGNALS): this process takes them and stops the workers,
+- Workers ignore Ctrl-C, SIGTERM and SIGHUP (errors.STOP_SIGNALS): this process takes them and stops the workers,
   also at exit when nobody closed them. A worker that dies (killed by the system) is a one-line error, for every
   piece waiting on one too; forking that fails leaves the route on threads.
 """
@@ -58,8 +58,8 @@ class Workers:
 
         import numpy as np
 
+        from ...errors import STOP_SIGNALS
         from ...kernels import cpu  # noqa: F401  (imported here, so that no worker imports anything: see _serve)
-        from ...signals import STOP_SIGNALS
 
         self.count, self._slots, self._slot_bytes = count, slots, slot_bytes
         mapping = mmap.mmap(-1, slots * slot_bytes)  # MAP_SHARED | MAP_ANONYMOUS: the children see its pages
@@ -179,8 +179,8 @@ def _serve(pipe, inherited: list, mapping, mask) -> None:
 
     import numpy as np
 
+    from ...errors import STOP_SIGNALS
     from ...kernels import cpu
-    from ...signals import STOP_SIGNALS
 
     for signum in STOP_SIGNALS:  # the parent's handlers came with the fork; the parent stops the workers
         signal.signal(signum, signal.SIG_IGN)

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from .sinks.gguf import size_bound as gguf_size_bound
-from .sinks.output import space_needed
-from .sizes import size_text
+from ..sinks.gguf.sink import size_bound as gguf_size_bound
+from ..sinks.output import space_needed
+from ..sizes import size_text
 
 
 def summary(result) -> str:

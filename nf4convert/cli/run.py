@@ -10,14 +10,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from .conversion import ConvertResult, Prepared, convert, prepare
-from .devices import pick_device
-from .errors import Interrupted, Nf4ConvertError, Terminated, UploadError
-from .paths import expanded_output
-from .settings import Settings
-from .sinks import output as lifecycle
-from .sinks.naming import batch_output, batch_stems, check_batch_root
-from .verification import VerifyReport
+from ..conversion import ConvertResult, Prepared, convert, prepare
+from ..devices import pick_device
+from ..errors import Interrupted, Nf4ConvertError, Terminated, UploadError
+from ..paths import expanded_output
+from ..settings import Settings
+from ..sinks import output as lifecycle
+from ..sinks.naming import batch_output, batch_stems, check_batch_root
+from ..verification.report import VerifyReport
 
 
 @dataclass
@@ -57,7 +57,7 @@ def convert_then(
     """Convert, then verify the output (if asked), then push it (if asked and verified); each step's result
     (``ConvertResult``, ``VerifyReport``, :class:`Pushed`) goes to ``on_step`` as it comes. Whether every step passed.
     A stop signal after the output was complete says so (``output_complete``): it is kept."""
-    from .upload import push_to_hub
+    from ..hub.upload import push_to_hub
 
     result: ConvertResult = convert(source, output, device=device, progress=progress, **options)
     try:
@@ -80,7 +80,7 @@ def convert_then(
         if push_to:
             try:
                 if result.gguf_type:  # one file, and its model card beside it
-                    from .upload import push_file_to_hub
+                    from ..hub.upload import push_file_to_hub
 
                     url = push_file_to_hub(
                         result.output,
@@ -125,8 +125,8 @@ def kept_for_push(output, repo_id: str, private: bool, branch: str | None, *, ag
 
 def verify_output(output, source, *, progress: bool = True, **options) -> VerifyReport:
     """``verification.verify`` with huggingface_hub's download bars shown or hidden as ``progress`` says."""
-    from .hub import progress_bars
-    from .verification import verify
+    from ..hub.download import progress_bars
+    from ..verification.verify import verify
 
     with progress_bars(progress):
         return verify(output, source, progress=progress, **options)
@@ -198,7 +198,7 @@ def batch(
     Settings.from_env()  # once, before any source (each would fail alike)
     check_batch_root(output_root, [*sources, adapter])
     if gguf_type is not None:
-        from .sinks.gguf import default_gguf_output
+        from ..sinks.gguf.sink import default_gguf_output
 
         planned = [(stem, str(default_gguf_output(output_root, stem, gguf_type))) for stem in batch_stems(sources)]
     else:
@@ -233,7 +233,7 @@ def batch(
                 plan = prepared.plan
                 row.status, row.tensors, row.bytes = done, len(plan.tensors), plan.tensor_bytes
                 if prepared.gguf is not None:
-                    from .sinks.gguf import size_bound
+                    from ..sinks.gguf.sink import size_bound
 
                     result.needed += size_bound(plan, prepared.gguf.type)
                 else:

@@ -1,21 +1,17 @@
-"""The signals that stop a run: SIGINT (Ctrl-C), SIGTERM (kill, timeout, docker stop), SIGHUP (a closed terminal or
-ssh session). Under the command line (:class:`StopSignals`) they become exceptions, ``errors.Interrupted`` and
-``errors.Terminated``, that unwind a run like any failure, so that what was partly written is removed; ``held`` makes
-them wait while OUT is put in place. A signal the caller ignores (``nohup``, ``trap '' INT``) stays ignored.
+"""The command line's handlers of the signals that stop a run (``errors.STOP_SIGNALS``: SIGINT, SIGTERM, SIGHUP):
+under :class:`StopSignals` they become exceptions, ``errors.Interrupted`` and ``errors.Terminated``, that unwind a run
+like any failure, so that what was partly written is removed (``sinks.output.held`` makes them wait while OUT is put in
+place). A signal the caller ignores (``nohup``, ``trap '' INT``) stays ignored.
 """
 
 from __future__ import annotations
 
-import contextlib
 import signal
 import sys
 import threading
 from functools import partial
-from pathlib import Path
 
-from .errors import Interrupted, Terminated
-
-STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
+from ..errors import STOP_SIGNALS, Interrupted, Terminated
 
 
 class StopSignals:
@@ -84,30 +80,3 @@ def _unraisable(previous, unraisable) -> None:
     traceback; the command reports the signal (``StopSignals.received``) when it returns."""
     if not isinstance(unraisable.exc_value, (KeyboardInterrupt, Terminated)):
         previous(unraisable)
-
-
-@contextlib.contextmanager
-def held(output: Path):
-    """SIGINT, SIGTERM and SIGHUP wait while OUT is put in place and the run winds down (main thread only), so that
-    none can leave the user's OUT half-replaced or a complete OUT reported as not written. A signal that came is
-    delivered at the end, its exception's ``output_complete`` set to OUT when the block finished."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    came: list[int] = []
-    previous = {number: signal.signal(number, lambda signum, frame: came.append(signum)) for number in STOP_SIGNALS}
-    try:
-        yield
-    finally:
-        for number, handler in previous.items():
-            signal.signal(number, handler)
-    if came:
-        handler = previous[came[0]]
-        if handler is signal.SIG_DFL:
-            signal.raise_signal(came[0])  # the default action: the process ends (OUT is complete)
-        elif callable(handler):
-            try:
-                handler(came[0], None)
-            except (Interrupted, Terminated) as stop:
-                stop.output_complete = output
-                raise

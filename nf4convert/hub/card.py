@@ -25,9 +25,9 @@ import re
 import shlex
 from typing import NamedTuple
 
-from .dtypes import OUTPUT_DTYPES
-from .hub import looks_like_repo_id
-from .hub_errors import first_line as error_line
+from ..dtypes import OUTPUT_DTYPES
+from .errors import first_line as error_line
+from .names import looks_like_repo_id
 
 # Tags that describe quantized weights; compared lowercased. Tags about the model itself (unsloth, llama,
 # text-generation, conversational...) are kept.
@@ -80,8 +80,8 @@ def card_for_plan(plan, *, base: str, adapter: str | None, revision: str | None,
     name. What a conversion writes, and what verify gives llama.cpp's converter again for a GGUF's metadata."""
     from pathlib import Path
 
-    from . import __version__
-    from .hub import commit_of
+    from .. import __version__
+    from .names import commit_of
 
     text = plan.card.read_bytes().decode("utf-8", errors="replace") if plan.card is not None else None
     return model_card(

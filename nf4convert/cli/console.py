@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import click
 
-from .errors import ArgumentError, Interrupted, Nf4ConvertError, Terminated
+from ..errors import ArgumentError, Interrupted, Nf4ConvertError, Terminated
 from .signals import StopSignals
 
 # What a library error's ``option`` becomes on the command line.
@@ -150,8 +150,8 @@ def _refuse_mistyped_command(word: str, commands: list[str]) -> None:
     """A first word that is no folder, no repo id and close to a command is a typo, not a SOURCE."""
     import difflib
 
-    from .hub import looks_like_repo_id
-    from .paths import expanded
+    from ..hub.names import looks_like_repo_id
+    from ..paths import expanded
 
     try:
         if expanded(word, "source").exists() or looks_like_repo_id(word):

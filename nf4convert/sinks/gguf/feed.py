@@ -17,9 +17,9 @@ import threading
 from collections import deque
 from typing import Callable
 
-from ..pipeline.core import Pipeline
-from ..pipeline.piece import whole
-from ..plan import may_exceed
+from ...kinds.base import whole
+from ...pipeline.core import Pipeline
+from ...plan import may_exceed
 
 AHEAD_BYTES = 256 << 20  # made, not yet taken: enough to keep the writer fed, little beside the largest tensor
 
@@ -40,7 +40,7 @@ class _Made:
     def write(self, name: str, data, offset: int) -> None:
         import numpy as np
 
-        from ..safetensors_io.read import as_array
+        from ...safetensors_io.read import as_array
 
         data = np.ascontiguousarray(as_array(data)).reshape(-1).view(np.uint8)
         self.bytes.numpy()[offset : offset + data.size] = data
@@ -145,7 +145,7 @@ class Feed:
 
     def take(self, name: str):
         """Tensor ``name`` made whole: a CPU torch tensor of its planned dtype and shape."""
-        from ..dtypes import DTYPES
+        from ...dtypes import DTYPES
 
         tensor = self._tensors[name]
         with self._changed:

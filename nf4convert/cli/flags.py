@@ -7,9 +7,9 @@ import sys
 
 import click
 
-from .dtypes import OUTPUT_CHOICES
-from .gguf_converter import GGUF_TYPES
-from .sizes import DEFAULT_SHARD_SIZE
+from ..dtypes import OUTPUT_CHOICES
+from ..sinks.gguf.converter import GGUF_TYPES
+from ..sizes import DEFAULT_SHARD_SIZE
 
 
 def quiet(ctx, param, value) -> bool:

@@ -7,30 +7,17 @@ verify both start here."""
 from __future__ import annotations
 
 import os
-import re
 from functools import partial
 from pathlib import Path
 
-from .errors import ArgumentError, CheckpointError
-from .formats.config import not_bitsandbytes, read_config
-from .paths import expanded
+from ..errors import ArgumentError, CheckpointError
+from ..formats.config import not_bitsandbytes, read_config
+from ..paths import expanded
 
 
 def as_text(name):
     """A source or adapter as the API takes it (a str or an os.PathLike) in the str the rest of the code reads."""
     return os.fspath(name) if name is not None else None
-
-
-# A quantization suffix on a model's name: dropped from the name of what is made of it
-QUANT_SUFFIX = re.compile(r"-(?:bnb-)?(?:4bit|nf4|fp4|8bit|int8)$", re.IGNORECASE)
-
-
-def model_stem(source: str) -> str:
-    """The model's name, its quantization suffix dropped (org/Llama-bnb-4bit -> Llama): the default output's name, and
-    the name llama.cpp's converter is given for a GGUF (by convert and verify alike)."""
-    from .hub import model_name
-
-    return QUANT_SUFFIX.sub("", model_name(source)) or model_name(source)
 
 
 def named_sources(source, adapter) -> tuple[str, str | None]:
@@ -92,9 +79,9 @@ def resolve_source(
     ``revision`` applies to SOURCE (a local folder has none); a Hub checkpoint whose config.json says it is not
     bitsandbytes is refused before its weights are downloaded; ``progress=False`` hides download bars; ``headers``
     (a ``hub.HeadersOnly``): the checkpoint's weights are not downloaded, its folder is their copy for a plan."""
-    from .errors import SourceNotFoundError
-    from .formats import peft_config, peft_lora
-    from .hub import resolve
+    from ..errors import SourceNotFoundError
+    from ..formats import peft_config, peft_lora
+    from .download import resolve
 
     source, adapter = as_text(source), as_text(adapter)
     fetch = dict(token=token, cache_dir=cache_dir, progress=progress)

@@ -14,8 +14,8 @@ import os
 import threading
 from collections import deque
 
-from ..safetensors_io.read import as_array
-from ..safetensors_io.write import Writeback
+from ...safetensors_io.read import as_array
+from ...safetensors_io.write import Writeback
 
 WRITE_THREADS = 4
 WAITING_BYTES = 256 << 20

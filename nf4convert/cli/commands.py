@@ -12,11 +12,11 @@ import sys
 
 import click
 
-from . import __version__
-from .cli_options import convert_options, one_adapter, quiet, source_options
+from .. import __version__
+from ..dtypes import OUTPUT_CHOICES
+from ..errors import ArgumentError, Nf4ConvertError, Terminated
 from .console import DefaultGroup, end, error_line, fail, message, run_action, say
-from .dtypes import OUTPUT_CHOICES
-from .errors import ArgumentError, Nf4ConvertError, Terminated
+from .flags import convert_options, one_adapter, quiet, source_options
 
 
 @click.group(cls=DefaultGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -104,7 +104,7 @@ def convert_command(
     if dry_run and (then_verify or push_to):
         fail("--dry-run writes nothing, so there is nothing to --verify or --push-to-hub", 2)
     if push_to:
-        from .upload import check_target
+        from ..hub.upload import check_target
 
         try:
             check_target(push_to, push_branch)
@@ -164,7 +164,7 @@ def convert_command(
 
 
 def _show_report(report) -> None:
-    from .verification import report_lines
+    from ..verification.report import report_lines
 
     for line in report_lines(report):
         say(line)

@@ -26,6 +26,6 @@ for _name in ("SIGINT", "SIGTERM", "SIGHUP"):
 
 def main(*args, **kwargs):
     """Run the command line (``cli.main``'s arguments)."""
-    from .cli import main as command_line
+    from .commands import main as command_line
 
     return command_line(*args, **kwargs)

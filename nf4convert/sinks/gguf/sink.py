@@ -17,7 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from ..gguf_converter import (
+from ...settings import Settings
+from ..naming import default_output
+from .converter import (
     FLOAT_TYPES,
     check,
     converter,
@@ -28,12 +30,10 @@ from ..gguf_converter import (
     staged,
     tensors_of,
 )
-from ..kernels.q8_0 import Q8_0
-from ..settings import Settings
-from .gguf_fast import FastTensor, recognise
-from .gguf_feed import Feed
-from .gguf_writes import PositionalWrites
-from .naming import default_output
+from .fast import FastTensor, recognise
+from .feed import Feed
+from .q8_0 import Q8_0
+from .writes import PositionalWrites
 
 GGUF_SUFFIX = ".gguf"
 
@@ -72,7 +72,7 @@ def size_bound(plan, gguf_type: str) -> int:
 def pushed_card(card: str, file_name: str, gguf_type: str) -> str:
     """The model card pushed beside a GGUF: the dense card (the one the converter read the metadata from), with a
     section on the file first."""
-    from ..gguf_converter import CONVERTER, CONVERTER_VERSION
+    from .converter import CONVERTER, CONVERTER_VERSION
 
     section = (
         f"## GGUF\n\n`{file_name}` is a GGUF file of type {gguf_type}, written in one pass by nf4convert with "

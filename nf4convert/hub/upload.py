@@ -26,10 +26,11 @@ from fnmatch import fnmatchcase
 from pathlib import Path
 from urllib.parse import quote
 
-from .errors import ArgumentError, UploadError
-from .files import ADAPTER_FILES, LOADED_WEIGHT_FILES
-from .hub import looks_like_repo_id, progress_bars
-from .hub_errors import hub_error_line
+from ..errors import ArgumentError, UploadError
+from ..files import ADAPTER_FILES, LOADED_WEIGHT_FILES
+from .download import progress_bars
+from .errors import hub_error_line
+from .names import looks_like_repo_id
 
 COMMIT_SHA = re.compile(r"[0-9a-fA-F]{40}")
 # Root files a loader reads as the weights unasked, and an adapter's (checkpoint.LOADED_WEIGHT_FILES, ADAPTER_FILES).

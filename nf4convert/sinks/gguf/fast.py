@@ -22,7 +22,7 @@ import functools
 from dataclasses import dataclass
 from typing import Callable
 
-from ..kernels.q8_0 import quiet_bf16
+from .q8_0 import quiet_bf16
 
 SAME_CHUNK_VALUES = 1 << 22  # values handed to the writing threads at once, for a type written as it is made
 
@@ -63,7 +63,7 @@ def _codes() -> _Codes:
     import numpy as np
     import torch
 
-    from ..gguf_converter import converter
+    from .converter import converter
 
     gguf, conversion = converter()
     lazy = conversion.LazyTorchTensor
@@ -189,7 +189,7 @@ class FastTensor:
             writes.put(start + written, made, prepare)
             written += made.numel()
         if written != self.nbytes:
-            from ..errors import InternalError
+            from ...errors import InternalError
 
             raise InternalError(f"a GGUF tensor of {self.nbytes} bytes was written with {written}")
         out.seek(start + written)

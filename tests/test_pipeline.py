@@ -85,8 +85,8 @@ def _convert(source, out, route, shard_size=10**9, settings=None):
     plan = make_plan(source, dtype="bf16", max_shard_size=shard_size)
     out.mkdir()
     progress = []
-    with TensorReader() as reader:
-        write_shards(plan, out, reader, torch.device("cpu"), progress=progress.append, route=route, settings=settings)
+    with TensorReader() as reader, route:
+        write_shards(plan, out, reader, route, progress=progress.append, settings=settings)
     assert sum(progress) == plan.tensor_bytes
     return plan
 
@@ -345,14 +345,13 @@ def test_pieces_come_plain_tensors_first_and_shards_interleaved(tmp_path, monkey
 
     monkeypatch.setattr(pipeline_core.Pipeline, "push", push)
     (tmp_path / "out").mkdir()
-    with TensorReader() as reader:
+    with TensorReader() as reader, SmallPieces() as route:
         write_shards(
             plan,
             tmp_path / "out",
             reader,
-            torch.device("cpu"),
+            route,
             progress=lambda n: None,
-            route=SmallPieces(),
             settings=Settings(shards_at_once=2),
         )
     for shard in plan.shards:  # within each shard, every plain tensor's pieces before any made tensor's
@@ -654,14 +653,13 @@ def test_cuda_route_writes_the_cpu_route_bytes(tmp_path, piece_bytes):
     Route.piece_bytes = piece_bytes
     plan = make_plan(source, dtype="bf16", max_shard_size=60_000)
     (tmp_path / "cuda").mkdir()
-    with TensorReader() as reader:
+    with TensorReader() as reader, Route(torch.device("cuda")) as route:
         write_shards(
             plan,
             tmp_path / "cuda",
             reader,
-            torch.device("cuda"),
+            route,
             progress=lambda n: None,
-            route=Route(torch.device("cuda")),
         )
     assert _files(tmp_path / "cuda") == _files(tmp_path / "cpu")
 

@@ -15,6 +15,7 @@ import click
 from .. import __version__
 from ..dtypes import OUTPUT_CHOICES
 from ..errors import ArgumentError, Nf4ConvertError, Terminated
+from ..options import ConvertOptions, VerifyOptions
 from .console import DefaultGroup, end, error_line, fail, message, run_action, say
 from .flags import convert_options, one_adapter, quiet, source_options
 
@@ -110,27 +111,30 @@ def convert_command(
             check_target(push_to, push_branch)
         except ArgumentError as error:
             fail(f"--{error.option.replace('_', '-')}: {error}", 2)
-    options = dict(
-        dtype=dtype,
-        adapter=adapter,
-        revision=revision,
-        token=token,
-        cache_dir=cache_dir,
-        max_shard_size=max_shard_size,
-        overwrite=overwrite,
-        allow_no_config=allow_no_config,
-        **({"gguf_type": gguf_type.lower()} if gguf_type else {}),
-    )
     converted = []  # the output, once complete
 
     def action():
         from . import render, run
 
+        options = ConvertOptions.parse(
+            output=output,
+            dtype=dtype,
+            adapter=adapter,
+            revision=revision,
+            token=token,
+            cache_dir=cache_dir,
+            device=device,
+            max_shard_size=max_shard_size,
+            overwrite=overwrite,
+            allow_no_config=allow_no_config,
+            gguf_type=gguf_type,
+            progress=not quiet,
+        )
         if dry_run:
-            prepared = run.dry_run_plan(source, output, device=device, progress=not quiet, **options)
+            prepared = run.dry_run_plan(source, options)
             for line in render.plan_lines(prepared):
                 say(line)
-            run.check_room(prepared.output, prepared.plan.output_bytes, prepared.free_bytes)
+            run.check_room(prepared.output, prepared.needed, prepared.free_bytes)
             return True
 
         def show(result) -> None:
@@ -148,15 +152,12 @@ def convert_command(
 
         return run.convert_then(
             source,
-            output,
-            device=device,
+            options,
             verify=then_verify,
             push_to=push_to,
             private=private,
             push_branch=push_branch,
-            progress=not quiet,
             on_step=show,
-            **options,
         )
 
     if not run_action(action, kept=lambda: converted[0] if converted else None):
@@ -207,17 +208,16 @@ def verify_command(output, source, device, adapter, dtype, quiet, revision, toke
     def action():
         from .run import verify_output
 
-        report = verify_output(
-            output,
-            source,
+        options = VerifyOptions.parse(
             device=device,
             adapter=adapter,
             revision=revision,
             token=token,
             cache_dir=cache_dir,
             progress=not quiet,
-            **({"dtype": dtype} if dtype != "auto" else {}),
+            dtype=dtype,
         )
+        report = verify_output(output, source, options)
         _show_report(report)
         return report.ok
 
@@ -329,23 +329,26 @@ def batch_command(
     def action():
         from .run import batch
 
-        return batch(
-            sources,
-            output_root,
+        options = ConvertOptions.parse(
             dtype=dtype,
-            device=device,
-            dry_run=dry_run,
             adapter=adapter,
-            skip_existing=skip_existing,
-            verify=then_verify,
-            gguf_type=gguf_type.lower() if gguf_type else None,
             revision=revision,
             token=token,
             cache_dir=cache_dir,
+            device=device,
             max_shard_size=max_shard_size,
             overwrite=overwrite,
             allow_no_config=allow_no_config,
+            gguf_type=gguf_type,
             progress=not quiet and not as_json,
+        )
+        return batch(
+            sources,
+            output_root,
+            options,
+            dry_run=dry_run,
+            skip_existing=skip_existing,
+            verify=then_verify,
             on_error=failed,
             on_warning=lambda source, warning: say(f"Warning: {source}: {warning}", err=True),
         )

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from ..sinks.gguf.sink import size_bound as gguf_size_bound
 from ..sinks.output import space_needed
 from ..sizes import size_text
 
@@ -10,14 +9,9 @@ from ..sizes import size_text
 def summary(result) -> str:
     """A ``ConvertResult`` in one line, its tensors counted by kind as the plan counts them."""
     made = kinds_text(result.kinds) if result.kinds else f"{result.dequantized} dequantized"
-    if result.gguf_type:
-        return (
-            f"{result.output}: {result.tensors} tensors ({made}), "
-            f"{result.bytes / 1e9:.2f} GB GGUF {result.gguf_type} (made from {result.dtype}), {result.seconds:.1f} s"
-        )
     return (
         f"{result.output}: {result.tensors} tensors ({made}), "
-        f"{result.bytes / 1e9:.2f} GB {result.dtype}, {result.seconds:.1f} s"
+        f"{result.bytes / 1e9:.2f} GB {result.made}, {result.seconds:.1f} s"
     )
 
 
@@ -34,28 +28,18 @@ def space_verdict(free: int, needed: int) -> str:
 
 
 def plan_lines(prepared) -> list[str]:
-    """A dry run's plan (a ``conversion.Prepared``): source, output, tensors by kind, shards, bytes, free space."""
-    plan, gguf = prepared.plan, prepared.gguf
-    needed = plan.output_bytes if gguf is None else gguf_size_bound(plan, gguf.type)
+    """A dry run's plan (a ``conversion.Prepared``): source, output, tensors by kind, the output's layout as its sink
+    says it, bytes, free space."""
+    plan, sink = prepared.plan, prepared.sink
+    needed = prepared.needed
     shown = f"{prepared.headers_only} (its headers and quant states read from the Hub; no weights downloaded)"
-    made = f"GGUF {gguf.type}, from {plan.dtype.name} tensors" if gguf else plan.dtype.name
     lines = [
         f"source: {shown if prepared.headers_only else plan.folder}",
-        f"output: {prepared.output} ({made})",
+        f"output: {prepared.output} ({sink.what(planned=True)})",
         f"tensors: {len(plan.tensors)} ({kinds_text(plan.kinds)})",
+        *sink.plan_lines(),
     ]
-    if gguf is None:
-        lines += [
-            f"  {shard.filename}: {len(shard.tensors)} tensors, {shard.nbytes / 1e9:.3f} GB" for shard in plan.shards
-        ]
-        config = "rewritten" if plan.config else "none"
-        lines.append(f"side files: {len(plan.side_files)} ({plan.side_bytes / 1e6:.1f} MB), config.json {config}")
-    else:
-        architecture = (plan.config or {}).get("architectures", ["?"])[0]
-        lines.append(
-            f"llama.cpp's converter: takes {architecture}, its tensors and its tokenizer (model name {gguf.name!r})"
-        )
-    at_most = "at most " if gguf else ""
+    at_most = "" if sink.exact_size else "at most "
     lines.append(
         f"to write: {at_most}{needed / 1e9:.3f} GB; free where it goes: {space_verdict(prepared.free_bytes, needed)}"
     )

@@ -10,13 +10,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from ..conversion import ConvertResult, Prepared, convert, prepare
+from ..conversion import ConvertResult, Prepared, converted, prepare
 from ..devices import pick_device
+from ..dtypes import BY_NAME
 from ..errors import Interrupted, Nf4ConvertError, Terminated, UploadError
+from ..options import ConvertOptions, VerifyOptions
 from ..paths import expanded_output
 from ..settings import Settings
 from ..sinks import output as lifecycle
-from ..sinks.naming import batch_output, batch_stems, check_batch_root
+from ..sinks.base import SINKS, sink_for
+from ..sinks.naming import batch_stems, check_batch_root
 from ..verification.report import VerifyReport
 
 
@@ -27,11 +30,11 @@ class Pushed:
     url: str
 
 
-def dry_run_plan(source, output=None, *, device: str = "auto", **options) -> Prepared:
+def dry_run_plan(source, options: ConvertOptions, *, on_output=None) -> Prepared:
     """Plan a conversion without writing anything (a Hub SOURCE's weights are not downloaded): what a conversion would
     refuse, this refuses too (a ``device`` that is not there, an output that exists)."""
-    pick_device(device)
-    return prepare(source, output, headers_only=True, **options)
+    pick_device(options.device)
+    return prepare(source, options, headers_only=True, on_output=on_output)
 
 
 def check_room(output, needed: int, free: int | None = None) -> None:
@@ -43,63 +46,37 @@ def check_room(output, needed: int, free: int | None = None) -> None:
 
 def convert_then(
     source,
-    output=None,
+    options: ConvertOptions,
     *,
-    device: str = "auto",
     verify: bool = False,
     push_to: str | None = None,
     private: bool = False,
     push_branch: str | None = None,
-    progress: bool = True,
     on_step: Callable[[object], None] = lambda result: None,
-    **options,
 ) -> bool:
     """Convert, then verify the output (if asked), then push it (if asked and verified); each step's result
     (``ConvertResult``, ``VerifyReport``, :class:`Pushed`) goes to ``on_step`` as it comes. Whether every step passed.
     A stop signal after the output was complete says so (``output_complete``): it is kept."""
-    from ..hub.upload import push_to_hub
-
-    result: ConvertResult = convert(source, output, device=device, progress=progress, **options)
+    result: ConvertResult = converted(source, options)
     try:
         on_step(result)
         if verify:
-            report = verify_output(
-                result.output,
-                source,
-                device=device,
-                adapter=options.get("adapter"),
-                revision=options.get("revision"),
-                token=options.get("token"),
-                cache_dir=options.get("cache_dir"),
-                progress=progress,
-                **({"dtype": result.dtype} if result.gguf_type else {}),
-            )
+            report = verify_output(result.output, source, VerifyOptions.of(options, made_dtype(result)))
             on_step(report)
             if not report.ok:
                 return False
         if push_to:
+            sink = SINKS[result.sink]
             try:
-                if result.gguf_type:  # one file, and its model card beside it
-                    from ..hub.upload import push_file_to_hub
-
-                    url = push_file_to_hub(
-                        result.output,
-                        push_to,
-                        card=result.card,
-                        private=private,
-                        token=options.get("token"),
-                        revision=push_branch,
-                        progress=progress,
-                    )
-                else:
-                    url = push_to_hub(
-                        result.output,
-                        push_to,
-                        private=private,
-                        token=options.get("token"),
-                        revision=push_branch,
-                        progress=progress,
-                    )
+                url = sink.push(
+                    result.output,
+                    push_to,
+                    card=result.card,
+                    private=private,
+                    token=options.hub.token,
+                    revision=push_branch,
+                    progress=options.progress,
+                )
             except UploadError as error:  # the output stays: say so, and how to push it once the cause is gone
                 again = error.option != "private"  # a public repo refused for --private: a plain upload would fill it
                 kept = kept_for_push(result.output, push_to, private, push_branch, again=again)
@@ -123,13 +100,25 @@ def kept_for_push(output, repo_id: str, private: bool, branch: str | None, *, ag
     return f"{kept}; push it again with: {shlex.join(words + (['--private'] if private else []))}"
 
 
-def verify_output(output, source, *, progress: bool = True, **options) -> VerifyReport:
-    """``verification.verify`` with huggingface_hub's download bars shown or hidden as ``progress`` says."""
+def verify_output(output, source, options: VerifyOptions) -> VerifyReport:
+    """``verification.verify`` of ``output`` against ``source``, with huggingface_hub's download bars shown or hidden
+    as ``options.progress`` says."""
     from ..hub.download import progress_bars
     from ..verification.verify import verify
 
-    with progress_bars(progress):
-        return verify(output, source, progress=progress, **options)
+    hub = options.hub
+    with progress_bars(options.progress):
+        return verify(
+            output,
+            source,
+            device=options.device,
+            adapter=options.adapter,
+            revision=hub.revision,
+            token=hub.token,
+            cache_dir=hub.cache_dir,
+            progress=options.progress,
+            dtype=options.dtype.name if options.dtype is not None else "auto",
+        )
 
 
 @dataclass
@@ -176,33 +165,25 @@ def read_source_list(text: str) -> list[str]:
 def batch(
     sources: list[str],
     output_root,
+    options: ConvertOptions,
     *,
-    dtype: str = "auto",
-    device: str = "auto",
     dry_run: bool = False,
-    adapter=None,
     skip_existing: bool = False,
     verify: bool = False,
-    gguf_type: str | None = None,
     on_error: Callable[[Row, Exception], None] = lambda row, error: None,
     on_warning: Callable[[str, str], None] = lambda source, warning: None,
-    **options,
 ) -> BatchResult:
-    """Convert (or with ``dry_run`` plan) each source into ``output_root``, going on past failures; a stop signal
-    ends the batch (the sources after it are "not attempted"). ``skip_existing``: a source whose output is there
-    already is "skipped" (not converted, not a failure), or with ``verify`` verified as it is; ``verify``: each output
-    is verified once converted ("verified"; a mismatch fails the row, the output kept). ``gguf_type``: each output is
-    one GGUF file of that type, ``<output_root>/<name>-<type>.gguf``. ``on_error(row, error)`` sees each failed row as
-    it fails (and may reword its ``error``), ``on_warning(source, warning)`` each conversion's warnings as they come
-    (each text once)."""
+    """Convert (or with ``dry_run`` plan) each source into ``output_root`` as ``options`` say, going on past failures;
+    a stop signal ends the batch (the sources after it are "not attempted"). ``skip_existing``: a source whose output
+    is there already is "skipped" (not converted, not a failure), or with ``verify`` verified as it is; ``verify``: each
+    output is verified once converted ("verified"; a mismatch fails the row, the output kept). Each output is named
+    as its sink names a batch's (``<output_root>/<name>-<dtype>``, a GGUF ``<name>-<type>.gguf``).
+    ``on_error(row, error)`` sees each failed row as it fails (and may reword its ``error``), ``on_warning(source,
+    warning)`` each conversion's warnings as they come (each text once)."""
     Settings.from_env()  # once, before any source (each would fail alike)
-    check_batch_root(output_root, [*sources, adapter])
-    if gguf_type is not None:
-        from ..sinks.gguf.sink import default_gguf_output
-
-        planned = [(stem, str(default_gguf_output(output_root, stem, gguf_type))) for stem in batch_stems(sources)]
-    else:
-        planned = [(stem, batch_output(output_root, stem, dtype)) for stem in batch_stems(sources)]
+    check_batch_root(output_root, [*sources, options.adapter])
+    sink = sink_for(options)
+    planned = [(stem, sink.batch_output(output_root, stem, options)) for stem in batch_stems(sources)]
     result = BatchResult()
     said = set()
 
@@ -212,6 +193,7 @@ def batch(
             on_warning(source, warning)
 
     done = "planned" if dry_run else "ok"
+    root = expanded_output(output_root, "output")
     for source, (stem, output) in zip(sources, planned):
         started = time.perf_counter()
         row = Row(source, output)
@@ -220,42 +202,30 @@ def batch(
             row.output = str(folder)
 
         try:
-            common = dict(dtype=dtype, adapter=adapter, output_dir=output_root, stem=stem, on_output=named, **options)
-            if gguf_type is not None:
-                common["gguf_type"] = gguf_type
-            found = _existing(source, output, device, common) if skip_existing else None
+            own = options.replace(output=None, output_dir=root, stem=stem)
+            found = _existing(source, output, own, named) if skip_existing else None
             if found is not None:
                 row.output, row.existing = str(found), True
-                row.tensors = _verified(found, source, device, adapter, options) if verify else None
+                row.tensors = _verified(found, source, own) if verify else None
                 row.status = "verified" if verify else "skipped"
             elif dry_run:
-                prepared = dry_run_plan(source, device=device, **common)
+                prepared = dry_run_plan(source, own, on_output=named)
                 plan = prepared.plan
                 row.status, row.tensors, row.bytes = done, len(plan.tensors), plan.tensor_bytes
-                if prepared.gguf is not None:
-                    from ..sinks.gguf.sink import size_bound
-
-                    result.needed += size_bound(plan, prepared.gguf.type)
-                else:
-                    result.needed += plan.output_bytes
+                result.needed += prepared.needed
                 result.free = prepared.free_bytes
                 for leftover in prepared.leftovers:
                     warn(source, leftover.note())
             else:
-                converted = convert(source, device=device, **common)
-                row.output, row.status, row.tensors, row.bytes = (
-                    str(converted.output),
-                    done,
-                    converted.tensors,
-                    converted.bytes,
-                )
-                for warning in converted.warnings:
+                made = converted(source, own, on_output=named)
+                row.output, row.status, row.tensors, row.bytes = str(made.output), done, made.tensors, made.bytes
+                for warning in made.warnings:
                     warn(source, warning)
                 if verify:
                     try:
-                        _verified(converted.output, source, device, adapter, options)
+                        _verified(made.output, source, own, made_dtype(made))
                     except (Interrupted, Terminated) as stop:  # the output was complete: it is kept, and ok
-                        stop.output_complete = stop.output_complete or converted.output
+                        stop.output_complete = stop.output_complete or made.output
                         raise
                     row.status = "verified"
         except (Interrupted, Terminated, KeyboardInterrupt) as stop:
@@ -285,12 +255,11 @@ class _Existing(Exception):
         self.folder = folder
 
 
-def _existing(source: str, output: str, device: str, common: dict) -> Path | None:
+def _existing(source: str, output: str, options: ConvertOptions, told) -> Path | None:
     """A batch source's output if it is there already: named in advance where the dtype is given; else, as the plan
     of the source's headers names it (a Hub repo's weights are not downloaded to learn it)."""
     if not output.endswith("<dtype>"):
         return Path(output) if lifecycle.holds_output(Path(output)) else None
-    told = common["on_output"]
 
     def named(folder: Path) -> None:
         told(folder)
@@ -298,24 +267,16 @@ def _existing(source: str, output: str, device: str, common: dict) -> Path | Non
             raise _Existing(folder)
 
     try:
-        dry_run_plan(source, device=device, **{**common, "on_output": named})
+        dry_run_plan(source, options, on_output=named)
     except _Existing as found:
         return found.folder
     return None
 
 
-def _verified(output, source: str, device: str, adapter, options: dict) -> int:
-    """Verify a batch's output; the tensors checked, or Nf4ConvertError naming the first mismatch (the output stays)."""
-    report = verify_output(
-        output,
-        source,
-        device=device,
-        adapter=adapter,
-        revision=options.get("revision"),
-        token=options.get("token"),
-        cache_dir=options.get("cache_dir"),
-        progress=options.get("progress", True),
-    )
+def _verified(output, source: str, options: ConvertOptions, dtype=None) -> int:
+    """Verify a batch's output (``dtype``: the DType it was made in, None: as a conversion chooses); the tensors
+    checked, or Nf4ConvertError naming the first mismatch (the output stays)."""
+    report = verify_output(output, source, VerifyOptions.of(options, dtype))
     if not report.ok:
         count = len(report.problems)
         raise Nf4ConvertError(
@@ -323,3 +284,8 @@ def _verified(output, source: str, device: str, adapter, options: dict) -> int:
             f"{report.problems[0]}); the output is kept"
         )
     return report.checked
+
+
+def made_dtype(result: ConvertResult):
+    """The DType a conversion made its tensors in."""
+    return BY_NAME[result.dtype]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..dtypes import output_dtype
+from ..dtypes import DType
 from ..errors import ArgumentError
 from ..hub.names import looks_like_repo_id, model_stem
 from ..paths import expanded, expanded_output
@@ -65,17 +65,12 @@ def check_batch_root(output_root, folders) -> None:
             )
 
 
-def batch_output(output_root, stem: str, dtype: str) -> str:
-    """Where batch writes ``stem``'s output: the folder, or with ``<dtype>`` standing for the dtype while ``dtype`` is
-    "auto" (the plan decides it; a failure raised after that carries the folder in ``output_planned``)."""
-    chosen = output_dtype(dtype)
-    return str(default_output(output_root, stem, chosen.short if chosen is not None else "<dtype>"))
+def batch_output(output_root, stem: str, dtype: DType | None) -> str:
+    """Where batch writes ``stem``'s output folder, with ``<dtype>`` standing for the dtype while it is auto (None: the
+    plan decides it)."""
+    return str(default_output(output_root, stem, dtype.short if dtype is not None else "<dtype>"))
 
 
 def default_output(output_dir, stem: str, short_dtype: str) -> Path:
     """The default output: ``<output_dir or .>/<stem>-<dtype>``, ``~`` expanded."""
     return expanded_output(expanded(output_dir or ".", "output_dir") / f"{stem}-{short_dtype}", "output_dir")
-
-
-def plain_name(stem: str) -> bool:
-    return isinstance(stem, str) and stem not in ("", ".", "..") and Path(stem).name == stem

@@ -1,4 +1,5 @@
-"""The safetensors sink: a plan streamed into its shards through the pipeline, and the index beside them.
+"""The safetensors sink, the default output: a folder of dense shards streamed from the plan through the pipeline,
+with the index, config.json, the model card and the carried files beside them, as transformers saves a model.
 
 Every shard's header is written first (the plan fixed every offset), so pieces land in any order. Two orders follow:
 
@@ -16,11 +17,14 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from ..pipeline.core import Pipeline
-from ..pipeline.routes import route_for
 from ..plan import Plan, may_exceed
 from ..safetensors_io.read import TensorReader
 from ..safetensors_io.write import ShardWriter, Writeback
 from ..settings import Settings
+from . import output as lifecycle
+from .base import Sink, Written, register
+from .naming import batch_output, default_output
+from .side_files import write_side_files
 
 
 def _shard_pieces(writer: ShardWriter, shard, reader: TensorReader, route, tensor_done: Callable[[], None]):
@@ -51,16 +55,15 @@ def write_shards(
     plan: Plan,
     folder: Path,
     reader: TensorReader,
-    device,
+    route,
     *,
     progress: Callable[[int], None],
     tensor_done: Callable[[int], None] = lambda done: None,
-    route=None,
     settings: Settings | None = None,
 ) -> list[str]:
-    """Write every shard of ``plan`` into ``folder``, making each tensor by its recipe on ``device``
-    (through ``route`` when given, closed here as one made here would be). Returns the names of the tensors written
-    as fp16 with ±inf where their source may have held values beyond fp16's range (plan.may_exceed), in plan order."""
+    """Write every shard of ``plan`` into ``folder``, making each tensor by its recipe on ``route``. Returns the names
+    of the tensors written as fp16 with ±inf where their source may have held values beyond fp16's range
+    (plan.may_exceed), in plan order."""
     done = 0
 
     def one_done() -> None:
@@ -71,10 +74,7 @@ def write_shards(
     settings = settings or Settings()
     writeback = Writeback() if settings.writeback else None
     try:
-        with (
-            route or route_for(device, settings) as route,
-            Pipeline(route, reader, progress, writers=settings.writers) as pipeline,
-        ):
+        with Pipeline(route, reader, progress, writers=settings.writers) as pipeline:
             route.warm(plan, reader)
             writers: list[ShardWriter] = []
             try:
@@ -101,3 +101,53 @@ def write_shards(
     finally:
         if writeback is not None:
             writeback.close()
+
+
+@register
+class SafetensorsFolder(Sink):
+    """A folder of dense safetensors shards, as transformers saves a model: the default output."""
+
+    name = "safetensors"
+    default = True
+
+    @classmethod
+    def batch_output(cls, output_root, stem: str, options) -> str:
+        return batch_output(output_root, stem, options.dtype)
+
+    def default_output(self, output_dir, stem: str) -> Path:
+        return default_output(output_dir, stem, self.plan.dtype.short)
+
+    def size_bound(self) -> int:
+        return self.plan.output_bytes
+
+    def what(self, planned: bool = False) -> str:
+        return self.plan.dtype.name
+
+    def label(self) -> str:
+        return self.plan.dtype.name
+
+    def plan_lines(self) -> list[str]:
+        plan = self.plan
+        lines = [
+            f"  {shard.filename}: {len(shard.tensors)} tensors, {shard.nbytes / 1e9:.3f} GB" for shard in plan.shards
+        ]
+        config = "rewritten" if plan.config else "none"
+        lines.append(f"side files: {len(plan.side_files)} ({plan.side_bytes / 1e6:.1f} MB), config.json {config}")
+        return lines
+
+    def write(self, staging, output, reader, route, *, card, settings, progress, tensor_done) -> Written:
+        infinite = write_shards(
+            self.plan, staging, reader, route, progress=progress, tensor_done=tensor_done, settings=settings
+        )
+        write_side_files(self.plan, staging, card())
+        return Written(len(self.plan.tensors), infinite)
+
+    def place(self, staging: Path, output: Path, *, overwrite: bool) -> int:
+        lifecycle.move_into_place(staging, output, overwrite=overwrite)
+        return self.plan.tensor_bytes
+
+    @classmethod
+    def push(cls, output, repo_id, *, card, private, token, revision, progress) -> str:
+        from ..hub.upload import push_to_hub
+
+        return push_to_hub(output, repo_id, private=private, token=token, revision=revision, progress=progress)

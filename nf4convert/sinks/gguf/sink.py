@@ -13,14 +13,20 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from ...dtypes import OUTPUT_DTYPES
+from ...errors import ArgumentError
 from ...settings import Settings
+from ...sizes import DEFAULT_SHARD_SIZE, parse_size
+from .. import output as lifecycle
+from ..base import Sink, Written, register
 from ..naming import default_output
 from .converter import (
     FLOAT_TYPES,
+    GGUF_TYPES,
     check,
     converter,
     converter_errors,
@@ -36,70 +42,21 @@ from .q8_0 import Q8_0
 from .writes import PositionalWrites
 
 GGUF_SUFFIX = ".gguf"
+DEFAULT_SHARD_BYTES = parse_size(DEFAULT_SHARD_SIZE)  # the converter's tensor order is that of the default dense output
 
 
-def is_gguf(output) -> bool:
-    """Whether an output path names a GGUF file (rather than a folder)."""
-    return output is not None and str(output).lower().endswith(GGUF_SUFFIX)
-
-
-def written_type(gguf_type: str | None, dtype) -> str:
-    """The GGUF type written: ``gguf_type``, or the float type of ``dtype`` (the plan's ``dtypes.DType``)."""
-    return gguf_type or FLOAT_TYPES[dtype.short]
-
-
-@dataclass(frozen=True)
-class GgufTarget:
-    """What a GGUF output is: its GGUF type, and the model's name the converter reads (from the dense folder's)."""
-
-    type: str
-    name: str
-
-
-def default_gguf_output(output_dir, stem: str, gguf_type: str) -> Path:
-    """The default GGUF output: ``<output_dir or .>/<stem>-<type>.gguf``."""
-    return default_output(output_dir, stem, f"{gguf_type}{GGUF_SUFFIX}")
-
-
-def size_bound(plan, gguf_type: str) -> int:
-    """At most the bytes of the GGUF of ``plan``: each tensor at the type's size (one-dimensional ones in fp32, as the
-    converter writes them), padding, and the side files' bytes again for the metadata (the vocabulary)."""
-    per_value = {"f32": 4, "f16": 2, "bf16": 2, "q8_0": 34 / 32}[gguf_type]
-    values = sum(math.prod(tensor.shape) * (4 if len(tensor.shape) <= 1 else per_value) for tensor in plan.tensors)
-    return int(values) + 32 * len(plan.tensors) + plan.side_bytes + (1 << 20)
-
-
-def pushed_card(card: str, file_name: str, gguf_type: str) -> str:
-    """The model card pushed beside a GGUF: the dense card (the one the converter read the metadata from), with a
-    section on the file first."""
-    from .converter import CONVERTER, CONVERTER_VERSION
-
-    section = (
-        f"## GGUF\n\n`{file_name}` is a GGUF file of type {gguf_type}, written in one pass by nf4convert with "
-        f"llama.cpp's converter ({CONVERTER} {CONVERTER_VERSION}): the file `convert_hf_to_gguf.py --outtype "
-        f"{gguf_type}` writes from the dense weights this card describes, byte for byte, without a dense copy written "
-        "in between."
-    )
-    closing = card.find("\n---\n", 3) if card.startswith("---\n") else -1
-    if closing != -1:
-        end = closing + len("\n---\n")
-        return f"{card[:end]}\n{section}\n\n{card[end:].lstrip(chr(10))}"
-    return f"{section}\n\n{card}"
-
-
-def check_convertible(plan, gguf_type: str, name: str, card: str | None = None) -> None:
-    """CheckpointError for what llama.cpp's converter refuses of this plan (architecture, tensor names, config fields,
-    tokenizer), found without reading a weight (``gguf_converter.check``); DependencyError without the converter."""
-    with staged(plan.folder, plan.config or {}, card, name) as stage:
-        check(stage, tensors_of(plan), gguf_type, plan.folder)
+def dense_dtype(dtype, gguf_type: str | None):
+    """The dtype the tensors are made in for a GGUF (a ``DType``; None: auto): ``dtype``, or with auto the float
+    ``gguf_type``'s own."""
+    if dtype is None and gguf_type in FLOAT_TYPES.values():
+        short = next(short for short, float_type in FLOAT_TYPES.items() if float_type == gguf_type)
+        return next(output for output in OUTPUT_DTYPES.values() if output.short == short)
+    return dtype
 
 
 @dataclass
-class GgufWritten:
-    tensors: int = 0  # tensors in the GGUF
-    fast: int = 0  # of which a fast path wrote
-    infinite: list[str] = field(default_factory=list)  # fp16 tensors made with ±inf (plan.may_exceed)
-    warnings: list[str] = field(default_factory=list)  # the converter's on the tensors, each once
+class GgufWritten(Written):
+    fast: int = 0  # of the tensors, those a fast path wrote
 
 
 def write_gguf(
@@ -129,7 +86,7 @@ def write_gguf(
 
     settings = settings or Settings()
     gguf, _ = converter()
-    written = GgufWritten()
+    written = GgufWritten(0)
     feed = Feed(plan, reader, route, writers=settings.writers, progress=progress)
     writes: list[PositionalWrites] = []  # the file's, once the converter's writer has opened it
 
@@ -209,3 +166,122 @@ def _sources(lazy, is_source) -> list[str]:
             else:
                 stack += reversed([*node._args, *node._kwargs.values()])
     return found
+
+
+@register
+class GgufFile(Sink):
+    """One GGUF file, as llama.cpp's converter writes it from the dense output: an OUT ending in ``.gguf``, or a
+    ``gguf_type`` with no OUT (then named ``<stem>-<type>.gguf``)."""
+
+    name = "gguf"
+    file = True
+    exact_size = False
+
+    @classmethod
+    def claims(cls, options) -> bool:
+        named = options.output is not None and str(options.output).lower().endswith(GGUF_SUFFIX)
+        return named or (options.output is None and options.gguf_type is not None)
+
+    @classmethod
+    def check_options(cls, options, *, claimed: bool) -> None:
+        gguf_type = options.gguf_type
+        if gguf_type is not None and gguf_type not in GGUF_TYPES:
+            raise ArgumentError(f"GGUF type {gguf_type!r} is not one of {', '.join(GGUF_TYPES)}", option="gguf_type")
+        if gguf_type is not None and not claimed:
+            raise ArgumentError(
+                f"gguf_type {gguf_type!r} writes one GGUF file: give an output ending in .gguf", option="gguf_type"
+            )
+
+    @classmethod
+    def adjusted(cls, options):
+        """The tensors made in the GGUF type's own float dtype where ``dtype`` is auto, laid out in the default dense
+        output's shards (whose order the converter's tensor order is)."""
+        return options.replace(dtype=dense_dtype(options.dtype, options.gguf_type), max_shard_size=DEFAULT_SHARD_BYTES)
+
+    @classmethod
+    def check_ready(cls) -> None:
+        converter()
+
+    @classmethod
+    def batch_output(cls, output_root, stem: str, options) -> str:
+        return str(default_output(output_root, stem, f"{options.gguf_type}{GGUF_SUFFIX}"))
+
+    def __init__(self, options, plan, name: str):
+        super().__init__(options, plan, name)
+        self.type = self.own_type = (
+            options.gguf_type or FLOAT_TYPES[plan.dtype.short]
+        )  # --dtype's float type by default
+
+    def default_output(self, output_dir, stem: str) -> Path:
+        return default_output(output_dir, stem, f"{self.type}{GGUF_SUFFIX}")
+
+    def check_plan(self) -> None:
+        """What llama.cpp's converter refuses of this plan (architecture, tensor names, config fields, tokenizer),
+        found without reading a weight (``converter.check``)."""
+        plan = self.plan
+        with staged(plan.folder, plan.config or {}, None, self.model) as stage:
+            check(stage, tensors_of(plan), self.type, plan.folder)
+
+    def size_bound(self) -> int:
+        """At most the bytes of the GGUF: each tensor at the type's size (one-dimensional ones in fp32, as the converter
+        writes them), padding, and the side files' bytes again for the metadata (the vocabulary)."""
+        plan = self.plan
+        per_value = {"f32": 4, "f16": 2, "bf16": 2, "q8_0": 34 / 32}[self.type]
+        values = sum(math.prod(tensor.shape) * (4 if len(tensor.shape) <= 1 else per_value) for tensor in plan.tensors)
+        return int(values) + 32 * len(plan.tensors) + plan.side_bytes + (1 << 20)
+
+    def what(self, planned: bool = False) -> str:
+        if planned:
+            return f"GGUF {self.type}, from {self.plan.dtype.name} tensors"
+        return f"GGUF {self.type} (made from {self.plan.dtype.name})"
+
+    def label(self) -> str:
+        return f"GGUF {self.type}"
+
+    def plan_lines(self) -> list[str]:
+        architecture = (self.plan.config or {}).get("architectures", ["?"])[0]
+        converter = f"llama.cpp's converter: takes {architecture}, its tensors and its tokenizer"
+        return [f"{converter} (model name {self.model!r})"]
+
+    def write(self, staging, output, reader, route, *, card, settings, progress, tensor_done) -> Written:
+        return write_gguf(
+            self.plan,
+            staging / output.name,
+            reader,
+            route,
+            gguf_type=self.type,
+            name=self.model,
+            card=card(),
+            settings=settings,
+            progress=progress,
+        )
+
+    def place(self, staging: Path, output: Path, *, overwrite: bool) -> int:
+        size = (staging / output.name).stat().st_size
+        lifecycle.move_file_into_place(staging, output, overwrite=overwrite)
+        return size
+
+    def pushed_card(self, card: str, output: Path) -> str:
+        """The dense card (the one the converter read the metadata from), with a section on the file first."""
+        from .converter import CONVERTER, CONVERTER_VERSION
+
+        file_name = output.name
+        section = (
+            f"## GGUF\n\n`{file_name}` is a GGUF file of type {self.type}, written in one pass by nf4convert with "
+            f"llama.cpp's converter ({CONVERTER} {CONVERTER_VERSION}): the file `convert_hf_to_gguf.py --outtype "
+            f"{self.type}` writes from the dense weights this card describes, byte for byte, without a dense copy "
+            "written in between."
+        )
+        closing = card.find("\n---\n", 3) if card.startswith("---\n") else -1
+        if closing != -1:
+            end = closing + len("\n---\n")
+            return f"{card[:end]}\n{section}\n\n{card[end:].lstrip(chr(10))}"
+        return f"{section}\n\n{card}"
+
+    @classmethod
+    def push(cls, output, repo_id, *, card, private, token, revision, progress) -> str:
+        from ...hub.upload import push_file_to_hub
+
+        return push_file_to_hub(
+            output, repo_id, card=card, private=private, token=token, revision=revision, progress=progress
+        )

@@ -1,0 +1,155 @@
+"""What every output format answers, and the registry of them: the conversion, the batch, the dry run and the push ask
+a sink, never which output it is.
+
+A sink is one class, registered where it is defined (``@register``) and found by importing every module of this
+package (``all_sinks``). Adding an output format is adding a module here with a ``Sink`` subclass; nothing else
+changes. A sink is chosen from the options before anything is read (``sink_for``), then made for the plan
+(``for_plan``: the sink of this conversion, which knows what it will write).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, ClassVar
+
+if TYPE_CHECKING:
+    from ..options import ConvertOptions
+    from ..plan import Plan
+    from ..safetensors_io.read import TensorReader
+    from ..settings import Settings
+
+SINKS: dict[str, type["Sink"]] = {}
+
+
+def register(cls: type["Sink"]) -> type["Sink"]:
+    SINKS[cls.name] = cls
+    return cls
+
+
+def all_sinks() -> list[type["Sink"]]:
+    """Every registered sink, the ones that claim outputs by their options first and the default (the folder) last."""
+    import importlib
+    import pkgutil
+
+    from .. import sinks
+
+    for module in pkgutil.walk_packages(sinks.__path__, f"{sinks.__name__}."):
+        importlib.import_module(module.name)
+    return sorted(SINKS.values(), key=lambda sink: sink.default)
+
+
+def sink_for(options: "ConvertOptions") -> type["Sink"]:
+    """The sink the options ask for, each sink's own options checked (a GGUF type without a GGUF output is refused)."""
+    chosen = None
+    for sink in all_sinks():
+        claimed = sink.claims(options)
+        sink.check_options(options, claimed=claimed)
+        if claimed and chosen is None:
+            chosen = sink
+    return chosen
+
+
+@dataclass
+class Written:
+    """What a sink wrote."""
+
+    tensors: int  # tensors in the output
+    infinite: list[str] = field(default_factory=list)  # fp16 tensors written with ±inf (plan.may_exceed), in order
+    warnings: list[str] = field(default_factory=list)  # what the writer said on the tensors, each once
+
+
+class Sink:
+    """One output format. Class methods answer before a plan exists; an instance (``for_plan``) is the sink of one
+    conversion."""
+
+    name: ClassVar[str]  # the registry's key ("safetensors", "gguf")
+    default: ClassVar[bool] = False  # takes every output no other sink claims
+    file: ClassVar[bool] = False  # the output is one file (else a folder)
+    exact_size: ClassVar[bool] = True  # its size bound is the output's size (else an upper bound)
+    own_type: str | None = None  # the output's own type beyond its tensors' dtype, where it has one (a GGUF type)
+
+    @classmethod
+    def claims(cls, options: "ConvertOptions") -> bool:
+        """Whether these options ask for this output."""
+        return cls.default
+
+    @classmethod
+    def check_options(cls, options: "ConvertOptions", *, claimed: bool) -> None:
+        """ArgumentError for a value of an option this sink owns that is not valid, or that asks for this output
+        where the rest of the options do not (``claimed`` False)."""
+
+    @classmethod
+    def adjusted(cls, options: "ConvertOptions") -> "ConvertOptions":
+        """The options as this output makes its tensors (a GGUF's dense dtype)."""
+        return options
+
+    @classmethod
+    def check_ready(cls) -> None:
+        """DependencyError when a library this output needs is missing: said before anything is downloaded."""
+
+    @classmethod
+    def batch_output(cls, output_root, stem: str, options: "ConvertOptions") -> str:
+        """Where a batch writes ``stem``'s output, ``<dtype>`` standing for a dtype the plan will decide."""
+        raise NotImplementedError
+
+    def __init__(self, options: "ConvertOptions", plan: "Plan", name: str):
+        """``name``: the model's name (a GGUF's converter reads it as the dense folder's)."""
+        self.options, self.plan, self.model = options, plan, name
+
+    @classmethod
+    def for_plan(cls, options: "ConvertOptions", plan: "Plan", name: str) -> "Sink":
+        return cls(options, plan, name)
+
+    def default_output(self, output_dir, stem: str) -> Path:
+        """The output's name when the user gives none: ``<output_dir or .>/<stem>-<what it is>``."""
+        raise NotImplementedError
+
+    def check_plan(self) -> None:
+        """CheckpointError for what this output cannot hold of the plan, found before a weight is read."""
+
+    def size_bound(self) -> int:
+        """At most the bytes the output takes on disk (what its disk must hold)."""
+        raise NotImplementedError
+
+    def what(self, planned: bool = False) -> str:
+        """What the output is, as a summary (``planned``: a dry run's plan) says it: "bfloat16", "GGUF q8_0 ..."."""
+        raise NotImplementedError
+
+    def label(self) -> str:
+        """What the progress bar says is being made."""
+        raise NotImplementedError
+
+    def plan_lines(self) -> list[str]:
+        """A dry run's lines on the output's layout."""
+        return []
+
+    def write(
+        self,
+        staging: Path,
+        output: Path,
+        reader: "TensorReader",
+        route,
+        *,
+        card: Callable[[], str | None],
+        settings: "Settings",
+        progress: Callable[[int], None],
+        tensor_done: Callable[[int], None],
+    ) -> Written:
+        """Write the plan's output into the staging folder ``staging`` (as ``output``'s name where it is one file),
+        the tensors made through ``route``; ``card()`` gives the model card's text (made meanwhile: asked for only
+        when needed)."""
+        raise NotImplementedError
+
+    def place(self, staging: Path, output: Path, *, overwrite: bool) -> int:
+        """Move the finished output from ``staging`` into place at ``output``; its bytes (as a summary counts them)."""
+        raise NotImplementedError
+
+    def pushed_card(self, card: str, output: Path) -> str | None:
+        """The model card a push uploads beside a one-file output (None: the output holds its own README.md)."""
+        return None
+
+    @classmethod
+    def push(cls, output: Path, repo_id: str, *, card: str | None, private: bool, token, revision, progress) -> str:
+        """Upload the finished output to ``repo_id``; the repo's URL."""
+        raise NotImplementedError

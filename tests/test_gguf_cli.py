@@ -342,6 +342,27 @@ def test_verify_with_an_adapter_and_a_dtype(llama, tmp_path):
     assert "FAILED" in result.stdout
 
 
+@pytest.mark.parametrize("gguf_type, tensor", [("bf16", "output.weight"), ("q8_0", "token_embd.weight")])
+def test_verify_an_adapter_merged_into_a_tied_base(gguf_type, tensor, tmp_path):
+    """LoRA on the input embeddings of a tied base: the output's head is written apart, and verify rebuilds it as peft
+    loads the tied pair (one parameter), so the file verifies, and a byte changed in either half is named."""
+    source = build(tmp_path / "qwen-bnb-4bit", "qwen2-tied-fp4", seed=8)
+    sentencepiece_tokenizer(source)
+    adapter = make_adapter(tmp_path / "adapter", "embedding", seed=9, arch="qwen2")
+    out = tmp_path / "merged.gguf"
+    cli(source, "--adapter", adapter, "-o", out, "--gguf-type", gguf_type, "-q", "--device", "cpu")
+    names = [found.name for found in gguf.GGUFReader(out).tensors]
+    assert "output.weight" in names and "token_embd.weight" in names  # untied by the merge
+    result = cli("verify", out, source, "--adapter", adapter, "-q", "--device", "cpu")
+    assert "OK: bit-exact with llama.cpp's converter on bitsandbytes and peft" in result.stdout, result.stdout
+    changed = Path(shutil.copy(out, tmp_path / "changed.gguf"))
+    found = next(found for found in gguf.GGUFReader(out).tensors if found.name == tensor)
+    _flip(changed, found.data_offset + found.n_bytes // 3)
+    result = cli("verify", changed, source, "--adapter", adapter, "-q", "--device", "cpu", code=1)
+    assert f"MISMATCH {tensor}: 1 of {found.n_bytes} bytes differ" in result.stdout, result.stdout
+    assert "FAILED: 1 problem" in result.stdout
+
+
 def test_verify_refuses_what_is_not_a_gguf(llama, tmp_path):
     (tmp_path / "junk.gguf").write_bytes(b"not a gguf at all" * 10)
     assert "not a readable GGUF file" in error_line(cli("verify", tmp_path / "junk.gguf", llama, code=1))

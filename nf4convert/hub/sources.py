@@ -9,10 +9,20 @@ from __future__ import annotations
 import os
 from functools import partial
 from pathlib import Path
+from typing import NamedTuple
 
 from ..errors import ArgumentError, CheckpointError
 from ..formats.config import not_bitsandbytes, read_config
 from ..paths import expanded
+
+
+class Resolved(NamedTuple):
+    """SOURCE and ADAPTER resolved: the folders to read, and the names a card and a GGUF's metadata give them."""
+
+    folder: Path  # the checkpoint's files (the base's, for an adapter given as SOURCE)
+    adapter_folder: Path | None  # the adapter's files, or None
+    base: str  # the checkpoint as the user named it (SOURCE, or the base an adapter SOURCE names)
+    adapter: str | None  # the adapter as named (a local one as its resolved folder), or None
 
 
 def as_text(name):
@@ -72,13 +82,13 @@ def resolve_source(
     cache_dir=None,
     progress=True,
     headers=None,
-):
-    """(checkpoint folder, adapter folder or None, the base's name, the adapter's name or None): SOURCE resolved,
-    and ADAPTER; a SOURCE that is itself a peft adapter (``adapter_config.json``, no ADAPTER given) stands for
-    the base its config names, with it merged (a folder that also holds model weights is a checkpoint).
-    ``revision`` applies to SOURCE (a local folder has none); a Hub checkpoint whose config.json says it is not
-    bitsandbytes is refused before its weights are downloaded; ``progress=False`` hides download bars; ``headers``
-    (a ``hub.HeadersOnly``): the checkpoint's weights are not downloaded, its folder is their copy for a plan."""
+) -> Resolved:
+    """SOURCE resolved, and ADAPTER (a :class:`Resolved`); a SOURCE that is itself a peft adapter
+    (``adapter_config.json``, no ADAPTER given) stands for the base its config names, with it merged (a folder that also
+    holds model weights is a checkpoint). ``revision`` applies to SOURCE (a local folder has none); a Hub checkpoint
+    whose config.json says it is not bitsandbytes is refused before its weights are downloaded; ``progress=False`` hides
+    download bars; ``headers`` (a ``hub.HeadersOnly``): the checkpoint's weights are not downloaded, its folder is their
+    copy for a plan."""
     from ..errors import SourceNotFoundError
     from ..formats import peft_config, peft_lora
     from .download import resolve
@@ -108,7 +118,7 @@ def resolve_source(
             folder,
             resolve(base, precheck=partial(_refuse_early, source=base), headers=headers, **fetch),
         )
-        return (
+        return Resolved(
             folder,
             adapter_folder,
             base,
@@ -116,4 +126,4 @@ def resolve_source(
         )
     if adapter is not None and expanded(adapter, "adapter").exists():
         adapter = str(expanded(adapter, "adapter").resolve())  # a folder, never mistaken for a Hub repo id
-    return folder, adapter_folder, source, adapter
+    return Resolved(folder, adapter_folder, source, adapter)

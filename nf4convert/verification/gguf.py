@@ -1,28 +1,26 @@
 """verify for a GGUF OUT: llama.cpp's converter run again, on the reference, and its file compared with OUT.
 
 Every tensor is recomputed by its reference (``reference/``: bitsandbytes' dequantization, peft's merge) and handed to
-the converter (``gguf_converter.py``) as the dense checkpoint's, in the dense dtype the GGUF was made from; the
+the converter (``sinks/gguf/converter.py``) as the dense checkpoint's, in the dense dtype the GGUF was made from; the
 converter's own graph then converts or quantizes it with gguf-py (never the conversion's fast paths). The file it would
 write is compared with OUT: the header and every metadata field byte for byte, every tensor's name, type, shape and
 place, and every tensor's bytes, one tensor at a time. The fields the converter derives from the model's name
-(``gguf_converter.NAME_FIELDS``) are named in a note where they differ: a SOURCE given under another name makes another
+(``converter.NAME_FIELDS``) are named in a note where they differ: a SOURCE given under another name makes another
 name, not other weights.
+
+The front door (``verify.py``) has resolved SOURCE, chosen the device, checked the reference libraries and planned the
+source; this runs the converter on the references and compares.
 """
 
 from __future__ import annotations
 
-import os
 import tempfile
 from pathlib import Path
 
-from ..devices import pick_device
+from ..dtypes import DTYPES
 from ..errors import ArgumentError, CheckpointError, SourceNotFoundError
 from ..hub.card import card_for_plan
 from ..hub.names import model_stem
-from ..hub.sources import named_sources, resolve_source
-from ..paths import expanded
-from ..plan import make_plan
-from ..safetensors_io.read import TensorReader
 from ..sinks.gguf.converter import (
     GGUF_TYPES,
     NAME_FIELDS,
@@ -34,69 +32,54 @@ from ..sinks.gguf.converter import (
     staged,
     tensors_of,
 )
-from ..skeleton import meta_model
-from .reference import Context, against
+from .reference import against
 
 HEADER_FIELDS = ("GGUF.version", "GGUF.tensor_count", "GGUF.kv_count")  # the reader's names for the header's words
 
 
-def verify_gguf(
-    output,
-    source: str,
-    *,
-    device: str = "auto",
-    adapter: str | None = None,
-    revision: str | None = None,
-    token: str | None = None,
-    cache_dir: str | None = None,
-    progress: bool = False,
-    dtype: str = "auto",
-):
-    """Compare the GGUF file ``output`` with what llama.cpp's converter writes from the reference's dense tensors of
-    ``source`` (with ``adapter`` merged by peft), made in ``dtype`` (as ``--dtype`` of the conversion: "auto" means
-    as a conversion to that GGUF type chooses). Mismatches go in the report (a ``VerifyReport``).
+class GgufFile:
+    """A GGUF file, as verify checks it: read (and its type known) before SOURCE is fetched."""
 
-    Raises:
-        SourceNotFoundError: ``output`` is not a file, or ``source`` cannot be found or fetched.
-        CheckpointError: ``output`` is not a GGUF of a type nf4convert writes, or ``source`` is not convertible.
-        DependencyError: the converter, bitsandbytes (or, with an adapter, peft) cannot be imported.
-    """
-    import torch
-    from tqdm.auto import tqdm
+    gguf = True
 
-    from .libraries import quiet_loggers, reference_library
-    from .report import VerifyReport
+    @staticmethod
+    def claims(output: str) -> bool:
+        return output.lower().endswith(".gguf")
 
-    source, adapter = named_sources(source, adapter)
-    output = expanded(os.fspath(output), "output")
-    if not output.is_file():
-        raise SourceNotFoundError(f"{output}: {'a folder, not a GGUF file' if output.is_dir() else 'no such file'}")
-    gguf, _ = converter()
-    actual = _read(gguf, output)
-    gguf_type = _gguf_type(gguf, actual, output)
-    chosen = pick_device(device, kernel=False)
-    report = VerifyReport(output, device=str(chosen), gguf=True)
-    with quiet_loggers(), TensorReader() as source_reader:
-        reference_library("bitsandbytes")
-        folder, adapter_folder, base, adapter_name = resolve_source(
-            source, adapter, revision=revision, token=token, cache_dir=cache_dir, progress=progress
-        )
-        if adapter_folder is not None:
-            reference_library("peft")
-        plan = make_plan(folder, dtype=dense_dtype(dtype, gguf_type), reader=source_reader, adapter=adapter_folder)
+    def __init__(self, output: Path):
+        if not output.is_file():
+            raise SourceNotFoundError(f"{output}: {'a folder, not a GGUF file' if output.is_dir() else 'no such file'}")
+        self.output = output
+        self.gguf_module, _ = converter()
+        self.actual = _read(self.gguf_module, output)
+        self.gguf_type = _gguf_type(self.gguf_module, self.actual, output)
+
+    def plan_dtype(self, dtype: str) -> str:
+        """The dtype the source is planned in: ``dtype`` as the conversion's ``--dtype`` ("auto": as a conversion to
+        this GGUF type chooses)."""
+        return dense_dtype(dtype, self.gguf_type)
+
+    def check(self, report, plan, context, source_reader, device, *, progress: bool, source, revision, resolved):
+        """Run llama.cpp's converter on the references of the planned tensors and compare the file it would write with
+        the GGUF: header, metadata, tensor infos, then each tensor's bytes; what differs goes in ``report``."""
+        import torch
+        from tqdm.auto import tqdm
+
+        output, gguf, actual = self.output, self.gguf_module, self.actual
         card = card_for_plan(
-            plan, base=base, adapter=adapter_name, revision=revision if base == source else None, title=output.name
+            plan,
+            base=resolved.base,
+            adapter=resolved.adapter,
+            revision=revision if resolved.base == source else None,
+            title=output.name,
         )
-        planned = {tensor.name: tensor for tensor in plan.tensors}
-        context = Context(planned, *meta_model(plan.config))
+        planned = context.planned
         recomputed = []
 
         def reference(name: str):
             tensor = planned[name]
             recomputed.append(tensor)
-            made = context.recompute(tensor, source_reader, chosen).to("cpu")
-            from ..dtypes import DTYPES
-
+            made = context.recompute(tensor, source_reader, device).to("cpu")
             return made.to(DTYPES[tensor.dtype].torch).reshape(tensor.shape)
 
         with (
@@ -106,7 +89,7 @@ def verify_gguf(
             quiet_converter(),
             torch.inference_mode(),
         ):
-            model = converter_model(stage, tensors_of(plan), reference, Path(scratch) / "expected.gguf", gguf_type)
+            model = converter_model(stage, tensors_of(plan), reference, Path(scratch) / "expected.gguf", self.gguf_type)
             model.prepare_tensors()
             model.prepare_metadata(vocab_only=False)
             expected = _read(gguf, _header_file(model.gguf_writer, Path(scratch) / "expected.gguf"))
@@ -127,9 +110,8 @@ def verify_gguf(
                     report.dequantized += not tensor.recipe.plain
                     report.merged += tensor.recipe.kind == "merge_lora"
                 if problem:
-                    sources = ", ".join(sorted({against(tensor, chosen) for tensor in recomputed})) or "the reference"
+                    sources = ", ".join(sorted({against(tensor, device) for tensor in recomputed})) or "the reference"
                     report.problems.append(f"{name}: {problem} (llama.cpp's converter on {sources})")
-    return report
 
 
 def _read(gguf, path: Path):

@@ -166,11 +166,11 @@ if sys.argv[2] == "staged":
     pathlib.Path.mkdir = staged
 elif sys.argv[2] == "verify":  # after OUT is complete, while --verify runs
     from nf4convert.verification import verify as verification
-    check = verification.verify
-    def verify(*args, **kwargs):
+    check = verification.verified
+    def verified(*args, **kwargs):
         os.kill(os.getpid(), sig)
         return check(*args, **kwargs)
-    verification.verify = verify
+    verification.verified = verified
 elif sys.argv[2] == "in-place":
     move = output.move_into_place
     def moved(*args, **kwargs):

@@ -104,21 +104,10 @@ def verify_output(output, source, options: VerifyOptions) -> VerifyReport:
     """``verification.verify`` of ``output`` against ``source``, with huggingface_hub's download bars shown or hidden
     as ``options.progress`` says."""
     from ..hub.download import progress_bars
-    from ..verification.verify import verify
+    from ..verification.verify import verified
 
-    hub = options.hub
     with progress_bars(options.progress):
-        return verify(
-            output,
-            source,
-            device=options.device,
-            adapter=options.adapter,
-            revision=hub.revision,
-            token=hub.token,
-            cache_dir=hub.cache_dir,
-            progress=options.progress,
-            dtype=options.dtype.name if options.dtype is not None else "auto",
-        )
+        return verified(output, source, options)
 
 
 @dataclass

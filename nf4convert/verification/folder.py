@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
-from ..dtypes import DTYPES, OUTPUT_DTYPES
+from ..dtypes import BY_NAME, DTYPES, OUTPUT_DTYPES
 from ..errors import CheckpointError, SourceNotFoundError
 from ..safetensors_io.read import TensorInfo, TensorReader, read_tensors
 from . import audit
@@ -33,10 +33,11 @@ class Folder:
         self.output = output
         self.produced: dict[str, TensorInfo] = {}
 
-    def plan_dtype(self, dtype: str) -> str:
-        """The dtype the source is planned in: the output's own, from its headers (``dtype`` is a GGUF's option)."""
+    def plan_dtype(self, dtype):
+        """The dtype the source is planned in (a ``DType``): the output's own, from its headers (``dtype`` is a GGUF's
+        option)."""
         self.produced = read_tensors(self.output)
-        return _output_dtype(self.output, self.produced)
+        return BY_NAME[_output_dtype(self.output, self.produced)]
 
     def check(self, report, plan, context, source_reader, device, *, progress: bool, source, revision, resolved):
         """Audit the output and compare each of its tensors with the reference of the planned one; what differs, and

@@ -54,9 +54,9 @@ class GgufFile:
         self.actual = _read(self.gguf_module, output)
         self.gguf_type = _gguf_type(self.gguf_module, self.actual, output)
 
-    def plan_dtype(self, dtype: str) -> str:
-        """The dtype the source is planned in: ``dtype`` as the conversion's ``--dtype`` ("auto": as a conversion to
-        this GGUF type chooses)."""
+    def plan_dtype(self, dtype):
+        """The dtype the source is planned in (a ``DType``; None: auto): ``dtype`` as the conversion's ``--dtype``
+        (None: as a conversion to this GGUF type chooses)."""
         return dense_dtype(dtype, self.gguf_type)
 
     def check(self, report, plan, context, source_reader, device, *, progress: bool, source, revision, resolved):

@@ -18,6 +18,7 @@ from ..devices import pick_device
 from ..errors import ArgumentError, CheckpointError
 from ..formats import bnb4_weights, bnb8
 from ..hub.sources import named_sources, resolve_source
+from ..options import VerifyOptions
 from ..paths import expanded
 from ..plan import make_plan
 from ..safetensors_io.read import TensorReader, read_tensors
@@ -79,18 +80,33 @@ def verify(
         >>> report = verify("llama-1b-bf16", "unsloth/Llama-3.2-1B-Instruct-bnb-4bit")
         >>> report.ok
     """
-    source, adapter = named_sources(source, adapter)
+    options = VerifyOptions.parse(
+        device=device,
+        adapter=adapter,
+        revision=revision,
+        token=token,
+        cache_dir=cache_dir,
+        progress=progress,
+        dtype=dtype,
+    )
+    return verified(output, source, options)
+
+
+def verified(output: str | Path, source: str, options: VerifyOptions) -> VerifyReport:
+    """``verify`` with its options parsed."""
+    source, adapter = named_sources(source, options.adapter)
     named = os.fspath(output)
     if not named.strip():
         raise ArgumentError("output is empty; give the converted checkpoint's folder", option="output")
     output = expanded(named, "output")
     checked = next(kind for kind in OUTPUTS if kind.claims(named))(output)  # its own checks, before SOURCE is fetched
-    chosen = pick_device(device, kernel=False)  # bitsandbytes recomputes: no Triton needed
+    chosen = pick_device(options.device, kernel=False)  # bitsandbytes recomputes: no Triton needed
     report = VerifyReport(output, device=str(chosen), gguf=checked.gguf)
+    hub, progress = options.hub, options.progress
     with quiet_loggers(), TensorReader() as source_reader:
         reference_library("bitsandbytes")
         resolved = resolve_source(
-            source, adapter, revision=revision, token=token, cache_dir=cache_dir, progress=progress
+            source, adapter, revision=hub.revision, token=hub.token, cache_dir=hub.cache_dir, progress=progress
         )
         if resolved.adapter_folder is not None:
             reference_library("peft")
@@ -99,7 +115,14 @@ def verify(
                 f"{output} is given as both OUT and SOURCE: the order is the converted checkpoint, then "
                 "the bitsandbytes one"
             )
-        plan = _plan_source(resolved.folder, output, checked.plan_dtype(dtype), source_reader, resolved.adapter_folder)
+        planned_in = checked.plan_dtype(options.dtype)
+        plan = _plan_source(
+            resolved.folder,
+            output,
+            planned_in.name if planned_in is not None else "auto",
+            source_reader,
+            resolved.adapter_folder,
+        )
         planned = {tensor.name: tensor for tensor in plan.tensors}
         context = Context(planned, *meta_model(plan.config), plan.tied or ())
         checked.check(
@@ -110,7 +133,7 @@ def verify(
             chosen,
             progress=progress,
             source=source,
-            revision=revision,
+            revision=hub.revision,
             resolved=resolved,
         )
     return report

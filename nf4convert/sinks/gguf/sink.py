@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from ...dtypes import OUTPUT_DTYPES
 from ...errors import ArgumentError
 from ...settings import Settings
 from ...sizes import DEFAULT_SHARD_SIZE, parse_size
@@ -32,6 +31,7 @@ from .converter import (
     converter_errors,
     converter_model,
     converter_order,
+    dense_dtype,
     quiet_converter,
     staged,
     tensors_of,
@@ -43,15 +43,6 @@ from .writes import PositionalWrites
 
 GGUF_SUFFIX = ".gguf"
 DEFAULT_SHARD_BYTES = parse_size(DEFAULT_SHARD_SIZE)  # the converter's tensor order is that of the default dense output
-
-
-def dense_dtype(dtype, gguf_type: str | None):
-    """The dtype the tensors are made in for a GGUF (a ``DType``; None: auto): ``dtype``, or with auto the float
-    ``gguf_type``'s own."""
-    if dtype is None and gguf_type in FLOAT_TYPES.values():
-        short = next(short for short, float_type in FLOAT_TYPES.items() if float_type == gguf_type)
-        return next(output for output in OUTPUT_DTYPES.values() if output.short == short)
-    return dtype
 
 
 @dataclass

@@ -35,7 +35,7 @@ from ..sinks.gguf.converter import (
     tensors_of,
 )
 from ..skeleton import meta_model
-from .reference import Context, against
+from .reference.base import Context, against
 
 HEADER_FIELDS = ("GGUF.version", "GGUF.tensor_count", "GGUF.kv_count")  # the reader's names for the header's words
 

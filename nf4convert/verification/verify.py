@@ -16,7 +16,7 @@ from pathlib import Path
 from ..devices import pick_device
 from ..dtypes import DTYPES, OUTPUT_DTYPES
 from ..errors import ArgumentError, CheckpointError, SourceNotFoundError
-from ..formats import bnb4_weights, bnb8
+from ..formats.base import quantization_key
 from ..hub.sources import named_sources, resolve_source
 from ..paths import expanded
 from ..plan import make_plan
@@ -25,7 +25,7 @@ from ..skeleton import meta_model
 from . import audit
 from .compare import Tallies, described
 from .libraries import quiet_loggers, reference_library
-from .reference import Context
+from .reference.base import Context
 from .report import VerifyReport
 from .stream import check_tensors
 
@@ -43,17 +43,14 @@ def _plan_source(folder: Path, output: Path, dtype: str, reader: TensorReader, a
     try:
         return make_plan(folder, dtype=dtype, reader=reader, adapter=adapter)
     except CheckpointError:
-        # OUT and SOURCE swapped: the "output" is the bitsandbytes checkpoint.
+        # OUT and SOURCE swapped: the "output" is the quantized checkpoint.
         try:
-            swapped = any(
-                bnb4_weights.STATE_KEY.match(name) or name.endswith(f".{bnb8.PARTS[0]}")
-                for name in read_tensors(output)
-            )
+            swapped = next(filter(None, map(quantization_key, read_tensors(output))), None)
         except CheckpointError:
-            swapped = False
-        if swapped:
+            swapped = None
+        if swapped is not None:
             raise ArgumentError(
-                f"{output} is a bitsandbytes checkpoint and {folder} is not: the order is OUT, then SOURCE"
+                f"{output} is a {swapped.family} checkpoint and {folder} is not: the order is OUT, then SOURCE"
             ) from None
         raise
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from ..pipeline.core import Pipeline
-from ..pipeline.routes import route_for
+from ..pipeline.routes.base import route_for
 from ..plan import Plan, may_exceed
 from ..safetensors_io.read import TensorReader
 from ..safetensors_io.write import ShardWriter, Writeback

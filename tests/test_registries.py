@@ -10,6 +10,7 @@ import inspect
 import json
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import ClassVar
 
 import numpy as np
@@ -31,6 +32,8 @@ from nf4convert.plan import make_plan
 from nf4convert.safetensors_io.read import TensorReader
 from nf4convert.sinks.safetensors import write_shards
 from nf4convert.verification.reference.base import reference_for
+
+from fixtures.processes import package_env
 
 # --- a format and a kind that exist in this file alone ------------------------------------------------------------
 
@@ -210,6 +213,26 @@ def test_the_registries_hold_what_is_defined_and_nothing_after_a_scratch_test():
     assert set(all_kinds()) == {"copy", "dequantize_4bit", "dequantize_8bit", "transpose", "untied", "merge_lora"}
     order = [kind.order for kind in all_kinds().values()]
     assert order == sorted(order) and list(all_kinds())[-2:] == ["copy", "merge_lora"]
+
+
+def test_importing_the_planner_imports_every_kind_and_format_module():
+    # The CPU route's workers are forked before a plan is made and must unpickle a kind's computation without an import.
+    import pkgutil
+    import subprocess
+    import sys
+
+    import nf4convert.formats
+    import nf4convert.kinds
+    import nf4convert.plan
+
+    code = "import sys, nf4convert.plan; print(nf4convert.plan.__file__, ' '.join(sorted(sys.modules)))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=package_env())
+    where, *loaded = result.stdout.split()
+    assert where == str(Path(nf4convert.plan.__file__))
+    for package in (nf4convert.kinds, nf4convert.formats):
+        modules = {f"{package.__name__}.{module.name}" for module in pkgutil.iter_modules(package.__path__)}
+        assert modules and modules <= set(loaded), modules - set(loaded)
+    assert "torch" not in loaded
 
 
 # --- every kind has its reference; every format its kind ---------------------------------------------------------

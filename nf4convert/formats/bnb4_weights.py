@@ -17,7 +17,7 @@ from ..dtypes import BY_NAME, DTYPES, OUTPUT_DTYPES, to_float32
 from ..errors import CheckpointError
 from ..safetensors_io.read import TensorInfo, TensorReader
 from .base import register
-from .bitsandbytes import Bitsandbytes
+from .bnb import Bitsandbytes
 from .bnb4 import CODES, NestedState, QuantState4bit, layout_problem, matches_canonical, not_flat, parse_meta
 
 PARTS = ("absmax", "quant_map", "nested_absmax", "nested_quant_map")  # suffixes of a weight's quant-state tensors

@@ -39,7 +39,7 @@ from ..dtypes import DTYPES, OUTPUT_DTYPES
 from ..errors import ArgumentError, CheckpointError
 from ..safetensors_io.read import TensorInfo
 from .base import register
-from .bitsandbytes import Bitsandbytes
+from .bnb import Bitsandbytes
 
 if TYPE_CHECKING:
     import torch

@@ -15,9 +15,9 @@ import torch
 from bench_convert import build_adapter, build_source
 
 from nf4convert.formats import peft_merge
-from nf4convert.kinds import MergeLora
 from nf4convert.kinds.base import whole as _whole
-from nf4convert.pipeline.routes import route_for
+from nf4convert.kinds.merge_lora import MergeLora
+from nf4convert.pipeline.routes.base import route_for
 from nf4convert.plan import make_plan
 from nf4convert.safetensors_io.read import TensorReader
 

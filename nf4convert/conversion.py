@@ -16,7 +16,7 @@ from .hub.names import model_name, model_stem
 from .hub.ranges import HeadersOnly
 from .hub.sources import as_text, named_sources, resolve_source, reworded
 from .options import ConvertOptions
-from .pipeline.routes import route_for
+from .pipeline.routes.base import route_for
 from .plan import make_plan
 from .safetensors_io.read import TensorReader
 from .settings import Settings

@@ -16,6 +16,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from nf4convert.kinds import dequantize_4bit
 from nf4convert.pipeline import core as pipeline_core
 from nf4convert.pipeline import piece as pieces
 from nf4convert.pipeline.routes.cpu import CpuRoute
@@ -449,10 +450,12 @@ def test_profile_reports_where_the_time_went(tmp_path):
 def test_a_failing_piece_stops_every_stage(tmp_path, monkeypatch, processes):
     source, _ = _checkpoint(tmp_path / "src", 3)
     calls = {"n": 0}
-    original = SmallPieces.dequantize_4bit
+    original = SmallPieces.make
 
-    def failing(self, state):
-        make = original(self, state)
+    def failing(self, host, device=None):
+        make = original(self, host, device)
+        if host.func is not dequantize_4bit.dequantize_on_host:
+            return make
 
         def make_or_fail(read, out):
             calls["n"] += 1
@@ -462,7 +465,7 @@ def test_a_failing_piece_stops_every_stage(tmp_path, monkeypatch, processes):
 
         return make_or_fail
 
-    monkeypatch.setattr(SmallPieces, "dequantize_4bit", failing)
+    monkeypatch.setattr(SmallPieces, "make", failing)
     descriptors = len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else None
     with pytest.raises(MemoryError, match="piece 5"):
         _convert(source, tmp_path / "out", SmallPieces(workers=2, processes=processes))

@@ -12,7 +12,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from nf4convert.errors import ArgumentError, CheckpointError
-from nf4convert.kinds import Copy, Dequantize4bit
+from nf4convert.kinds.copy import Copy
+from nf4convert.kinds.dequantize_4bit import Dequantize4bit
 from nf4convert.plan import make_plan
 from nf4convert.safetensors_io.read import TensorReader, read_tensors
 from nf4convert.safetensors_io.write import ShardWriter

@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 from ..errors import ArgumentError, CheckpointError
-from ..formats.config import not_bitsandbytes, read_config
+from ..formats.base import config_problem, config_reason, families
+from ..formats.config import read_config
 from ..paths import expanded
 
 
@@ -45,7 +46,7 @@ def named_sources(source, adapter) -> tuple[str, str | None]:
 
 def _refuse_early(folder: Path, *, source: str) -> None:
     """A Hub SOURCE's precheck, on its config files alone: refuse before downloading weights when its config.json
-    says it is not a bitsandbytes checkpoint. An adapter (its base is checked when fetched), a repo without
+    says it holds nothing a registered format dequantizes. An adapter (its base is checked when fetched), a repo without
     config.json and a config.json that does not parse are left to the weights and the plan, as local folders are."""
     if (folder / "adapter_config.json").is_file() or not (folder / "config.json").is_file():
         return
@@ -54,21 +55,22 @@ def _refuse_early(folder: Path, *, source: str) -> None:
         config = read_config(folder)  # strict and depth-limited, as the plan reads it
     except CheckpointError:
         return
-    reason = not_bitsandbytes(config) if config is not None else None
+    reason = config_reason(config) if config is not None else None
     if reason is not None:
-        raise CheckpointError(f"{source}: not a bitsandbytes checkpoint: {reason}; its weights were not downloaded")
+        raise CheckpointError(f"{source}: not a {families()} checkpoint: {reason}; its weights were not downloaded")
 
 
 def reworded(error: CheckpointError, folder: Path) -> CheckpointError:
-    """A plan's refusal of a local checkpoint, with the reason its config.json gives where it gives one (a model saved
-    with ``llm_int8_has_fp16_weight`` has no 8-bit weights: that, not their absence, is what the user needs to know)."""
+    """A plan's refusal of a local checkpoint, with the reason its config.json gives where a format finds one (a model
+    saved with ``llm_int8_has_fp16_weight`` has no 8-bit weights: that, not their absence, is what the user needs to
+    know)."""
 
     try:
         config = read_config(folder)
     except CheckpointError:
         return error
-    reason = not_bitsandbytes(config) if config is not None else None
-    if reason is None or "llm_int8_has_fp16_weight" not in reason:
+    reason = config_problem(config) if config is not None else None
+    if reason is None:
         return error
     return CheckpointError(f"{folder}: {reason}")
 

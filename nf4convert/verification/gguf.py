@@ -32,7 +32,7 @@ from ..sinks.gguf.converter import (
     staged,
     tensors_of,
 )
-from .reference import against
+from .reference.base import against
 
 HEADER_FIELDS = ("GGUF.version", "GGUF.tensor_count", "GGUF.kv_count")  # the reader's names for the header's words
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ..devices import pick_device
 from ..errors import ArgumentError, CheckpointError
-from ..formats import bnb4_weights, bnb8
+from ..formats.base import quantization_key
 from ..hub.sources import named_sources, resolve_source
 from ..options import VerifyOptions
 from ..paths import expanded
@@ -26,7 +26,7 @@ from ..skeleton import meta_model
 from .folder import Folder
 from .gguf import GgufFile
 from .libraries import quiet_loggers, reference_library
-from .reference import Context
+from .reference.base import Context
 from .report import VerifyReport
 
 OUTPUTS = (GgufFile, Folder)  # the kinds of output verify checks: the first that claims OUT checks it
@@ -36,17 +36,14 @@ def _plan_source(folder: Path, output: Path, dtype: str, reader: TensorReader, a
     try:
         return make_plan(folder, dtype=dtype, reader=reader, adapter=adapter)
     except CheckpointError:
-        # OUT and SOURCE swapped: the "output" is the bitsandbytes checkpoint.
+        # OUT and SOURCE swapped: the "output" is the quantized checkpoint.
         try:
-            swapped = any(
-                bnb4_weights.STATE_KEY.match(name) or name.endswith(f".{bnb8.PARTS[0]}")
-                for name in read_tensors(output)
-            )
+            swapped = next(filter(None, map(quantization_key, read_tensors(output))), None)
         except CheckpointError:
-            swapped = False
-        if swapped:
+            swapped = None
+        if swapped is not None:
             raise ArgumentError(
-                f"{output} is a bitsandbytes checkpoint and {folder} is not: the order is OUT, then SOURCE"
+                f"{output} is a {swapped.family} checkpoint and {folder} is not: the order is OUT, then SOURCE"
             ) from None
         raise
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from bench_convert import build_adapter, build_source
 
+from nf4convert.dtypes import output_dtype
 from nf4convert.formats import peft_merge
 from nf4convert.kinds.base import whole as _whole
 from nf4convert.kinds.merge_lora import MergeLora
@@ -43,7 +44,7 @@ def main():
         source, adapter = Path(work) / "src", Path(work) / "adapter"
         build_source(source, layers=1)
         build_adapter(adapter, layers=1)
-        plan = make_plan(source, dtype="bf16", adapter=adapter)
+        plan = make_plan(source, dtype=output_dtype("bf16"), adapter=adapter)
         merges = [t for t in plan.tensors if isinstance(t.recipe, MergeLora)]
         print(f"{device}: {len(merges)} merges in one layer; ms per weight, best of 3", flush=True)
         print("| weight | shape | whole via pieces | to device | merge | back to host | total |")

@@ -14,7 +14,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .dtypes import DTYPES, OUTPUT_DTYPES, DType, output_dtype
+from .dtypes import DTYPES, OUTPUT_DTYPES, DType
 from .errors import CheckpointError
 from .files import TOKENIZER_FILES, carried_files, inside, tokenizer_files
 from .formats import peft_lora
@@ -22,7 +22,7 @@ from .formats.base import all_formats, families
 from .formats.config import dense_config, quantization_config, read_config, resized_config, untied_config
 from .kinds.base import PlannedTensor, Planning, Recipe, all_kinds
 from .safetensors_io.read import TensorInfo, TensorReader, read_tensors
-from .sizes import DEFAULT_SHARD_SIZE, parse_size
+from .sizes import DEFAULT_SHARD_BYTES
 
 # Every kind's and every format's module, imported with the planner on the thread that imports it: the CPU route's
 # worker processes, forked before a plan is made, unpickle the kinds' computations without importing anything, and the
@@ -128,8 +128,8 @@ def _auto_dtype(recipes: list[Recipe], config: dict | None) -> DType:
 def make_plan(
     folder: Path,
     *,
-    dtype: str = "auto",
-    max_shard_size: str | int = DEFAULT_SHARD_SIZE,
+    dtype: DType | None = None,
+    max_shard_size: int = DEFAULT_SHARD_BYTES,
     reader: TensorReader | None = None,
     adapter: Path | None = None,
 ) -> Plan:
@@ -139,10 +139,10 @@ def make_plan(
     Raises:
         CheckpointError: a file is missing, truncated or corrupt, the checkpoint has no weights of a registered
             format, or the adapter is not a LoRA adapter that fits the checkpoint.
-        ArgumentError: ``dtype`` is not auto, bf16, fp16, fp32 (or torch's names).
+    ``dtype``: of every floating output tensor (None: auto, the dtype the weights were quantized from); shards of at
+    most ``max_shard_size`` bytes (options.py parses both).
     """
-    chosen = output_dtype(dtype)
-    max_shard_size = parse_size(max_shard_size)
+    chosen = dtype
     kinds = all_kinds().values()
     own_reader = reader is None
     reader = reader or TensorReader()

@@ -19,6 +19,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from nf4convert.dtypes import output_dtype
 from nf4convert.errors import CheckpointError
 from nf4convert.formats import base as formats_base
 from nf4convert.formats.base import SourceFormat, all_formats
@@ -150,13 +151,13 @@ class SmallPieces(CpuRoute):
 @pytest.mark.parametrize("processes", [0, 2])
 def test_a_format_and_kind_defined_in_a_test_alone_are_planned_and_converted(tmp_path, scratch, processes):
     expected = _scaled_checkpoint(tmp_path / "src", seed=processes + 1)
-    plan = make_plan(tmp_path / "src", dtype="fp32")
+    plan = make_plan(tmp_path / "src", dtype=output_dtype("fp32"))
     kinds = {tensor.name: tensor.recipe.kind for tensor in plan.tensors}
     assert kinds == {**dict.fromkeys([f"layers.{i}.weight" for i in range(3)], scratch.kind), "norm.weight": "copy"}
     assert plan.source_formats == ["scratch-scaled"] and plan.n_dequantized == 3
     (tmp_path / "out").mkdir()
     with TensorReader() as reader, SmallPieces(processes=processes) as route:
-        write_shards(plan, tmp_path / "out", reader, torch.device("cpu"), progress=lambda n: None, route=route)
+        write_shards(plan, tmp_path / "out", reader, route, progress=lambda n: None)
         if processes:
             assert route._workers._handed > 0  # its pieces were made in the worker processes
     with safe_open(tmp_path / "out" / "model.safetensors", "pt") as file:

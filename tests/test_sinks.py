@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from nf4convert.dtypes import output_dtype
 from nf4convert.errors import ArgumentError
 from nf4convert.options import ConvertOptions
 from nf4convert.pipeline.core import Pipeline
@@ -121,7 +122,7 @@ def test_an_output_format_is_one_module_registered(raw_sink, tmp_path):
         expected.update(load_file(shard))
     from nf4convert.plan import make_plan
 
-    plan = make_plan(source, dtype="bf16")
+    plan = make_plan(source, dtype=output_dtype("bf16"))
     raw = (tmp_path / "x.raw").read_bytes()
     start = 0
     for tensor in plan.tensors:

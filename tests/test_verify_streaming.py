@@ -130,7 +130,7 @@ def test_every_tensor_is_many_slices_and_verifies_ok(outputs, small_slices):
     for variant, (source, out, adapter) in outputs.items():
         assert problems(out, source, adapter) == [], variant
         with TensorReader() as reader:
-            plan = make_plan(source, dtype="auto", reader=reader, adapter=adapter)
+            plan = make_plan(source, dtype=None, reader=reader, adapter=adapter)
             context = Context({t.name: t for t in plan.tensors}, None, None, None)
             name = next(name for kind, (v, name, _) in KINDS.items() if v == variant)
             tensor = next(t for t in plan.tensors if t.name == name)

@@ -6,6 +6,7 @@ verify both start here."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from functools import partial
 from pathlib import Path
@@ -14,6 +15,7 @@ from typing import NamedTuple
 from ..errors import ArgumentError, CheckpointError
 from ..formats.base import config_problem, config_reason, families
 from ..formats.config import read_config
+from ..options import HubOptions
 from ..paths import expanded
 
 
@@ -78,16 +80,14 @@ def reworded(error: CheckpointError, folder: Path) -> CheckpointError:
 def resolve_source(
     source: str | os.PathLike,
     adapter: str | os.PathLike | None = None,
+    hub: HubOptions = HubOptions(),
     *,
-    revision=None,
-    token=None,
-    cache_dir=None,
     progress=True,
     headers=None,
 ) -> Resolved:
-    """SOURCE resolved, and ADAPTER (a :class:`Resolved`); a SOURCE that is itself a peft adapter
-    (``adapter_config.json``, no ADAPTER given) stands for the base its config names, with it merged (a folder that also
-    holds model weights is a checkpoint). ``revision`` applies to SOURCE (a local folder has none); a Hub checkpoint
+    """SOURCE resolved, and ADAPTER (a :class:`Resolved`), from the Hub as ``hub`` says; a SOURCE that is itself a peft
+    adapter (``adapter_config.json``, no ADAPTER given) stands for the base its config names, with it merged (a folder
+    that also holds model weights is a checkpoint). ``hub.revision`` applies to SOURCE only; a Hub checkpoint
     whose config.json says it is not bitsandbytes is refused before its weights are downloaded; ``progress=False`` hides
     download bars; ``headers`` (a ``hub.HeadersOnly``): the checkpoint's weights are not downloaded, its folder is their
     copy for a plan."""
@@ -96,11 +96,9 @@ def resolve_source(
     from .download import resolve
 
     source, adapter = as_text(source), as_text(adapter)
-    fetch = dict(token=token, cache_dir=cache_dir, progress=progress)
-    folder = resolve(
-        source, revision=revision, precheck=partial(_refuse_early, source=source), headers=headers, **fetch
-    )
-    adapter_folder = resolve(adapter, **fetch) if adapter is not None else None
+    folder = resolve(source, hub, progress=progress, precheck=partial(_refuse_early, source=source), headers=headers)
+    others = dataclasses.replace(hub, revision=None)  # the adapter's, and the base an adapter SOURCE names
+    adapter_folder = resolve(adapter, others, progress=progress) if adapter is not None else None
     weights = [p for p in folder.glob("*.safetensors") if p.name != peft_lora.WEIGHTS_NAME]
     if adapter_folder is not None and (folder / peft_config.CONFIG_NAME).is_file() and not weights:
         raise ArgumentError(
@@ -118,7 +116,7 @@ def resolve_source(
             )
         adapter_folder, folder = (
             folder,
-            resolve(base, precheck=partial(_refuse_early, source=base), headers=headers, **fetch),
+            resolve(base, others, progress=progress, precheck=partial(_refuse_early, source=base), headers=headers),
         )
         return Resolved(
             folder,

@@ -32,7 +32,7 @@ from .report import VerifyReport
 OUTPUTS = (GgufFile, Folder)  # the kinds of output verify checks: the first that claims OUT checks it
 
 
-def _plan_source(folder: Path, output: Path, dtype: str, reader: TensorReader, adapter: Path | None):
+def _plan_source(folder: Path, output: Path, dtype, reader: TensorReader, adapter: Path | None):
     try:
         return make_plan(folder, dtype=dtype, reader=reader, adapter=adapter)
     except CheckpointError:
@@ -102,9 +102,7 @@ def verified(output: str | Path, source: str, options: VerifyOptions) -> VerifyR
     hub, progress = options.hub, options.progress
     with quiet_loggers(), TensorReader() as source_reader:
         reference_library("bitsandbytes")
-        resolved = resolve_source(
-            source, adapter, revision=hub.revision, token=hub.token, cache_dir=hub.cache_dir, progress=progress
-        )
+        resolved = resolve_source(source, adapter, hub, progress=progress)
         if resolved.adapter_folder is not None:
             reference_library("peft")
         if resolved.folder.resolve() == output.resolve():
@@ -113,13 +111,7 @@ def verified(output: str | Path, source: str, options: VerifyOptions) -> VerifyR
                 "the bitsandbytes one"
             )
         planned_in = checked.plan_dtype(options.dtype)
-        plan = _plan_source(
-            resolved.folder,
-            output,
-            planned_in.name if planned_in is not None else "auto",
-            source_reader,
-            resolved.adapter_folder,
-        )
+        plan = _plan_source(resolved.folder, output, planned_in, source_reader, resolved.adapter_folder)
         planned = {tensor.name: tensor for tensor in plan.tensors}
         context = Context(planned, *meta_model(plan.config), plan.tied or ())
         checked.check(

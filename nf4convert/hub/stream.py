@@ -1,0 +1,1055 @@
+"""A Hub repo's weight files at one commit, read in place of a local copy: positional reads (``pread``) served from
+HTTP range requests (or hf_xet's ranged streams), many in flight, never written to disk, every byte checked against
+the Hub's hash of its file.
+
+Design. A file is cut into blocks (``StreamSettings.block_bytes``, one request each). Reads are watched as streams:
+a read that continues one (the pipeline reads each file roughly front to back, a few files or output shards at once)
+makes that stream prefetch the blocks ahead of it, on a pool of fetch threads, within a memory budget shared by the
+files; a read that continues none (a header, a quant state, a scale read out of order) fetches just the pages it
+covers, in the reading thread. Each range is fetched with its own retries: a dropped connection, a 5xx, a 429 (its
+Retry-After honoured), a stalled read (the download timeout) or a short body is asked again from the first byte not yet
+received, with backoff; a range that fails as often as ``tries`` allows ends the run in one line (:class:`FetchError`)
+saying what failed, after how many tries. A link of the Hub's storage that expires is asked for again at the same
+commit, as is every request: a commit pushed while the run reads cannot mix versions.
+
+Integrity. The Hub's hash of a file (its LFS sha256, or for a file kept in git its blob id) is a hash of its bytes in
+order, while reads come in any order and some bytes are never read (the header region is read apart, a tensor may be
+skipped). So each file keeps one hasher fed with its blocks in file order: a block is hashed when every block before
+it has been, and held until then within the budget; bytes no read asked for are fetched for the hash alone (behind
+the reads while they run, the rest when the caller finishes). Every copy of a page (``PAGE_BYTES``) fetched, for a
+read or for the hash, has its sha256 compared with the first copy's, so the bytes a read was given are the bytes the
+file's hash was computed over even when a page had to be fetched twice (held no longer, or read before its block).
+When the hasher reaches a file's end its digest is compared with the Hub's: a mismatch is an :class:`IntegrityError`
+naming the file, and it stops every read. A read is served before its file is verified: the caller places nothing
+until :meth:`RemoteFiles.finish` has verified every file read. A file already in the Hub cache is read in place
+(:class:`CachedFile`) and checked the same way against the sha256 its blob is named by, by one sequential pass.
+
+Memory: the blocks held (prefetched, not yet read or not yet hashed) stay within ``memory_bytes``; a read that must
+wait for a block fetches it even past the budget (those are bounded by the threads reading), and blocks held only for
+the hash are let go first when room is needed (fetched again for the hash later). Nothing is written to disk.
+
+Integration: ``RemoteFiles.open(repo, commit, names, token=..., cached=...)`` resolves each file's size, hash and
+storage link with a HEAD at the commit (huggingface_hub's ``get_hf_file_metadata``), and ``files[name].pread(offset,
+buffer)`` reads; ``stats`` counts what was streamed and what came from the cache, ``on_bytes`` drives a bar.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import re
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from email.utils import parsedate_to_datetime
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from ..errors import CheckpointError, FetchError, IntegrityError, Nf4ConvertError, SourceNotFoundError
+from .errors import hub_error_line
+
+PAGE_BYTES = 1 << 16  # the unit whose digest two reads of the same bytes are compared by
+_DIGEST_BYTES = 16  # of a page's sha256: a page fetched again must match this much of the first copy's
+_RETRY_STATUSES = (408, 429, 500, 502, 503, 504)
+_LINK_STATUSES = (401, 403, 404, 410)  # from the storage a link points to: the link expired; ask the Hub for a new one
+_CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+)")
+_BAR_STEP = 1 << 20  # bytes received between two calls of ``on_bytes``
+
+
+@dataclass(frozen=True)
+class StreamSettings:
+    """How a repo's files are streamed; the defaults suit the Hub from a data-centre link."""
+
+    block_bytes: int = 1 << 23  # one request: large enough that per-request latency is amortized
+    memory_bytes: int = 1 << 29  # blocks held at once, all files together
+    requests_at_once: int = 8  # fetch threads (reads that must wait for a block fetch it themselves, beside them)
+    ahead_blocks: int = 8  # how far a stream prefetches, at most
+    streams_per_file: int = 8  # read positions followed in one file (output shards written at once, each its own)
+    tries: int = 6  # of one range without a byte received, before the run fails
+    wait_first: float = 1.0  # seconds before the second try; doubled for each next one
+    wait_most: float = 16.0
+    retry_after_most: float = 300.0  # a longer Retry-After fails the run rather than waiting
+    timeout: float | None = None  # seconds without a byte before a read is tried again; None: HF_HUB_DOWNLOAD_TIMEOUT
+    transport: str = "auto"  # "auto" (hf_xet for a Xet file where it is installed), "http" or "xet"
+
+
+@dataclass(frozen=True)
+class Expected:
+    """The hash a file's bytes must have: an LFS file's sha256 (``X-Linked-Etag``; the Hub cache names its blob by it),
+    or for a file kept in git its blob id (the sha1 of ``blob <size>\\0`` and the bytes)."""
+
+    kind: str  # "sha256" or "git-sha1"
+    hexdigest: str
+
+    @classmethod
+    def of_etag(cls, etag: str | None) -> Expected | None:
+        """What an ETag (or a cache blob's name) says the bytes hash to; None for anything else."""
+        etag = (etag or "").strip().strip('"').lower()
+        if etag.startswith("w/"):  # a weak ETag names no exact bytes
+            return None
+        if re.fullmatch(r"[0-9a-f]{64}", etag):
+            return cls("sha256", etag)
+        if re.fullmatch(r"[0-9a-f]{40}", etag):
+            return cls("git-sha1", etag)
+        return None
+
+    def hasher(self, size: int):
+        if self.kind == "sha256":
+            return hashlib.sha256()
+        hasher = hashlib.sha1()
+        hasher.update(b"blob %d\0" % size)
+        return hasher
+
+    @property
+    def shown(self) -> str:
+        return f"{'sha256' if self.kind == 'sha256' else 'git blob id'} {self.hexdigest[:16]}…"
+
+
+@dataclass(frozen=True)
+class RemoteFileInfo:
+    """A file of a repo at one commit, as the Hub describes it."""
+
+    name: str
+    size: int
+    expected: Expected
+    url: str  # the file's resolve URL at the commit: where a new storage link is asked for
+    location: str  # where its bytes are read: the storage's signed link (a redirect's target), or the URL itself
+    xet_hash: str | None = None  # a Xet file's hash, and the route that gives a Xet read token
+    xet_refresh: str | None = None
+
+
+@dataclass
+class StreamStats:
+    """What a run read: bytes fetched from the Hub (all of them, and those fetched a second time), read from the Hub
+    cache, and the requests and retries it took."""
+
+    fetched: int = 0
+    fetched_again: int = 0
+    cached: int = 0
+    requests: int = 0
+    retries: int = 0
+
+
+def expected_of_cached(path: Path) -> Expected | None:
+    """The hash a file of a Hub cache snapshot must have, by the blob it links to (named by its sha256 or its git blob
+    id); None for a file that is no cache blob."""
+    return Expected.of_etag(Path(os.path.realpath(path)).name)
+
+
+class RemoteFiles:
+    """The weight files of one repo at one commit, each read through :class:`RemoteFile` (streamed) or
+    :class:`CachedFile` (the Hub cache's blob), and checked against the Hub's hash of it. A context manager: leaving
+    it stops the fetches (``close``); :meth:`finish` checks every file read, before anything made of them is kept."""
+
+    def __init__(
+        self,
+        repo_id: str,
+        commit: str,
+        infos: list[RemoteFileInfo],
+        *,
+        token: str | bool | None = None,
+        endpoint: str | None = None,
+        cached: dict[str, tuple[Path, Expected]] | None = None,
+        settings: StreamSettings | None = None,
+        on_bytes: Callable[[int], None] | None = None,
+    ):
+        self.repo_id, self.commit, self.token, self.endpoint = repo_id, commit, token, endpoint
+        self.settings = settings or StreamSettings()
+        if self.settings.block_bytes % PAGE_BYTES or self.settings.block_bytes <= 0:
+            raise ValueError(f"block_bytes must be a multiple of {PAGE_BYTES}, not {self.settings.block_bytes}")
+        self.stats = StreamStats()
+        self.on_bytes = on_bytes
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._closing = threading.Event()
+        self._failed: Nf4ConvertError | None = None
+        self._finishing = False
+        self._held = 0  # bytes of blocks held
+        self._hash_fetches = 0
+        self._tick = 0  # reads so far, all files: how streams age
+        self._transports: dict[str, object] = {}
+        self.files: dict[str, RemoteFile | CachedFile] = {}
+        for info in infos:
+            self.files[info.name] = RemoteFile(self, info)
+        for name, (path, expected) in (cached or {}).items():
+            self.files[name] = CachedFile(self, name, path, expected)
+        self._workers = [
+            threading.Thread(target=self._work, name=f"nf4convert-fetch-{n}", daemon=True)
+            for n in range(self.settings.requests_at_once)
+        ]
+        for worker in self._workers:
+            worker.start()
+
+    @classmethod
+    def open(
+        cls,
+        repo_id: str,
+        commit: str,
+        names: list[str],
+        *,
+        token: str | bool | None = None,
+        endpoint: str | None = None,
+        cache: Path | None = None,
+        settings: StreamSettings | None = None,
+        on_bytes: Callable[[int], None] | None = None,
+    ) -> RemoteFiles:
+        """``names`` of ``repo_id`` at ``commit`` (a commit id, so that every request reads the same version): each
+        read from ``cache`` (a snapshot folder of the Hub cache) where it holds the file, else streamed, its size,
+        hash and storage link asked of the Hub (a HEAD at the commit, as huggingface_hub asks before a download).
+
+        Raises:
+            SourceNotFoundError: a file the Hub cannot describe (not found, no access, no network, offline), or
+                describes without a hash to check its bytes against.
+        """
+        from huggingface_hub import constants
+
+        cached: dict[str, tuple[Path, Expected]] = {}
+        remote = []
+        for name in names:
+            path = None if cache is None else cache / name
+            expected = None if path is None or not path.is_file() else expected_of_cached(path)
+            if expected is not None:
+                cached[name] = (path, expected)
+            else:
+                remote.append(name)
+        if remote and constants.HF_HUB_OFFLINE:
+            raise SourceNotFoundError(
+                f"{repo_id}@{commit[:12]}: {remote[0]}: not in the Hub cache, and HF_HUB_OFFLINE is set"
+            )
+        with ThreadPoolExecutor(8, thread_name_prefix="nf4convert-resolve") as pool:
+            infos = list(pool.map(lambda name: describe(repo_id, commit, name, token=token, endpoint=endpoint), remote))
+        return cls(
+            repo_id, commit, infos, token=token, endpoint=endpoint, cached=cached, settings=settings, on_bytes=on_bytes
+        )
+
+    def __getitem__(self, name: str) -> RemoteFile | CachedFile:
+        return self.files[name]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.files
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        self.close()
+
+    @property
+    def streamed_bytes(self) -> int:
+        """The size of the files streamed (what a run fetches, at least), beside those read from the cache."""
+        return sum(file.size for file in self.files.values() if isinstance(file, RemoteFile))
+
+    def where(self, name: str) -> str:
+        return f"{self.repo_id}@{self.commit[:12]}: {name}"
+
+    def finish(self) -> None:
+        """Wait until every file read so far is checked against its hash (its bytes not read yet fetched for the hash
+        alone, with every fetch thread).
+
+        Raises:
+            IntegrityError: a file's bytes do not match the Hub's hash of it.
+            FetchError: bytes the check needs could not be fetched.
+        """
+        with self._lock:
+            self._finishing = True
+            for file in self.files.values():
+                if isinstance(file, RemoteFile):
+                    file.streams.clear()  # no read follows: what is held is held for the hash alone
+                    for block in list(file.blocks.values()):
+                        self._settle(file, block)
+            self._wake.notify_all()
+        for file in self.files.values():
+            if isinstance(file, CachedFile):
+                file.finish()
+        with self._lock:
+            while True:
+                self._raise_failure()
+                if all(file.verified or not file.opened for file in self.files.values()):
+                    return
+                self._wake.wait(0.5)
+
+    def close(self) -> None:
+        """Stop every fetch (a fetch under way ends at its next bytes) and let go of what is held."""
+        self._closing.set()
+        with self._lock:
+            self._wake.notify_all()
+        for worker in self._workers:
+            if worker is not threading.current_thread():
+                worker.join(timeout=30)
+        for file in self.files.values():
+            if isinstance(file, CachedFile):
+                file.close()
+            else:
+                file.blocks.clear()
+        for transport in self._transports.values():
+            transport.close()
+
+    # -- failures ----------------------------------------------------------------------------------------------------
+    def _fail(self, error: Nf4ConvertError) -> None:
+        """The first failure ends the run: every read and ``finish`` raises it from now on."""
+        with self._lock:
+            if self._failed is None:
+                self._failed = error
+            self._wake.notify_all()
+
+    def _raise_failure(self) -> None:
+        failed = self._failed
+        if failed is not None:
+            raised = type(failed)(str(failed), option=failed.option)
+            if isinstance(failed, FetchError):
+                raised.tries = failed.tries
+            raise raised from None
+        if self._closing.is_set():
+            raise FetchError(f"{self.repo_id}@{self.commit[:12]}: read after the files were closed")
+
+    # -- the fetch threads -------------------------------------------------------------------------------------------
+    def _work(self) -> None:
+        while True:
+            with self._lock:
+                job = None
+                while job is None:
+                    if self._closing.is_set():
+                        return
+                    job = None if self._failed is not None else self._pick()
+                    if job is None:
+                        self._wake.wait()
+            file, block, for_hash = job
+            try:
+                self._fetch_block(file, block)
+            finally:
+                if for_hash:
+                    with self._lock:
+                        self._hash_fetches -= 1
+
+    def _pick(self):
+        """The next block for a fetch thread (under the lock): the one nearest ahead of a stream, else the next a
+        file's hash needs that no stream will read (all of them, once finishing); None when none may be fetched."""
+        block_bytes = self.settings.block_bytes
+        nearest = None
+        for file in self.files.values():
+            if not isinstance(file, RemoteFile) or file.verified:
+                continue
+            for stream in file.live_streams(self._tick):
+                ahead = stream.ahead(block_bytes, self.settings.ahead_blocks)
+                base = stream.end // block_bytes
+                for index in range(base, min(base + ahead, file.count)):
+                    if index not in file.blocks:
+                        if nearest is None or index - base < nearest[0]:
+                            nearest = (index - base, file, index)
+                        break
+        if nearest is not None:
+            _, file, index = nearest
+            if self._room(file.block_size(index), beyond=index - file.hash_next):
+                return file, self._new_block(file, index), False
+            return None
+        limit = self.settings.requests_at_once if self._finishing else max(1, self.settings.requests_at_once // 2)
+        if self._hash_fetches >= limit:
+            return None
+        for file in self.files.values():
+            if not isinstance(file, RemoteFile) or file.verified or not file.opened:
+                continue
+            ahead = self.settings.requests_at_once * 2 if self._finishing else 2
+            for index in range(file.hash_next, min(file.hash_next + ahead, file.count)):
+                if index in file.blocks:
+                    continue
+                if not self._finishing and not file.passed(index, self._tick, block_bytes):
+                    break
+                if not self._room(file.block_size(index), beyond=index - file.hash_next):
+                    return None
+                self._hash_fetches += 1
+                return file, self._new_block(file, index), True
+        return None
+
+    def _new_block(self, file: RemoteFile, index: int) -> _Block:
+        first = index * self.settings.block_bytes
+        block = file.blocks[index] = _Block(index, first, min(first + self.settings.block_bytes, file.size))
+        self._held += block.end - block.first
+        return block
+
+    def _room(self, size: int, beyond: int) -> bool:
+        """Make room for ``size`` more bytes held (under the lock) for a block ``beyond`` blocks past its file's hash,
+        letting go of blocks held only for their hash that it needs later than that one (the farthest first); False
+        if there is none to let go."""
+        while self._held + size > self.settings.memory_bytes:
+            victim = None
+            for file in self.files.values():
+                if not isinstance(file, RemoteFile):
+                    continue
+                for block in file.blocks.values():
+                    if block.pins or not block.done.is_set() or block.hashed or file.wanted(block.index, self._tick):
+                        continue
+                    distance = block.index - file.hash_next
+                    if distance > beyond and (victim is None or distance > victim[0]):
+                        victim = (distance, file, block)
+            if victim is None:
+                return False
+            self._release(victim[1], victim[2])
+        return True
+
+    def _release(self, file: RemoteFile, block: _Block) -> None:
+        if file.blocks.get(block.index) is block:
+            del file.blocks[block.index]
+            self._held -= block.end - block.first
+            self._wake.notify_all()
+
+    def _settle(self, file: RemoteFile, block: _Block) -> None:
+        """Let go of a block (under the lock) once nothing needs it: hashed, and read whole or behind every stream."""
+        if block.pins or not block.done.is_set():
+            return
+        if block.error is not None or (
+            block.hashed and (block.served >= block.end - block.first or not file.wanted(block.index, self._tick))
+        ):
+            self._release(file, block)
+
+    def _fetch_block(self, file: RemoteFile, block: _Block) -> None:
+        """Fetch a block, check its pages, mark it done (its error kept on it if it failed) and hash what can be."""
+        try:
+            self._raise_failure()
+            self._fetch(file, block.first, memoryview(block.data))
+            file.check_pages(block.first, block.data)
+        except Nf4ConvertError as error:
+            block.error = error
+            self._fail(error)
+        except BaseException as error:  # a stop signal in a reading thread: whoever waits on the block is told
+            block.error = FetchError(f"{self.where(file.name)}: stopped ({type(error).__name__})")
+            raise
+        finally:
+            with self._lock:
+                block.done.set()
+                if block.error is not None:
+                    self._settle(file, block)
+                self._wake.notify_all()
+        if block.error is None:
+            file.advance_hash()
+
+    # -- one range, tried again until it is whole ----------------------------------------------------------------------
+    def _fetch(self, file: RemoteFile, first: int, into: memoryview) -> None:
+        """``len(into)`` bytes of ``file`` from byte ``first``, retried from the first byte not received yet."""
+        part = _Part(first, into)
+        settings = self.settings
+        tries = 0
+        while part.received < len(into):
+            before = part.received
+            wait = None
+            try:
+                self._transport(file).attempt(file, part)
+                if part.received == len(into):
+                    break
+                reason = f"the answer ended after {part.received - before} of {len(into) - before} bytes"
+            except _Retry as retry:
+                reason, wait = retry.reason, retry.after
+            except Nf4ConvertError:
+                raise
+            except _Closed:
+                raise FetchError(f"{self.where(file.name)}: stopped") from None
+            except Exception as error:  # noqa: BLE001  (the HTTP client's or hf_xet's: a connection, a timeout)
+                reason = hub_error_line(error)
+            tries = 1 if part.received > before else tries + 1  # bytes received: the range is making progress
+            with self._lock:
+                self.stats.retries += 1
+            last = part.first + len(into) - 1
+            where = f"{self.where(file.name)}: bytes {part.first + part.received}-{last}"
+            if tries >= settings.tries:
+                raise FetchError(f"{where}: {reason}, after {tries} tries", tries=tries)
+            if wait is not None and wait > settings.retry_after_most:
+                raise FetchError(f"{where}: {reason}, and the Hub asks to wait {wait:.0f} s", tries=tries)
+            pause = wait if wait is not None else min(settings.wait_most, settings.wait_first * 2 ** (tries - 1))
+            if self._closing.wait(pause):
+                raise FetchError(f"{self.where(file.name)}: stopped")
+
+    def _transport(self, file: RemoteFile):
+        kind = "xet" if file.info.xet_hash and self._use_xet() else "http"
+        transport = self._transports.get(kind)
+        if transport is None:
+            with self._lock:
+                transport = self._transports.get(kind)
+                if transport is None:
+                    transport = self._transports[kind] = (_Xet if kind == "xet" else _Http)(self)
+        return transport
+
+    def _use_xet(self) -> bool:
+        if self.settings.transport != "auto":
+            return self.settings.transport == "xet"
+        from huggingface_hub import constants
+
+        if constants.HF_HUB_DISABLE_XET:
+            return False
+        try:
+            import hf_xet  # noqa: F401
+        except ImportError:
+            return False
+        return True
+
+    def _received(self, size: int) -> None:
+        with self._lock:
+            self.stats.fetched += size
+        if self.on_bytes is not None:
+            self.on_bytes(size)
+
+    def _relink(self, file: RemoteFile) -> None:
+        """Ask the Hub again (at the commit) where the file's bytes are: its storage link expired."""
+        info = describe(self.repo_id, self.commit, file.name, token=self.token, endpoint=self.endpoint)
+        if info.expected != file.info.expected or info.size != file.size:
+            raise IntegrityError(
+                f"{self.where(file.name)}: the Hub now describes it as {info.size} bytes of {info.expected.shown}, "
+                f"not {file.size} bytes of {file.info.expected.shown}"
+            )
+        file.location = info.location
+
+
+def describe(
+    repo_id: str, commit: str, name: str, *, token: str | bool | None = None, endpoint: str | None = None
+) -> RemoteFileInfo:
+    """What the Hub says of file ``name`` at ``commit``: its size, the hash of its bytes, where they are (a HEAD at the
+    commit, as huggingface_hub's downloads ask)."""
+    from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url
+
+    where = f"{repo_id}@{commit[:12]}: {name}"
+    url = hf_hub_url(repo_id, name, revision=commit, endpoint=endpoint)
+    try:
+        try:
+            metadata = get_hf_file_metadata(
+                url, token=token, timeout=constants.HF_HUB_ETAG_TIMEOUT, endpoint=endpoint, retry_on_errors=True
+            )
+        except TypeError:  # huggingface_hub before retry_on_errors
+            metadata = get_hf_file_metadata(url, token=token, timeout=constants.HF_HUB_ETAG_TIMEOUT)
+    except Exception as error:  # noqa: BLE001  (HTTP, network, offline: one line that keeps the cause)
+        raise SourceNotFoundError(f"{where}: cannot be read from the Hub: {hub_error_line(error)}") from None
+    if metadata.commit_hash is not None and re.fullmatch(r"[0-9a-f]{40}", commit) and metadata.commit_hash != commit:
+        raise SourceNotFoundError(f"{where}: the Hub answered for commit {metadata.commit_hash[:12]}, not this one")
+    expected = Expected.of_etag(metadata.etag)
+    if expected is None:
+        raise SourceNotFoundError(
+            f"{where}: the Hub gives no hash of it to check its bytes against (ETag {metadata.etag!r}); "
+            "download it instead"
+        )
+    if metadata.size is None:
+        raise SourceNotFoundError(f"{where}: the Hub does not say its size; download it instead")
+    xet = metadata.xet_file_data
+    return RemoteFileInfo(
+        name=name,
+        size=int(metadata.size),
+        expected=expected,
+        url=url,
+        location=metadata.location or url,
+        xet_hash=None if xet is None else xet.file_hash,
+        xet_refresh=None if xet is None else xet.refresh_route,
+    )
+
+
+class _Block:
+    """``[first, end)`` of a file, held: fetched (``done``, or its ``error``), hashed, read (``served`` bytes), and
+    in use by ``pins`` reads or the hasher."""
+
+    __slots__ = ("index", "first", "end", "data", "done", "error", "hashed", "served", "pins")
+
+    def __init__(self, index: int, first: int, end: int):
+        self.index, self.first, self.end = index, first, end
+        self.data = bytearray(end - first)
+        self.done = threading.Event()
+        self.error: Nf4ConvertError | None = None
+        self.hashed = False
+        self.served = 0
+        self.pins = 0
+
+
+class _Stream:
+    """A position reads of a file continue from: the end of the last one, how many continued it and their bytes."""
+
+    __slots__ = ("end", "hits", "read", "used")
+
+    def __init__(self, end: int, read: int, tick: int):
+        self.end, self.hits, self.read, self.used = end, 1, read, tick
+
+    def ahead(self, block_bytes: int, most: int) -> int:
+        """Blocks to prefetch: none for a read or two of small bytes (a header, quant states), then more as it
+        proves to be a stream."""
+        if self.hits < 2 or self.read < block_bytes // 2:
+            return 0
+        return min(most, 1 + self.read // block_bytes)
+
+
+_STALE_READS = 256  # reads (of any file) after which a stream not continued is forgotten
+
+
+class RemoteFile:
+    """One file of the repo, streamed: ``pread`` reads its bytes (see the module's docstring for how)."""
+
+    def __init__(self, owner: RemoteFiles, info: RemoteFileInfo):
+        self.owner, self.info, self.name, self.size = owner, info, info.name, info.size
+        self.location = info.location
+        block_bytes = owner.settings.block_bytes
+        self.count = -(-info.size // block_bytes)
+        self.blocks: dict[int, _Block] = {}
+        self.streams: list[_Stream] = []
+        pages = -(-info.size // PAGE_BYTES)
+        self._digests = bytearray(pages * _DIGEST_BYTES)
+        self._known = bytearray(pages)
+        self._hasher = info.expected.hasher(info.size)
+        self.hash_next = 0
+        self._hashing = False
+        self.opened = False
+        self.verified = False
+        if self.count == 0:
+            self._check_digest()
+
+    def block_size(self, index: int) -> int:
+        first = index * self.owner.settings.block_bytes
+        return min(first + self.owner.settings.block_bytes, self.size) - first
+
+    def pread(self, offset: int, into) -> None:
+        """Fill ``into`` (a writable buffer: bytearray, memoryview, uint8 numpy array) with the file's bytes from
+        ``offset``. Safe from several threads at once.
+
+        Raises:
+            FetchError: the bytes could not be fetched (or an earlier failure stopped the run).
+            IntegrityError: a file's bytes did not match the Hub's hash (this file's, or another's before).
+            CheckpointError: the range lies past the file's end.
+        """
+        view = memoryview(into).cast("B")
+        count = len(view)
+        owner = self.owner
+        if offset < 0 or offset + count > self.size:
+            raise CheckpointError(
+                f"{owner.where(self.name)}: bytes {offset}-{offset + count - 1} lie past its end ({self.size} bytes)"
+            )
+        block_bytes = owner.settings.block_bytes
+        with owner._lock:
+            owner._raise_failure()
+            self.opened = True
+            if count == 0:
+                return
+            owner._tick += 1
+            stream = self._continued(offset, count, owner._tick)
+            indices = range(offset // block_bytes, (offset + count - 1) // block_bytes + 1)
+            whole = stream.ahead(block_bytes, owner.settings.ahead_blocks) > 0 or count >= block_bytes // 2
+            if not whole and not all(index in self.blocks for index in indices):
+                blocks = None
+            else:
+                blocks, mine = [], []
+                for index in indices:
+                    block = self.blocks.get(index)
+                    if block is None:
+                        owner._room(self.block_size(index), beyond=index - self.hash_next)  # or past the budget
+                        block = owner._new_block(self, index)
+                        mine.append(block)
+                    block.pins += 1
+                    blocks.append(block)
+            owner._wake.notify_all()  # a stream moved: the fetch threads may prefetch
+        if blocks is None:
+            self._read_pages(offset, view)
+            return
+        try:
+            for block in mine:
+                owner._fetch_block(self, block)
+            for block in blocks:
+                while not block.done.wait(0.5):
+                    owner._raise_failure()
+                if block.error is not None:
+                    owner._raise_failure()
+                    raise block.error
+                first, end = max(offset, block.first), min(offset + count, block.end)
+                view[first - offset : end - offset] = memoryview(block.data)[first - block.first : end - block.first]
+        finally:
+            for block in mine:  # not fetched (a failure or a stop signal came first): nobody may wait for it
+                if not block.done.is_set():
+                    block.error = block.error or FetchError(f"{owner.where(self.name)}: stopped")
+                    block.done.set()
+            with owner._lock:
+                for block in blocks:
+                    block.pins -= 1
+                    block.served += min(offset + count, block.end) - max(offset, block.first)
+                    owner._settle(self, block)
+
+    def _continued(self, offset: int, count: int, tick: int) -> _Stream:
+        """The stream this read continues (under the lock), or a new one in place of the least recently used."""
+        block_bytes = self.owner.settings.block_bytes
+        for stream in self.streams:
+            # a little behind (reads of one stream run on several threads) or a little ahead (a small tensor skipped)
+            if stream.end - 2 * block_bytes <= offset <= stream.end + block_bytes:
+                stream.hits += 1
+                stream.read += count
+                stream.end = max(stream.end, offset + count)
+                stream.used = tick
+                return stream
+        stream = _Stream(offset + count, count, tick)
+        self.streams.append(stream)
+        if len(self.streams) > self.owner.settings.streams_per_file:
+            self.streams.remove(min(self.streams, key=lambda s: s.used))
+        return stream
+
+    def live_streams(self, tick: int) -> list[_Stream]:
+        return [stream for stream in self.streams if tick - stream.used <= _STALE_READS]
+
+    def wanted(self, index: int, tick: int) -> bool:
+        """Whether a stream will read block ``index`` soon: from a little behind its position to its prefetch."""
+        block_bytes = self.owner.settings.block_bytes
+        for stream in self.live_streams(tick):
+            base = stream.end // block_bytes
+            if base - 2 <= index < base + max(1, stream.ahead(block_bytes, self.owner.settings.ahead_blocks)):
+                return True
+        return False
+
+    def passed(self, index: int, tick: int, block_bytes: int) -> bool:
+        """Whether the reads have gone past block ``index`` (behind every stream of the file that reads in earnest),
+        so that fetching it for the hash alone takes nothing from them."""
+        earnest = [s for s in self.live_streams(tick) if s.read >= 2 * block_bytes]
+        return bool(earnest) and all(index < s.end // block_bytes - 2 for s in earnest)
+
+    def _read_pages(self, offset: int, view: memoryview) -> None:
+        """A read that no stream continues: the pages it covers, fetched in this thread (nothing held)."""
+        first = offset // PAGE_BYTES * PAGE_BYTES
+        end = min(-(-(offset + len(view)) // PAGE_BYTES) * PAGE_BYTES, self.size)
+        pages = bytearray(end - first)
+        try:
+            self.owner._fetch(self, first, memoryview(pages))
+            self.check_pages(first, pages)
+        except Nf4ConvertError as error:
+            self.owner._fail(error)
+            raise
+        view[:] = memoryview(pages)[offset - first : offset - first + len(view)]
+
+    def check_pages(self, first: int, data) -> None:
+        """Compare each page of ``data`` (from page-aligned byte ``first``) with the first copy of that page fetched,
+        or make it the first; IntegrityError if a page came back different."""
+        view = memoryview(data)
+        digests = [
+            hashlib.sha256(view[at : at + PAGE_BYTES]).digest()[:_DIGEST_BYTES]
+            for at in range(0, len(view), PAGE_BYTES)
+        ]
+        again = 0
+        with self.owner._lock:
+            for number, digest in enumerate(digests, start=first // PAGE_BYTES):
+                slot = slice(number * _DIGEST_BYTES, (number + 1) * _DIGEST_BYTES)
+                if self._known[number]:
+                    again += min(PAGE_BYTES, self.size - number * PAGE_BYTES)
+                    if self._digests[slot] != digest:
+                        start = number * PAGE_BYTES
+                        raise IntegrityError(
+                            f"{self.owner.where(self.name)}: bytes {start}-{min(start + PAGE_BYTES, self.size) - 1} "
+                            "came back different when read again: corrupted on the way, or not the commit's bytes"
+                        )
+                else:
+                    self._digests[slot] = digest
+                    self._known[number] = 1
+            self.owner.stats.fetched_again += again
+
+    def advance_hash(self) -> None:
+        """Feed the file's hasher every block held from where it stopped, in order (one thread at a time)."""
+        owner = self.owner
+        with owner._lock:
+            if self._hashing:
+                return
+            self._hashing = True
+        while True:
+            with owner._lock:
+                block = self.blocks.get(self.hash_next)
+                if block is None or not block.done.is_set() or block.error is not None or self.verified:
+                    self._hashing = False
+                    return
+                block.pins += 1
+            self._hasher.update(block.data)
+            with owner._lock:
+                block.pins -= 1
+                block.hashed = True
+                self.hash_next += 1
+                owner._settle(self, block)
+                owner._wake.notify_all()
+                last = self.hash_next == self.count
+            if last:
+                self._check_digest()
+                with owner._lock:
+                    self._hashing = False
+                return
+
+    def _check_digest(self) -> None:
+        expected = self.info.expected
+        if self._hasher.hexdigest() != expected.hexdigest:
+            self.owner._fail(
+                IntegrityError(
+                    f"{self.owner.where(self.name)}: its bytes do not match the Hub's {expected.shown} (read "
+                    f"{self._hasher.hexdigest()[:16]}…): corrupted on the way, or not the commit's bytes"
+                )
+            )
+            return
+        with self.owner._lock:
+            self.verified = True
+            self.owner._wake.notify_all()
+
+
+class CachedFile:
+    """A file of the Hub cache, read in place: ``pread`` reads it as a local file is read, and one sequential pass (on
+    a thread of its own, from the first read) hashes it; ``finish`` compares that with the hash its blob is named by.
+    A cache blob does not change under a run, so the bytes read are the bytes hashed."""
+
+    def __init__(self, owner: RemoteFiles, name: str, path: Path, expected: Expected):
+        self.owner, self.name, self.path, self.expected = owner, name, path, expected
+        self._descriptor = os.open(path, os.O_RDONLY)
+        self.size = os.fstat(self._descriptor).st_size
+        self._started = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._error: Nf4ConvertError | None = None
+        self.opened = False
+        self.verified = False
+
+    def pread(self, offset: int, into) -> None:
+        view = memoryview(into).cast("B")
+        if offset < 0 or offset + len(view) > self.size:
+            raise CheckpointError(
+                f"{self.path}: bytes {offset}-{offset + len(view) - 1} lie past its end ({self.size} bytes)"
+            )
+        self.owner._raise_failure()
+        self._start()
+        done = 0
+        try:
+            while done < len(view):
+                got = os.preadv(self._descriptor, [view[done:]], offset + done)
+                if got == 0:
+                    raise CheckpointError(
+                        f"{self.path}: truncated while reading bytes {offset}-{offset + len(view) - 1}"
+                    )
+                done += got
+        except OSError as error:
+            raise CheckpointError(f"{self.path}: cannot be read ({error.strerror or error})") from None
+        with self.owner._lock:
+            self.owner.stats.cached += done
+
+    def _start(self) -> None:
+        with self._started:
+            if self._thread is None:
+                self.opened = True
+                self._thread = threading.Thread(target=self._hash, name="nf4convert-hash-cached", daemon=True)
+                self._thread.start()
+
+    def _hash(self) -> None:
+        hasher = self.expected.hasher(self.size)
+        chunk = bytearray(1 << 23)
+        position = 0
+        try:
+            while position < self.size and not self.owner._closing.is_set():
+                got = os.preadv(self._descriptor, [chunk], position)
+                if got == 0:
+                    break
+                hasher.update(memoryview(chunk)[:got])
+                position += got
+        except OSError as error:
+            self._error = CheckpointError(f"{self.path}: cannot be read ({error.strerror or error})")
+            return
+        if self.owner._closing.is_set():
+            return
+        if position != self.size or hasher.hexdigest() != self.expected.hexdigest:
+            self._error = IntegrityError(
+                f"{self.path}: the Hub cache's copy of {self.name} does not match its {self.expected.shown}: "
+                "corrupted; delete it from the cache and convert again"
+            )
+        else:
+            self.verified = True
+
+    def finish(self) -> None:
+        self._start()
+        self._thread.join()
+        if self._error is not None:
+            self.owner._fail(self._error)
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        with contextlib.suppress(OSError):
+            os.close(self._descriptor)
+
+
+class _Part:
+    """A range being fetched: its first byte, where its bytes go, how many arrived."""
+
+    __slots__ = ("first", "into", "received")
+
+    def __init__(self, first: int, into: memoryview):
+        self.first, self.into, self.received = first, into, 0
+
+
+class _Retry(Exception):
+    """An answer worth asking again for (a 5xx, a 429, an expired link), and how long the Hub asks to wait."""
+
+    def __init__(self, reason: str, after: float | None = None):
+        super().__init__(reason)
+        self.reason, self.after = reason, after
+
+
+class _Closed(Exception):
+    """The files were closed while a range was being fetched."""
+
+
+class _Http:
+    """Ranges over HTTP with huggingface_hub's client (its proxies, certificates and user agent): a GET with a Range
+    at the file's storage link, the token sent to the Hub's own host only."""
+
+    def __init__(self, owner: RemoteFiles):
+        from huggingface_hub import constants
+        from huggingface_hub.utils import build_hf_headers, get_session
+
+        self.owner = owner
+        self.headers = {**build_hf_headers(token=owner.token), "Accept-Encoding": "identity"}
+        self.session = get_session()
+        self.timeout = owner.settings.timeout or constants.HF_HUB_DOWNLOAD_TIMEOUT
+        self.hub = _origin(constants.ENDPOINT)
+
+    def attempt(self, file: RemoteFile, part: _Part) -> None:
+        owner = self.owner
+        first, last = part.first + part.received, part.first + len(part.into) - 1
+        location = file.location
+        headers = dict(self.headers)
+        if _origin(location) not in (self.hub, _origin(file.info.url)):  # a signed storage link: no token
+            headers = {key: value for key, value in headers.items() if key.lower() != "authorization"}
+        headers["Range"] = f"bytes={first}-{last}"
+        with owner._lock:
+            owner.stats.requests += 1
+        with _get(self.session, location, headers, self.timeout) as (status, answer, body):
+            if status in _LINK_STATUSES and location != file.info.url:
+                owner._relink(file)
+                raise _Retry(f"HTTP {status} from the Hub's storage (its link expired?)")
+            if status in _RETRY_STATUSES:
+                raise _Retry(f"HTTP {status} from {urlsplit(location).netloc}", _retry_after(answer))
+            where = f"{owner.where(file.name)}: bytes {first}-{last}"
+            if status == 200 and first == 0 and last == file.size - 1:
+                pass  # the whole file, as asked
+            elif status == 200:
+                raise FetchError(f"{where}: the Hub's storage answered with the whole file, not the range asked")
+            elif status != 206:
+                raise FetchError(f"{where}: HTTP {status} from {urlsplit(location).netloc}")
+            else:
+                found = _CONTENT_RANGE.fullmatch((answer.get("Content-Range") or "").strip())
+                if found is None or int(found[1]) != first or int(found[2]) > last:
+                    raise FetchError(f"{where}: answered with Content-Range {answer.get('Content-Range')!r}")
+                if int(found[3]) != file.size:
+                    raise IntegrityError(
+                        f"{owner.where(file.name)}: the Hub's storage holds {found[3]} bytes, its metadata says "
+                        f"{file.size}: not the commit's file"
+                    )
+                last = int(found[2])
+            _take(owner, part, body, part.first + len(part.into) - first)
+
+    def close(self) -> None:
+        pass  # the client is huggingface_hub's, shared: it stays open
+
+
+def _take(owner: RemoteFiles, part: _Part, chunks: Iterator[bytes], most: int) -> None:
+    """Copy the chunks of a body into the part (at most ``most`` bytes), counting them as they come."""
+    unreported = 0
+    try:
+        for chunk in chunks:
+            if owner._closing.is_set():
+                raise _Closed
+            size = len(chunk)
+            if size > most:
+                raise FetchError(f"{owner.repo_id}: an answer held more bytes than the range asked")
+            part.into[part.received : part.received + size] = chunk
+            part.received += size
+            most -= size
+            unreported += size
+            if unreported >= _BAR_STEP:
+                owner._received(unreported)
+                unreported = 0
+    finally:
+        if unreported:
+            owner._received(unreported)
+
+
+class _Xet:
+    """Ranges of Xet files through hf_xet's ordered streams (one group for the repo, its read token refreshed by
+    hf_xet at the Hub's route), with hf_xet's own retries off so that every range is tried as an HTTP one is."""
+
+    def __init__(self, owner: RemoteFiles):
+        import hf_xet
+        from huggingface_hub.utils import build_hf_headers, get_session
+
+        self.owner = owner
+        self.headers = build_hf_headers(token=owner.token)
+        self.session = get_session()
+        budget = owner.settings.memory_bytes
+        config = hf_xet.XetConfig().with_config(
+            {
+                "client.retry_max_attempts": 1,
+                "reconstruction.download_buffer_size": budget,
+                "reconstruction.download_buffer_perfile_size": budget // 4,
+                "reconstruction.download_buffer_limit": budget,
+                "reconstruction.min_prefetch_buffer": owner.settings.block_bytes,
+                "reconstruction.min_reconstruction_fetch_size": owner.settings.block_bytes,
+            }
+        )
+        self.session_xet = hf_xet.XetSession(config)
+        self.group = None
+        self.lock = threading.Lock()
+        self.file_info = hf_xet.XetFileInfo
+
+    def _group(self, file: RemoteFile):
+        with self.lock:
+            if self.group is None:
+                with _get(self.session, file.info.xet_refresh, self.headers, 30) as (status, answer, body):
+                    for _ in body:
+                        pass
+                    if status >= 400:
+                        raise _Retry(f"HTTP {status} asking for a Xet read token")
+                    endpoint = answer.get("X-Xet-Cas-Url")
+                    token = answer.get("X-Xet-Access-Token")
+                    expiry = answer.get("X-Xet-Token-Expiration")
+                if not (endpoint and token and expiry and expiry.isdigit()):
+                    raise FetchError(f"{self.owner.where(file.name)}: the Hub gave no Xet read token")
+                self.group = self.session_xet.new_download_stream_group(
+                    endpoint=endpoint,
+                    token=token,
+                    token_expiry_unix_secs=int(expiry),
+                    token_refresh_url=file.info.xet_refresh,
+                    token_refresh_headers=self.headers,
+                )
+            return self.group
+
+    def attempt(self, file: RemoteFile, part: _Part) -> None:
+        owner = self.owner
+        with owner._lock:
+            owner.stats.requests += 1
+        first, end = part.first + part.received, part.first + len(part.into)
+        stream = self._group(file).download_stream(self.file_info(file.info.xet_hash, file.size), start=first, end=end)
+        try:
+            _take(owner, part, stream, end - first)
+        finally:
+            stream.cancel()
+
+    def close(self) -> None:
+        if self.group is not None:
+            with contextlib.suppress(Exception):
+                self.group.abort()
+
+
+@contextlib.contextmanager
+def _get(session, url: str, headers: dict, timeout: float) -> Iterator[tuple[int, dict, Iterator[bytes]]]:
+    """(status, headers, the body's chunks as they arrive) of a GET with huggingface_hub's client: httpx's (1.x,
+    2.x) or requests' (0.x)."""
+    if hasattr(session, "stream"):
+        with session.stream("GET", url, headers=headers, timeout=timeout, follow_redirects=True) as response:
+            yield response.status_code, response.headers, response.iter_raw()
+    else:
+        response = session.get(url, headers=headers, timeout=timeout, stream=True, allow_redirects=True)
+        try:
+            yield response.status_code, response.headers, response.raw.stream(1 << 16, decode_content=False)
+        finally:
+            response.close()
+
+
+def _retry_after(headers) -> float | None:
+    """Seconds a Retry-After asks to wait (a number of seconds or an HTTP date), or None."""
+    value = (headers.get("Retry-After") or "").strip()
+    if not value:
+        return None
+    if re.fullmatch(r"\d+(?:\.\d+)?", value):
+        return float(value)
+    with contextlib.suppress(TypeError, ValueError, IndexError, OverflowError):
+        return max(0.0, parsedate_to_datetime(value).timestamp() - time.time())
+    return None
+
+
+def _origin(url: str) -> tuple[str, str, int | None]:
+    parts = urlsplit(url)
+    return parts.scheme, (parts.hostname or "").lower(), parts.port or {"http": 80, "https": 443}.get(parts.scheme)

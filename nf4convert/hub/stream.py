@@ -325,9 +325,27 @@ class RemoteFiles:
                         self._hash_fetches -= 1
 
     def _pick(self):
-        """The next block for a fetch thread (under the lock): the one nearest ahead of a stream, else the next a
-        file's hash needs that no stream will read (all of them, once finishing); None when none may be fetched."""
+        """The next block for a fetch thread (under the lock), None when none may be fetched now:
+
+        1. the block a file's hash is waiting for, if no stream will read it (the reads are past it, or finishing):
+           fetched even past the budget, as it lets go of the blocks held behind it;
+        2. the block nearest ahead of a stream, room made by letting go of blocks held for the hash alone;
+        3. the next blocks a file's hash needs that no stream will read (all of them, once finishing), room made
+           only of blocks the hash needs later."""
         block_bytes = self.settings.block_bytes
+        limit = self.settings.requests_at_once if self._finishing else max(1, self.settings.requests_at_once // 2)
+        hashing = [
+            file
+            for file in self.files.values()
+            if isinstance(file, RemoteFile) and file.opened and not file.verified and file.hash_next < file.count
+        ]
+        for file in hashing:
+            index = file.hash_next
+            if self._hash_fetches < limit and index not in file.blocks:
+                if self._finishing or file.passed(index, self._tick, block_bytes):
+                    self._room(file.block_size(index), beyond=0)
+                    self._hash_fetches += 1
+                    return file, self._new_block(file, index), True
         nearest = None
         for file in self.files.values():
             if not isinstance(file, RemoteFile) or file.verified:
@@ -342,17 +360,13 @@ class RemoteFiles:
                         break
         if nearest is not None:
             _, file, index = nearest
-            if self._room(file.block_size(index), beyond=index - file.hash_next):
+            if self._room(file.block_size(index), beyond=-1):
                 return file, self._new_block(file, index), False
-            return None
-        limit = self.settings.requests_at_once if self._finishing else max(1, self.settings.requests_at_once // 2)
         if self._hash_fetches >= limit:
             return None
-        for file in self.files.values():
-            if not isinstance(file, RemoteFile) or file.verified or not file.opened:
-                continue
+        for file in hashing:
             ahead = self.settings.requests_at_once * 2 if self._finishing else 2
-            for index in range(file.hash_next, min(file.hash_next + ahead, file.count)):
+            for index in range(file.hash_next + 1, min(file.hash_next + ahead, file.count)):
                 if index in file.blocks:
                     continue
                 if not self._finishing and not file.passed(index, self._tick, block_bytes):
@@ -366,20 +380,26 @@ class RemoteFiles:
     def _new_block(self, file: RemoteFile, index: int) -> _Block:
         first = index * self.settings.block_bytes
         block = file.blocks[index] = _Block(index, first, min(first + self.settings.block_bytes, file.size))
+        block.hashed = index < file.hash_next  # fetched again for a read: the hash has had these bytes
         self._held += block.end - block.first
         return block
 
     def _room(self, size: int, beyond: int) -> bool:
         """Make room for ``size`` more bytes held (under the lock) for a block ``beyond`` blocks past its file's hash,
-        letting go of blocks held only for their hash that it needs later than that one (the farthest first); False
-        if there is none to let go."""
+        letting go of blocks held only for their hash that it needs later than that one (the farthest first), and
+        only past a block not held yet (those up to it are hashed as soon as it comes); False if there is none."""
         while self._held + size > self.settings.memory_bytes:
             victim = None
             for file in self.files.values():
                 if not isinstance(file, RemoteFile):
                     continue
+                gap = file.hash_next
+                while gap in file.blocks:
+                    gap += 1
                 for block in file.blocks.values():
-                    if block.pins or not block.done.is_set() or block.hashed or file.wanted(block.index, self._tick):
+                    if block.index < gap or block.pins or not block.done.is_set() or block.hashed:
+                        continue
+                    if file.wanted(block.index, self._tick):
                         continue
                     distance = block.index - file.hash_next
                     if distance > beyond and (victim is None or distance > victim[0]):
@@ -419,8 +439,7 @@ class RemoteFiles:
         finally:
             with self._lock:
                 block.done.set()
-                if block.error is not None:
-                    self._settle(file, block)
+                self._settle(file, block)
                 self._wake.notify_all()
         if block.error is None:
             file.advance_hash()
@@ -559,20 +578,21 @@ class _Block:
 class _Stream:
     """A position reads of a file continue from: the end of the last one, how many continued it and their bytes."""
 
-    __slots__ = ("end", "hits", "read", "used")
+    __slots__ = ("end", "hits", "read", "largest", "used")
 
     def __init__(self, end: int, read: int, tick: int):
-        self.end, self.hits, self.read, self.used = end, 1, read, tick
+        self.end, self.hits, self.read, self.largest, self.used = end, 1, read, read, tick
 
     def ahead(self, block_bytes: int, most: int) -> int:
         """Blocks to prefetch: none for a read or two of small bytes (a header, quant states), then more as it
-        proves to be a stream."""
+        proves to be a stream, up to ``most`` blocks or a few of its reads (several threads read one stream)."""
         if self.hits < 2 or self.read < block_bytes // 2:
             return 0
-        return min(most, 1 + self.read // block_bytes)
+        return min(max(most, -(-_READS_AHEAD * self.largest // block_bytes)), 1 + self.read // block_bytes)
 
 
 _STALE_READS = 256  # reads (of any file) after which a stream not continued is forgotten
+_READS_AHEAD = 4  # a stream prefetches at least this many of its largest reads: the pipeline reads a few at once
 
 
 class RemoteFile:
@@ -633,7 +653,7 @@ class RemoteFile:
                 for index in indices:
                     block = self.blocks.get(index)
                     if block is None:
-                        owner._room(self.block_size(index), beyond=index - self.hash_next)  # or past the budget
+                        owner._room(self.block_size(index), beyond=-1)  # or past the budget: a read waits
                         block = owner._new_block(self, index)
                         mine.append(block)
                     block.pins += 1
@@ -672,6 +692,7 @@ class RemoteFile:
             if stream.end - 2 * block_bytes <= offset <= stream.end + block_bytes:
                 stream.hits += 1
                 stream.read += count
+                stream.largest = max(stream.largest, count)
                 stream.end = max(stream.end, offset + count)
                 stream.used = tick
                 return stream
@@ -685,12 +706,17 @@ class RemoteFile:
         return [stream for stream in self.streams if tick - stream.used <= _STALE_READS]
 
     def wanted(self, index: int, tick: int) -> bool:
-        """Whether a stream will read block ``index`` soon: from a little behind its position to its prefetch."""
+        """Whether a stream will read block ``index`` soon: it is within the stream's prefetch, or a little behind
+        its position and not read whole yet (the reads of one stream run on several threads)."""
         block_bytes = self.owner.settings.block_bytes
         for stream in self.live_streams(tick):
             base = stream.end // block_bytes
-            if base - 2 <= index < base + max(1, stream.ahead(block_bytes, self.owner.settings.ahead_blocks)):
+            if base <= index < base + max(1, stream.ahead(block_bytes, self.owner.settings.ahead_blocks)):
                 return True
+            if base - 2 <= index < base:
+                block = self.blocks.get(index)
+                if block is None or block.served < block.end - block.first:
+                    return True
         return False
 
     def passed(self, index: int, tick: int, block_bytes: int) -> bool:

@@ -2,17 +2,20 @@
 local copy: wall time and peak host memory, at a few bandwidths, with per-request latency.
 
     python benchmarks/bench_hub_stream.py [--size-mb 1024] [--files 2] [--bandwidths 100,500,0] [--latency-ms 20]
-                                          [--piece-mb 4] [--work sleep:400] [--json FILE]
+                                          [--piece-mb 4] [--work sleep:400] [--shards-at-once 1] [--xet]
+                                          [--steps download,stream,local,stream+work] [--json FILE]
 
 The server is tests/fixtures/fake_hub.py in a process of its own: the repo's files (random bytes, seeded) published as
 LFS files, each resolve redirected to its CDN, ranges answered 206, the CDN a link of ``--bandwidths`` MB/s (0:
-unlimited) shared by every download, ``--latency-ms`` before each answer. For each bandwidth, each step in a fresh
-process:
+unlimited) shared by every download, ``--latency-ms`` before each answer; with ``--xet`` the files are Xet files
+(uploaded through hf_xet, read through its ranged streams). For each bandwidth, each step in a fresh process:
 
   download      huggingface_hub's snapshot_download of the repo at its commit into an empty cache (what a conversion
                 does first today), the cache removed after
   stream        every byte read through RemoteFiles as the pipeline reads (three threads, pieces of ``--piece-mb`` in
-                file order, shards one after the other), and every file's hash checked (``finish``): nothing kept
+                file order, files one after the other; with ``--shards-at-once N``, each file read at N places at once,
+                a piece of each in turn, as N output shards written at once read it), and every file's hash checked
+                (``finish``): nothing kept
   local         the work (below) on a local copy of the files (read from the page cache): a local conversion's time
   stream+work   the work on the pieces as they are streamed: a streamed conversion's time
 
@@ -61,7 +64,7 @@ def serve(args) -> None:
 
     files = file_bytes(args.size_mb << 20, args.files, args.seed)
     with fake_hub(lifetime=24 * 3600) as (endpoint, hub):
-        commit = hub.publish(REPO, files)
+        commit = hub.publish(REPO, files, xet=args.xet)
         hub.bandwidth = args.bandwidth * 1e6 if args.bandwidth else None
         hub.latency = args.latency_ms / 1000
         print(json.dumps({"endpoint": endpoint, "commit": commit}), flush=True)
@@ -118,12 +121,20 @@ def make_work(spec: str):
     return work
 
 
-def run_pieces(files: list[tuple[int, object]], piece: int, work, threads: int = 3) -> None:
+def run_pieces(files: list[tuple[int, object]], piece: int, work, threads: int = 3, places: int = 1) -> None:
     """Read every file front to back, ``threads`` pieces at once (the pipeline's read-ahead), each piece then
-    worked on: ``files`` is (size, read(offset, buffer)) in order."""
+    worked on: ``files`` is (size, read(offset, buffer)) in order; each file read at ``places`` places at once."""
     from concurrent.futures import ThreadPoolExecutor
 
-    jobs = [(read, offset, min(piece, size - offset)) for size, read in files for offset in range(0, size, piece)]
+    jobs = []
+    for size, read in files:
+        bounds = [size * k // places for k in range(places + 1)]
+        lanes = [
+            [(read, offset, min(piece, bounds[k + 1] - offset)) for offset in range(bounds[k], bounds[k + 1], piece)]
+            for k in range(places)
+        ]
+        for turn in range(max(len(lane) for lane in lanes)):
+            jobs += [lane[turn] for lane in lanes if turn < len(lane)]
     buffers = [bytearray(piece) for _ in range(threads * 2)]
     free = list(range(len(buffers)))
     lock = threading.Lock()
@@ -178,14 +189,16 @@ def step(args) -> None:
 
             return read
 
-        run_pieces([(os.fstat(d).st_size, reader(d)) for d in descriptors], args.piece_mb << 20, work)
+        files = [(os.fstat(d).st_size, reader(d)) for d in descriptors]
+        run_pieces(files, args.piece_mb << 20, work, places=args.shards_at_once)
         result["seconds"] = time.perf_counter() - started
     else:
         from nf4convert.hub.stream import RemoteFiles
 
         with RemoteFiles.open(REPO, commit, names, token=TOKEN, endpoint=endpoint) as remote:
             opened = time.perf_counter() - started
-            run_pieces([(remote[name].size, remote[name].pread) for name in names], args.piece_mb << 20, work)
+            files = [(remote[name].size, remote[name].pread) for name in names]
+            run_pieces(files, args.piece_mb << 20, work, places=args.shards_at_once)
             read = time.perf_counter() - started
             remote.finish()
             result.update(seconds=time.perf_counter() - started, opened=opened, read=read)
@@ -211,6 +224,8 @@ def run_step(name: str, args, server: dict, local: Path | None = None) -> dict:
         str(args.piece_mb),
         "--work",
         args.work,
+        "--shards-at-once",
+        str(args.shards_at_once),
     ]
     if local is not None:
         command += ["--local", str(local)]
@@ -233,6 +248,8 @@ def main() -> None:
     parser.add_argument("--latency-ms", type=float, default=20.0)
     parser.add_argument("--piece-mb", type=int, default=4)
     parser.add_argument("--work", default="sleep:400")
+    parser.add_argument("--shards-at-once", type=int, default=1)
+    parser.add_argument("--xet", action="store_true")
     parser.add_argument("--steps", default="download,stream,local,stream+work")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--json")
@@ -272,7 +289,7 @@ def main() -> None:
                 str(bandwidth),
                 "--latency-ms",
                 str(args.latency_ms),
-            ]
+            ] + (["--xet"] if args.xet else [])
             with subprocess.Popen(server_command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) as server:
                 ready = json.loads(server.stdout.readline())
                 for name in steps:
@@ -287,8 +304,9 @@ def main() -> None:
 
     size = sum(len(data) for data in file_bytes(0, args.files, args.seed).values()) + (args.size_mb << 20)
     print(
-        f"\n{args.size_mb} MiB in {args.files} files, latency {args.latency_ms:g} ms, pieces {args.piece_mb} MiB, "
-        f"work {args.work}; {platform.node()}, {os.cpu_count()} CPUs\n"
+        f"\n{args.size_mb} MiB in {args.files} files{' (Xet)' if args.xet else ''}, latency {args.latency_ms:g} ms, "
+        f"pieces {args.piece_mb} MiB, {args.shards_at_once} place(s) per file at once, work {args.work}; "
+        f"{platform.node()}, {os.cpu_count()} CPUs\n"
     )
     print("| link MB/s | step | seconds | MB/s | peak RssAnon MB | fetched again MB | retries |")
     print("|---|---|---|---|---|---|---|")

@@ -429,6 +429,30 @@ def test_what_the_hub_cannot_describe_is_one_line(hub, case):
     assert {"missing-file": "404", "bad-token": "401", "unknown-commit": "404"}[case] in line, line
 
 
+def test_many_small_ranges_are_read_at_once_and_checked(hub, faults):
+    """A plan's reads (headers, quant states): many small ranges, close ones in one request, several requests at once;
+    their pages' digests kept for the copy the hash sees."""
+    _, state, _, files = hub
+    rng = random.Random(11)
+    wanted = []
+    for name in ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"):
+        for at in range(1000, len(files[name]) - 10_000, 200_000):  # apart: each its own request
+            first = at + rng.randrange(1000)
+            wanted.append((name, first, first + rng.randrange(1, 3000)))
+            if rng.random() < 0.5:  # a neighbour: fetched with it
+                wanted.append((name, first + 4000, first + 4000 + rng.randrange(1, 3000)))
+    rng.shuffle(wanted)
+    before = len(state.downloads)
+    with opened(hub) as remote:
+        got = remote.read_ranges(wanted)
+        assert got == [files[name][first:end] for name, first, end in wanted]
+        assert len(state.downloads) - before < len(wanted)  # neighbours merged
+        name, first, _ = max(wanted)
+        faults.append(Fault("flip", file=name, offset=first))  # the stream's copy of those bytes, flipped
+        with pytest.raises(IntegrityError, match="came back different when read again"):
+            read_all(remote[name], 300_001)
+
+
 def test_reads_past_the_end_and_empty_reads(hub):
     _, _, _, files = hub
     name = "model-00002-of-00002.safetensors"

@@ -65,6 +65,8 @@ _RETRY_STATUSES = (408, 429, 500, 502, 503, 504)
 _LINK_STATUSES = (401, 403, 404, 410)  # from the storage a link points to: the link expired; ask the Hub for a new one
 _CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+)")
 _BAR_STEP = 1 << 20  # bytes received between two calls of ``on_bytes``
+_GAP_BYTES = 1 << 16  # ranges this close together are fetched in one request (read_ranges)
+_RUN_BYTES = 1 << 22  # at most this many bytes in such a request
 
 
 @dataclass(frozen=True)
@@ -72,7 +74,7 @@ class StreamSettings:
     """How a repo's files are streamed; the defaults suit the Hub from a data-centre link."""
 
     block_bytes: int = 1 << 23  # one request: large enough that per-request latency is amortized
-    memory_bytes: int = 1 << 29  # blocks held at once, all files together
+    memory_bytes: int = 1 << 28  # blocks held at once, all files together
     requests_at_once: int = 8  # fetch threads (reads that must wait for a block fetch it themselves, beside them)
     ahead_blocks: int = 8  # how far a stream prefetches, at most
     streams_per_file: int = 8  # read positions followed in one file (output shards written at once, each its own)
@@ -177,6 +179,7 @@ class RemoteFiles:
         self._failed: Nf4ConvertError | None = None
         self._finishing = False
         self._held = 0  # bytes of blocks held
+        self._spare: list[bytearray] = []  # buffers of blocks let go, for the next ones
         self._hash_fetches = 0
         self._tick = 0  # reads so far, all files: how streams age
         self._transports: dict[str, object] = {}
@@ -253,6 +256,36 @@ class RemoteFiles:
 
     def where(self, name: str) -> str:
         return f"{self.repo_id}@{self.commit[:12]}: {name}"
+
+    def read_ranges(self, wanted: list[tuple[str, int, int]]) -> list[bytes]:
+        """The bytes ``[first, end)`` of each (file, first, end), fetched ``requests_at_once`` at once, ranges close
+        together in one request: what a plan reads (headers, quant states) before the stream begins, checked as any
+        read is.
+
+        Raises:
+            FetchError, IntegrityError, CheckpointError: as ``pread``.
+        """
+        runs: list[list] = []  # [name, first, end, [indices of wanted]]
+        for index in sorted(range(len(wanted)), key=lambda n: wanted[n]):
+            name, first, end = wanted[index]
+            if runs and runs[-1][0] == name and first - runs[-1][2] <= _GAP_BYTES and end - runs[-1][1] <= _RUN_BYTES:
+                runs[-1][2] = max(runs[-1][2], end)
+                runs[-1][3].append(index)
+            else:
+                runs.append([name, first, end, [index]])
+
+        def fetch(run):
+            data = bytearray(run[2] - run[1])
+            self.files[run[0]].pread(run[1], data)
+            return run, data
+
+        out: list[bytes] = [b""] * len(wanted)
+        with ThreadPoolExecutor(self.settings.requests_at_once, thread_name_prefix="nf4convert-ranges") as pool:
+            for (name, start, _, indices), data in pool.map(fetch, runs):
+                for index in indices:
+                    _, first, end = wanted[index]
+                    out[index] = bytes(data[first - start : end - start])
+        return out
 
     def finish(self) -> None:
         """Wait until every file read so far is checked against its hash (its bytes not read yet fetched for the hash
@@ -388,7 +421,8 @@ class RemoteFiles:
 
     def _new_block(self, file: RemoteFile, index: int) -> _Block:
         first = index * self.settings.block_bytes
-        block = file.blocks[index] = _Block(index, first, min(first + self.settings.block_bytes, file.size))
+        buffer = self._spare.pop() if self._spare else bytearray(self.settings.block_bytes)
+        block = file.blocks[index] = _Block(index, first, min(first + self.settings.block_bytes, file.size), buffer)
         block.hashed = index < file.hash_next  # fetched again for a read: the hash has had these bytes
         self._held += block.end - block.first
         return block
@@ -425,6 +459,8 @@ class RemoteFiles:
             if block.served and not block.hashed and block.error is None:
                 # bytes read from a copy the hash will not see: the copy it sees must bring the same
                 file.record_pages(block.first, block.data)
+            if (len(self._spare) + 1) * self.settings.block_bytes + self._held <= self.settings.memory_bytes:
+                self._spare.append(block.buffer)
             self._wake.notify_all()
 
     def _settle(self, file: RemoteFile, block: _Block) -> None:
@@ -440,7 +476,7 @@ class RemoteFiles:
         """Fetch a block, check its pages, mark it done (its error kept on it if it failed) and hash what can be."""
         try:
             self._raise_failure()
-            self._fetch(file, block.first, memoryview(block.data))
+            self._fetch(file, block.first, block.data)
             file.check_block(block)
         except Nf4ConvertError as error:
             block.error = error
@@ -584,11 +620,12 @@ class _Block:
     """``[first, end)`` of a file, held: fetched (``done``, or its ``error``), hashed, read (``served`` bytes), and
     in use by ``pins`` reads or the hasher."""
 
-    __slots__ = ("index", "first", "end", "data", "done", "error", "hashed", "served", "pins")
+    __slots__ = ("index", "first", "end", "buffer", "data", "done", "error", "hashed", "served", "pins")
 
-    def __init__(self, index: int, first: int, end: int):
+    def __init__(self, index: int, first: int, end: int, buffer: bytearray):
         self.index, self.first, self.end = index, first, end
-        self.data = bytearray(end - first)
+        self.buffer = buffer  # a block's size, reused by the blocks after it: the process's memory stays flat
+        self.data = memoryview(buffer)[: end - first]
         self.done = threading.Event()
         self.error: Nf4ConvertError | None = None
         self.hashed = False
@@ -690,7 +727,7 @@ class RemoteFile:
                     owner._raise_failure()
                     raise block.error
                 first, end = max(offset, block.first), min(offset + count, block.end)
-                view[first - offset : end - offset] = memoryview(block.data)[first - block.first : end - block.first]
+                view[first - offset : end - offset] = block.data[first - block.first : end - block.first]
         finally:
             for block in mine:  # not fetched (a failure or a stop signal came first): nobody may wait for it
                 if not block.done.is_set():

@@ -453,6 +453,33 @@ def test_many_small_ranges_are_read_at_once_and_checked(hub, faults):
             read_all(remote[name], 300_001)
 
 
+def test_nothing_is_written_to_disk(hub, monkeypatch):
+    """Streamed bytes go from the socket to the blocks and the reads' buffers: no file is opened for writing."""
+    import builtins
+
+    _, _, _, files = hub
+    opened_for_writing = []
+    real_open, real_os_open = builtins.open, os.open
+
+    def watched_open(file, mode="r", *args, **kwargs):
+        if any(flag in mode for flag in "wax+"):
+            opened_for_writing.append(file)
+        return real_open(file, mode, *args, **kwargs)
+
+    def watched_os_open(path, flags, *args, **kwargs):
+        if flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
+            opened_for_writing.append(path)
+        return real_os_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", watched_open)
+    monkeypatch.setattr(os, "open", watched_os_open)
+    with opened(hub) as remote:
+        for name, file in remote.files.items():
+            assert read_all(file, 1 << 20) == files[name]
+        remote.finish()
+    assert not opened_for_writing
+
+
 def test_reads_past_the_end_and_empty_reads(hub):
     _, _, _, files = hub
     name = "model-00002-of-00002.safetensors"

@@ -56,7 +56,7 @@ from email.utils import parsedate_to_datetime
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from ..errors import CheckpointError, FetchError, IntegrityError, Nf4ConvertError, SourceNotFoundError
+from ..errors import ArgumentError, CheckpointError, FetchError, IntegrityError, Nf4ConvertError, SourceNotFoundError
 from .errors import hub_error_line
 
 PAGE_BYTES = 1 << 16  # the unit whose digest two reads of the same bytes are compared by
@@ -83,8 +83,9 @@ class StreamSettings:
     wait_most: float = 16.0
     retry_after_most: float = 300.0  # a longer Retry-After fails the run rather than waiting
     timeout: float | None = None  # seconds without a byte before a read is tried again; None: HF_HUB_DOWNLOAD_TIMEOUT
-    transport: str = "auto"  # "auto" (hf_xet for a Xet file where installed), "http", "httpx" (only huggingface_hub's
-    # client), or "xet"
+    # "auto": hf_xet for a Xet file where it is installed, else HTTP; "http": HTTP only; "httpx": HTTP through
+    # huggingface_hub's client only (as through a proxy); "xet": hf_xet for Xet files
+    transport: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -170,7 +171,7 @@ class RemoteFiles:
         self.repo_id, self.commit, self.token, self.endpoint = repo_id, commit, token, endpoint
         self.settings = settings or StreamSettings()
         if self.settings.block_bytes % PAGE_BYTES or self.settings.block_bytes <= 0:
-            raise ValueError(f"block_bytes must be a multiple of {PAGE_BYTES}, not {self.settings.block_bytes}")
+            raise ArgumentError(f"block_bytes must be a multiple of {PAGE_BYTES}, not {self.settings.block_bytes}")
         self.stats = StreamStats()
         self.on_bytes = on_bytes
         self._lock = threading.Lock()
@@ -183,6 +184,7 @@ class RemoteFiles:
         self._hash_fetches = 0
         self._tick = 0  # reads so far, all files: how streams age
         self._transports: dict[str, object] = {}
+        self._making = threading.Lock()
         self.files: dict[str, RemoteFile | CachedFile] = {}
         for info in infos:
             self.files[info.name] = RemoteFile(self, info)
@@ -540,7 +542,7 @@ class RemoteFiles:
             kind = "httpx"
         transport = self._transports.get(kind)
         if transport is None:
-            with self._lock:
+            with self._making:  # not the main lock: making hf_xet's session takes a while
                 transport = self._transports.get(kind)
                 if transport is None:
                     transport = self._transports[kind] = {"xet": _Xet, "direct": _Direct, "httpx": _Http}[kind](self)

@@ -50,6 +50,21 @@ def faults(hub):
     state.faults.clear()
 
 
+@pytest.fixture
+def held(monkeypatch) -> list[int]:
+    """The bytes of blocks held each time a block is taken on, as the test runs."""
+    sizes = []
+    new_block = RemoteFiles._new_block
+
+    def watched(self, file, index):
+        block = new_block(self, file, index)
+        sizes.append(self._held)
+        return block
+
+    monkeypatch.setattr(RemoteFiles, "_new_block", watched)
+    return sizes
+
+
 def opened(hub, names=None, settings=SETTINGS, repo=REPO, commit=None, transport=None, **options) -> RemoteFiles:
     endpoint, _, first_commit, files = hub
     if transport is not None:
@@ -133,18 +148,9 @@ def test_random_reads_from_several_threads_get_the_files_bytes(hub, transport):
 
 
 @pytest.mark.parametrize("threads,piece", [(1, 100_003), (3, 64 * KIB + 5), (3, 700_001)])
-def test_front_to_back_reads_are_prefetched_once_within_the_budget(hub, threads, piece, monkeypatch):
+def test_front_to_back_reads_are_prefetched_once_within_the_budget(hub, threads, piece, held):
     _, state, _, files = hub
     name = "model-00001-of-00002.safetensors"
-    held = []
-    new_block = RemoteFiles._new_block
-
-    def watched(self, file, index):
-        block = new_block(self, file, index)
-        held.append(self._held)
-        return block
-
-    monkeypatch.setattr(RemoteFiles, "_new_block", watched)
     before = len(state.downloads)
     with opened(hub, names=[name]) as remote:
         file = remote[name]
@@ -184,21 +190,12 @@ def read_interleaved(file, data) -> bytearray:
 
 
 @pytest.mark.parametrize("flip", [False, True], ids=["clean", "flip-in-the-copy-fetched-again"])
-def test_interleaved_streams_are_each_prefetched_and_held_blocks_stay_within_the_budget(hub, faults, flip, monkeypatch):
+def test_interleaved_streams_are_each_prefetched_and_held_blocks_stay_within_the_budget(hub, faults, flip, held):
     """Output shards written at once read one source file at several places: each is a stream, and what was read
     but waits for the hash beyond the budget is let go and fetched again for it, then compared with what was read."""
     _, _, _, files = hub
     name = "model-00001-of-00002.safetensors"
     data = files[name]
-    held = []
-    new_block = RemoteFiles._new_block
-
-    def watched(self, file, index):
-        block = new_block(self, file, index)
-        held.append(self._held)
-        return block
-
-    monkeypatch.setattr(RemoteFiles, "_new_block", watched)
     if flip:  # in the last stream's first blocks, which the budget lets go of first: their second copy flipped
         faults.append(Fault("flip", file=name, offset=len(data) * 3 // 4 + 1000, after=1))
     with opened(hub, names=[name]) as remote:

@@ -10,9 +10,9 @@ covers, in the reading thread. Each range is fetched with its own retries: a dro
 Retry-After honoured), a stalled read (the download timeout) or a short body is asked again from the first byte not yet
 received, with backoff; a range that fails as often as ``tries`` allows ends the run in one line (:class:`FetchError`)
 saying what failed, after how many tries. A link of the Hub's storage that expires is asked for again at the same
-commit, as is every request: a commit pushed while the run reads cannot mix versions. The storage's signed links are
-read with http.client straight into the blocks (far faster than a Python HTTP client's chunk loop); through a proxy,
-and for files the Hub serves itself, with huggingface_hub's client; a Xet file with hf_xet's ranged streams.
+commit, as is every request: a commit pushed while the run reads cannot mix versions. How one range is fetched is
+transfer.py's: the storage's signed links with http.client straight into the blocks, through a proxy and for files
+the Hub serves itself with huggingface_hub's client, a Xet file with hf_xet's ranged streams.
 
 Integrity. The Hub's hash of a file (its LFS sha256, or for a file kept in git its blob id) is a hash of its bytes in
 order, while reads come in any order and some bytes are never read (the header region is read apart, a tensor may be
@@ -48,23 +48,17 @@ import hashlib
 import os
 import re
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from email.utils import parsedate_to_datetime
 from pathlib import Path
-from urllib.parse import urlsplit
 
 from ..errors import ArgumentError, CheckpointError, FetchError, IntegrityError, Nf4ConvertError, SourceNotFoundError
 from .errors import hub_error_line
+from .transfer import Closed, Direct, Http, Part, Retry, Xet, direct_reaches
 
 PAGE_BYTES = 1 << 16  # the unit whose digest two reads of the same bytes are compared by
 _DIGEST_BYTES = 16  # of a page's sha256: a page fetched again must match this much of the first copy's
-_RETRY_STATUSES = (408, 429, 500, 502, 503, 504)
-_LINK_STATUSES = (401, 403, 404, 410)  # from the storage a link points to: the link expired; ask the Hub for a new one
-_CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+)")
-_BAR_STEP = 1 << 20  # bytes received between two calls of ``on_bytes``
 _GAP_BYTES = 1 << 16  # ranges this close together are fetched in one request (read_ranges)
 _RUN_BYTES = 1 << 22  # at most this many bytes in such a request
 
@@ -176,7 +170,7 @@ class RemoteFiles:
         self.on_bytes = on_bytes
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
-        self._closing = threading.Event()
+        self.closing = threading.Event()
         self._failed: Nf4ConvertError | None = None
         self._finishing = False
         self._held = 0  # bytes of blocks held
@@ -317,7 +311,7 @@ class RemoteFiles:
 
     def close(self) -> None:
         """Stop every fetch (a fetch under way ends at its next bytes) and let go of what is held."""
-        self._closing.set()
+        self.closing.set()
         with self._lock:
             self._wake.notify_all()
         for worker in self._workers:
@@ -346,7 +340,7 @@ class RemoteFiles:
             if isinstance(failed, FetchError):
                 raised.tries = failed.tries
             raise raised from None
-        if self._closing.is_set():
+        if self.closing.is_set():
             raise FetchError(f"{self.repo_id}@{self.commit[:12]}: read after the files were closed")
 
     # -- the fetch threads -------------------------------------------------------------------------------------------
@@ -355,7 +349,7 @@ class RemoteFiles:
             with self._lock:
                 job = None
                 while job is None:
-                    if self._closing.is_set():
+                    if self.closing.is_set():
                         return
                     job = None if self._failed is not None else self._pick()
                     if job is None:
@@ -497,7 +491,7 @@ class RemoteFiles:
     # -- one range, tried again until it is whole ----------------------------------------------------------------------
     def _fetch(self, file: RemoteFile, first: int, into: memoryview) -> None:
         """``len(into)`` bytes of ``file`` from byte ``first``, retried from the first byte not received yet."""
-        part = _Part(first, into)
+        part = Part(first, into)
         settings = self.settings
         tries = 0
         while part.received < len(into):
@@ -508,11 +502,11 @@ class RemoteFiles:
                 if part.received == len(into):
                     break
                 reason = f"the answer ended after {part.received - before} of {len(into) - before} bytes"
-            except _Retry as retry:
+            except Retry as retry:
                 reason, wait = retry.reason, retry.after
             except Nf4ConvertError:
                 raise
-            except _Closed:
+            except Closed:
                 raise FetchError(f"{self.where(file.name)}: stopped") from None
             except Exception as error:  # noqa: BLE001  (the HTTP client's or hf_xet's: a connection, a timeout)
                 reason = hub_error_line(error)
@@ -526,7 +520,7 @@ class RemoteFiles:
             if wait is not None and wait > settings.retry_after_most:
                 raise FetchError(f"{where}: {reason}, and the Hub asks to wait {wait:.0f} s", tries=tries)
             pause = wait if wait is not None else min(settings.wait_most, settings.wait_first * 2 ** (tries - 1))
-            if self._closing.wait(pause):
+            if self.closing.wait(pause):
                 raise FetchError(f"{self.where(file.name)}: stopped")
 
     def _transport(self, file: RemoteFile):
@@ -536,7 +530,7 @@ class RemoteFiles:
 
         if file.info.xet_hash and self._use_xet():
             kind = "xet"
-        elif self.settings.transport != "httpx" and _direct_reaches(file.location, file.info.url, constants.ENDPOINT):
+        elif self.settings.transport != "httpx" and direct_reaches(file.location, file.info.url, constants.ENDPOINT):
             kind = "direct"
         else:
             kind = "httpx"
@@ -545,7 +539,7 @@ class RemoteFiles:
             with self._making:  # not the main lock: making hf_xet's session takes a while
                 transport = self._transports.get(kind)
                 if transport is None:
-                    transport = self._transports[kind] = {"xet": _Xet, "direct": _Direct, "httpx": _Http}[kind](self)
+                    transport = self._transports[kind] = {"xet": Xet, "direct": Direct, "httpx": Http}[kind](self)
         return transport
 
     def _use_xet(self) -> bool:
@@ -561,13 +555,17 @@ class RemoteFiles:
             return False
         return True
 
-    def _received(self, size: int) -> None:
+    def note_request(self) -> None:
+        with self._lock:
+            self.stats.requests += 1
+
+    def note_received(self, size: int) -> None:
         with self._lock:
             self.stats.fetched += size
         if self.on_bytes is not None:
             self.on_bytes(size)
 
-    def _relink(self, file: RemoteFile) -> None:
+    def renew_link(self, file: RemoteFile) -> None:
         """Ask the Hub again (at the commit) where the file's bytes are: its storage link expired."""
         info = describe(self.repo_id, self.commit, file.name, token=self.token, endpoint=self.endpoint)
         if info.expected != file.info.expected or info.size != file.size:
@@ -986,7 +984,7 @@ class CachedFile:
         chunk = bytearray(1 << 23)
         position = 0
         try:
-            while position < self.size and not self.owner._closing.is_set():
+            while position < self.size and not self.owner.closing.is_set():
                 got = os.preadv(self._descriptor, [chunk], position)
                 if got == 0:
                     break
@@ -995,7 +993,7 @@ class CachedFile:
         except OSError as error:
             self._error = CheckpointError(f"{self.path}: cannot be read ({error.strerror or error})")
             return
-        if self.owner._closing.is_set():
+        if self.owner.closing.is_set():
             return
         if position != self.size or hasher.hexdigest() != self.expected.hexdigest:
             self._error = IntegrityError(
@@ -1016,317 +1014,3 @@ class CachedFile:
             self._thread.join(timeout=30)
         with contextlib.suppress(OSError):
             os.close(self._descriptor)
-
-
-class _Part:
-    """A range being fetched: its first byte, where its bytes go, how many arrived."""
-
-    __slots__ = ("first", "into", "received")
-
-    def __init__(self, first: int, into: memoryview):
-        self.first, self.into, self.received = first, into, 0
-
-
-class _Retry(Exception):
-    """An answer worth asking again for (a 5xx, a 429, an expired link), and how long the Hub asks to wait."""
-
-    def __init__(self, reason: str, after: float | None = None):
-        super().__init__(reason)
-        self.reason, self.after = reason, after
-
-
-class _Closed(Exception):
-    """The files were closed while a range was being fetched."""
-
-
-class _Http:
-    """Ranges over HTTP with huggingface_hub's client (its proxies, certificates and user agent): a GET with a Range
-    at the file's storage link, the token sent to the Hub's own host only."""
-
-    def __init__(self, owner: RemoteFiles):
-        from huggingface_hub import constants
-        from huggingface_hub.utils import build_hf_headers, get_session
-
-        self.owner = owner
-        self.headers = {**build_hf_headers(token=owner.token), "Accept-Encoding": "identity"}
-        self.session = get_session()
-        self.timeout = owner.settings.timeout or constants.HF_HUB_DOWNLOAD_TIMEOUT
-        self.hub = _origin(constants.ENDPOINT)
-
-    def attempt(self, file: RemoteFile, part: _Part) -> None:
-        owner = self.owner
-        first, last = part.first + part.received, part.first + len(part.into) - 1
-        location = file.location
-        headers = dict(self.headers)
-        if _origin(location) not in (self.hub, _origin(file.info.url)):  # a signed storage link: no token
-            headers = {key: value for key, value in headers.items() if key.lower() != "authorization"}
-        headers["Range"] = f"bytes={first}-{last}"
-        with owner._lock:
-            owner.stats.requests += 1
-        with _get(self.session, location, headers, self.timeout) as (status, answer, body):
-            _answered(owner, file, location, status, answer, first, last)
-            _take(owner, part, body, part.first + len(part.into) - first)
-
-    def close(self) -> None:
-        pass  # the client is huggingface_hub's, shared: it stays open
-
-
-def _answered(owner: RemoteFiles, file: RemoteFile, location: str, status: int, answer, first: int, last: int) -> None:
-    """Check an answer's status and Content-Range before its body is read: a range to ask again for (_Retry, the
-    storage link renewed when it expired), a failure no try mends (FetchError), or the bytes asked for."""
-    if status in _LINK_STATUSES and location != file.info.url:
-        owner._relink(file)
-        raise _Retry(f"HTTP {status} from the Hub's storage (its link expired?)")
-    if status in _RETRY_STATUSES:
-        raise _Retry(f"HTTP {status} from {urlsplit(location).netloc}", _retry_after(answer))
-    where = f"{owner.where(file.name)}: bytes {first}-{last}"
-    if status == 200 and first == 0 and last == file.size - 1:
-        return  # the whole file, as asked
-    if status == 200:
-        raise FetchError(f"{where}: the Hub's storage answered with the whole file, not the range asked")
-    if status != 206:
-        raise FetchError(f"{where}: HTTP {status} from {urlsplit(location).netloc}")
-    found = _CONTENT_RANGE.fullmatch((answer.get("Content-Range") or "").strip())
-    if found is None or int(found[1]) != first or int(found[2]) > last:
-        raise FetchError(f"{where}: answered with Content-Range {answer.get('Content-Range')!r}")
-    if int(found[3]) != file.size:
-        raise IntegrityError(
-            f"{owner.where(file.name)}: the Hub's storage holds {found[3]} bytes, its metadata says "
-            f"{file.size}: not the commit's file"
-        )
-
-
-class _Direct:
-    """Ranges of the Hub's storage links (signed, no token) over http.client: a kept-alive connection per thread and
-    host, each body read straight into its block (``readinto``: no copy, the GIL let go while the socket fills),
-    several times faster than a Python HTTP client's loop over small chunks. Taken where no proxy applies (else
-    huggingface_hub's client, which follows the proxy settings); the same checks of every answer."""
-
-    def __init__(self, owner: RemoteFiles):
-        from huggingface_hub import constants
-        from huggingface_hub.utils import build_hf_headers
-
-        self.owner = owner
-        agent = {key: value for key, value in build_hf_headers(token=False).items() if key.lower() == "user-agent"}
-        self.headers = {**agent, "Accept-Encoding": "identity"}
-        self.timeout = owner.settings.timeout or constants.HF_HUB_DOWNLOAD_TIMEOUT
-        self.local = threading.local()
-        self.opened: list = []
-        self.lock = threading.Lock()
-        self.context = None
-
-    def attempt(self, file: RemoteFile, part: _Part) -> None:
-        owner = self.owner
-        first, last = part.first + part.received, part.first + len(part.into) - 1
-        location = file.location
-        url = urlsplit(location)
-        connection = self._connection(url.scheme, url.hostname, url.port)
-        with owner._lock:
-            owner.stats.requests += 1
-        try:
-            target = url.path + (f"?{url.query}" if url.query else "")
-            connection.request("GET", target, headers={**self.headers, "Range": f"bytes={first}-{last}"})
-            response = connection.getresponse()
-            try:
-                _answered(owner, file, location, response.status, response.headers, first, last)
-            except BaseException:
-                response.read(1 << 16)  # a short error body: the connection stays usable, else it is closed
-                raise
-            unreported = 0
-            while part.received < len(part.into):
-                if owner._closing.is_set():
-                    raise _Closed
-                got = response.readinto(part.into[part.received : part.received + (1 << 22)])
-                if not got:
-                    break
-                part.received += got
-                unreported += got
-                if unreported >= _BAR_STEP:
-                    owner._received(unreported)
-                    unreported = 0
-            if unreported:
-                owner._received(unreported)
-            if response.length and part.received == len(part.into):
-                raise FetchError(f"{owner.where(file.name)}: an answer held more bytes than the range asked")
-            if response.length:  # the connection closed before the body's end: asked again from there
-                got = part.received - (first - part.first)
-                raise _Retry(f"the connection closed after {got} of {got + response.length} bytes of the answer")
-        except BaseException:
-            self._drop(url.scheme, url.hostname, url.port)
-            raise
-
-    def _connection(self, scheme: str, host: str, port: int | None):
-        import http.client
-
-        connections = getattr(self.local, "connections", None)
-        if connections is None:
-            connections = self.local.connections = {}
-        key = (scheme, host, port)
-        connection = connections.get(key)
-        if connection is None:
-            if scheme == "https":
-                connection = http.client.HTTPSConnection(host, port, timeout=self.timeout, context=self._context())
-            else:
-                connection = http.client.HTTPConnection(host, port, timeout=self.timeout)
-            connections[key] = connection
-            with self.lock:
-                self.opened.append(connection)
-        return connection
-
-    def _drop(self, scheme: str, host: str, port: int | None) -> None:
-        connection = getattr(self.local, "connections", {}).pop((scheme, host, port), None)
-        if connection is not None:
-            connection.close()
-
-    def _context(self):
-        """TLS as huggingface_hub's client verifies it: certifi's authorities, or the bundle the environment names."""
-        import ssl
-
-        if self.context is None:
-            bundle = os.environ.get("SSL_CERT_FILE") or os.environ.get("REQUESTS_CA_BUNDLE")
-            if bundle is None:
-                with contextlib.suppress(ImportError):
-                    import certifi
-
-                    bundle = certifi.where()
-            self.context = ssl.create_default_context(cafile=bundle)
-        return self.context
-
-    def close(self) -> None:
-        with self.lock:
-            for connection in self.opened:
-                with contextlib.suppress(Exception):
-                    connection.close()
-            self.opened.clear()
-
-
-def _direct_reaches(location: str, resolve: str, endpoint: str) -> bool:
-    """Whether a link is read with http.client: a storage link off the Hub's hosts (no token to send), reached
-    without a proxy."""
-    import urllib.request
-
-    url = urlsplit(location)
-    if url.scheme not in ("http", "https") or _origin(location) in (_origin(resolve), _origin(endpoint)):
-        return False
-    proxies = urllib.request.getproxies()
-    return url.scheme not in proxies or bool(urllib.request.proxy_bypass(url.hostname or ""))
-
-
-def _take(owner: RemoteFiles, part: _Part, chunks: Iterator[bytes], most: int) -> None:
-    """Copy the chunks of a body into the part (at most ``most`` bytes), counting them as they come."""
-    unreported = 0
-    try:
-        for chunk in chunks:
-            if owner._closing.is_set():
-                raise _Closed
-            size = len(chunk)
-            if size > most:
-                raise FetchError(f"{owner.repo_id}: an answer held more bytes than the range asked")
-            part.into[part.received : part.received + size] = chunk
-            part.received += size
-            most -= size
-            unreported += size
-            if unreported >= _BAR_STEP:
-                owner._received(unreported)
-                unreported = 0
-    finally:
-        if unreported:
-            owner._received(unreported)
-
-
-class _Xet:
-    """Ranges of Xet files through hf_xet's ordered streams (one group for the repo, its read token refreshed by
-    hf_xet at the Hub's route), with hf_xet's own retries off so that every range is tried as an HTTP one is."""
-
-    def __init__(self, owner: RemoteFiles):
-        import hf_xet
-        from huggingface_hub.utils import build_hf_headers, get_session
-
-        self.owner = owner
-        self.headers = build_hf_headers(token=owner.token)
-        self.session = get_session()
-        budget = owner.settings.memory_bytes
-        config = hf_xet.XetConfig().with_config(
-            {
-                "client.retry_max_attempts": 1,
-                "reconstruction.download_buffer_size": budget,
-                "reconstruction.download_buffer_perfile_size": budget // 4,
-                "reconstruction.download_buffer_limit": budget,
-                "reconstruction.min_prefetch_buffer": owner.settings.block_bytes,
-                "reconstruction.min_reconstruction_fetch_size": owner.settings.block_bytes,
-            }
-        )
-        self.session_xet = hf_xet.XetSession(config)
-        self.group = None
-        self.lock = threading.Lock()
-        self.file_info = hf_xet.XetFileInfo
-
-    def _group(self, file: RemoteFile):
-        with self.lock:
-            if self.group is None:
-                with _get(self.session, file.info.xet_refresh, self.headers, 30) as (status, answer, body):
-                    for _ in body:
-                        pass
-                    if status >= 400:
-                        raise _Retry(f"HTTP {status} asking for a Xet read token")
-                    endpoint = answer.get("X-Xet-Cas-Url")
-                    token = answer.get("X-Xet-Access-Token")
-                    expiry = answer.get("X-Xet-Token-Expiration")
-                if not (endpoint and token and expiry and expiry.isdigit()):
-                    raise FetchError(f"{self.owner.where(file.name)}: the Hub gave no Xet read token")
-                self.group = self.session_xet.new_download_stream_group(
-                    endpoint=endpoint,
-                    token=token,
-                    token_expiry_unix_secs=int(expiry),
-                    token_refresh_url=file.info.xet_refresh,
-                    token_refresh_headers=self.headers,
-                )
-            return self.group
-
-    def attempt(self, file: RemoteFile, part: _Part) -> None:
-        owner = self.owner
-        with owner._lock:
-            owner.stats.requests += 1
-        first, end = part.first + part.received, part.first + len(part.into)
-        stream = self._group(file).download_stream(self.file_info(file.info.xet_hash, file.size), start=first, end=end)
-        try:
-            _take(owner, part, stream, end - first)
-        finally:
-            stream.cancel()
-
-    def close(self) -> None:
-        if self.group is not None:
-            with contextlib.suppress(Exception):
-                self.group.abort()
-
-
-@contextlib.contextmanager
-def _get(session, url: str, headers: dict, timeout: float) -> Iterator[tuple[int, dict, Iterator[bytes]]]:
-    """(status, headers, the body's chunks as they arrive) of a GET with huggingface_hub's client: httpx's (1.x,
-    2.x) or requests' (0.x)."""
-    if hasattr(session, "stream"):
-        with session.stream("GET", url, headers=headers, timeout=timeout, follow_redirects=True) as response:
-            yield response.status_code, response.headers, response.iter_raw()
-    else:
-        response = session.get(url, headers=headers, timeout=timeout, stream=True, allow_redirects=True)
-        try:
-            yield response.status_code, response.headers, response.raw.stream(1 << 16, decode_content=False)
-        finally:
-            response.close()
-
-
-def _retry_after(headers) -> float | None:
-    """Seconds a Retry-After asks to wait (a number of seconds or an HTTP date), or None."""
-    value = (headers.get("Retry-After") or "").strip()
-    if not value:
-        return None
-    if re.fullmatch(r"\d+(?:\.\d+)?", value):
-        return float(value)
-    with contextlib.suppress(TypeError, ValueError, IndexError, OverflowError):
-        return max(0.0, parsedate_to_datetime(value).timestamp() - time.time())
-    return None
-
-
-def _origin(url: str) -> tuple[str, str, int | None]:
-    parts = urlsplit(url)
-    return parts.scheme, (parts.hostname or "").lower(), parts.port or {"http": 80, "https": 443}.get(parts.scheme)

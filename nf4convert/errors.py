@@ -7,7 +7,9 @@ resolve says which in ``option`` ("overwrite", "token", ...), and the CLI turns 
     Nf4ConvertError
     ├── ArgumentError        an option / argument value that is not valid (also a ValueError)
     ├── SourceNotFoundError  SOURCE or ADAPTER cannot be found, fetched or read as a folder
+    │   └── FetchError       a Hub file's bytes could not be read (the network, the Hub), after retrying
     ├── CheckpointError      a checkpoint file that is missing, truncated, corrupt, or not convertible
+    │   └── IntegrityError   a Hub file's bytes do not match the Hub's hash of that file
     ├── OutputError          the output cannot be written (exists, no space, not writable)
     ├── UploadError          pushing the output to the Hub failed
     ├── DependencyError      a library the path taken needs cannot be imported (bitsandbytes, peft; Triton on CUDA)
@@ -41,6 +43,20 @@ class SourceNotFoundError(Nf4ConvertError):
 
 class CheckpointError(Nf4ConvertError):
     """A checkpoint file that is missing, truncated, corrupt, or not a bitsandbytes checkpoint we convert."""
+
+
+class FetchError(SourceNotFoundError):
+    """A Hub file's bytes could not be read while streaming it: the connection, the Hub or its storage failed as
+    many times as a range is tried (``tries`` says how many)."""
+
+    def __init__(self, message: str, *, option: str | None = None, tries: int = 0):
+        super().__init__(message, option=option)
+        self.tries = tries
+
+
+class IntegrityError(CheckpointError):
+    """A Hub file's bytes, as read, do not match the hash the Hub gives for that file (its LFS sha256 or git blob id),
+    or two reads of the same bytes disagreed: corrupted on the way, or not the commit's bytes."""
 
 
 class OutputError(Nf4ConvertError):

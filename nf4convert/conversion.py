@@ -15,6 +15,7 @@ from .formats.config import check_present as check_config_present
 from .hub.names import model_name, model_stem
 from .hub.ranges import HeadersOnly
 from .hub.sources import as_text, named_sources, resolve_source, reworded
+from .hub.weights import HubWeights
 from .options import ConvertOptions
 from .pipeline.routes.base import route_for
 from .plan import make_plan
@@ -23,7 +24,7 @@ from .settings import Settings
 from .sinks import output as lifecycle
 from .sinks.base import Sink, sink_for
 from .sinks.naming import output_stem
-from .sizes import DEFAULT_SHARD_SIZE
+from .sizes import DEFAULT_SHARD_SIZE, size_text
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,7 @@ class ConvertResult:
     card: str | None = None  # a one-file output (a GGUF): the model card a push uploads beside it
     made: str = ""  # what the output is, as the summary says it ("bfloat16", "GGUF q8_0 (made from bfloat16)")
     sink: str = "safetensors"  # the output format's sink (``sinks.base.SINKS``), which pushes it
+    read: object = None  # a Hub SOURCE's weights (``hub.stream.StreamStats``): bytes streamed, and from the Hub cache
 
 
 def model_card(prepared: "Prepared"):
@@ -79,6 +81,9 @@ class Prepared:
     headers_only: str | None = None  # planned from its headers alone: the Hub repo as "repo@commit" (its copy is gone)
     leftovers: tuple = ()  # sinks.output.Leftover: killed runs' staging folders beside the output
     sink: Sink | None = None  # what the output is written as
+    # a Hub SOURCE whose weights are not in the Hub cache: (their bytes, whether --download fetches them first; else a
+    # conversion streams them)
+    hub_weights: tuple[int, bool] | None = None
 
     @property
     def needed(self) -> int:
@@ -93,27 +98,26 @@ def prepare(
     reader=None,
     headers_only=False,
     on_output=None,
+    weights=None,
 ) -> Prepared:
     """Resolve and plan a conversion and check where it goes, writing nothing (what ``convert`` and a dry run do
     first). A Hub SOURCE's weights are downloaded into the Hub cache, unless ``headers_only`` (a dry run): then the
     plan reads their headers and quant states over range requests, from a copy removed before this returns (the
     plan can then be shown, not streamed; ``reader`` is not taken). ``on_output(folder)`` is told where the output
     goes as soon as that is known (a batch names it for a source that fails after that). What the output's sink
-    refuses of the model (``sinks/``: llama.cpp's converter for a GGUF) is refused here, before any weight is read."""
+    refuses of the model (``sinks/``: llama.cpp's converter for a GGUF) is refused here, before any weight is read.
+    ``weights`` (a ``hub.weights.HubWeights``, which ``reader`` reads through): a Hub SOURCE's weights are read where
+    they are, streamed or from the Hub cache (else downloaded into it)."""
     if not headers_only:
-        return _prepare(source, options, reader=reader, on_output=on_output)
+        return _prepare(source, options, reader=reader, headers=weights, on_output=on_output)
     headers = HeadersOnly()
     try:
         with TensorReader(headers.ranges) as reader:
             return _prepare(source, options, reader=reader, headers=headers, on_output=on_output)
     except Nf4ConvertError as error:  # named by the repo, not the temporary copy
-        text = str(error)
-        for copy in [folder for folder, _ in headers.copies.values()]:
-            text = text.replace(str(copy), headers.shown(copy))
-        if text == str(error):
+        renamed = headers.renamed(error)
+        if renamed is None:
             raise
-        renamed = type(error)(text, option=error.option)
-        renamed.__dict__.update(error.__dict__)
         raise renamed from None
     finally:
         headers.remove()
@@ -169,6 +173,7 @@ def _prepare(source, options: ConvertOptions, *, reader, headers=None, on_output
         headers and headers.shown(folder),
         tuple(lifecycle.leftovers(output)),
         made,
+        hub_weights=(headers.weight_bytes(folder), hub.download) if headers and headers.shown(folder) else None,
     )
 
 
@@ -182,6 +187,7 @@ def convert(
     revision: str | None = None,
     token: str | None = None,
     cache_dir: str | None = None,
+    download: bool = False,
     max_shard_size: str | int = DEFAULT_SHARD_SIZE,
     overwrite: bool = False,
     progress: bool = True,
@@ -203,6 +209,11 @@ def convert(
     that is known. A checkpoint without config.json is refused unless ``allow_no_config``: its output then holds the
     dense tensors (and the files carried over) without a config.json, which transformers needs to load a model.
 
+    A Hub ``source``'s weights (not in the Hub cache) are streamed into the conversion, never written to disk, unless
+    ``download`` (then downloaded into the Hub cache first, as its configs and tokenizer always are); weights in the
+    cache are read there. Every byte read is checked against the Hub's hash of its file before the output is placed,
+    and read at the commit the run resolved at its start.
+
     An ``output`` ending in ``.gguf`` (or a ``gguf_type``, then named ``<stem>-<type>.gguf``) is one GGUF file, the one
     llama.cpp's converter (the "gguf" extra) writes from the dense output: of type ``gguf_type`` (f32, f16, bf16,
     q8_0), by default ``dtype``'s own float type; with ``dtype`` "auto", a float ``gguf_type`` sets the dtype too.
@@ -211,9 +222,11 @@ def convert(
         ArgumentError: a bad ``dtype``, ``device``, ``max_shard_size``, ``stem`` or ``gguf_type``, or ``output`` with
             ``output_dir``.
         DependencyError: a GGUF output without llama.cpp's converter (``pip install "nf4convert[gguf]"``).
-        SourceNotFoundError: ``source`` cannot be found or fetched.
-        CheckpointError: the checkpoint is corrupt, not a checkpoint this tool reads or has no config.json (and
-            ``allow_no_config`` is off), or the adapter does not fit it.
+        SourceNotFoundError: ``source`` cannot be found or fetched (FetchError: its weights' bytes could not be
+            fetched, after retrying).
+        CheckpointError: the checkpoint is corrupt (IntegrityError: a Hub file's bytes do not match its hash), not
+            a checkpoint this tool reads or has no config.json (and ``allow_no_config`` is off), or the adapter does
+            not fit it.
         OutputError: the output exists (and ``overwrite`` is off), the disk is too small, or writing failed.
 
     Example:
@@ -226,6 +239,7 @@ def convert(
         revision=revision,
         token=token,
         cache_dir=cache_dir,
+        download=download,
         device=device,
         max_shard_size=max_shard_size,
         overwrite=overwrite,
@@ -252,9 +266,13 @@ def converted(source: str | os.PathLike, options: ConvertOptions, *, on_output=N
     profile.mark("device picked")
     # The route starts now (a CUDA context takes a while) and the card is written on the side while the tensors are.
     # From the move into place on, stop signals wait for the end (they are delivered marked with the complete OUT).
+    # A Hub SOURCE's weights are streamed (or read from the Hub cache), checked before the output is placed.
     finishing = contextlib.ExitStack()
-    with finishing, route_for(chosen_device, settings) as route, TensorReader() as reader, _side_thread() as side:
-        prepared = prepare(source, options, reader=reader, on_output=on_output)
+    weights = HubWeights(download=options.hub.download, settings=settings)
+    reader = TensorReader(weights.ranges, remote=weights.files)
+    with finishing, route_for(chosen_device, settings) as route, weights, reader, _side_thread() as side:
+        prepared = prepare(source, options, reader=reader, on_output=on_output, weights=weights)
+        reader.front_to_back = weights.streams
         plan, output, sink = prepared.plan, prepared.output, prepared.sink
         profile.mark("planned")
         lifecycle.check_free_space(output, prepared.needed)
@@ -270,6 +288,7 @@ def converted(source: str | os.PathLike, options: ConvertOptions, *, on_output=N
                 desc=f"{model_name(source)} -> {sink.label()}",
                 dynamic_ncols=True,
             ) as bar:
+                progress, tensor_done = _bar_updates(bar, n_tensors, weights)
                 written = sink.write(
                     temporary,
                     output,
@@ -277,9 +296,10 @@ def converted(source: str | os.PathLike, options: ConvertOptions, *, on_output=N
                     route,
                     card=lambda: card_made.result().text,
                     settings=settings,
-                    progress=bar.update,
-                    tensor_done=lambda done: bar.set_postfix_str(f"{done}/{n_tensors} tensors", refresh=False),
+                    progress=progress,
+                    tensor_done=tensor_done,
                 )
+                weights.finish()  # every byte read matched the Hub's hash of its file: the output may be placed
             profile.mark("tensors written")
             card = card_made.result()
             finishing.enter_context(lifecycle.held(output))
@@ -301,8 +321,31 @@ def converted(source: str | os.PathLike, options: ConvertOptions, *, on_output=N
             sink.pushed_card(card.text, output),
             sink.what(),
             sink.name,
+            weights.stats if weights.opened else None,
         )
     return result
+
+
+def _bar_updates(bar, n_tensors: int, weights: HubWeights):
+    """The conversion bar's updates (bytes written; the tensors done beside them, and the bytes fetched where the
+    source is streamed): (progress, tensor_done) for the sink."""
+    done = 0
+
+    def postfix() -> None:
+        fetched = f", {size_text(weights.stats.fetched)} fetched" if weights.streams else ""
+        bar.set_postfix_str(f"{done}/{n_tensors} tensors{fetched}", refresh=False)
+
+    def progress(count: int) -> None:
+        if weights.streams:
+            postfix()
+        bar.update(count)
+
+    def tensor_done(count: int) -> None:
+        nonlocal done
+        done = count
+        postfix()
+
+    return progress, tensor_done
 
 
 @contextlib.contextmanager

@@ -25,6 +25,7 @@ class HubOptions:
     revision: str | None = None  # of SOURCE only (a local folder has none)
     token: str | None = None
     cache_dir: Path | None = None
+    download: bool = False  # the weights downloaded into the Hub cache first, not streamed
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,7 @@ class ConvertOptions:
         revision=None,
         token=None,
         cache_dir=None,
+        download=False,
         device="auto",
         max_shard_size=DEFAULT_SHARD_SIZE,
         overwrite=False,
@@ -76,7 +78,7 @@ class ConvertOptions:
         return cls(
             dtype=dtype if isinstance(dtype, DType) else output_dtype(dtype),
             adapter=os.fspath(adapter) if adapter is not None else None,
-            hub=HubOptions(revision, token, Path(cache_dir) if cache_dir is not None else None),
+            hub=HubOptions(revision, token, Path(cache_dir) if cache_dir is not None else None, bool(download)),
             device=device,
             max_shard_size=parse_size(max_shard_size),
             overwrite=bool(overwrite),
@@ -105,13 +107,22 @@ class VerifyOptions:
 
     @classmethod
     def parse(
-        cls, *, device="auto", adapter=None, revision=None, token=None, cache_dir=None, progress=False, dtype="auto"
+        cls,
+        *,
+        device="auto",
+        adapter=None,
+        revision=None,
+        token=None,
+        cache_dir=None,
+        download=False,
+        progress=False,
+        dtype="auto",
     ) -> "VerifyOptions":
         """The options as ``verify`` takes them, checked once."""
         return cls(
             device=device,
             adapter=os.fspath(adapter) if adapter is not None else None,
-            hub=HubOptions(revision, token, Path(cache_dir) if cache_dir is not None else None),
+            hub=HubOptions(revision, token, Path(cache_dir) if cache_dir is not None else None, bool(download)),
             progress=bool(progress),
             dtype=dtype if isinstance(dtype, DType) or dtype is None else output_dtype(dtype),
         )

@@ -25,6 +25,8 @@ class Settings:
     writeback: bool = True  # NF4CONVERT_WRITEBACK: hand each range written to the disk at once
     profile: bool = False  # NF4CONVERT_PROFILE: one JSON line on stderr saying where a conversion's time went
     fast_launch: bool = True  # NF4CONVERT_FAST_LAUNCH: replay a prepared kernel launch (0: Triton's own launcher)
+    stream_memory: int = 256  # NF4CONVERT_STREAM_MEMORY: MiB of a Hub repo's bytes held while streamed (fetched ahead)
+    stream_requests: int = 8  # NF4CONVERT_STREAM_REQUESTS: range requests in flight per Hub repo streamed
 
     @classmethod
     def from_env(cls, environ=None) -> "Settings":
@@ -41,7 +43,14 @@ class Settings:
         return cls(**values)
 
 
-LEAST = {"shards_at_once": 1, "writers": 1, "makers": 1, "processes": 0}  # the smallest whole number each takes
+LEAST = {
+    "shards_at_once": 1,
+    "writers": 1,
+    "makers": 1,
+    "processes": 0,
+    "stream_memory": 16,
+    "stream_requests": 1,
+}  # the smallest whole number each takes
 VARIABLES = tuple(f"NF4CONVERT_{spec.name.upper()}" for spec in fields(Settings))
 
 

@@ -170,7 +170,7 @@ def _show_report(report) -> None:
 )
 @click.option("-q", "--quiet", is_flag=True, callback=quiet, help="No progress bars (downloads too).")
 @source_options
-def verify_command(output, source, device, adapter, dtype, quiet, revision, token, cache_dir):
+def verify_command(output, source, device, adapter, dtype, quiet, revision, token, cache_dir, download):
     """Check OUTPUT against SOURCE with bitsandbytes' own dequantization, bit for bit.
 
     Exits 0 only if every weight matches, every source tensor is there and no quantization
@@ -192,6 +192,7 @@ def verify_command(output, source, device, adapter, dtype, quiet, revision, toke
             revision=revision,
             token=token,
             cache_dir=cache_dir,
+            download=download,
             progress=not quiet,
             dtype=dtype,
         )

@@ -1,5 +1,6 @@
 """The options the commands share, declared once: where sources come from (``--revision``, ``--token``,
-``--cache-dir``) and how a conversion is made (``--adapter``, ``--dtype``, ``--gguf-type``, ``--device``, ...)."""
+``--cache-dir``, ``--download``) and how a conversion is made (``--adapter``, ``--dtype``, ``--gguf-type``,
+``--device``, ...)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,14 @@ def source_options(function):
             ),
             click.option(
                 "--cache-dir", type=click.Path(file_okay=False), help="Hub cache folder (default: $HF_HUB_CACHE)."
+            ),
+            click.option(
+                "--download",
+                is_flag=True,
+                help="Download a Hub SOURCE's weights into the Hub cache first and read them there. By default they "
+                "are streamed as they are read: no copy on disk, the download overlapped with the work. Pick "
+                "--download to read the same repo again later (or offline); weights already in the cache are read "
+                "there either way, and every byte is checked against the Hub's hash in both.",
             ),
         ]
     ):
@@ -65,6 +74,7 @@ class ConvertFlags:
     revision: str | None
     token: str | None
     cache_dir: str | None
+    download: bool
 
     def parse(self, *, output=None, progress: bool) -> ConvertOptions:
         return ConvertOptions.parse(
@@ -74,6 +84,7 @@ class ConvertFlags:
             revision=self.revision,
             token=self.token,
             cache_dir=self.cache_dir,
+            download=self.download,
             device=self.device,
             max_shard_size=self.max_shard_size,
             overwrite=self.overwrite,

@@ -11,8 +11,22 @@ def summary(result) -> str:
     made = kinds_text(result.kinds) if result.kinds else f"{result.dequantized} dequantized"
     return (
         f"{result.output}: {result.tensors} tensors ({made}), "
-        f"{result.bytes / 1e9:.2f} GB {result.made}, {result.seconds:.1f} s"
+        f"{result.bytes / 1e9:.2f} GB {result.made}, {result.seconds:.1f} s" + read_text(result.read)
     )
+
+
+def read_text(read) -> str:
+    """What a conversion read of a Hub SOURCE's weights (``hub.stream.StreamStats``), as the summary ends: streamed
+    (fetched twice, where reads ran ahead of the hash) and read from the Hub cache; "" for a local SOURCE."""
+    if read is None:
+        return ""
+    parts = []
+    if read.fetched:
+        again = f", {size_text(read.fetched_again)} of it twice" if read.fetched_again >= 1e6 else ""
+        parts.append(f"{size_text(read.fetched)} streamed from the Hub{again}, no copy kept")
+    if read.cached or not parts:
+        parts.append(f"{size_text(read.cached)} read from the Hub cache")
+    return "; " + ", ".join(parts)
 
 
 def kinds_text(kinds: dict[str, int]) -> str:
@@ -35,6 +49,7 @@ def plan_lines(prepared) -> list[str]:
     shown = f"{prepared.headers_only} (its headers and quant states read from the Hub; no weights downloaded)"
     lines = [
         f"source: {shown if prepared.headers_only else plan.folder}",
+        *([weights_line(*prepared.hub_weights)] if prepared.hub_weights else []),
         f"output: {prepared.output} ({sink.what(planned=True)})",
         f"tensors: {len(plan.tensors)} ({kinds_text(plan.kinds)})",
         *sink.plan_lines(),
@@ -46,6 +61,13 @@ def plan_lines(prepared) -> list[str]:
     lines += [f"leftover: {leftover.note()}" for leftover in prepared.leftovers]
     lines.append("dry run: nothing was written")
     return lines
+
+
+def weights_line(size: int, download: bool) -> str:
+    """A dry run's word on the weights of a Hub SOURCE the Hub cache lacks: what a conversion fetches, and where."""
+    if download:
+        return f"weights: {size_text(size)} to download into the Hub cache first (--download), then read there"
+    return f"weights: {size_text(size)} to stream from the Hub as they are converted; no copy kept on disk"
 
 
 def table(rows) -> list[str]:

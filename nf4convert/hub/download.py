@@ -22,7 +22,7 @@ from ..paths import expanded
 from ..safetensors_io.read import read_index
 from .errors import hub_error_line
 from .names import looks_like_repo_id
-from .ranges import HeadersOnly, copy_for_plan
+from .ranges import HeadersOnly
 
 ALLOW_PATTERNS = [
     "*.safetensors",
@@ -79,9 +79,10 @@ def resolve(
     ``hub.revision`` (a branch, tag or commit) applies to a Hub repo only. ``progress=False`` hides huggingface_hub's
     download bars. ``precheck``, for a Hub repo, is called on a folder holding only its ``config.json`` and
     ``adapter_config.json`` (those it has) before anything else is downloaded, and may raise to stop there.
-    ``headers``: a Hub repo's weights are not downloaded; the folder returned is its copy for a plan, in
-    ``headers.scratch`` (the rest of the repo is downloaded into the Hub cache as usual). Where the Hub cache already
-    holds the weights, or offline (HF_HUB_OFFLINE), the Hub cache's folder is returned as without ``headers``.
+    ``headers``: a Hub repo's weights are not downloaded (unless ``headers.ranged`` is off); the folder returned is its
+    copy for a plan, in ``headers.scratch`` (the rest of the repo is downloaded into the Hub cache as usual). Where the
+    Hub cache already holds the weights, or offline (HF_HUB_OFFLINE), the Hub cache's folder is returned as without
+    ``headers``, and ``headers`` is told of it (hub/weights.py: a streamed conversion's weights, read where they are).
 
     Raises:
         ArgumentError: ``revision`` given with a local folder (which has no revisions).
@@ -115,12 +116,14 @@ def resolve(
         with progress_bars(progress):
             if precheck is not None:
                 precheck(Path(snapshot_download(source, allow_patterns=CONFIG_FILES, **fetch)))
-            if headers is not None and not constants.HF_HUB_OFFLINE:
+            if headers is not None and headers.ranged and not constants.HF_HUB_OFFLINE:
                 rest = Path(snapshot_download(source, allow_patterns=_headers_only_patterns(), **fetch))
-                return copy_for_plan(source, rest, headers, token, _headers_only_patterns())
+                return headers.plan_copy(source, rest, token, _headers_only_patterns())
             folder = Path(snapshot_download(source, allow_patterns=ALLOW_PATTERNS, **fetch))
             if constants.HF_HUB_OFFLINE:
                 _check_cached_weights(source, folder)
+            if headers is not None:
+                headers.downloaded(source, folder, token)
             return folder
     except errors.GatedRepoError:
         raise SourceNotFoundError(

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from ..errors import OutputError, SourceNotFoundError
+from ..errors import Nf4ConvertError, OutputError, SourceNotFoundError
 from ..files import ADAPTER_WEIGHTS
 from ..formats.base import plan_reads
 from ..safetensors_io.read import HEADER_LIMIT, read_header, read_index, series_members
@@ -40,6 +40,8 @@ class HeadersOnly:
     the tensors a plan reads. ``ranges`` (file -> the byte ranges it holds) is what a ``checkpoint.TensorReader``
     given it may read; ``copies`` maps each repo id to (its copy, the commit)."""
 
+    what = "a dry run's copy"  # as messages name a copy
+
     def __init__(self):
         self.scratch: Path | None = None
         self.ranges: dict[Path, list[tuple[int, int]]] = {}
@@ -47,11 +49,13 @@ class HeadersOnly:
 
     def new_copy(self, source: str, commit: str | None) -> Path:
 
-        with _scratch_errors(source):
+        with scratch_errors(source, self.what):
             if self.scratch is None:
                 self.scratch = Path(tempfile.mkdtemp(prefix="nf4convert-plan-"))
             folder = self.scratch / str(len(self.copies))
-            folder.mkdir()
+            if commit is not None:  # laid out as the Hub cache lays out a commit: what reads the commit from it does
+                folder = folder / "snapshots" / commit
+            folder.mkdir(parents=True)
         self.copies[source] = (folder, commit)  # from now on, messages name the repo (conversion.prepare)
         return folder
 
@@ -62,14 +66,43 @@ class HeadersOnly:
                 return f"{source}@{commit[:12]}" if commit else source
         return None
 
+    def weight_bytes(self, folder: Path) -> int:
+        """The size of the weight files of a copy (what a conversion streams of them)."""
+        return sum(os.path.getsize(path) for path in self.ranges if folder in path.parents)
+
     def remove(self) -> None:
 
         if self.scratch is not None:
             shutil.rmtree(self.scratch, ignore_errors=True)
 
+    def renamed(self, error: Nf4ConvertError) -> Nf4ConvertError | None:
+        """``error`` with each copy's folder named as the repo (``repo@commit``), None where it names none."""
+        text = str(error)
+        for copy, _ in self.copies.values():
+            text = text.replace(str(copy), self.shown(copy))
+        if text == str(error):
+            return None
+        renamed = type(error)(text, option=error.option)
+        renamed.__dict__.update(error.__dict__)
+        return renamed
+
+    # What ``download.resolve`` asks of where it puts a Hub repo (hub/weights.py's HubWeights answers otherwise).
+    ranged = True  # the weights are read by ranges, not downloaded (offline, the cache's folder is taken as it is)
+
+    def plan_copy(self, source: str, downloaded: Path, token: str | None, patterns: list[str]) -> Path:
+        """The folder a plan reads for a repo whose weights are not downloaded (``downloaded``: the rest of it)."""
+        return copy_for_plan(source, downloaded, self, token, patterns)
+
+    def downloaded(self, source: str, folder: Path, token: str | None) -> None:
+        """Told of a repo downloaded whole (offline: found in the cache) into ``folder``."""
+
+    def for_adapter(self) -> HeadersOnly | None:
+        """Where an ADAPTER repo goes: downloaded whole, as it is small (None), or here."""
+        return None
+
 
 @contextlib.contextmanager
-def _scratch_errors(source: str) -> Iterator[None]:
+def scratch_errors(source: str, what: str = "a dry run's copy") -> Iterator[None]:
     """A local failure while making a headers-only copy (no temporary folder, no room, read-only): one line that
     names where copies go, not a fetch error (the network's errors are OSErrors too, so only local steps are
     wrapped)."""
@@ -79,7 +112,7 @@ def _scratch_errors(source: str) -> Iterator[None]:
     except OSError as error:
         where = os.environ.get("TMPDIR") or "the temporary folder"
         raise OutputError(
-            f"{where}: cannot hold a dry run's copy of {source}'s headers ({error.strerror or error}); "
+            f"{where}: cannot hold {what} of {source}'s headers ({error.strerror or error}); "
             "set TMPDIR to a writable folder"
         ) from None
 
@@ -90,40 +123,14 @@ def copy_for_plan(source: str, downloaded: Path, headers: HeadersOnly, token: st
     (as read_tensors chooses them) at its size, sparse, holding its header and the tensors of formats.base.plan_reads
     (fetched with range requests, several at once)."""
 
-    from huggingface_hub import HfApi
     from huggingface_hub.utils import tqdm as hub_tqdm  # hidden with huggingface_hub's bars
 
-    weight_map = read_index(downloaded)
-    cached = {p.relative_to(downloaded).as_posix() for p in downloaded.rglob("*.safetensors") if p.is_file()}
-    commit = commit_of(downloaded)
-    try:
-        siblings = [s.rfilename for s in HfApi().model_info(source, revision=commit, token=token).siblings or []]
-    except Exception:  # noqa: BLE001  (no network: plan from the cache, as a conversion then would, or say what is missing)
-        if cached - {ADAPTER_WEIGHTS}:
-            return downloaded
-        raise
-    if weight_map is not None:
-        listed = set(weight_map.values())
-        names = sorted(
-            (listed & set(siblings)) | series_members(listed, siblings)
-        )  # one listed but missing: the plan says so
-    else:
-        names = sorted(
-            name for name in siblings if "/" not in name and name.endswith(".safetensors") and name != ADAPTER_WEIGHTS
-        )
-    if set(names) <= cached:
-        # every file the plan reads is in the cache (an earlier conversion's), or there is none (an adapter)
+    listed = weight_files(source, downloaded, token)
+    if listed is None:
         return downloaded
-
+    names, commit = listed
     folder = headers.new_copy(source, commit)
-    with _scratch_errors(source):
-        for path in sorted(downloaded.rglob("*")):
-            relative = path.relative_to(downloaded).as_posix()
-            if path.is_file() and any(
-                fnmatch.fnmatch(relative, pattern) for pattern in patterns
-            ):  # not other tools' files
-                (folder / relative).parent.mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(path, folder / relative)
+    copy_files(source, downloaded, folder, patterns)
     reader = _RangeReader(source, commit, token)
     with ThreadPoolExecutor(_REQUESTS_AT_ONCE, thread_name_prefix="nf4convert-headers") as pool:
         with hub_tqdm(total=len(names), desc="Reading headers", unit="file") as bar:
@@ -136,6 +143,47 @@ def copy_for_plan(source: str, downloaded: Path, headers: HeadersOnly, token: st
     for path, run in fetched:
         headers.ranges[path].append(run)
     return folder
+
+
+def weight_files(source: str, downloaded: Path, token: str | None) -> tuple[list[str], str | None] | None:
+    """The weight files a plan of the repo reads (as read_tensors chooses them: the index's, and its shard series',
+    else every ``.safetensors`` file at the top but an adapter's), listed by the Hub at the commit of ``downloaded`` (a
+    Hub cache snapshot of everything but the weights), and that commit; None where the cache holds every one of them
+    (an earlier conversion's), or there is none (an adapter), or the Hub cannot list them and the cache holds weights
+    (then a plan reads the cache, as a conversion would, or says what is missing)."""
+    from huggingface_hub import HfApi
+
+    weight_map = read_index(downloaded)
+    cached = {p.relative_to(downloaded).as_posix() for p in downloaded.rglob("*.safetensors") if p.is_file()}
+    commit = commit_of(downloaded)
+    try:
+        siblings = [s.rfilename for s in HfApi().model_info(source, revision=commit, token=token).siblings or []]
+    except Exception:  # noqa: BLE001  (no network: plan from the cache, as a conversion then would, or say what is missing)
+        if cached - {ADAPTER_WEIGHTS}:
+            return None
+        raise
+    if weight_map is not None:
+        listed = set(weight_map.values())
+        names = sorted(
+            (listed & set(siblings)) | series_members(listed, siblings)
+        )  # one listed but missing: the plan says so
+    else:
+        names = sorted(
+            name for name in siblings if "/" not in name and name.endswith(".safetensors") and name != ADAPTER_WEIGHTS
+        )
+    if set(names) <= cached:
+        return None
+    return names, commit
+
+
+def copy_files(source: str, downloaded: Path, folder: Path, patterns: list[str]) -> None:
+    """Copy into ``folder`` the files of ``downloaded`` that ``patterns`` match (not other tools' files)."""
+    with scratch_errors(source):
+        for path in sorted(downloaded.rglob("*")):
+            relative = path.relative_to(downloaded).as_posix()
+            if path.is_file() and any(fnmatch.fnmatch(relative, pattern) for pattern in patterns):
+                (folder / relative).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(path, folder / relative)
 
 
 class _RangeReader:
@@ -214,7 +262,7 @@ def _sparse_file(reader: _RangeReader, source: str, name: str, path: Path, bar) 
         (length,) = struct.unpack("<Q", data[:8])
         if len(data) < 8 + length <= min(size, 8 + HEADER_LIMIT):  # else read_header names the problem
             pieces.append((len(data), reader.read(name, len(data), 8 + length)[0]))
-    with _scratch_errors(source):
+    with scratch_errors(source):
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "wb") as file:
             for _, piece in pieces:
@@ -251,7 +299,7 @@ def _fill(
     data, _ = reader.read(name, *run)
     if len(data) != run[1] - run[0]:
         raise SourceNotFoundError(f"{source}: {name}: bytes {run[0]}-{run[1] - 1} came back short ({len(data)} bytes)")
-    with _scratch_errors(source):
+    with scratch_errors(source):
         descriptor = os.open(path, os.O_WRONLY)
         try:
             os.pwrite(descriptor, data, run[0])

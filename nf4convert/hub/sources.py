@@ -90,7 +90,7 @@ def resolve_source(
     that also holds model weights is a checkpoint). ``hub.revision`` applies to SOURCE only; a Hub checkpoint
     whose config.json says it is not bitsandbytes is refused before its weights are downloaded; ``progress=False`` hides
     download bars; ``headers`` (a ``hub.HeadersOnly``): the checkpoint's weights are not downloaded, its folder is their
-    copy for a plan."""
+    copy for a plan (a ``hub.weights.HubWeights``: streamed as a conversion reads them, or read from the Hub cache)."""
     from ..errors import SourceNotFoundError
     from ..formats import peft_config, peft_lora
     from .download import resolve
@@ -98,7 +98,8 @@ def resolve_source(
     source, adapter = as_text(source), as_text(adapter)
     folder = resolve(source, hub, progress=progress, precheck=partial(_refuse_early, source=source), headers=headers)
     others = dataclasses.replace(hub, revision=None)  # the adapter's, and the base an adapter SOURCE names
-    adapter_folder = resolve(adapter, others, progress=progress) if adapter is not None else None
+    to_adapter = headers.for_adapter() if headers is not None else None
+    adapter_folder = resolve(adapter, others, progress=progress, headers=to_adapter) if adapter is not None else None
     weights = [p for p in folder.glob("*.safetensors") if p.name != peft_lora.WEIGHTS_NAME]
     if adapter_folder is not None and (folder / peft_config.CONFIG_NAME).is_file() and not weights:
         raise ArgumentError(

@@ -300,7 +300,7 @@ class RemoteFiles:
                         self._settle(file, block)
             self._wake.notify_all()
         for file in self.files.values():
-            if isinstance(file, CachedFile):
+            if isinstance(file, CachedFile) and file.opened:  # a file no read asked for is not the output's
                 file.finish()
         with self._lock:
             while True:

@@ -275,12 +275,17 @@ class TensorReader:
     """Reads tensors' bytes from their files, keeping the files open; tensors come back on the CPU.
 
     ``held`` (file -> byte ranges) marks files that hold only those ranges (a Hub repo's copy for a plan alone,
-    ``hub.HeadersOnly``): reading any other bytes of them is a CheckpointError, never the zeros of a hole."""
+    ``hub.HeadersOnly``): reading any other bytes of them is a CheckpointError, never the zeros of a hole, unless
+    ``remote`` (file -> what reads it: ``pread(offset, buffer)``) has the file: then they are read through it (a Hub
+    file streamed, or the Hub cache's copy, checked as it is read: ``hub.weights``). ``front_to_back``: its files are
+    read fastest front to back (streamed), which a sink's order of reads may follow."""
 
-    def __init__(self, held: dict[Path, list[tuple[int, int]]] | None = None):
+    def __init__(self, held: dict[Path, list[tuple[int, int]]] | None = None, remote: dict | None = None):
         self._files: dict[Path, object] = {}
         self._opening = threading.Lock()  # the stream reads from several threads
         self._held = held
+        self._remote = remote
+        self.front_to_back = False
 
     def __enter__(self):
         return self
@@ -307,12 +312,15 @@ class TensorReader:
         Positional reads (no shared file position): safe from several threads at once.
         """
         count = info.nbytes - first_byte if count is None else count
+        remote = self._remote.get(info.path) if self._remote else None
         if self._held is not None and info.path in self._held:
             first, end = info.begin + first_byte, info.begin + first_byte + count
-            if not any(a <= first and end <= b for a, b in self._held[info.path]):
+            if any(a <= first and end <= b for a, b in self._held[info.path]):
+                remote = None  # the copy holds these bytes
+            elif remote is None:
                 raise CheckpointError(
                     f"{info.path}: tensor '{info.name}' ({info.nbytes} bytes) was not read from the Hub: "
-                    "a dry run reads only headers and quant states; a conversion downloads the weights"
+                    "a dry run reads only headers and quant states; a conversion reads the weights"
                 )
         if out is None:
             import torch
@@ -320,6 +328,9 @@ class TensorReader:
             out = torch.empty(count, dtype=torch.uint8)
         buffer = out[:count]
         view = memoryview(as_array(buffer)) if count else memoryview(b"")
+        if remote is not None:
+            remote.pread(info.begin + first_byte, view)
+            return buffer
         descriptor = self._file(info.path).fileno()
         done = 0
         try:

@@ -5,7 +5,10 @@ Every shard's header is written first (the plan fixed every offset), so pieces l
 
 - shards are written ``settings.shards_at_once`` at a time, their pieces interleaved: buffered writes to one file
   serialize on its lock, writes to several run side by side;
-- within a shard, plain tensors come first: they need no GPU, so they are written while the CUDA route starts.
+- within a shard, plain tensors come first: they need no GPU, so they are written while the CUDA route starts;
+- but a source streamed from the Hub (``reader.front_to_back``) is read fastest front to back (its hash needs its
+  bytes in order, and bytes read ahead of it are held, or fetched again): then the shards' pieces are taken in the
+  order of the source bytes they read, plain tensors in their place.
 
 Each range written has its writeback started at once (``safetensors_io.write.Writeback``), so the disk works from
 the first byte rather than from when the page cache's dirty threshold is reached.
@@ -13,6 +16,7 @@ the first byte rather than from when the page cache's dirty threshold is reached
 
 from __future__ import annotations
 
+import heapq
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -28,9 +32,11 @@ from .side_files import write_side_files
 
 
 def _shard_pieces(writer: ShardWriter, shard, reader: TensorReader, route, tensor_done: Callable[[], None]):
-    """(writer, tensor name, piece) for every piece of one shard, its plain tensors first."""
-    plain = [tensor for tensor in shard.tensors if tensor.recipe.plain]
-    made = [tensor for tensor in shard.tensors if not tensor.recipe.plain]
+    """(writer, tensor name, piece) for every piece of one shard, its plain tensors first (a streamed source's in
+    the plan's order, its files')."""
+    first = not reader.front_to_back
+    plain = [tensor for tensor in shard.tensors if first and tensor.recipe.plain]
+    made = [tensor for tensor in shard.tensors if not (first and tensor.recipe.plain)]
     for tensor in plain + made:
         watched = may_exceed(tensor)
         for piece in tensor.recipe.produce(tensor, reader, route):
@@ -49,6 +55,27 @@ def _interleaved(streams: list) -> Iterator:
                 streams.remove(stream)
             else:
                 yield item
+
+
+def _by_source(streams: list) -> Iterator:
+    """The items of all streams, the one that reads the source furthest back first (each file is then read front to
+    back, whichever shards read it)."""
+    heads = []
+    for order, stream in enumerate(streams):
+        item = next(stream, None)
+        if item is not None:
+            heapq.heappush(heads, (_source_offset(item), order, item, stream))
+    while heads:
+        _, order, item, stream = heapq.heappop(heads)
+        yield item
+        item = next(stream, None)
+        if item is not None:
+            heapq.heappush(heads, (_source_offset(item), order, item, stream))
+
+
+def _source_offset(item) -> int:
+    _, _, piece = item
+    return piece.source.begin + piece.first
 
 
 def write_shards(
@@ -87,7 +114,8 @@ def write_shards(
                     streams = [
                         _shard_pieces(writer, shard, reader, route, one_done) for writer, shard in zip(opened, group)
                     ]
-                    for writer, name, piece in _interleaved(streams):
+                    ordered = _by_source(streams) if reader.front_to_back else _interleaved(streams)
+                    for writer, name, piece in ordered:
                         pipeline.push(writer, name, piece)
                     pipeline.drain()
                     for writer in opened:

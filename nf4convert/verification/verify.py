@@ -18,6 +18,7 @@ from ..devices import pick_device
 from ..errors import ArgumentError, CheckpointError
 from ..formats.base import quantization_key
 from ..hub.sources import named_sources, resolve_source
+from ..hub.weights import HubWeights
 from ..options import VerifyOptions
 from ..paths import expanded
 from ..plan import make_plan
@@ -57,13 +58,15 @@ def verify(
     revision: str | None = None,
     token: str | None = None,
     cache_dir: str | None = None,
+    download: bool = False,
     progress: bool = False,
     dtype: str = "auto",
 ) -> VerifyReport:
     """Compare the converted checkpoint in ``output`` with ``source`` (and the LoRA ``adapter`` merged into it, by
     peft's own merge); mismatches go in the report, not exceptions. An ``output`` ending in ``.gguf`` is checked against
     llama.cpp's converter run on the reference (``gguf.py``; ``dtype``: the conversion's ``--dtype``, which only a GGUF
-    needs: a folder's tensors say theirs).
+    needs: a folder's tensors say theirs). A Hub ``source``'s weights are read as ``convert`` reads them: streamed
+    (``download``: downloaded into the Hub cache first), every byte checked against the Hub's hash of its file.
 
     Raises:
         ArgumentError: a bad ``device``, an empty ``output``, ``source`` or ``adapter``, ``output`` and ``source``
@@ -83,6 +86,7 @@ def verify(
         revision=revision,
         token=token,
         cache_dir=cache_dir,
+        download=download,
         progress=progress,
         dtype=dtype,
     )
@@ -100,9 +104,10 @@ def verified(output: str | Path, source: str, options: VerifyOptions) -> VerifyR
     chosen = pick_device(options.device, kernel=False)  # bitsandbytes recomputes: no Triton needed
     report = VerifyReport(output, device=str(chosen), gguf=checked.gguf)
     hub, progress = options.hub, options.progress
-    with quiet_loggers(), TensorReader() as source_reader:
+    weights = HubWeights(download=hub.download)  # a Hub SOURCE read as a conversion reads it: streamed, checked
+    with quiet_loggers(), weights, TensorReader(weights.ranges, remote=weights.files) as source_reader:
         reference_library("bitsandbytes")
-        resolved = resolve_source(source, adapter, hub, progress=progress)
+        resolved = resolve_source(source, adapter, hub, progress=progress, headers=weights)
         if resolved.adapter_folder is not None:
             reference_library("peft")
         if resolved.folder.resolve() == output.resolve():
@@ -125,4 +130,5 @@ def verified(output: str | Path, source: str, options: VerifyOptions) -> VerifyR
             revision=hub.revision,
             resolved=resolved,
         )
+        weights.finish()  # what was compared is the commit's bytes
     return report

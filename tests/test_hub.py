@@ -183,7 +183,13 @@ def test_download_convert_then_offline(hub, tmp_path):
     cache = tmp_path / "cache"
     FakeHub.requested.clear()
     result = cli(
-        REPO, "-q", "--cache-dir", cache, env={"HF_ENDPOINT": endpoint, "HF_HUB_DISABLE_XET": "1"}, cwd=tmp_path
+        REPO,
+        "-q",
+        "--download",
+        "--cache-dir",
+        cache,
+        env={"HF_ENDPOINT": endpoint, "HF_HUB_DISABLE_XET": "1"},
+        cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr
     out = tmp_path / "tiny-llama-bf16"
@@ -208,6 +214,7 @@ def test_download_convert_then_offline(hub, tmp_path):
     assert (tmp_path / "offline-out" / "model.safetensors").read_bytes() == (out / "model.safetensors").read_bytes()
 
 
+@pytest.mark.parametrize("route", ["streamed", "--download"])
 @pytest.mark.parametrize(
     "repo,env,message",
     [
@@ -216,11 +223,12 @@ def test_download_convert_then_offline(hub, tmp_path):
         (REPO, {"HF_HUB_OFFLINE": "1"}, "not in the Hub cache"),
     ],
 )
-def test_hub_errors_are_one_line(hub, tmp_path, repo, env, message):
+def test_hub_errors_are_one_line(hub, tmp_path, repo, env, message, route):
     endpoint, _ = hub
     result = cli(
         repo,
         "-q",
+        *([route] if route != "streamed" else []),
         "--cache-dir",
         tmp_path / "empty-cache",
         env={"HF_ENDPOINT": endpoint, "HF_HUB_DISABLE_XET": "1", **env},
@@ -283,7 +291,8 @@ def test_q_hides_the_download_bars_and_the_library_puts_them_back(hub, tmp_path)
     assert json.loads(library.stdout) is False and "Fetching" not in library.stderr, library.stderr
 
 
-def test_revision_is_for_hub_repos_and_the_card_records_it(hub, tmp_path):
+@pytest.mark.parametrize("route", ["streamed", "--download"])
+def test_revision_is_for_hub_repos_and_the_card_records_it(hub, tmp_path, route):
     endpoint, source = hub
     local = tmp_path / "local-bf16"
     assert cli(source, "-q", "-o", local, env={}, cwd=tmp_path).returncode == 0
@@ -301,6 +310,7 @@ def test_revision_is_for_hub_repos_and_the_card_records_it(hub, tmp_path):
     result = cli(
         REPO,
         "-q",
+        *([route] if route != "streamed" else []),
         "--revision",
         "v2",
         "-o",
@@ -362,15 +372,18 @@ def test_a_local_checkpoint_saved_with_fp16_weights_says_why_it_has_nothing_to_c
     assert not (tmp_path / "out").exists()
 
 
-def test_an_adapter_repo_as_source_is_resolved_to_its_base(hub, tmp_path):
+@pytest.mark.parametrize("route", ["streamed", "--download"])
+def test_an_adapter_repo_as_source_is_resolved_to_its_base(hub, tmp_path, route):
     """Its config.json (a dense model's) does not make it refused: its adapter_config.json names the base, which is
-    checked and fetched."""
+    checked and fetched (its weights streamed, or downloaded)."""
     endpoint, _ = hub
     FakeHub.requested.clear()
+    FakeHub.ranges.clear()
     out = tmp_path / "merged"
     result = cli(
         ADAPTER,
         "-q",
+        *([route] if route != "streamed" else []),
         "-o",
         out,
         "--cache-dir",
@@ -380,6 +393,8 @@ def test_an_adapter_repo_as_source_is_resolved_to_its_base(hub, tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert "adapter_model.safetensors" in downloaded(ADAPTER) and "model.safetensors.index.json" in downloaded(REPO)
+    weights_downloaded = "model-00001-of-00004.safetensors" in downloaded(REPO)
+    assert weights_downloaded == (route == "--download") and bool(FakeHub.ranges) == (route == "streamed")
     assert f"[{ADAPTER}](https://huggingface.co/{ADAPTER}) was then merged" in (out / "README.md").read_text()
 
 
@@ -390,7 +405,11 @@ SMALL_LIMITS = "import nf4convert.hub.ranges as hub; hub._FIRST_BYTES = 1024; hu
 
 def plan_lines(result) -> list[str]:
     """A dry run's lines but where it names the source and output, and the free space (which moves meanwhile)."""
-    return [line for line in result.stdout.splitlines() if not line.startswith(("source:", "output:", "to write:"))]
+    return [
+        line
+        for line in result.stdout.splitlines()
+        if not line.startswith(("source:", "weights:", "output:", "to write:"))
+    ]
 
 
 def test_a_hub_dry_run_reads_headers_and_quant_states_and_downloads_no_weights(hub, tmp_path):
@@ -462,8 +481,11 @@ def test_a_hub_dry_run_reads_headers_and_quant_states_and_downloads_no_weights(h
     ), lines[0]
     assert str(scratch) not in lines[0] and not list(scratch.iterdir())
 
-    # The conversion after it downloads the weights; a dry run then plans from the cache, with no range read.
-    done = cli(REPO, "-q", "-o", tmp_path / "from-hub", "--cache-dir", tmp_path / "cache", env=env, cwd=tmp_path)
+    # A conversion with --download after it downloads the weights; a dry run then plans from the cache, with no range
+    # read.
+    done = cli(
+        REPO, "-q", "--download", "-o", tmp_path / "from-hub", "--cache-dir", tmp_path / "cache", env=env, cwd=tmp_path
+    )
     assert done.returncode == 0, done.stderr
     assert "model-00001-of-00004.safetensors" in downloaded(REPO)
     FakeHub.ranges.clear()
@@ -525,6 +547,7 @@ def test_an_offline_dry_run_plans_from_the_cache(hub, tmp_path):
         cli(
             REPO,
             "-q",
+            "--download",
             "-o",
             tmp_path / "out",
             "--cache-dir",
@@ -658,7 +681,15 @@ def test_a_dry_run_plans_from_the_cache_only_when_it_holds_every_weight_file(hub
         assert full.returncode == 0, full.stderr
         assert (
             cli(
-                "test-org/noindex-bnb-4bit", "-q", "-o", tmp_path / "out", "--cache-dir", cache, env=env, cwd=tmp_path
+                "test-org/noindex-bnb-4bit",
+                "-q",
+                "--download",
+                "-o",
+                tmp_path / "out",
+                "--cache-dir",
+                cache,
+                env=env,
+                cwd=tmp_path,
             ).returncode
             == 0
         )

@@ -199,13 +199,17 @@ def build_adapter(folder: Path, layers: int, rank: int = 16) -> None:
     save_file(tensors, folder / "adapter_model.safetensors", metadata={"format": "pt"})
 
 
-def measure(command: list[str], env: dict | None = None, cwd: str | None = None) -> dict:
+def measure(command: list[str], env: dict | None = None, cwd: str | None = None, output: bool = False) -> dict:
     """Run ``command``; its wall time and the peak of its RssAnon and VmRSS, sampled every 5 ms; nf4convert's
-    pipeline profile (NF4CONVERT_PROFILE=1) when it printed one."""
-    with tempfile.TemporaryFile() as stderr:  # a file, not a pipe: a chatty route cannot block on it
+    pipeline profile (NF4CONVERT_PROFILE=1) when it printed one; with ``output``, what it printed (``stdout``)."""
+    with tempfile.TemporaryFile() as stderr, tempfile.TemporaryFile() as stdout:  # files: a chatty route never blocks
         started = time.perf_counter()
         process = subprocess.Popen(
-            command, stdout=subprocess.DEVNULL, stderr=stderr, env={**os.environ, **(env or {})}, cwd=cwd
+            command,
+            stdout=stdout if output else subprocess.DEVNULL,
+            stderr=stderr,
+            env={**os.environ, **(env or {})},
+            cwd=cwd,
         )
         peak_anon = peak_rss = peak_tree = 0
         status = Path(f"/proc/{process.pid}/status")
@@ -224,9 +228,12 @@ def measure(command: list[str], env: dict | None = None, cwd: str | None = None)
         seconds = time.perf_counter() - started
         stderr.seek(0)
         text = stderr.read().decode(errors="replace")
+        stdout.seek(0)
+        printed = stdout.read().decode(errors="replace")
         if process.returncode != 0:
             raise SystemExit(f"{command[0]} failed:\n{text[-3000:]}")
     run = {
+        **({"stdout": printed} if output else {}),
         "seconds": seconds,
         "peak_anon_mb": peak_anon / 1024,
         "peak_rss_mb": peak_rss / 1024,

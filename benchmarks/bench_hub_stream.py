@@ -23,6 +23,21 @@ The work stands for a conversion's: ``sleep:MBPS`` (the CPU free while the piece
 ``cpu:N`` (N numpy passes over each piece's bytes, as a CPU route competes for the cores). The figure of merit:
 stream+work / max(download, local), which the Hub streaming aims to keep at or under 1.1. Peak RssAnon of each step
 is sampled every 10 ms in its process. A markdown table on stdout; JSON with ``--json``.
+
+With ``--convert``, the real conversion instead of a stand-in:
+
+    python benchmarks/bench_hub_stream.py --convert [--layers 4] [--vocab 32000] [--device cpu] [--bandwidths ...]
+
+a Llama-8B-shaped bitsandbytes 4-bit checkpoint of ``--layers`` layers (bench_convert.build_source) published on the
+server, and for each bandwidth, each a command line in a fresh process with an empty Hub cache:
+
+  download          huggingface_hub's snapshot_download of the repo (the download alone)
+  local             nf4convert of the local folder (the conversion alone; measured once)
+  download+convert  nf4convert REPO --download: today's route, the download then the conversion
+  stream            nf4convert REPO: the weights streamed into the conversion
+
+with wall time, peak RssAnon, the most disk the Hub cache and TMPDIR held at once, and what the summary says was
+streamed. The streamed output is compared byte for byte with the local one.
 """
 
 from __future__ import annotations
@@ -62,7 +77,11 @@ def serve(args) -> None:
     sys.path.insert(0, str(ROOT / "tests"))
     from fixtures.fake_hub import serve as fake_hub
 
-    files = file_bytes(args.size_mb << 20, args.files, args.seed)
+    if args.folder:  # a checkpoint's files, as they are
+        folder = Path(args.folder)
+        files = {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+    else:
+        files = file_bytes(args.size_mb << 20, args.files, args.seed)
     with fake_hub(lifetime=24 * 3600) as (endpoint, hub):
         commit = hub.publish(REPO, files, xet=args.xet)
         hub.bandwidth = args.bandwidth * 1e6 if args.bandwidth else None
@@ -207,6 +226,158 @@ def step(args) -> None:
     print(json.dumps(result))
 
 
+# -- the real conversion ---------------------------------------------------------------------------------------------
+def convert_benchmark(args) -> None:
+    """``--convert``: the steps of the module's docstring on a synthesized checkpoint, a row per bandwidth and step."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    sys.path.insert(0, str(ROOT / "tests"))
+    from bench_convert import build_source, measure
+
+    from fixtures.fake_hub import READ_TOKEN
+
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="bench-hub-convert-"))
+    source = workdir / "stream-bnb-4bit"
+    if not (source / "config.json").is_file():
+        shutil.rmtree(source, ignore_errors=True)
+        build_source(source, args.layers, vocab_size=args.vocab)
+    size = sum(p.stat().st_size for p in source.glob("*.safetensors"))
+    cli = [
+        sys.executable,
+        "-m",
+        "nf4convert",
+        "-q",
+        "--device",
+        args.device,
+        *(["--dtype", args.dtype] if args.dtype else []),
+    ]
+    rows, local = [], None
+    try:
+        for bandwidth in [float(b) for b in args.bandwidths.split(",")]:
+            server_command = [
+                sys.executable,
+                __file__,
+                "--serve",
+                "--folder",
+                str(source),
+                "--bandwidth",
+                str(bandwidth),
+            ]
+            server_command += ["--latency-ms", str(args.latency_ms)] + (["--xet"] if args.xet else [])
+            with subprocess.Popen(server_command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) as server:
+                ready = json.loads(server.stdout.readline())
+                env = {key: value for key, value in os.environ.items() if not key.startswith("HF_")}
+                env.update(HF_ENDPOINT=ready["endpoint"], HF_TOKEN=READ_TOKEN, HF_HUB_DISABLE_TELEMETRY="1")
+                env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+                if not args.xet:
+                    env["HF_HUB_DISABLE_XET"] = "1"
+                out = workdir / "out"
+                steps = {
+                    "download": [sys.executable, "-c", DOWNLOAD, REPO],
+                    "local": [*cli, str(source), "-o", str(out)],
+                    "download+convert": [*cli, REPO, "--download", "-o", str(out)],
+                    "stream": [*cli, REPO, "-o", str(out)],
+                }
+                for name in args.steps.split(","):
+                    if name == "local" and local is not None:
+                        rows.append({**local, "bandwidth": bandwidth})
+                        continue
+                    runs = []
+                    for _ in range(args.repeat):
+                        home, tmp = workdir / "home", workdir / "tmp"
+                        for folder in (home, tmp, out):
+                            shutil.rmtree(folder, ignore_errors=True)
+                        tmp.mkdir()
+                        subprocess.run(["sync"], check=True)  # the step before's writes not flushed during this one
+                        disk = DiskPeak([home, tmp])
+                        try:
+                            one = measure(
+                                steps[name], env={**env, "HF_HOME": str(home), "TMPDIR": str(tmp)}, output=True
+                            )
+                        finally:
+                            one["disk_mb"] = disk.stop() / 1e6
+                        summary = one.pop("stdout").strip().splitlines()
+                        one["summary"] = summary[0].split("; ", 1)[1] if summary and "; " in summary[0] else ""
+                        runs.append(one)
+                    row = sorted(runs, key=lambda one: one["seconds"])[len(runs) // 2]  # the median run
+                    row.update(bandwidth=bandwidth, step=name, runs=[round(one["seconds"], 2) for one in runs])
+                    if name == "local":
+                        local = row
+                        reference = digests(out)
+                    if name == "stream" and "local" in args.steps.split(","):
+                        row["same_bytes"] = digests(out) == reference
+                    rows.append(row)
+                    print(f"{bandwidth:g} MB/s {name}: {json.dumps(row)}", file=sys.stderr, flush=True)
+                shutil.rmtree(out, ignore_errors=True)
+                server.stdin.close()
+                server.wait(timeout=60)
+    finally:
+        if not args.workdir:
+            shutil.rmtree(workdir, ignore_errors=True)
+    print(
+        f"\n{args.layers}-layer Llama-8B-shaped bnb-4bit checkpoint, {size / 1e9:.2f} GB of weights, "
+        f"vocab {args.vocab}, latency {args.latency_ms:g} ms, --device {args.device}; "
+        f"{platform.node()}, {os.cpu_count()} CPUs\n"
+    )
+    print("| link MB/s | step | seconds (runs) | source MB/s | peak RssAnon MB | cache+tmp MB | said | same bytes |")
+    print("|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        runs = ", ".join(f"{seconds:.1f}" for seconds in row["runs"])
+        print(
+            f"| {row['bandwidth']:g} | {row['step']} | {row['seconds']:.2f} ({runs}) | "
+            f"{size / row['seconds'] / 1e6:.0f} | {row['peak_anon_mb']:.0f} | {row['disk_mb']:.0f} | "
+            f"{row['summary']} | {row.get('same_bytes', '')} |"
+        )
+    by = {(row["bandwidth"], row["step"]): row["seconds"] for row in rows}
+    for bandwidth in sorted({row["bandwidth"] for row in rows}):
+        parts = [by.get((bandwidth, s)) for s in ("download", "local", "stream", "download+convert")]
+        if None not in parts:
+            print(
+                f"\nlink {bandwidth:g} MB/s: stream / max(download, local) = {parts[2] / max(parts[0], parts[1]):.2f}; "
+                f"download+convert / stream = {parts[3] / parts[2]:.2f}"
+            )
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+
+
+DOWNLOAD = "import sys; from huggingface_hub import snapshot_download; snapshot_download(sys.argv[1])"
+
+
+class DiskPeak:
+    """The most bytes (allocated blocks) the files under ``folders`` held at once, sampled every 50 ms."""
+
+    def __init__(self, folders):
+        self.folders, self.peak = folders, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    def _sample(self):
+        while not self._stop.wait(0.05):
+            total = 0
+            for folder in self.folders:
+                for root, _, names in os.walk(folder):
+                    for name in names:
+                        try:
+                            total += os.lstat(os.path.join(root, name)).st_blocks * 512
+                        except OSError:
+                            pass
+            self.peak = max(self.peak, total)
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return self.peak
+
+
+def digests(folder: Path) -> dict[str, str]:
+    import hashlib
+
+    return {
+        p.name: hashlib.file_digest(open(p, "rb"), "sha256").hexdigest()  # noqa: SIM115
+        for p in sorted(folder.glob("*.safetensors"))
+    }
+
+
 # -- the benchmark ---------------------------------------------------------------------------------------------------
 def run_step(name: str, args, server: dict, local: Path | None = None) -> dict:
     command = [
@@ -253,7 +424,15 @@ def main() -> None:
     parser.add_argument("--steps", default="download,stream,local,stream+work")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--json")
+    parser.add_argument("--convert", action="store_true", help="the real conversion (see the docstring)")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default=None)
+    parser.add_argument("--workdir", help="with --convert: where the checkpoint is built (kept)")
+    parser.add_argument("--repeat", type=int, default=1, help="with --convert: runs of each step (the median is shown)")
     # internal: the server's process and the steps' processes
+    parser.add_argument("--folder", help=argparse.SUPPRESS)
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--bandwidth", type=float, default=0.0, help=argparse.SUPPRESS)
     parser.add_argument("--step", help=argparse.SUPPRESS)
@@ -265,6 +444,10 @@ def main() -> None:
         return serve(args)
     if args.step:
         return step(args)
+    if args.convert:
+        if args.steps == parser.get_default("steps"):
+            args.steps = "download,local,download+convert,stream"
+        return convert_benchmark(args)
 
     steps = args.steps.split(",")
     local = None

@@ -375,3 +375,16 @@ def test_without_a_token_the_repo_is_not_found_and_with_one_it_streams(hub, tmp_
     assert done.returncode == 1 and len(lines) == 1 and "give a token" in lines[0], done.stderr
     done = run(hub, tmp_path / "out", BNB4, "--token", READ_TOKEN, home=tmp_path / "home", **environ)
     assert done.returncode == 0 and "streamed from the Hub" in done.stdout, done.stderr
+
+
+def test_a_repo_on_xet_is_streamed_through_hf_xet(hub, tmp_path):
+    pytest.importorskip("hf_xet")
+    repo = "org/xet-llama-bnb-4bit"
+    hub.state.publish(repo, hub.repos[BNB4], xet=True)
+    before = len(hub.state.requests)
+    out = tmp_path / "out"
+    done = run(hub, out, repo, home=tmp_path / "home", HF_HUB_DISABLE_XET=None)
+    assert done.returncode == 0 and "streamed from the Hub" in done.stdout, done.stderr
+    assert without_card(files_of(out)) == without_card(files_of(hub.reference(BNB4)))
+    assert any(r.startswith("GET /cas/v1/reconstructions/") for r in hub.state.requests[before:])
+    assert not cached_blobs(tmp_path / "home") & weight_hashes(hub, BNB4)

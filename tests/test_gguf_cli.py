@@ -290,6 +290,13 @@ def test_batch_writes_one_gguf_per_source(llama, tmp_path):
     assert result.stdout.count(" ok ") == 2
     for name in _files(tmp_path / "out"):
         assert gguf.GGUFReader(tmp_path / "out" / name).fields["general.file_type"].contents() == 7  # MOSTLY_Q8_0
+    # run again: the files there are outputs, skipped (or verified as they are), never rewritten
+    made = {name: (tmp_path / "out" / name).stat().st_mtime_ns for name in _files(tmp_path / "out")}
+    again = cli("batch", llama, other, "-o", tmp_path / "out", "--gguf-type", "q8_0", "--skip-existing", "--json")
+    assert [json.loads(line)["status"] for line in again.stdout.splitlines()] == ["skipped", "skipped"]
+    checked = cli("batch", llama, other, "-o", tmp_path / "out", "--gguf-type", "q8_0", "--skip-existing", "--verify")
+    assert checked.stdout.count(" verified ") == 2, checked.stdout
+    assert {name: (tmp_path / "out" / name).stat().st_mtime_ns for name in _files(tmp_path / "out")} == made
     dry = cli("batch", llama, other, "-o", tmp_path / "planned", "--gguf-type", "bf16", "--dry-run", "--device", "cpu")
     assert "planned" in dry.stdout and str(tmp_path / "planned" / "qwen-bf16.gguf") in dry.stdout
     assert not (tmp_path / "planned").exists()

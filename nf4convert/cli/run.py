@@ -192,7 +192,7 @@ def batch(
 
         try:
             own = options.replace(output=None, output_dir=root, stem=stem)
-            found = _existing(source, output, own, named) if skip_existing else None
+            found = _existing(source, output, own, named, file=sink.file) if skip_existing else None
             if found is not None:
                 row.output, row.existing = str(found), True
                 row.tensors = _verified(found, source, own) if verify else None
@@ -244,15 +244,16 @@ class _Existing(Exception):
         self.folder = folder
 
 
-def _existing(source: str, output: str, options: ConvertOptions, told) -> Path | None:
-    """A batch source's output if it is there already: named in advance where the dtype is given; else, as the plan
-    of the source's headers names it (a Hub repo's weights are not downloaded to learn it)."""
-    if not output.endswith("<dtype>"):
-        return Path(output) if lifecycle.holds_output(Path(output)) else None
+def _existing(source: str, output: str, options: ConvertOptions, told, *, file: bool) -> Path | None:
+    """A batch source's output if it is there already (``file``: the output is one file): named in advance where the
+    dtype is given; else, as the plan of the source's headers names it (a Hub repo's weights are not downloaded to
+    learn it)."""
+    if "<dtype>" not in output:
+        return Path(output) if lifecycle.holds_output(Path(output), file=file) else None
 
     def named(folder: Path) -> None:
         told(folder)
-        if lifecycle.holds_output(folder):
+        if lifecycle.holds_output(folder, file=file):
             raise _Existing(folder)
 
     try:

@@ -76,9 +76,12 @@ def check_destination(output: Path, *, overwrite: bool, file: bool = False) -> N
         )
 
 
-def holds_output(output: Path) -> bool:
-    """Whether OUT is there as a conversion would refuse to write it without ``overwrite``: a folder, not empty."""
+def holds_output(output: Path, *, file: bool = False) -> bool:
+    """Whether OUT is there as a conversion would refuse to write it without ``overwrite``: a folder, not empty; or
+    (``file``: the output is one file, a GGUF) a file."""
     try:
+        if file:
+            return output.is_file() and not output.is_symlink()
         return output.is_dir() and not output.is_symlink() and any(output.iterdir())
     except OSError:
         return False  # one that cannot be read: the conversion's own checks say so

@@ -437,3 +437,54 @@ def test_push_uploads_the_file_and_a_card_and_keeps_the_rest(llama, tmp_path):
     card = files["README.md"].decode()
     assert "## GGUF" in card and "`llama-q8_0.gguf` is a GGUF file of type q8_0" in card
     assert card.startswith("---\n") and "How these weights were made" in card
+
+
+# huggingface_hub's own CLI, as the shell runs the printed command (a function where its script is not on PATH).
+HF = (
+    'hf() { "$NF4CONVERT_PYTHON" -c \'import sys; from huggingface_hub.cli.hf import main; sys.argv[0] = "hf"; '
+    "main()' "
+    '"$@"; }'
+)
+
+
+@pytest.mark.parametrize("branch", [None, "gguf"])
+def test_a_failed_push_gives_a_command_that_pushes_the_file_and_its_card(llama, tmp_path, branch):
+    """The command printed after a failed push, run as printed, uploads what --push-to-hub would have: the file and
+    its model card, on the branch asked for."""
+    import shlex
+    import subprocess
+    import sys
+
+    from fixtures.fake_hub import READ_TOKEN, WRITE_TOKEN, client_env, serve
+
+    with serve() as (endpoint, state):
+        env = client_env(endpoint, tmp_path / "home", HF_HUB_DISABLE_XET="1", NF4CONVERT_PYTHON=sys.executable)
+        out = tmp_path / "my out" / "llama q8.gguf"
+        options = ["--push-branch", branch] if branch else []
+        command = [sys.executable, "-m", "nf4convert", str(llama), "-o", str(out), "--gguf-type", "q8_0", "-q"]
+        command += ["--device", "cpu", "--push-to-hub", "me/pushed", "--private", *options]
+        done = subprocess.run([*command, "--token", WRITE_TOKEN], env=env, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        pushed = state.repos["me/pushed"]["branches"][branch or "main"]
+        out.unlink()
+        failed = subprocess.run([*command, "--token", READ_TOKEN], env=env, capture_output=True, text=True)
+        lines = failed.stderr.strip().splitlines()
+        assert failed.returncode == 1 and len(lines) == 1 and "me/pushed: upload failed: HTTP 403" in lines[0], lines
+        kept = out.with_name("llama q8.README.md")
+        flags = (f" --revision {branch}" if branch else "") + " --private"
+        again = (
+            f"hf upload me/pushed {shlex.quote(str(out))} 'llama q8.gguf'{flags} && "
+            f"hf upload me/pushed {shlex.quote(str(kept))} README.md{flags}"
+        )
+        assert lines[0].endswith(
+            f"; {out} is complete and kept; its model card is kept as {kept}; push both again with: {again}"
+        ), lines[0]
+        assert kept.read_bytes() == pushed["README.md"]
+        state.repos.clear()
+        ran = subprocess.run(
+            ["bash", "-c", f"{HF}; {again}"], env={**env, "HF_TOKEN": WRITE_TOKEN}, capture_output=True, text=True
+        )
+        assert ran.returncode == 0, ran.stdout + ran.stderr
+        repo = state.repos["me/pushed"]
+        assert repo["private"] and repo["branches"][branch or "main"]["llama q8.gguf"] == pushed["llama q8.gguf"]
+        assert {k: v for k, v in repo["branches"][branch or "main"].items()} == pushed

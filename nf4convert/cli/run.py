@@ -78,26 +78,18 @@ def convert_then(
                     progress=options.progress,
                 )
             except UploadError as error:  # the output stays: say so, and how to push it once the cause is gone
-                again = error.option != "private"  # a public repo refused for --private: a plain upload would fill it
-                kept = kept_for_push(result.output, push_to, private, push_branch, again=again)
+                kept = f"{result.output} is complete and kept"
+                if error.option != "private":  # a public repo refused for --private: a plain upload would fill it
+                    again = sink.push_again(
+                        result.output, push_to, card=result.card, private=private, branch=push_branch
+                    )
+                    kept = f"{kept}; {again}"
                 raise UploadError(f"{error}; {kept}", option=error.option) from error
             on_step(Pushed(url))
     except (Interrupted, Terminated) as stop:
         stop.output_complete = stop.output_complete or result.output
         raise
     return True
-
-
-def kept_for_push(output, repo_id: str, private: bool, branch: str | None, *, again: bool = True) -> str:
-    """What a failed push leaves, and (``again``) the command that pushes it once the cause is gone: huggingface_hub's
-    own CLI."""
-    import shlex
-
-    kept = f"{output} is complete and kept"
-    if not again:
-        return kept
-    words = ["hf", "upload", repo_id, str(output), ".", *(["--revision", branch] if branch else [])]
-    return f"{kept}; push it again with: {shlex.join(words + (['--private'] if private else []))}"
 
 
 def verify_output(output, source, options: VerifyOptions) -> VerifyReport:

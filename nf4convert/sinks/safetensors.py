@@ -151,3 +151,9 @@ class SafetensorsFolder(Sink):
         from ..hub.upload import push_to_hub
 
         return push_to_hub(output, repo_id, private=private, token=token, revision=revision, progress=progress)
+
+    @classmethod
+    def push_again(cls, output, repo_id, *, card, private, branch) -> str:
+        from ..hub.upload import upload_command
+
+        return f"push it again with: {upload_command(repo_id, output, '.', private=private, branch=branch)}"

@@ -488,3 +488,26 @@ def test_a_failed_push_gives_a_command_that_pushes_the_file_and_its_card(llama, 
         repo = state.repos["me/pushed"]
         assert repo["private"] and repo["branches"][branch or "main"]["llama q8.gguf"] == pushed["llama q8.gguf"]
         assert {k: v for k, v in repo["branches"][branch or "main"].items()} == pushed
+
+
+def test_a_source_and_an_output_named_in_bytes_that_are_not_utf8_make_a_gguf(llama, tmp_path):
+    """The converter's libraries take paths and names as UTF-8 text: such a byte in SOURCE or OUT still converts, and
+    the file verifies."""
+    import os
+    import subprocess
+    import sys
+
+    from fixtures.processes import package_env
+
+    source, out = os.fsdecode(b"src/bad\xff-bnb-4bit"), os.fsdecode(b"g\xfe.gguf")
+    shutil.copytree(llama, tmp_path / source)
+    command = [sys.executable, "-m", "nf4convert"]
+    done = subprocess.run(
+        [*command, source, "-o", out, "--gguf-type", "q8_0", "-q", "--device", "cpu", "--verify"],
+        cwd=tmp_path,
+        env=package_env(),
+        capture_output=True,
+    )
+    assert done.returncode == 0 and not done.stderr, done.stderr.decode(errors="replace")
+    assert b"\nOK: bit-exact" in done.stdout
+    assert gguf.GGUFReader(tmp_path / out).fields["general.name"].contents() == "Bad\\Xff"  # the converter's title

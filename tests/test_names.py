@@ -67,3 +67,20 @@ def test_a_source_and_an_output_named_in_bytes_that_are_not_utf8_convert(source,
 def test_an_error_shows_a_byte_that_is_not_utf8_as_an_escape(tmp_path):
     done = nf4convert(os.fsdecode(b"nope\xff"), "-q", cwd=tmp_path)
     assert done.returncode == 1 and done.stderr.decode("utf-8").startswith("Error: nope\\xff: no such folder")
+
+
+def test_a_batch_checks_a_long_name_as_it_will_be_not_with_its_placeholder(tmp_path):
+    """With --dtype auto the output's name is ``<name>-<dtype>`` until planned: the length a file system allows is
+    checked on the name as it will be written (``<name>-bf16``), not on the placeholder."""
+    fits, too_long = "m" * 250, "n" * 251  # + "-bf16": 255 bytes, the most a file name has, and 256
+    for name in (fits, too_long):
+        shutil.copytree(EXAMPLE, tmp_path / name)
+    done = nf4convert("batch", fits, "-o", "root", "-q", "--device", "cpu", "--json", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    row = json.loads(done.stdout)
+    assert row["status"] == "ok" and row["output"] == f"root/{fits}-bf16", row
+    assert (tmp_path / "root" / f"{fits}-bf16" / "model.safetensors").is_file()
+    refused = nf4convert("batch", too_long, "-o", "root", "-q", "--device", "cpu", cwd=tmp_path)
+    assert refused.returncode == 2 and refused.stderr.decode().endswith(
+        f"{too_long}-bf16: a name in it is 256 bytes long; a file system takes at most 255\n"
+    ), refused.stderr

@@ -12,6 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 from nf4convert.cli.commands import main
+from nf4convert.verification.reference.dequantize_4bit import CPU_REFERENCE
 
 from fixtures.adapters import make_adapter
 from fixtures.checkpoints import build
@@ -316,7 +317,7 @@ def _flip(path: Path, offset: int) -> None:
 def test_verify_catches_a_flipped_byte_and_a_changed_field(llama, tmp_path):
     out = tmp_path / "x.gguf"
     result = cli(llama, "-o", out, "--gguf-type", "q8_0", "-q", "--device", "cpu", "--verify")
-    assert "OK: bit-exact with llama.cpp's converter on bitsandbytes" in result.stdout
+    assert f"\nOK: bit-exact with llama.cpp's converter on {CPU_REFERENCE}\n" in result.stdout  # what it compared
     reader = gguf.GGUFReader(out)
     tensor = next(t for t in reader.tensors if t.name == "blk.1.attn_q.weight")
     context = reader.fields["llama.context_length"]
@@ -340,7 +341,7 @@ def test_verify_with_an_adapter_and_a_dtype(llama, tmp_path):
     out = tmp_path / "merged.gguf"
     cli(llama, "--adapter", adapter, "--dtype", "fp16", "-o", out, "--gguf-type", "q8_0", "-q", "--device", "cpu")
     result = cli("verify", out, llama, "--adapter", adapter, "--dtype", "fp16", "-q", "--device", "cpu")
-    assert "recomputed by llama.cpp's converter on bitsandbytes and peft" in result.stdout and "OK:" in result.stdout
+    assert f"recomputed by llama.cpp's converter on {CPU_REFERENCE} and peft)\nOK:" in result.stdout
     result = cli(
         "verify", out, llama, "--adapter", adapter, "-q", "--device", "cpu", code=1
     )  # made from fp16, not bf16
@@ -361,7 +362,7 @@ def test_verify_an_adapter_merged_into_a_tied_base(gguf_type, tensor, tmp_path):
     names = [found.name for found in gguf.GGUFReader(out).tensors]
     assert "output.weight" in names and "token_embd.weight" in names  # untied by the merge
     result = cli("verify", out, source, "--adapter", adapter, "-q", "--device", "cpu")
-    assert "OK: bit-exact with llama.cpp's converter on bitsandbytes and peft" in result.stdout, result.stdout
+    assert f"\nOK: bit-exact with llama.cpp's converter on {CPU_REFERENCE} and peft\n" in result.stdout, result.stdout
     changed = Path(shutil.copy(out, tmp_path / "changed.gguf"))
     found = next(found for found in gguf.GGUFReader(out).tensors if found.name == tensor)
     _flip(changed, found.data_offset + found.n_bytes // 3)

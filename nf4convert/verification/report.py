@@ -31,15 +31,15 @@ class VerifyReport:
 
     @property
     def libraries(self) -> str:
-        """What the recomputed tensors were compared against, together ("bitsandbytes and peft")."""
-        if self.gguf:  # every tensor went through the converter, run on the reference libraries' tensors
-            return "llama.cpp's converter on " + ("bitsandbytes and peft" if self.merged else "bitsandbytes")
+        """What the recomputed tensors were compared against, together ("bitsandbytes and peft"; a GGUF's: "llama.cpp's
+        converter on bitsandbytes", every tensor having gone through the converter)."""
         names = []
         for what in sorted(self.against):
             for part in what.split(" + "):
                 if part != "the source tensor" and part not in names:
                     names.append(part)
-        return " and ".join(names) or "the source tensors"
+        together = " and ".join(names) or "the source tensors"
+        return f"llama.cpp's converter on {together}" if self.gguf else together
 
 
 def report_lines(report: VerifyReport) -> list[str]:

@@ -203,7 +203,7 @@ def test_a_replaced_gguf_package_is_named(monkeypatch, tmp_path):
 
 def test_gguf_type_needs_a_gguf_output(llama, tmp_path):
     result = cli(llama, "-o", tmp_path / "folder", "--gguf-type", "q8_0", code=2)
-    assert "give an output ending in .gguf" in error_line(result) and "--gguf-type" in error_line(result)
+    assert error_line(result) == "Error: --gguf-type 'q8_0' writes one GGUF file: give an output ending in .gguf"
     result = cli(llama, "-o", tmp_path / "x.gguf", "--gguf-type", "q4_k", code=2)
     assert "q4_k" in error_line(result)
     assert _files(tmp_path) == []

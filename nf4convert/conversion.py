@@ -16,6 +16,7 @@ from .hub.names import model_name, model_stem
 from .hub.ranges import HeadersOnly
 from .hub.sources import as_text, named_sources, resolve_source, reworded
 from .options import ConvertOptions
+from .paths import expanded
 from .pipeline.routes import route_for
 from .plan import make_plan
 from .safetensors_io.read import TensorReader
@@ -127,7 +128,10 @@ def _prepare(source, options: ConvertOptions, *, reader, headers=None, on_output
     sink.check_ready()  # before any download: a missing library is said first
     output = options.output
     if output is not None:  # before any download
-        lifecycle.check_destination(output, overwrite=options.overwrite, file=sink.file)
+        local = [expanded(name, "source") for name in (source, adapter) if name is not None]
+        lifecycle.check_destination(
+            output, overwrite=options.overwrite, file=sink.file, sources=[path for path in local if path.is_dir()]
+        )
     hub = options.hub
     folder, adapter_folder, base, adapter = resolve_source(
         source,
@@ -159,7 +163,8 @@ def _prepare(source, options: ConvertOptions, *, reader, headers=None, on_output
     if on_output is not None:
         on_output(output)
     if named:
-        lifecycle.check_destination(output, overwrite=options.overwrite, file=sink.file)
+        sources = [folder] + ([adapter_folder] if adapter_folder is not None else [])
+        lifecycle.check_destination(output, overwrite=options.overwrite, file=sink.file, sources=sources)
     lifecycle.check_not_source(output, folder)
     if adapter_folder is not None:
         lifecycle.check_not_source(output, adapter_folder)

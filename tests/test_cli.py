@@ -173,8 +173,13 @@ def test_default_output_name_and_overwrite(checkpoints, tmp_path, monkeypatch):
     assert marker.exists()  # refused: nothing touched
     run(source, "-q", "--overwrite")
     assert not marker.exists() and (out / "config.json").exists()
-    # Never the source itself, even with --overwrite.
+    # Never the source itself, even with --overwrite; said first (not that it exists and is not empty), and so of a
+    # folder that holds it.
     assert "is the source checkpoint's folder" in run(source, "-o", source, "-q", "--overwrite", code=1)
+    held = shutil.copytree(source, tmp_path / "models" / "Held-bnb-4bit")
+    for held_in in (held, held.parent):
+        said = run(held, "-o", held_in, "-q", code=1)
+        assert said.startswith(f"Error: {held_in}: is the source checkpoint's folder (or holds it)"), said
     assert "is the current folder or holds it" in run(source, "-o", tmp_path.parent, "-q", "--overwrite", code=1)
     assert "is the current folder" in run(source, "-o", tmp_path, "-q", "--overwrite", code=1)  # which holds it too
     assert "is inside the source checkpoint's folder" in run(source, "-o", source / "dense", "-q", code=1)

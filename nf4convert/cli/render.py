@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from ..sinks.output import space_needed
-from ..sizes import size_text
+from ..sizes import counted, size_text
 
 
 def summary(result) -> str:
     """A ``ConvertResult`` in one line, its tensors counted by kind as the plan counts them."""
     made = kinds_text(result.kinds) if result.kinds else f"{result.dequantized} dequantized"
     return (
-        f"{result.output}: {result.tensors} tensors ({made}), "
+        f"{result.output}: {counted(result.tensors, 'tensor')} ({made}), "
         f"{result.bytes / 1e9:.2f} GB {result.made}, {result.seconds:.1f} s"
     )
 

@@ -21,6 +21,7 @@ from ..plan import Plan, may_exceed
 from ..safetensors_io.read import TensorReader
 from ..safetensors_io.write import ShardWriter, Writeback
 from ..settings import Settings
+from ..sizes import counted
 from . import output as lifecycle
 from .base import Sink, Written, register
 from .naming import batch_output, default_output
@@ -129,7 +130,8 @@ class SafetensorsFolder(Sink):
     def plan_lines(self) -> list[str]:
         plan = self.plan
         lines = [
-            f"  {shard.filename}: {len(shard.tensors)} tensors, {shard.nbytes / 1e9:.3f} GB" for shard in plan.shards
+            f"  {shard.filename}: {counted(len(shard.tensors), 'tensor')}, {shard.nbytes / 1e9:.3f} GB"
+            for shard in plan.shards
         ]
         config = "rewritten" if plan.config else "none"
         lines.append(f"side files: {len(plan.side_files)} ({plan.side_bytes / 1e6:.1f} MB), config.json {config}")

@@ -7,6 +7,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..sizes import counted
+
 
 @dataclass
 class VerifyReport:
@@ -44,14 +46,16 @@ class VerifyReport:
 
 def report_lines(report: VerifyReport) -> list[str]:
     """The report as the command prints it: what was compared against what, each problem, the verdict."""
+    plain = {True: "its source tensor", False: "their source tensors"}  # a copy is compared with its source
     compared = ", ".join(
-        f"{count} against {'their source tensors' if what == 'the source tensor' else what}"
+        f"{count} against {plain[count == 1] if what == 'the source tensor' else what}"
         for what, count in sorted(report.against.items())
     )
     if report.gguf:
         compared = f"{report.dequantized} recomputed by {report.libraries}"
     lines = [
-        f"{report.output}: {report.checked} tensors checked on {report.device}" + (f" ({compared})" if compared else "")
+        f"{report.output}: {counted(report.checked, 'tensor')} checked on {report.device}"
+        + (f" ({compared})" if compared else "")
     ]
     lines += [f"  MISMATCH {problem}" for problem in report.problems[:20]]
     if len(report.problems) > 20:

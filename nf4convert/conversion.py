@@ -221,7 +221,8 @@ def convert(
     Raises:
         ArgumentError: a bad ``dtype``, ``device``, ``max_shard_size``, ``stem`` or ``gguf_type``, or ``output`` with
             ``output_dir``.
-        DependencyError: a GGUF output without llama.cpp's converter (``pip install "nf4convert[gguf]"``).
+        DependencyError: a GGUF output without llama.cpp's converter (the "gguf" extra: ``pip install ".[gguf]"`` in
+            the clone).
         SourceNotFoundError: ``source`` cannot be found or fetched.
         CheckpointError: the checkpoint is corrupt, not a checkpoint this tool reads or has no config.json (and
             ``allow_no_config`` is off), or the adapter does not fit it.

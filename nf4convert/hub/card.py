@@ -141,7 +141,7 @@ def model_card(
         >>> (output / "README.md").write_text(card.text, encoding="utf-8")
         >>> if card.warning: print(f"Warning: {card.warning}")
     """
-    title = shown(title)
+    title = shown(title) if title is not None else None
     fields, body, warning = _split(source_card_text)
     original_base = fields.get("base_model")
     front_matter, yaml_warning = _front_matter(_dense_fields(fields, source_repo=source_repo))

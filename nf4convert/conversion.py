@@ -17,6 +17,7 @@ from .hub.ranges import HeadersOnly
 from .hub.sources import as_text, named_sources, resolve_source, reworded
 from .hub.weights import HubWeights
 from .options import ConvertOptions
+from .paths import expanded
 from .pipeline.routes.base import route_for
 from .plan import make_plan
 from .safetensors_io.read import TensorReader
@@ -131,7 +132,10 @@ def _prepare(source, options: ConvertOptions, *, reader, headers=None, on_output
     sink.check_ready()  # before any download: a missing library is said first
     output = options.output
     if output is not None:  # before any download
-        lifecycle.check_destination(output, overwrite=options.overwrite, file=sink.file)
+        local = [expanded(name, "source") for name in (source, adapter) if name is not None]
+        lifecycle.check_destination(
+            output, overwrite=options.overwrite, file=sink.file, sources=[path for path in local if path.is_dir()]
+        )
     hub = options.hub
     folder, adapter_folder, base, adapter = resolve_source(
         source, adapter, hub, progress=options.progress, headers=headers
@@ -157,7 +161,8 @@ def _prepare(source, options: ConvertOptions, *, reader, headers=None, on_output
     if on_output is not None:
         on_output(output)
     if named:
-        lifecycle.check_destination(output, overwrite=options.overwrite, file=sink.file)
+        sources = [folder] + ([adapter_folder] if adapter_folder is not None else [])
+        lifecycle.check_destination(output, overwrite=options.overwrite, file=sink.file, sources=sources)
     lifecycle.check_not_source(output, folder)
     if adapter_folder is not None:
         lifecycle.check_not_source(output, adapter_folder)
@@ -221,7 +226,8 @@ def convert(
     Raises:
         ArgumentError: a bad ``dtype``, ``device``, ``max_shard_size``, ``stem`` or ``gguf_type``, or ``output`` with
             ``output_dir``.
-        DependencyError: a GGUF output without llama.cpp's converter (``pip install "nf4convert[gguf]"``).
+        DependencyError: a GGUF output without llama.cpp's converter (the "gguf" extra: ``pip install ".[gguf]"`` in
+            the clone).
         SourceNotFoundError: ``source`` cannot be found or fetched (FetchError: its weights' bytes could not be
             fetched, after retrying).
         CheckpointError: the checkpoint is corrupt (IntegrityError: a Hub file's bytes do not match its hash), not

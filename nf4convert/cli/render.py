@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from ..sinks.output import space_needed
-from ..sizes import size_text
+from ..sizes import counted, size_text
 
 
 def summary(result) -> str:
     """A ``ConvertResult`` in one line, its tensors counted by kind as the plan counts them."""
     made = kinds_text(result.kinds) if result.kinds else f"{result.dequantized} dequantized"
     return (
-        f"{result.output}: {result.tensors} tensors ({made}), "
+        f"{result.output}: {counted(result.tensors, 'tensor')} ({made}), "
         f"{result.bytes / 1e9:.2f} GB {result.made}, {result.seconds:.1f} s" + read_text(result.read)
     )
 
@@ -46,9 +46,8 @@ def plan_lines(prepared) -> list[str]:
     says it, bytes, free space."""
     plan, sink = prepared.plan, prepared.sink
     needed = prepared.needed
-    shown = f"{prepared.headers_only} (its headers and quant states read from the Hub; no weights downloaded)"
     lines = [
-        f"source: {shown if prepared.headers_only else plan.folder}",
+        f"source: {_source(prepared)}",
         *([weights_line(*prepared.hub_weights)] if prepared.hub_weights else []),
         f"output: {prepared.output} ({sink.what(planned=True)})",
         f"tensors: {len(plan.tensors)} ({kinds_text(plan.kinds)})",
@@ -68,6 +67,22 @@ def weights_line(size: int, download: bool) -> str:
     if download:
         return f"weights: {size_text(size)} to download into the Hub cache first (--download), then read there"
     return f"weights: {size_text(size)} to stream from the Hub as they are converted; no copy kept on disk"
+
+
+def _source(prepared) -> str:
+    """A dry run's source: a Hub repo by its id and commit (read from the Hub, or from the Hub cache's copy), a local
+    folder by its path."""
+    from pathlib import Path
+
+    from ..hub.names import commit_of, looks_like_repo_id
+
+    if prepared.headers_only:
+        return f"{prepared.headers_only} (its headers and quant states read from the Hub; no weights downloaded)"
+    folder, base = prepared.plan.folder, prepared.base
+    commit = commit_of(folder)
+    if commit and looks_like_repo_id(base) and not Path(base).expanduser().exists():
+        return f"{base}@{commit[:12]} (from the Hub cache: {folder})"
+    return str(folder)
 
 
 def table(rows) -> list[str]:

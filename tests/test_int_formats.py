@@ -506,6 +506,51 @@ def test_gptqmodel_itself_agrees(checkpoints, reader, tmp_path, variant, device)
         assert torch.equal(bits(dense), bits(ours(weights[name], reader))), name
 
 
+_TRANSFORMERS = r"""
+import sys
+import torch
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM, GPTQConfig
+
+folder, out, device, method = sys.argv[1:5]
+extra = dict(quantization_config=GPTQConfig(bits=int(sys.argv[5]), backend="torch")) if method == "gptq" else {}
+model = AutoModelForCausalLM.from_pretrained(folder, device_map=device, dtype=torch.float16, **extra)
+made = {}
+for name, module in model.named_modules():
+    if hasattr(module, "qweight"):
+        if method == "gptq":
+            dense = module.dequantize_weight()
+        else:
+            from gptqmodel.quantization.awq.utils.packing_utils import dequantize_gemm
+            dense = dequantize_gemm(module.qweight, module.qzeros, module.scales, 4, module.group_size)
+        made[name + ".weight"] = dense.T.contiguous().cpu()
+save_file(made, out)
+"""
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("variant", ["gptq-llama-4bit-g32-v1-asym-descact", "gptq-llama-3bit-g32-v1-descact",
+                                     "gptq-llama-4bit-g32-v1-sym", "awq-llama-gemm-g32"])  # fmt: skip
+def test_transformers_loading_through_gptqmodel_holds_our_weights(checkpoints, reader, tmp_path, variant, device):
+    """transformers' own loading (optimum and gptqmodel, torch kernels, v1 zeros converted as it converts them) holds
+    our weights bit for bit: skipped where gptqmodel and optimum are not installed."""
+    if importlib.util.find_spec("gptqmodel") is None or importlib.util.find_spec("optimum") is None:
+        pytest.skip("gptqmodel and optimum are not installed")
+    from safetensors.torch import load_file
+
+    built, out = checkpoints[variant], tmp_path / "loaded.safetensors"
+    method, _, _, settings = VARIANTS[variant]
+    command = [sys.executable, "-c", _TRANSFORMERS, str(built.folder), str(out), device, method,
+               str(settings.get("bits", 4))]  # fmt: skip
+    run = subprocess.run(command, env=package_env(), capture_output=True, text=True, timeout=1200)
+    assert run.returncode == 0, run.stderr[-3000:]
+    loaded = load_file(out)
+    weights = {w.name: w for w in weights_of(built, reader)}
+    assert set(loaded) == set(weights)
+    for name, dense in loaded.items():
+        assert torch.equal(bits(dense), bits(ours(weights[name], reader))), name
+
+
 # Checks: one line naming the file and tensor
 
 
@@ -551,6 +596,7 @@ BROKEN = [
     ("gptq-llama-4bit-g32-v1-sym", lambda t: t.pop(LAYER + "qweight"), None, "is GPTQ data but"),
     ("gptq-llama-4bit-g32-v1-sym", lambda t: None, lambda c: c.update(checkpoint_format="marlin"), "'marlin' is not"),
     ("gptq-llama-4bit-g32-v1-sym", lambda t: None, lambda c: c.update(bits=5), "bits=5"),
+    ("gptq-llama-4bit-g32-v1-sym", lambda t: None, lambda c: c.update(group_size=40), "GPTQModel loads groups of"),
     ("gptq-llama-4bit-g32-v1-sym", lambda t: None, lambda c: c.update(dynamic={"-:.*down": {}}), "'dynamic'"),
     ("gptq-llama-3bit-gnone-v2", _set("qweight", lambda t: t[:-1]), None, "qweight' has shape"),
     ("gptq-llama-3bit-gnone-v2", _forty_columns, None, "ends inside a 3-word block"),

@@ -64,6 +64,8 @@ if TYPE_CHECKING:
 
 PARTS = ("qweight", "qzeros", "scales", "g_idx")
 BITS = (2, 3, 4, 8)
+# The group sizes GPTQModel's kernels load (TorchLinear.SUPPORTS_GROUP_SIZE), besides one group of all input columns
+GROUP_SIZES = (16, 32, 64, 128, 256, 512, 1024)
 # checkpoint_format -> zeros stored minus one
 ZERO_FORMATS = {"gptq": True, "gptq_v2": False}
 # A piece of output rows starts at a multiple of this: whole qzeros words for every bit width and word size.
@@ -178,6 +180,11 @@ def _check(weight: GptqWeight) -> None:
     check_dtype(g_idx, ("I32", "I64"), "GPTQ group index")
     if len(g_idx.shape) != 1:
         raise CheckpointError(f"{where(g_idx)} has shape {list(g_idx.shape)}, one group per input column expected")
+    if weight.group_size not in (-1, *GROUP_SIZES, weight.in_features):
+        raise CheckpointError(
+            f"{where(scales)}: GPTQ groups of {weight.group_size} input columns; GPTQModel loads groups of "
+            f"{', '.join(map(str, GROUP_SIZES))} or of all {weight.in_features}"
+        )
     width, bits = WORD_BITS[qweight.dtype], weight.bits
     rows = packed_length(weight.in_features, bits, width)
     check_shape(

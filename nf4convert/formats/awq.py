@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 from ..errors import CheckpointError
 from ..safetensors_io.read import TensorInfo
+from .base import SourceFormat, register
 from .packed_int import CONFIG, SCALE_DTYPES, check_dtype, check_matrix, check_shape, config_int, unpack, where
 
 if TYPE_CHECKING:
@@ -222,20 +223,20 @@ def dequantize_gemv(
     return dense if out_dtype is None or out_dtype == dense.dtype else dense.to(out_dtype)
 
 
-class Awq:
-    """The AWQ source format, in the shape of ``formats.base.SourceFormat`` (registered there in phase 2)."""
+@register
+class Awq(SourceFormat):
+    """AWQ checkpoints (AutoAWQ, GPTQModel): 4-bit codes with zero points, GEMM and GEMV packings."""
 
     name: ClassVar[str] = "awq"
     family: ClassVar[str] = "AWQ"
     title: ClassVar[str] = "AWQ"
     quant_methods: ClassVar[tuple[str, ...]] = ("awq",)
-    name_suffix: ClassVar[str] = r"awq(?:[-_](?:int4|4-?bit))?"
+    name_suffix: ClassVar[str] = r"awq(?:[-_](?:int4|4-?bits?|gemm|gemv))*"
     plan_reads: ClassVar[re.Pattern] = PLAN_READS
-    hint: ClassVar[str] = "X.qweight, X.qzeros and X.scales per quantized linear layer"
-
-    @classmethod
-    def reads_config(cls, quantization_config: dict) -> bool:
-        return str(quantization_config.get("quant_method", "")).lower() in cls.quant_methods
+    hint: ClassVar[str] = "AWQ '*.qzeros'"
+    marks: ClassVar[str] = "AWQ zeros"
+    card_tags: ClassVar[frozenset[str]] = frozenset({"awq", "autoawq", "int4", "4-bit"})
+    card_fields: ClassVar[str] = r"awq"
 
     @classmethod
     def config_problem(cls, quantization_config: dict) -> str | None:

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 from ..errors import CheckpointError
 from ..safetensors_io.read import TensorInfo
+from .base import SourceFormat, register
 from .packed_int import CONFIG, check_dtype, check_matrix, check_shape, unpack, where
 
 if TYPE_CHECKING:
@@ -52,6 +53,10 @@ SCALE_DTYPES = ("F16", "BF16", "F32")
 PACKED_PARTS = ("weight_packed", "weight_shape", "weight_scale", "weight_zero_point")
 # Tensors of these integer layouts besides the weight itself (verify: leftovers in a dense output).
 QUANTIZATION_KEYS = ("weight_packed", "weight_shape", "weight_scale", "weight_zero_point", "weight_g_idx")
+# (the activation and KV-cache parts below are quantization keys too)
+# An integer layer's activation quantization (W8A8), and the KV cache's: not part of a dense model.
+ACTIVATION_PARTS = ("input_scale", "input_zero_point", "output_scale", "output_zero_point")
+KV_CACHE_PARTS = ("k_scale", "v_scale", "q_scale", "k_zero_point", "v_zero_point", "q_zero_point")
 # Pieces start at a multiple of this: whole words of packed zero points for every packed bit width.
 PIECE_ALIGN = 32
 # What a plan reads: each packed weight's shape (two integers).
@@ -177,11 +182,11 @@ def _match_name(name: str, target: str) -> bool:
     return target == name
 
 
-def scheme_for(module: str, quantization: dict) -> Scheme | None:
-    """The scheme compressed-tensors gives linear layer ``module`` (``apply_quantization_config``): among the targets
-    (a later group's target replacing an earlier one's), exact names first, then regular expressions, each in sorted
-    order, then the class name "Linear" (every layer holding integer codes is a linear layer); None if ignored or
-    untargeted."""
+def _matched_group(module: str, quantization: dict) -> tuple[str, dict] | None:
+    """The config group compressed-tensors gives linear layer ``module`` (``apply_quantization_config``): among the
+    targets (a later group's target replacing an earlier one's), exact names first, then regular expressions, each in
+    sorted order, then the class name "Linear" (every layer holding quantized codes is a linear layer); None if
+    ignored or untargeted. The group may be another format's (float weights)."""
     table = {}
     for name, group in (quantization.get("config_groups") or {}).items():
         for target in group.get("targets", []) if isinstance(group, dict) else []:
@@ -192,12 +197,16 @@ def scheme_for(module: str, quantization: dict) -> Scheme | None:
     ordered = sorted(table, key=lambda target: ("re:" in target, target))
     matched = [target for target in ordered if _match_name(module, target)]
     matched += [target for target in ordered if target == "Linear" and target not in matched]
-    if not matched:
+    return table[matched[0]] if matched else None
+
+
+def scheme_for(module: str, quantization: dict) -> Scheme | None:
+    """The integer scheme compressed-tensors gives linear layer ``module``; None if ignored, untargeted, or in a
+    group whose weights are not integers in a layout read here."""
+    matched = _matched_group(module, quantization)
+    if matched is None or matched[0] not in int_groups(quantization):
         return None
-    name, group = table[matched[0]]
-    if name not in int_groups(quantization):
-        return None
-    return read_scheme(name, group, quantization)
+    return read_scheme(*matched, quantization)
 
 
 def find_weights(tensors: dict[str, TensorInfo], reader: TensorReader, quantization: dict) -> list[CompressedIntWeight]:
@@ -218,6 +227,9 @@ def find_weights(tensors: dict[str, TensorInfo], reader: TensorReader, quantizat
             raise CheckpointError(
                 f"{where(g_idx)}: activation-ordered groups are not decompressed by compressed-tensors 0.20"
             )
+        matched = _matched_group(module, quantization)
+        if matched is not None and matched[0] not in int_groups(quantization):
+            continue  # a float group's layer: another format's
         scheme = scheme_for(module, quantization)
         if scheme is None:
             raise CheckpointError(
@@ -228,6 +240,21 @@ def find_weights(tensors: dict[str, TensorInfo], reader: TensorReader, quantizat
             if scheme.format == PACKED
             else _naive(module, scheme, tensors, quantization)
         )
+    return found
+
+
+def activation_keys(weights: list[CompressedIntWeight], tensors: dict[str, TensorInfo], quantization: dict) -> set[str]:
+    """The tensors of a quantized model's activations, which a dense model has no place for: each integer layer's
+    input and output scales and zero points, and the attention's KV-cache scales where the config quantizes the KV
+    cache. transformers' dense (decompressed) model loads none of them."""
+    found = {
+        f"{weight.module}.{part}"
+        for weight in weights
+        for part in ACTIVATION_PARTS
+        if f"{weight.module}.{part}" in tensors
+    }
+    if quantization.get("kv_cache_scheme"):
+        found |= {name for name in tensors if name.rsplit(".", 1)[-1] in KV_CACHE_PARTS}
     return found
 
 
@@ -356,17 +383,24 @@ def _dequantize(codes, scale, zeros, out_dtype):
     return dense if out_dtype is None or out_dtype == dense.dtype else dense.to(out_dtype)
 
 
-class CompressedInt:
-    """The compressed-tensors integer source format, in the shape of ``formats.base.SourceFormat`` (registered there
-    in phase 2). Float groups of the same quant_method (fp8) are another format's."""
+@register
+class CompressedInt(SourceFormat):
+    """compressed-tensors integer weights (pack-quantized, naive-quantized, int-quantized config groups). Float
+    groups of the same quant_method (fp8) are another format's: recognition is per config group and per layer."""
 
     name: ClassVar[str] = "compressed-int"
     family: ClassVar[str] = "compressed-tensors"
     title: ClassVar[str] = "compressed-tensors (integer)"
     quant_methods: ClassVar[tuple[str, ...]] = ("compressed-tensors",)
-    name_suffix: ClassVar[str] = r"(?:w4a16|w8a16|w8a8|w4a8)(?:[-_](?:asym|g\d+))*"
+    # -W4A16, -quantized.w4a16 (RedHatAI, neuralmagic), -w4a16-asym, -W8A8, -int4-w4a16...
+    name_suffix: ClassVar[str] = r"(?:quantized[._-])?(?:w4a16|w8a16|w8a8|w4a8|w4a4|w2a16)(?:[-_](?:asym|sym|g\d+))*"
     plan_reads: ClassVar[re.Pattern] = PLAN_READS
-    hint: ClassVar[str] = "X.weight_packed, X.weight_shape and X.weight_scale (or an I8 X.weight and X.weight_scale)"
+    hint: ClassVar[str] = "compressed-tensors '*.weight_packed' or int8 '*.weight_scale'"
+    marks: ClassVar[str] = "compressed-tensors integer scales"
+    card_tags: ClassVar[frozenset[str]] = frozenset(
+        {"compressed-tensors", "llmcompressor", "llm-compressor", "w4a16", "w8a16", "w8a8", "int4", "int8"}
+    )
+    card_fields: ClassVar[str] = r"compress"
 
     @classmethod
     def reads_config(cls, quantization_config: dict) -> bool:
@@ -379,13 +413,14 @@ class CompressedInt:
 
     @classmethod
     def is_quantization_key(cls, tensor_name: str) -> bool:
-        return tensor_name.rsplit(".", 1)[-1] in QUANTIZATION_KEYS
+        return tensor_name.rsplit(".", 1)[-1] in (*QUANTIZATION_KEYS, *ACTIVATION_PARTS, *KV_CACHE_PARTS)
 
     @classmethod
     def exactness(cls, dtype_flag: str, several: bool) -> str:
-        source = " from compressed-tensors" if several else ""
+        source = " from compressed-tensors integers" if several else ""
         return (
             f"Every weight dequantized{source} is bit for bit what compressed-tensors' decompression gives (the "
             f"weights transformers loads with run_compressed=False), in the scales' dtype, then cast to {dtype_flag} "
-            "where that differs; quantized activations, if the scheme had them, are not part of a dense model."
+            "where that differs. Activation quantization (input scales and zero points, KV-cache scales), where the "
+            "scheme had it, is not kept: a dense model computes in its own dtype."
         )

@@ -37,6 +37,7 @@ times zero), as the module docstring of ``formats/bnb8`` explains; GPTQ writers 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from dataclasses import dataclass
@@ -44,6 +45,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 from ..errors import CheckpointError
 from ..safetensors_io.read import TensorInfo
+from .base import SourceFormat, register
 from .packed_int import (
     CONFIG,
     SCALE_DTYPES,
@@ -94,6 +96,7 @@ class GptqWeight:
     group_size: int  # as configured; -1 one group
     v1: bool
     quantization: dict
+    in_order: bool = False  # g_idx is each column's index over the group size (no desc_act permutation)
 
     @property
     def in_features(self) -> int:
@@ -159,9 +162,24 @@ def find_weights(tensors: dict[str, TensorInfo], reader: TensorReader, quantizat
             prefix + "weight", *parts.values(), settings.bits, settings.group_size, settings.v1, quantization
         )
         _check(weight)
-        _check_groups(weight, reader)
-        found.append(weight)
+        found.append(dataclasses.replace(weight, in_order=_check_groups(weight, reader)))
     return found
+
+
+def unused_biases(weights: list[GptqWeight], tensors: dict[str, TensorInfo], config: dict | None) -> set[str]:
+    """The ``X.bias`` tensors beside quantized layers whose dense model has no bias there: AutoGPTQ saved a (zero)
+    bias for every quantized layer, which transformers' GPTQ layers (made with a bias only where the model has one)
+    never load; a dense checkpoint holding them would load with unexpected keys. Where transformers cannot build the
+    model from config.json, they are kept (nothing says the model lacks them)."""
+    biases = [weight.name.removesuffix("weight") + "bias" for weight in weights]
+    biases = [name for name in biases if name in tensors]
+    if not biases or not isinstance(config, dict):
+        return set()
+    from ..skeleton import meta_model
+
+    _, parameter_shape, unbuilt = meta_model({k: v for k, v in config.items() if k != "quantization_config"})
+    absent = {name for name in biases if parameter_shape(name) is None}
+    return set() if unbuilt() else absent
 
 
 def groups(weight: GptqWeight) -> int:
@@ -207,15 +225,20 @@ def _check(weight: GptqWeight) -> None:
             )
 
 
-def _check_groups(weight: GptqWeight, reader: TensorReader) -> None:
+def _check_groups(weight: GptqWeight, reader: TensorReader) -> bool:
+    """CheckpointError for a group index outside the groups; whether the columns are in order (no permutation)."""
     if not weight.in_features:
-        return
-    index = reader.tensor(weight.g_idx)
+        return True
+    import numpy as np
+
+    index = reader.array(weight.g_idx).view(np.int32 if weight.g_idx.dtype == "I32" else np.int64)
     count = groups(weight)
     if int(index.min()) < 0 or int(index.max()) >= count:
         raise CheckpointError(
             f"{where(weight.g_idx)} holds groups {int(index.min())}..{int(index.max())}, outside 0..{count - 1}"
         )
+    size = weight.in_features if weight.group_size == -1 else weight.group_size
+    return bool((index == np.arange(weight.in_features) // size).all())
 
 
 def dequantize(
@@ -263,20 +286,21 @@ def _v2_zeros(qzeros: torch.Tensor, bits: int) -> torch.Tensor:
     return torch.where(unsigned >= 1 << (width - 1), unsigned - (1 << width), unsigned).to(qzeros.dtype)
 
 
-class Gptq:
-    """The GPTQ source format, in the shape of ``formats.base.SourceFormat`` (registered there in phase 2)."""
+@register
+class Gptq(SourceFormat):
+    """GPTQ checkpoints (AutoGPTQ, optimum, GPTQModel), v1 and v2 zeros, 2, 3, 4 and 8 bits."""
 
     name: ClassVar[str] = "gptq"
     family: ClassVar[str] = "GPTQ"
     title: ClassVar[str] = "GPTQ"
     quant_methods: ClassVar[tuple[str, ...]] = ("gptq",)
-    name_suffix: ClassVar[str] = r"gptq(?:[-_](?:int[2348]|[2348]-?bit))?"
+    # -GPTQ, -GPTQ-Int4 (Qwen), -GPTQ-4bit-128g-actorder_True (TheBloke's branches and older repos)
+    name_suffix: ClassVar[str] = r"gptq(?:[-_](?:int[2348]|[2348]-?bits?|\d+g|act-?order(?:_true)?))*"
     plan_reads: ClassVar[re.Pattern] = PLAN_READS
-    hint: ClassVar[str] = "X.qweight, X.qzeros, X.scales and X.g_idx per quantized linear layer"
-
-    @classmethod
-    def reads_config(cls, quantization_config: dict) -> bool:
-        return str(quantization_config.get("quant_method", "")).lower() in cls.quant_methods
+    hint: ClassVar[str] = "GPTQ '*.g_idx'"
+    marks: ClassVar[str] = "GPTQ zeros and group index"
+    card_tags: ClassVar[frozenset[str]] = frozenset({"gptq", "auto-gptq", "autogptq", "gptqmodel", "int4", "4-bit"})
+    card_fields: ClassVar[str] = r"gptq"
 
     @classmethod
     def config_problem(cls, quantization_config: dict) -> str | None:

@@ -23,6 +23,8 @@ from ..safetensors_io.read import TensorInfo
 if TYPE_CHECKING:
     import torch
 
+    from ..safetensors_io.read import TensorReader
+
 # The packed words these formats write: safetensors' name -> bits per word.
 WORD_BITS = {"I8": 8, "I16": 16, "I32": 32}
 SCALE_DTYPES = ("F16", "BF16")
@@ -87,3 +89,26 @@ def config_int(quantization: dict, key: str, allowed, default=None) -> int:
     if not ok:
         raise CheckpointError(f"{CONFIG}: quantization_config {key}={value!r} is not one this format reads")
     return value
+
+
+def rows_per_piece(piece_bytes: int, row_bytes: int, align: int) -> int:
+    """Output rows in a piece of at most ``piece_bytes`` (at least ``align``), a multiple of ``align`` so that every
+    piece but the last starts and ends on whole packed words."""
+    return max(align, piece_bytes // max(row_bytes, 1) // align * align)
+
+
+def host_array(reader: TensorReader, info: TensorInfo):
+    """A tensor's bits as a numpy array of its shape (bf16 as uint16): what a host computation is handed (it pickles
+    as it is, to the CPU route's worker processes; ``as_torch`` gives the tensor back)."""
+    from ..dtypes import DTYPES
+
+    return reader.array(info).view(DTYPES[info.dtype].numpy).reshape(info.shape)
+
+
+def as_torch(array, code: str):
+    """The torch tensor of safetensors dtype ``code`` on ``array``'s bits (no copy)."""
+    import torch
+
+    from ..dtypes import DTYPES
+
+    return torch.from_numpy(array).view(DTYPES[code].torch)

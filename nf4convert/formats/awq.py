@@ -36,13 +36,24 @@ from __future__ import annotations
 
 import math
 import re
+import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 from ..errors import CheckpointError
 from ..safetensors_io.read import TensorInfo
 from .base import SourceFormat, register
-from .packed_int import CONFIG, SCALE_DTYPES, check_dtype, check_matrix, check_shape, config_int, unpack, where
+from .packed_int import (
+    CONFIG,
+    SCALE_DTYPES,
+    check_dtype,
+    check_matrix,
+    check_shape,
+    config_int,
+    scaled,
+    unpack,
+    where,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -183,23 +194,46 @@ def dequantize_gemm(
     *,
     group_size: int,
     out_dtype: torch.dtype | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Output rows of an AWQ GEMM weight, [n, in], in the scales' dtype (or that cast to ``out_dtype``).
+    """Output rows of an AWQ GEMM weight, [n, in], in the scales' dtype (or that cast to ``out_dtype``; or written into
+    ``out``).
 
     A piece is a run of ``n`` output features starting at a multiple of PIECE_ALIGN: ``qweight`` its words [in, n/8],
     ``qzeros`` [groups, n/8], ``scales`` [groups, n]. It stands alone: every element reads only its own column's code,
     zero and scale, and the interleave stays inside a word.
     """
+    count = scales.shape[1]
+    zeros = _interleaved(unpack(qzeros, BITS, count, dim=1), count)
+    codes = _gemm_codes(qweight) if sys.byteorder == "little" else _interleaved(unpack(qweight, BITS, count, dim=1), count).T
+    return scaled(codes, zeros.T, scales.T, group_size=group_size, out_dtype=out_dtype, out=out)
+
+
+def _gemm_codes(qweight: torch.Tensor) -> torch.Tensor:
+    """The codes of GEMM words [in, n/8] as output rows [n, in] (uint8): the words transposed (an eighth of the
+    codes' count), then each output row is one half of one byte of its word (``REVERSE_ORDER``: column ``j`` of a word
+    is its half ``REVERSE_ORDER[j] % 2`` of byte ``REVERSE_ORDER[j] // 2``, little-endian), made for all words at
+    once."""
     import torch
 
-    in_features, count = qweight.shape[0], scales.shape[1]
-    order = torch.tensor(REVERSE_ORDER, device=qweight.device)
-    codes = unpack(qweight, BITS, count, dim=1).view(in_features, -1, PACK)[..., order].reshape(in_features, count)
-    zeros = unpack(qzeros, BITS, count, dim=1).view(qzeros.shape[0], -1, PACK)[..., order].reshape(-1, count)
-    group = torch.arange(in_features, device=qweight.device) // group_size
-    dense = (codes - zeros[group]) * scales[group]  # exact integer difference, one rounding in the scales' dtype
-    dense = dense.T.contiguous()
-    return dense if out_dtype is None or out_dtype == dense.dtype else dense.to(out_dtype)
+    in_features, words = qweight.shape
+    raw = qweight.T.contiguous().view(torch.uint8).view(words, in_features, 4).permute(0, 2, 1).contiguous()
+    codes = torch.empty(words, PACK, in_features, dtype=torch.uint8, device=qweight.device)
+    for column, nibble in enumerate(REVERSE_ORDER):
+        byte = raw[:, nibble // 2]
+        if nibble % 2:
+            torch.bitwise_right_shift(byte, BITS, out=codes[:, column])
+        else:
+            torch.bitwise_and(byte, (1 << BITS) - 1, out=codes[:, column])
+    return codes.view(words * PACK, in_features)
+
+
+def _interleaved(codes: torch.Tensor, count: int) -> torch.Tensor:
+    """Codes [rows, count] in stream order made AWQ's column order: column ``8w + j`` is stream code ``8w +
+    REVERSE_ORDER[j]``. Stream code ``4p + 2h + n`` (byte ``2p + h`` of the word, half ``n``) is column ``4h + 2n + p``:
+    a permutation of views, no gather."""
+    rows = codes.shape[0]
+    return codes.reshape(rows, count // PACK, 2, 2, 2).permute(0, 1, 3, 4, 2).reshape(rows, count)
 
 
 def dequantize_gemv(
@@ -209,18 +243,16 @@ def dequantize_gemv(
     *,
     group_size: int,
     out_dtype: torch.dtype | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Output rows of an AWQ GEMV weight, [n, in], in the scales' dtype (or that cast to ``out_dtype``): ``qweight``
-    [n, in/8], ``qzeros`` [n, width] and ``scales`` [n, width * 8] of any run of ``n`` rows (each row stands alone)."""
-    import torch
-
+    """Output rows of an AWQ GEMV weight, [n, in], in the scales' dtype (or that cast to ``out_dtype``; or written into
+    ``out``): ``qweight`` [n, in/8], ``qzeros`` [n, width] and ``scales`` [n, width * 8] of any run of ``n`` rows (each
+    row stands alone)."""
     in_features = qweight.shape[1] * PACK
     groups = in_features // group_size
     codes = unpack(qweight, BITS, in_features, dim=1)
     zeros = unpack(qzeros, BITS, groups, dim=1)
-    group = torch.arange(in_features, device=qweight.device) // group_size
-    dense = (codes - zeros[:, group]) * scales[:, :groups][:, group]
-    return dense if out_dtype is None or out_dtype == dense.dtype else dense.to(out_dtype)
+    return scaled(codes, zeros, scales[:, :groups], group_size=group_size, out_dtype=out_dtype, out=out)
 
 
 @register

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, ClassVar
 from ..errors import CheckpointError
 from ..safetensors_io.read import TensorInfo
 from .base import SourceFormat, register
-from .packed_int import CONFIG, check_dtype, check_matrix, check_shape, unpack, where
+from .packed_int import CONFIG, check_dtype, check_matrix, check_shape, scaled, unpack, where
 
 if TYPE_CHECKING:
     import torch
@@ -353,34 +353,43 @@ def dequantize_packed(
     bits: int,
     in_features: int,
     out_dtype: torch.dtype | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Rows of a pack-quantized weight, [n, in], in the scale's dtype (or that cast to ``out_dtype``).
+    """Rows of a pack-quantized weight, [n, in], in the scale's dtype (or that cast to ``out_dtype``; or written into
+    ``out``).
 
     A piece is a run of ``n`` rows starting at a multiple of PIECE_ALIGN: ``packed`` [n, words], ``scale`` [n, columns]
     and, asymmetric, ``zero_point`` the packed rows holding its zeros (``CompressedIntWeight.zero_rows``). Each row
-    stands alone (its codes, scales and zeros)."""
-    offset = 1 << (bits - 1)
-    codes = unpack(packed, bits, in_features, dim=1) - offset
-    zeros = None if zero_point is None else unpack(zero_point, bits, packed.shape[0], dim=0) - offset
-    return _dequantize(codes, scale, zeros, out_dtype)
+    stands alone (its codes, scales and zeros). Codes and zero points are stored plus 2**(bits-1): their difference is
+    that of the stored values, and a symmetric code's value is its stored value minus that offset."""
+    import torch
+
+    rows = packed.shape[0]
+    codes = unpack(packed, bits, in_features, dim=1)
+    if zero_point is None:
+        zeros = torch.full((rows, scale.shape[1]), 1 << (bits - 1), dtype=torch.int16, device=packed.device)
+    else:
+        zeros = unpack(zero_point, bits, rows, dim=0)
+    return _dequantize(codes, scale, zeros, out_dtype, out)
 
 
 def dequantize_naive(
-    codes: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None, *, out_dtype: torch.dtype | None = None
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    zero_point: torch.Tensor | None,
+    *,
+    out_dtype: torch.dtype | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rows of a naive-quantized weight, [n, in]: ``codes`` int8 [n, in], ``scale`` [n, columns], ``zero_point`` int8
-    [n, columns] or None; in the scale's dtype (or that cast to ``out_dtype``)."""
-    return _dequantize(codes, scale, zero_point, out_dtype)
+    [n, columns] or None; in the scale's dtype (or that cast to ``out_dtype``; or written into ``out``)."""
+    return _dequantize(codes, scale, zero_point, out_dtype, out)
 
 
-def _dequantize(codes, scale, zeros, out_dtype):
-    import torch
-
-    in_features = codes.shape[1]
-    group = torch.arange(in_features, device=codes.device) // (in_features // scale.shape[1] if scale.shape[1] else 1)
-    difference = codes.to(torch.int64) if zeros is None else codes.to(torch.int64) - zeros.to(torch.int64)[:, group]
-    dense = difference * scale[:, group]  # exact integers, one rounding in the scale's dtype
-    return dense if out_dtype is None or out_dtype == dense.dtype else dense.to(out_dtype)
+def _dequantize(codes, scale, zeros, out_dtype, out):
+    columns = scale.shape[1]
+    group_size = codes.shape[1] // columns if columns else 1
+    return scaled(codes, zeros, scale, group_size=max(group_size, 1), out_dtype=out_dtype, out=out)
 
 
 @register

@@ -54,7 +54,9 @@ from .packed_int import (
     check_matrix,
     check_shape,
     config_int,
+    host_array,
     packed_length,
+    scaled,
     unpack,
     where,
 )
@@ -97,6 +99,7 @@ class GptqWeight:
     v1: bool
     quantization: dict
     in_order: bool = False  # g_idx is each column's index over the group size (no desc_act permutation)
+    grouped: bool = False  # g_idx puts the columns in whole groups, permuted (desc_act): ``order`` sorts them
 
     @property
     def in_features(self) -> int:
@@ -162,7 +165,8 @@ def find_weights(tensors: dict[str, TensorInfo], reader: TensorReader, quantizat
             prefix + "weight", *parts.values(), settings.bits, settings.group_size, settings.v1, quantization
         )
         _check(weight)
-        found.append(dataclasses.replace(weight, in_order=_check_groups(weight, reader)))
+        in_order, grouped = _check_groups(weight, reader)
+        found.append(dataclasses.replace(weight, in_order=in_order, grouped=grouped))
     return found
 
 
@@ -184,8 +188,7 @@ def unused_biases(weights: list[GptqWeight], tensors: dict[str, TensorInfo], con
 
 def groups(weight: GptqWeight) -> int:
     """How many groups of input columns the weight has (the last may be partial)."""
-    size = weight.in_features if weight.group_size == -1 else weight.group_size
-    return math.ceil(weight.in_features / size) if weight.in_features else 0
+    return math.ceil(weight.in_features / group_columns(weight)) if weight.in_features else 0
 
 
 def _check(weight: GptqWeight) -> None:
@@ -225,50 +228,71 @@ def _check(weight: GptqWeight) -> None:
             )
 
 
-def _check_groups(weight: GptqWeight, reader: TensorReader) -> bool:
-    """CheckpointError for a group index outside the groups; whether the columns are in order (no permutation)."""
+def _check_groups(weight: GptqWeight, reader: TensorReader) -> tuple[bool, bool]:
+    """CheckpointError for a group index outside the groups; whether the columns are in order (no permutation), and
+    whether they make whole groups (each of the group size but the last: a permutation of the in-order index)."""
     if not weight.in_features:
-        return True
+        return True, True
     import numpy as np
 
-    index = reader.array(weight.g_idx).view(np.int32 if weight.g_idx.dtype == "I32" else np.int64)
+    index = host_array(reader, weight.g_idx)
     count = groups(weight)
     if int(index.min()) < 0 or int(index.max()) >= count:
         raise CheckpointError(
             f"{where(weight.g_idx)} holds groups {int(index.min())}..{int(index.max())}, outside 0..{count - 1}"
         )
-    size = weight.in_features if weight.group_size == -1 else weight.group_size
-    return bool((index == np.arange(weight.in_features) // size).all())
+    in_order = np.arange(weight.in_features) // group_columns(weight)
+    return bool((index == in_order).all()), bool((np.bincount(index, minlength=count) == np.bincount(in_order)).all())
+
+
+def group_columns(weight: GptqWeight) -> int:
+    """Input columns a group (all of them for one group)."""
+    return weight.in_features if weight.group_size == -1 else weight.group_size
+
+
+def order(index):
+    """The columns' permutation that puts a whole-grouped (``grouped``) group index's groups in order (a stable sort,
+    numpy int32)."""
+    import numpy as np
+
+    return np.argsort(index, kind="stable").astype(np.int32)
 
 
 def dequantize(
     qweight: torch.Tensor,
     qzeros: torch.Tensor,
     scales: torch.Tensor,
-    g_idx: torch.Tensor,
+    g_idx: torch.Tensor | None,
     *,
     bits: int,
     v1: bool,
     out_dtype: torch.dtype | None = None,
+    group_size: int | None = None,
+    in_features: int | None = None,
+    out: torch.Tensor | None = None,
+    order: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Output rows of a GPTQ weight, [n, in], in the scales' dtype (or that result cast to ``out_dtype``).
+    """Output rows of a GPTQ weight, [n, in], in the scales' dtype (or that result cast to ``out_dtype``; or written
+    into ``out``).
 
     A piece is a run of ``n`` output features starting at a multiple of PIECE_ALIGN: ``qweight`` its columns of the
     codes [rows, n], ``qzeros`` the words holding its zeros [groups, words] (``GptqWeight.zero_words``), ``scales`` its
-    columns [groups, n], ``g_idx`` the whole [in]. Each piece stands alone: every output element reads only its own
-    column's codes, zeros and scales, and the v1 fix adds within a word. All on one device.
+    columns [groups, n], ``g_idx`` the whole [in], or None where the columns are in order (``GptqWeight.in_order``:
+    then ``group_size``, -1 for one group, and ``in_features`` say the groups), or in whole groups permuted
+    (``GptqWeight.grouped``: then ``order`` too, the permutation that sorts them, ``order()``). Each piece stands
+    alone: every output
+    element reads only its own column's codes, zeros and scales, and the v1 fix adds within a word. All on one device.
     """
-    import torch
-
-    in_features, count = g_idx.shape[0], qweight.shape[1]
-    codes = unpack(qweight, bits, in_features, dim=0).T  # [n, in]
+    if g_idx is not None:
+        in_features, groups = g_idx.shape[0], dict(index=g_idx)
+    else:
+        groups = dict(group_size=in_features if group_size == -1 else group_size, order=order)
+    count = qweight.shape[1]
+    codes = unpack(qweight, bits, in_features, dim=0).T  # [n, in]: each output row's codes, unpacked row-contiguous
     zeros = unpack(_v2_zeros(qzeros, bits) if v1 else qzeros, bits, count, dim=1)  # [groups, n]
     if v1 and bits == 3:
         zeros = (zeros + 1) & 7
-    index = g_idx.to(torch.int64)
-    difference = codes - zeros.T[:, index]  # exact integers, |d| <= 255
-    dense = scales.T[:, index] * difference  # one rounding, in the scales' dtype
-    return dense if out_dtype is None or out_dtype == dense.dtype else dense.to(out_dtype)
+    return scaled(codes, zeros.T, scales.T, **groups, out_dtype=out_dtype, out=out)
 
 
 def _v2_zeros(qzeros: torch.Tensor, bits: int) -> torch.Tensor:

@@ -94,32 +94,34 @@ class DequantizeAwq(Recipe):
             yield Piece(first * row_bytes, count * row_bytes, weight.qweight, make=make, on_device=True, **read)
 
 
-def _dequantize(codes, scales, qzeros, *, gemm: bool, group_size: int, scale: str, dtype: str):
-    """A piece's rows (torch tensors on one device: ``codes`` its packed words as uint8), in ``dtype``."""
+def _dequantize(codes, out, scales, qzeros, *, gemm: bool, group_size: int, dtype: str, **_) -> None:
+    """A piece's rows into ``out`` (torch tensors on one device, ``codes`` its packed words and ``out`` its output,
+    both as bytes)."""
     import torch
 
-    out_dtype = DTYPES[dtype].torch
+    words = codes.view(torch.int32)
+    target = out.view(DTYPES[dtype].torch)
     if gemm:
-        qweight = codes.view(torch.int32).view(-1, qzeros.shape[1])
-        return awq.dequantize_gemm(qweight, qzeros, scales, group_size=group_size, out_dtype=out_dtype)
-    qweight = codes.view(torch.int32).view(scales.shape[0], -1)
-    return awq.dequantize_gemv(qweight, qzeros, scales, group_size=group_size, out_dtype=out_dtype)
+        qweight = words.view(-1, qzeros.shape[1])
+        target = target.view(scales.shape[1], qweight.shape[0])
+        awq.dequantize_gemm(qweight, qzeros, scales, group_size=group_size, out=target)
+    else:
+        qweight = words.view(scales.shape[0], -1)
+        target = target.view(scales.shape[0], qweight.shape[1] * awq.PACK)
+        awq.dequantize_gemv(qweight, qzeros, scales, group_size=group_size, out=target)
 
 
-def dequantize_on_host(codes, out, *, scales, qzeros, scale: str, dtype: str, **settings) -> None:
+def dequantize_on_host(codes, out, *, scales, qzeros, scale: str, **settings) -> None:
     """A piece's packed words (bytes, numpy uint8) dequantized into ``out`` (numpy uint8): its scales and zeros as
     numpy arrays of their bits."""
     import torch
 
-    dense = _dequantize(
-        torch.from_numpy(codes), as_torch(scales, scale), torch.from_numpy(qzeros), scale=scale, dtype=dtype, **settings
-    )
-    torch.from_numpy(out).view(DTYPES[dtype].torch).view(dense.shape).copy_(dense)
+    scales, qzeros = as_torch(scales, scale), torch.from_numpy(qzeros)
+    _dequantize(torch.from_numpy(codes), torch.from_numpy(out), scales, qzeros, **settings)
 
 
-def dequantize_on_device(codes, out, *, dtype: str, **settings):
-    """A piece's packed words (a uint8 tensor on the GPU) dequantized with its scales and zeros on that GPU. Returns
-    the bytes made, a uint8 tensor on the GPU."""
-    dense = _dequantize(codes, dtype=dtype, **settings)
-    out.view(DTYPES[dtype].torch).view(dense.shape).copy_(dense)
+def dequantize_on_device(codes, out, **settings):
+    """A piece's packed words (a uint8 tensor on the GPU) dequantized into ``out`` (uint8, on the GPU) with its
+    scales and zeros on that GPU. Returns ``out``."""
+    _dequantize(codes, out, **settings)
     return out

@@ -101,38 +101,32 @@ class DequantizeCompressedInt(Recipe):
             )
 
 
-def _dequantize(codes, scale, zero_point, *, bits, in_features: int, dtype: str, **_):
-    """A piece's rows (torch tensors on one device: ``codes`` its rows' bytes as uint8), in ``dtype``."""
+def _dequantize(codes, out, scale, zero_point, *, bits, in_features: int, dtype: str, **_) -> None:
+    """A piece's rows into ``out`` (torch tensors on one device, ``codes`` its rows of codes and ``out`` its output,
+    both as bytes)."""
     import torch
 
-    out_dtype, rows = DTYPES[dtype].torch, scale.shape[0]
+    rows = scale.shape[0]
+    target = out.view(DTYPES[dtype].torch).view(rows, in_features)
     if bits is None:  # naive: int8 codes, a row each
         codes = codes.view(torch.int8).view(rows, in_features)
-        return compressed_int.dequantize_naive(codes, scale, zero_point, out_dtype=out_dtype)
-    packed = codes.view(torch.int32).view(rows, -1)
-    return compressed_int.dequantize_packed(
-        packed, scale, zero_point, bits=bits, in_features=in_features, out_dtype=out_dtype
-    )
+        compressed_int.dequantize_naive(codes, scale, zero_point, out=target)
+    else:
+        packed = codes.view(torch.int32).view(rows, -1)
+        compressed_int.dequantize_packed(packed, scale, zero_point, bits=bits, in_features=in_features, out=target)
 
 
-def dequantize_on_host(codes, out, *, scale, zero_point, scale_code: str, dtype: str, **settings) -> None:
+def dequantize_on_host(codes, out, *, scale, zero_point, scale_code: str, **settings) -> None:
     """A piece's rows of codes (bytes, numpy uint8) dequantized into ``out`` (numpy uint8): its scales and zero points
     as numpy arrays of their bits."""
     import torch
 
-    dense = _dequantize(
-        torch.from_numpy(codes),
-        as_torch(scale, scale_code),
-        None if zero_point is None else torch.from_numpy(zero_point),
-        dtype=dtype,
-        **settings,
-    )
-    torch.from_numpy(out).view(DTYPES[dtype].torch).view(dense.shape).copy_(dense)
+    zero_point = None if zero_point is None else torch.from_numpy(zero_point)
+    _dequantize(torch.from_numpy(codes), torch.from_numpy(out), as_torch(scale, scale_code), zero_point, **settings)
 
 
-def dequantize_on_device(codes, out, *, dtype: str, **settings):
-    """A piece's rows of codes (a uint8 tensor on the GPU) dequantized with its scales and zero points on that GPU.
-    Returns the bytes made, a uint8 tensor on the GPU."""
-    dense = _dequantize(codes, dtype=dtype, **settings)
-    out.view(DTYPES[dtype].torch).view(dense.shape).copy_(dense)
+def dequantize_on_device(codes, out, **settings):
+    """A piece's rows of codes (a uint8 tensor on the GPU) dequantized into ``out`` (uint8, on the GPU) with its scales
+    and zero points on that GPU. Returns ``out``."""
+    _dequantize(codes, out, **settings)
     return out

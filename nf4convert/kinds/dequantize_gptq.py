@@ -70,7 +70,13 @@ class DequantizeGptq(Recipe):
         packed_rows, word = weight.qweight.shape[0], DTYPES[weight.qweight.dtype].itemsize
         columns = Columns(weight.qweight, packed_rows, len(starts))
         scales, qzeros = host_array(reader, weight.scales), host_array(reader, weight.qzeros)
-        g_idx = None if weight.in_order else host_array(reader, weight.g_idx)
+        # columns in order need no index; whole groups permuted (desc_act) are sorted into order; any other index
+        # gathers each column's zero and scale
+        g_idx = order = None
+        if weight.grouped and not weight.in_order:
+            order = gptq.order(host_array(reader, weight.g_idx))
+        elif not weight.in_order:
+            g_idx = host_array(reader, weight.g_idx)
         settings = dict(
             bits=weight.bits,
             v1=weight.v1,
@@ -84,10 +90,11 @@ class DequantizeGptq(Recipe):
             scales, qzeros = as_torch(scales, weight.scales.dtype), as_torch(qzeros, weight.qzeros.dtype)
             scales, qzeros = scales.to(route.device), qzeros.to(route.device)
             g_idx = None if g_idx is None else as_torch(g_idx, weight.g_idx.dtype).to(route.device)
+            order = None if order is None else as_torch(order, "I32").to(route.device)
         for first in starts:
             count = min(step, out_features - first)
             begin, end = weight.zero_words(first, count)
-            parts = dict(scales=scales[:, first : first + count], qzeros=qzeros[:, begin:end], g_idx=g_idx)
+            parts = dict(scales=scales[:, first : first + count], qzeros=qzeros[:, begin:end], g_idx=g_idx, order=order)
             if route.gpu:
                 make = route.make(None, functools.partial(dequantize_on_device, **parts, **settings))
             else:
@@ -105,41 +112,36 @@ class DequantizeGptq(Recipe):
             )
 
 
-def _dequantize(codes, scales, qzeros, g_idx, *, bits, v1, group_size, in_features, word, scale, dtype):
-    """A piece's rows (torch tensors on one device: ``codes`` its packed columns as uint8), in ``dtype``."""
-    import torch
-
+def _dequantize(codes, out, scales, qzeros, g_idx, order, *, bits, v1, group_size, in_features, word, dtype, **_):
+    """A piece's rows into ``out`` (torch tensors on one device, ``codes`` its packed columns and ``out`` its output,
+    both as bytes)."""
     count = scales.shape[1]
-    qweight = codes.view(DTYPES[word].torch).view(-1, count)
-    if g_idx is None:  # columns in order: each one's group is its index over the group size
-        size = in_features if group_size == -1 else group_size
-        g_idx = torch.arange(in_features, device=codes.device) // size
-    return gptq.dequantize(qweight, qzeros, scales, g_idx, bits=bits, v1=v1, out_dtype=DTYPES[dtype].torch)
-
-
-def dequantize_on_host(codes, out, *, scales, qzeros, g_idx, scale, dtype, **settings) -> None:
-    """A piece's packed columns (bytes, numpy uint8) dequantized into ``out`` (numpy uint8): its scales, zeros and
-    group index as numpy arrays of their bits."""
-    import torch
-
-    dense = _dequantize(
-        torch.from_numpy(codes),
-        as_torch(scales, scale),
-        torch.from_numpy(qzeros),
-        None if g_idx is None else torch.from_numpy(g_idx),
-        scale=scale,
-        dtype=dtype,
-        **settings,
+    gptq.dequantize(
+        codes.view(DTYPES[word].torch).view(-1, count),
+        qzeros,
+        scales,
+        g_idx,
+        bits=bits,
+        v1=v1,
+        group_size=group_size,
+        in_features=in_features,
+        out=out.view(DTYPES[dtype].torch).view(count, in_features),
+        order=order,
     )
-    torch.from_numpy(out).view(DTYPES[dtype].torch).view(dense.shape).copy_(dense)
 
 
-def dequantize_on_device(codes, out, *, dtype, **settings):
-    """A piece's packed columns (a uint8 tensor on the GPU) dequantized with its scales, zeros and group index on that
-    GPU. Returns the bytes made, a uint8 tensor on the GPU."""
+def dequantize_on_host(codes, out, *, scales, qzeros, g_idx, order, scale: str, **settings) -> None:
+    """A piece's packed columns (bytes, numpy uint8) dequantized into ``out`` (numpy uint8): its scales, zeros, group
+    index or order as numpy arrays of their bits."""
     import torch
 
-    dense = _dequantize(codes, dtype=dtype, **settings)
-    target = out.view(DTYPES[dtype].torch).view(dense.shape)
-    target.copy_(dense)
-    return out if out.dtype == torch.uint8 else out.view(torch.uint8)
+    g_idx, order = (None if array is None else torch.from_numpy(array) for array in (g_idx, order))
+    scales, qzeros = as_torch(scales, scale), torch.from_numpy(qzeros)
+    _dequantize(torch.from_numpy(codes), torch.from_numpy(out), scales, qzeros, g_idx, order, **settings)
+
+
+def dequantize_on_device(codes, out, **settings):
+    """A piece's packed columns (a uint8 tensor on the GPU) dequantized into ``out`` (uint8, on the GPU) with its
+    scales, zeros and group index on that GPU. Returns ``out``."""
+    _dequantize(codes, out, **settings)
+    return out

@@ -205,7 +205,10 @@ def dequantize_gemm(
     """
     count = scales.shape[1]
     zeros = _interleaved(unpack(qzeros, BITS, count, dim=1), count)
-    codes = _gemm_codes(qweight) if sys.byteorder == "little" else _interleaved(unpack(qweight, BITS, count, dim=1), count).T
+    if sys.byteorder == "little":
+        codes = _gemm_codes(qweight)
+    else:  # the words' bytes are not the stream's order: unpacked as numbers
+        codes = _interleaved(unpack(qweight, BITS, count, dim=1), count).T
     return scaled(codes, zeros.T, scales.T, group_size=group_size, out_dtype=out_dtype, out=out)
 
 

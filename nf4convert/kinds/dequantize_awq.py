@@ -79,7 +79,9 @@ class DequantizeAwq(Recipe):
         for first in starts:
             count = min(step, out_features - first)
             if gemm:  # words of eight output rows along each packed row; zeros alike, scales a column each
-                parts = dict(scales=scales[:, first : first + count], qzeros=qzeros[:, first // 8 : (first + count) // 8])
+                parts = dict(
+                    scales=scales[:, first : first + count], qzeros=qzeros[:, first // 8 : (first + count) // 8]
+                )
                 read = dict(first=first // 8 * WORD, count=in_features * count // 8 * WORD)
                 read["load"] = functools.partial(columns.load, first // 8 * WORD, count // 8 * WORD)
             else:  # a row each

@@ -30,6 +30,8 @@ AWQ_REVERSE_ORDER = [0, 4, 1, 5, 2, 6, 3, 7]
 
 
 def against(tensor, device) -> str:
+    if _settings(tensor.recipe.weight.quantization, tensor.name)[0] == "gemv":
+        return f"gptqmodel {VERSION} (dequantize_gemm's arithmetic on its GEMV decoding, restated)"
     return f"gptqmodel {VERSION} (its AWQ dequantize_gemm arithmetic, restated)"
 
 

@@ -15,6 +15,9 @@ from ...dtypes import DTYPES
 from ...errors import CheckpointError
 from .base import Slice, as_bytes, whole
 
+# The library verify checks for before it starts: (import name, what it recomputes, the package that installs it)
+LIBRARY = ("compressed_tensors", "compressed-tensors weights (its own decompression)", "compressed-tensors")
+
 
 def against(tensor, device) -> str:
     from importlib.metadata import version

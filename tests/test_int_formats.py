@@ -181,10 +181,13 @@ def test_gpu_gives_the_cpu_bytes(checkpoints, reader, variant):
 
 
 def test_format_classes_have_the_source_format_shape():
-    """Each format class carries what formats.base.SourceFormat declares (a stand-in until it exists here)."""
+    """Each format class is a registered formats.base.SourceFormat."""
     import re
 
+    from nf4convert.formats.base import SourceFormat, all_formats
+
     for cls, method in ((gptq.Gptq, "gptq"), (awq.Awq, "awq"), (compressed_int.CompressedInt, "compressed-tensors")):
+        assert issubclass(cls, SourceFormat) and all_formats()[cls.name] is cls
         for field, kind in (
             ("name", str),
             ("family", str),
@@ -209,7 +212,8 @@ def test_format_classes_have_the_source_format_shape():
         "format": "float-quantized",
         "config_groups": {"g": {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float"}}},
     }
-    assert not compressed_int.CompressedInt.reads_config(fp8), "float groups are another format's"
+    # float groups are another format's: a config of them alone is a problem here, which another format may not have
+    assert "no config group has integer weights" in compressed_int.CompressedInt.config_problem(fp8)
     assert "frozen" in compressed_int.config_problem({**fp8, "quantization_status": "frozen"})
 
 

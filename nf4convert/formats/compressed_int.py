@@ -399,7 +399,7 @@ class CompressedInt(SourceFormat):
 
     name: ClassVar[str] = "compressed-int"
     family: ClassVar[str] = "compressed-tensors"
-    title: ClassVar[str] = "compressed-tensors (integer)"
+    title: ClassVar[str] = "compressed-tensors"
     quant_methods: ClassVar[tuple[str, ...]] = ("compressed-tensors",)
     # -W4A16, -quantized.w4a16 (RedHatAI, neuralmagic), -w4a16-asym, -W8A8, -int4-w4a16...
     name_suffix: ClassVar[str] = r"(?:quantized[._-])?(?:w4a16|w8a16|w8a8|w4a8|w4a4|w2a16)(?:[-_](?:asym|sym|g\d+))*"
@@ -412,12 +412,9 @@ class CompressedInt(SourceFormat):
     card_fields: ClassVar[str] = r"compress"
 
     @classmethod
-    def reads_config(cls, quantization_config: dict) -> bool:
-        method = str(quantization_config.get("quant_method", "")).lower()
-        return method in cls.quant_methods and bool(int_groups(quantization_config))
-
-    @classmethod
     def config_problem(cls, quantization_config: dict) -> str | None:
+        """Its problem with a compressed-tensors config (a config of float groups alone is another format's to
+        read: the registry refuses a config only where every format reading it finds a problem)."""
         return config_problem(quantization_config)
 
     @classmethod

@@ -23,11 +23,9 @@ from nf4convert.dtypes import OUTPUT_DTYPES
 from nf4convert.formats import base as formats_base
 from nf4convert.pipeline.routes.cpu import CpuRoute
 from nf4convert.plan import make_plan
-from nf4convert.safetensors_io.read import TensorReader, read_tensors
-from nf4convert.skeleton import meta_model
-from nf4convert.verification.reference.base import Context
+from nf4convert.safetensors_io.read import read_tensors
 
-from fixtures.int_checkpoints import VARIANTS, build
+from fixtures.int_checkpoints import VARIANTS, build, reference_state
 from fixtures.processes import package_env
 from fixtures.weights import bits
 
@@ -56,15 +54,6 @@ def tensors_of(folder: Path) -> dict[str, torch.Tensor]:
     for shard in sorted(folder.glob("*.safetensors")):
         found.update(load_file(shard))
     return found
-
-
-def reference_state(folder: Path, dtype=None) -> dict[str, torch.Tensor]:
-    """Every tensor of the dense model as verify's references compute it (the reference libraries' arithmetic,
-    none of the converter's): the reference-dequantized base."""
-    with TensorReader() as reader:
-        plan = make_plan(folder, dtype=dtype, reader=reader)
-        context = Context({t.name: t for t in plan.tensors}, *meta_model(plan.config), plan.tied or ())
-        return {tensor.name: context.recompute(tensor, reader, "cpu") for tensor in plan.tensors}
 
 
 # --- every variant, on every route, bit for bit ------------------------------------------------------------------

@@ -250,7 +250,7 @@ def group_columns(weight: GptqWeight) -> int:
     return weight.in_features if weight.group_size == -1 else weight.group_size
 
 
-def order(index):
+def group_order(index):
     """The columns' permutation that puts a whole-grouped (``grouped``) group index's groups in order (a stable sort,
     numpy int32)."""
     import numpy as np
@@ -279,7 +279,7 @@ def dequantize(
     codes [rows, n], ``qzeros`` the words holding its zeros [groups, words] (``GptqWeight.zero_words``), ``scales`` its
     columns [groups, n], ``g_idx`` the whole [in], or None where the columns are in order (``GptqWeight.in_order``:
     then ``group_size``, -1 for one group, and ``in_features`` say the groups), or in whole groups permuted
-    (``GptqWeight.grouped``: then ``order`` too, the permutation that sorts them, ``order()``). Each piece stands
+    (``GptqWeight.grouped``: then ``order`` too, the permutation that sorts them, ``group_order()``). Each piece stands
     alone: every output
     element reads only its own column's codes, zeros and scales, and the v1 fix adds within a word. All on one device.
     """

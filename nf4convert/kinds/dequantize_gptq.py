@@ -74,7 +74,7 @@ class DequantizeGptq(Recipe):
         # gathers each column's zero and scale
         g_idx = order = None
         if weight.grouped and not weight.in_order:
-            order = gptq.order(host_array(reader, weight.g_idx))
+            order = gptq.group_order(host_array(reader, weight.g_idx))
         elif not weight.in_order:
             g_idx = host_array(reader, weight.g_idx)
         settings = dict(

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU machine: the GPU tests, the whole-model conversion benchmark, the kernel benchmark, torch.compile against eager.
 # Expects bitsandbytes unpacked under .carry/site, peft 0.21 under .carry/peft and Unsloth's kernel copy under
-# .carry/peers (docs/performance.md, "How to run them"). STAGES picks parts (tests,convert,verify,dequant,compile,kernels); logs go
+# .carry/peers (docs/performance.md, "How to run them"). STAGES picks parts (tests,convert,verify,int,dequant,compile,kernels); logs go
 # to $OUT.
 set -o pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -34,6 +34,13 @@ if [[ $stages == *verify* ]]; then
   # /tmp/bench-verify for a later stage of the same call: "--build-only" first splits a long run).
   timeout ${VERIFY_TIMEOUT:-540} python3 benchmarks/bench_verify.py --workdir /tmp/bench-verify --json "$out/verify.json" \
     ${VERIFY_ARGS:---shape 8b} 2>&1 | tee "$out/verify.log" | grep -v '^{'
+fi
+if [[ $stages == *int* ]]; then
+  # GPTQ and AWQ (bench_int.py): INT_ARGS picks the checkpoints and steps; one checkpoint a call stays well inside a
+  # call's time ("--checkpoints gptq-8b", "--checkpoints awq-8b", "--checkpoints gptq-70b").
+  timeout ${INT_TIMEOUT:-560} python3 benchmarks/bench_int.py --workdir /tmp/bench-int --json "$out/int.json" \
+    ${INT_ARGS:---checkpoints gptq-8b} 2>&1 | tee "$out/int.log" | grep -v '^{'
+  rm -rf /tmp/bench-int
 fi
 if [[ $stages == *dequant* ]]; then
   timeout ${DEQUANT_TIMEOUT:-200} python3 benchmarks/bench_dequant.py --json "$out/dequant.json" ${DEQUANT_ARGS:---timer graph --rounds 3} 2>&1 | tee "$out/dequant.log" | grep -v '^{'

@@ -149,8 +149,8 @@ def hub(tmp_path_factory):
     FakeHub.repos = {
         REPO: files,
         DENSE: {"config.json": json.dumps(dense_config).encode(), **weights},
-        GPTQ: {
-            "config.json": json.dumps({**config, "quantization_config": {"quant_method": "gptq", "bits": 4}}).encode(),
+        GPTQ: {  # a quant_method no registered format reads
+            "config.json": json.dumps({**config, "quantization_config": {"quant_method": "hqq", "nbits": 4}}).encode(),
             **weights,
         },
         FP16_WEIGHTS: {"config.json": json.dumps({**config, "quantization_config": fp16_weights}).encode(), **weights},
@@ -320,7 +320,7 @@ def test_revision_is_for_hub_repos_and_the_card_records_it(hub, tmp_path):
     "repo,says",
     [
         (DENSE, "config.json has no quantization_config"),
-        (GPTQ, "quant_method 'gptq', not bitsandbytes"),
+        (GPTQ, "quant_method 'hqq', not AWQ or bitsandbytes or compressed-tensors or GPTQ"),
         (FP16_WEIGHTS, "saved with llm_int8_has_fp16_weight=True, so its weights are dense fp16 already"),
     ],
 )
@@ -337,7 +337,8 @@ def test_a_hub_repo_that_is_not_bitsandbytes_is_refused_before_its_weights(hub, 
     )
     lines = error_lines(result)
     assert result.returncode == 1 and len(lines) == 1, result.stderr
-    assert lines[0].startswith(f"Error: {repo}: not a bitsandbytes checkpoint: ") and says in lines[0], lines[0]
+    assert lines[0].startswith(f"Error: {repo}: not a AWQ or bitsandbytes or compressed-tensors or GPTQ checkpoint: ")
+    assert says in lines[0], lines[0]
     assert downloaded(repo) == ["config.json"]  # not the weights
     assert [p.name for p in tmp_path.iterdir()] == ["cache"]
 
@@ -351,7 +352,7 @@ def test_a_local_checkpoint_saved_with_fp16_weights_says_why_it_has_nothing_to_c
     config = json.loads(FakeHub.repos[FP16_WEIGHTS]["config.json"])
     for has_fp16_weight, says in [
         (True, "saved with llm_int8_has_fp16_weight=True"),
-        (False, "no bitsandbytes weights"),
+        (False, "no AWQ or bitsandbytes or compressed-tensors or GPTQ weights"),
     ]:
         config["quantization_config"]["llm_int8_has_fp16_weight"] = has_fp16_weight
         (folder / "config.json").write_text(json.dumps(config))

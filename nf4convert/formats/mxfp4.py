@@ -131,9 +131,7 @@ def find_weights(tensors: dict[str, TensorInfo]) -> list[WeightMxfp4]:
                 raise CheckpointError(f"{info.path}: tensor '{info.name}' (MXFP4) is {info.dtype}, U8 expected")
         at_blocks = f"{blocks.path}: tensor '{blocks.name}'"
         if len(blocks.shape) != 4 or blocks.shape[-1] != BLOCK_BYTES:
-            raise CheckpointError(
-                f"{at_blocks} has shape {list(blocks.shape)}, [experts, rows, blocks, 16] expected"
-            )
+            raise CheckpointError(f"{at_blocks} has shape {list(blocks.shape)}, [experts, rows, blocks, 16] expected")
         if tuple(scales.shape) != tuple(blocks.shape[:-1]):
             raise CheckpointError(
                 f"{scales.path}: tensor '{scales.name}' has shape {list(scales.shape)}, one scale per block of "

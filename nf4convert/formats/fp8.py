@@ -161,8 +161,8 @@ class WeightFp8:
 
 
 def block_size(quantization: dict) -> tuple[int, int] | None:
-    """The config's ``weight_block_size`` as (rows, columns), None for one scale per tensor; ArgumentError-free:
-    a malformed value is reported by :meth:`Fp8Format.config_problem`."""
+    """The config's ``weight_block_size`` as (rows, columns), None for one scale per tensor (a malformed value is
+    :func:`config_problem`'s to report, before this is asked)."""
     value = quantization.get("weight_block_size")
     if value is None:
         return None

@@ -168,7 +168,7 @@ def test_a_format_and_kind_defined_in_a_test_alone_are_planned_and_converted(tmp
 
 
 def test_what_is_asked_of_all_formats_takes_in_a_format_defined_in_a_test(tmp_path, scratch):
-    assert formats_base.families() == "bitsandbytes or scratch"
+    assert formats_base.families() == "bitsandbytes or compressed-tensors or FP8 or MXFP4 or scratch"
     assert formats_base.config_reason({"quantization_config": {"quant_method": "scratch"}}) is None
     assert formats_base.quantization_key("layers.0.qscale") is Scaled
     assert formats_base.plan_reads().search("layers.0.qscale")
@@ -179,8 +179,10 @@ def test_what_is_asked_of_all_formats_takes_in_a_format_defined_in_a_test(tmp_pa
     with pytest.raises(CheckpointError) as refused:
         make_plan(folder)
     assert str(refused.value) == (
-        f"{folder}: no bitsandbytes or scratch weights (no '*.quant_state.bitsandbytes__nf4/fp4' or 8-bit '*.SCB' "
-        "or '*.qscale' tensors): nothing to convert"
+        f"{folder}: no bitsandbytes or compressed-tensors or FP8 or MXFP4 or scratch weights (no "
+        "'*.quant_state.bitsandbytes__nf4/fp4' or 8-bit '*.SCB' or F8_E4M3 '*.weight' with '*.weight_scale' or "
+        "F8_E4M3 '*.weight' with '*.weight_scale_inv' or U8 '*_blocks' with '*_scales' or '*.qscale' tensors): "
+        "nothing to convert"
     )
 
 
@@ -210,8 +212,18 @@ def test_a_weight_two_formats_claim_is_refused_naming_both(tmp_path, scratch):
 
 
 def test_the_registries_hold_what_is_defined_and_nothing_after_a_scratch_test():
-    assert list(all_formats()) == ["bnb-4bit", "bnb-8bit"]
-    assert set(all_kinds()) == {"copy", "dequantize_4bit", "dequantize_8bit", "transpose", "untied", "merge_lora"}
+    assert list(all_formats()) == ["bnb-4bit", "bnb-8bit", "compressed-tensors-fp8", "fp8", "mxfp4"]
+    assert set(all_kinds()) == {
+        "copy",
+        "dequantize_4bit",
+        "dequantize_8bit",
+        "dequantize_fp8",
+        "dequantize_compressed_fp8",
+        "dequantize_mxfp4",
+        "transpose",
+        "untied",
+        "merge_lora",
+    }
     order = [kind.order for kind in all_kinds().values()]
     assert order == sorted(order) and list(all_kinds())[-2:] == ["copy", "merge_lora"]
 
@@ -298,7 +310,8 @@ def test_the_cpu_route_makes_a_host_computation_here_or_in_a_worker():
         ({}, "config.json has no quantization_config: the weights are not quantized (already dense?)"),
         (
             {"quantization_config": {"quant_method": "gptq", "bits": 4}},
-            "config.json's quantization_config has quant_method 'gptq', not bitsandbytes (not convertible here)",
+            "config.json's quantization_config has quant_method 'gptq', not bitsandbytes or compressed-tensors or FP8 or "
+            "MXFP4 (not convertible here)",
         ),
         (
             {"text_config": {"quantization_config": {"load_in_8bit": True, "llm_int8_has_fp16_weight": True}}},

@@ -39,14 +39,17 @@ from typing import TYPE_CHECKING, ClassVar
 from ..errors import CheckpointError
 from ..safetensors_io.read import TensorInfo
 from . import fp8
+from .base import SourceFormat, register
 
 if TYPE_CHECKING:
     from ..safetensors_io.read import TensorReader
 
 FP8_FORMATS = ("float-quantized", "naive-quantized")
 STRATEGIES = ("tensor", "channel", "block")
-# Tensors a compressed-tensors FP8 checkpoint holds beside the weights: activation and KV-cache scales.
-QUANTIZATION_NAMES = ("weight_scale", "weight_zero_point", "input_scale", "input_zero_point", "k_scale", "v_scale")
+# Tensors a compressed-tensors FP8 checkpoint holds beside the weights: activation and KV-cache scales (a dense
+# model has no place for them), and the weights' own.
+ACTIVATION_NAMES = ("input_scale", "input_zero_point", "output_scale", "output_zero_point", "k_scale", "v_scale")
+QUANTIZATION_NAMES = ("weight_scale", "weight_zero_point", *ACTIVATION_NAMES)
 PLAN_READS = re.compile(r"\.weight_scale$")
 
 
@@ -95,6 +98,15 @@ def find_weights(tensors: dict[str, TensorInfo], reader: TensorReader, quantizat
         weights = group["weights"]
         block = tuple(weights["block_structure"]) if weights.get("strategy") == "block" else None
         layouts.append((weights["strategy"], block, tuple(sorted(weights.items(), key=lambda item: item[0]))))
+    # A config may quantize other layers with integer schemes (another format's: packed ``weight_packed`` or integer
+    # ``weight`` codes, their scales and zero points named as FP8's): those layers are left to it.
+    mixed = len(groups) < len(quantization.get("config_groups") or {})
+    theirs = {
+        key[: -len("weight_scale")]
+        for key in tensors
+        if mixed and key.endswith(".weight_scale") and _integer_layer(tensors, key[: -len("weight_scale")])
+    }
+    tensors = {key: info for key, info in tensors.items() if key.rpartition(".")[0] + "." not in theirs}
     found = []
     for key, info in tensors.items():
         if key.endswith(".weight_zero_point") and key[: -len("_zero_point")] in tensors:
@@ -117,6 +129,12 @@ def find_weights(tensors: dict[str, TensorInfo], reader: TensorReader, quantizat
         fp8.check_finite(scale, reader)
         found.append(fp8.WeightFp8(prefix + "weight", weight, scale, grid, "compressed-tensors", layout[0], layout[2]))
     return found
+
+
+def _integer_layer(tensors: dict[str, TensorInfo], prefix: str) -> bool:
+    """Whether the layer ``prefix`` holds integer codes (packed, or an integer ``weight``), not FP8 ones."""
+    weight = tensors.get(prefix + "weight")
+    return prefix + "weight_packed" in tensors or (weight is not None and weight.dtype[0] in "IU")
 
 
 def _grid(weight: TensorInfo, scale: TensorInfo, layouts: list) -> tuple[fp8.Grid | None, tuple]:
@@ -146,21 +164,24 @@ def is_quantization_key(name: str) -> bool:
     return name.rsplit(".", 1)[-1] in QUANTIZATION_NAMES
 
 
-class CompressedFloatFormat:
-    """compressed-tensors FP8 (``float-quantized``) checkpoints, in the shape of ``formats.base.SourceFormat`` (wired
-    there by the integration; nothing is registered here)."""
+@register
+class CompressedFloatFormat(SourceFormat):
+    """compressed-tensors FP8 (``float-quantized``) checkpoints: RedHatAI's and llm-compressor's FP8 models. Their
+    integer schemes are another format's, though both share ``quant_method`` (a config may hold both)."""
 
     name: ClassVar[str] = "compressed-tensors-fp8"
     family: ClassVar[str] = "compressed-tensors"
     title: ClassVar[str] = "compressed-tensors FP8"
     quant_methods: ClassVar[tuple[str, ...]] = ("compressed-tensors",)
-    name_suffix: ClassVar[str] = r"(?:FP8|fp8)(?:[-_](?:dynamic|block|static))?"
+    name_suffix: ClassVar[str] = r"fp8(?:[-_](?:dynamic|block|static))?"
     plan_reads: ClassVar[re.Pattern] = PLAN_READS
-    hint: ClassVar[str] = "F8_E4M3 X.weight beside its X.weight_scale"
+    hint: ClassVar[str] = "F8_E4M3 '*.weight' with '*.weight_scale'"
+    marks: ClassVar[str] = "a compressed-tensors FP8 scale"
+    card_tags: ClassVar[frozenset[str]] = frozenset({"fp8", "fp8-dynamic", "compressed-tensors", "llmcompressor"})
 
     @classmethod
     def reads_config(cls, quantization_config: dict) -> bool:
-        return quantization_config.get("quant_method") in cls.quant_methods and bool(fp8_groups(quantization_config))
+        return super().reads_config(quantization_config) and bool(fp8_groups(quantization_config))
 
     @classmethod
     def config_problem(cls, quantization_config: dict) -> str | None:
@@ -172,12 +193,16 @@ class CompressedFloatFormat:
 
     @classmethod
     def exactness(cls, dtype_flag: str, several: bool) -> str:
+        source = " from compressed-tensors FP8" if several else ""
         if dtype_flag == "fp32":
             return (
-                "Each weight is its FP8 code times its scale as one fp32 multiply: the exact product where the scales "
-                "are bf16 or fp16 (compressed-tensors' decompress with the scale widened to fp32)."
+                f"Every weight dequantized{source} is its e4m3 code times its scale as one fp32 multiply: the exact "
+                "product where the scales are bf16 or fp16, what compressed-tensors' `decompress` gives with the "
+                "scale widened to fp32 (transformers' fp32 load of it goes through bf16 and keeps less)."
             )
         return (
-            f"Each weight is its FP8 code times its scale, rounded once to {dtype_flag}: bit for bit compressed-"
-            "tensors' decompress in that dtype."
+            f"Every weight dequantized{source} is its e4m3 code times its scale rounded once to {dtype_flag}: bit "
+            "for bit compressed-tensors' `decompress` in the scale's dtype where that is "
+            f"{dtype_flag} (what transformers' `CompressedTensorsConfig(dequantize=True)` loads), else its exact "
+            "product rounded once."
         )

@@ -63,6 +63,7 @@ from typing import TYPE_CHECKING, ClassVar, Iterator
 from ..dtypes import DTYPES, OUTPUT_DTYPES
 from ..errors import ArgumentError, CheckpointError
 from ..safetensors_io.read import TensorInfo
+from .base import SourceFormat, register
 
 if TYPE_CHECKING:
     import numpy as np
@@ -73,8 +74,8 @@ if TYPE_CHECKING:
 FP8_CODES = ("F8_E4M3", "F8_E5M2")
 SCALE_CODES = ("F32", "BF16", "F16")
 SCALE_NAMES = ("weight_scale_inv", "weight_scale")
-# Static activation scales: a dense weight does not need them, and no output keeps them.
-ACTIVATION_NAMES = ("activation_scale", "input_scale")
+# Static activation and KV-cache scales: a dense model does not need them, and no output keeps them.
+ACTIVATION_NAMES = ("activation_scale", "input_scale", "k_scale", "v_scale")
 PLAN_READS = re.compile(r"\.(?:weight_scale_inv|weight_scale)$")
 
 
@@ -276,6 +277,19 @@ def check_finite(scale: TensorInfo, reader: TensorReader) -> None:
         raise CheckpointError(f"{scale.path}: tensor '{scale.name}' holds a NaN or infinite scale")
 
 
+def unconfigured(tensors: dict[str, TensorInfo]) -> None:
+    """CheckpointError for an FP8 weight beside its scale in a checkpoint whose config.json says no FP8: the blocks
+    its scales cover are the config's ``weight_block_size`` to say (copied as they are, the codes would be written as
+    a "dense" FP8 weight)."""
+    for key, info in tensors.items():
+        scales = [key.removesuffix("weight") + name for name in SCALE_NAMES]
+        if info.dtype in FP8_CODES and key.endswith(".weight") and any(scale in tensors for scale in scales):
+            raise CheckpointError(
+                f"{info.path}: tensor '{key}' is {info.dtype} with scales, but config.json has no FP8 "
+                "quantization_config (quant_method 'fp8' or compressed-tensors) to say their blocks"
+            )
+
+
 def is_quantization_key(name: str) -> bool:
     """A tensor only an FP8 checkpoint has (its scales)."""
     return name.rsplit(".", 1)[-1] in (*SCALE_NAMES, *ACTIVATION_NAMES)
@@ -350,21 +364,20 @@ def host(
     torch.from_numpy(out).copy_(dense.reshape(-1).view(torch.uint8))
 
 
-class Fp8Format:
-    """``quant_method: "fp8"`` checkpoints, in the shape of ``formats.base.SourceFormat`` (wired there by the
-    integration; nothing is registered here)."""
+@register
+class Fp8Format(SourceFormat):
+    """``quant_method: "fp8"`` checkpoints (DeepSeek V3/R1, Qwen3-*-FP8, transformers' ``FineGrainedFP8Config``)."""
 
     name: ClassVar[str] = "fp8"
     family: ClassVar[str] = "FP8"
-    title: ClassVar[str] = "FP8 (fine-grained, block scales)"
+    title: ClassVar[str] = "FP8 (e4m3, block scales)"
     quant_methods: ClassVar[tuple[str, ...]] = ("fp8",)
-    name_suffix: ClassVar[str] = r"(?:fp8|FP8)(?:[-_](?:dynamic|block|static))?"
+    name_suffix: ClassVar[str] = r"fp8(?:[-_](?:dynamic|block|static))?"
     plan_reads: ClassVar[re.Pattern] = PLAN_READS
-    hint: ClassVar[str] = "F8_E4M3 X.weight beside its X.weight_scale_inv"
-
-    @classmethod
-    def reads_config(cls, quantization_config: dict) -> bool:
-        return quantization_config.get("quant_method") in cls.quant_methods
+    hint: ClassVar[str] = "F8_E4M3 '*.weight' with '*.weight_scale_inv'"
+    marks: ClassVar[str] = "an FP8 scale"
+    card_tags: ClassVar[frozenset[str]] = frozenset({"fp8", "fp8-dynamic", "fp8-block", "fp8-static"})
+    card_fields: ClassVar[str] = r"^weight_block_size$|^activation_scheme$"
 
     @classmethod
     def config_problem(cls, quantization_config: dict) -> str | None:
@@ -376,12 +389,16 @@ class Fp8Format:
 
     @classmethod
     def exactness(cls, dtype_flag: str, several: bool) -> str:
+        source = " from FP8" if several else ""
         if dtype_flag == "fp32":
             return (
-                "Each weight is its FP8 code times its block's scale as one fp32 multiply (exact where the scales "
-                "are bf16 or fp16), as DeepSeek's and compressed-tensors' dequantizers compute it."
+                f"Every weight dequantized{source} is its e4m3 code times its block's scale as one fp32 multiply "
+                "(exact where the scales are bf16 or fp16), bit for bit what DeepSeek's `weight_dequant` and "
+                "compressed-tensors' `FP8BlockDequantizer` compute before they round."
             )
         return (
-            f"Each weight is its FP8 code times its block's scale in fp32, rounded to {dtype_flag}: bit for bit "
-            "what DeepSeek's fp8_cast_bf16 and compressed-tensors' FP8BlockDequantizer make."
+            f"Every weight dequantized{source} is its e4m3 code times its block's scale in fp32, rounded once to "
+            f"{dtype_flag}: bit for bit what DeepSeek's `fp8_cast_bf16.py` and compressed-tensors' "
+            "`FP8BlockDequantizer` make (and transformers' `FineGrainedFP8Config(dequantize=True)` where the weight "
+            "is whole blocks: it takes the block from the scale grid, which mis-reads a ragged edge)."
         )

@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, ClassVar, Iterator
 from ..dtypes import DTYPES, OUTPUT_DTYPES
 from ..errors import ArgumentError, CheckpointError
 from ..safetensors_io.read import TensorInfo
+from .base import SourceFormat, register
 
 if TYPE_CHECKING:
     import numpy as np
@@ -117,7 +118,13 @@ def find_weights(tensors: dict[str, TensorInfo]) -> list[WeightMxfp4]:
     """Every MXFP4 weight of a checkpoint (from headers alone), checked, in name order. CheckpointError naming the
     file and tensor for blocks without scales or scales without blocks, dtypes other than U8, shapes other than
     [E, R, G, 16] and [E, R, G], or a dense tensor already named as the dequantized weight."""
-    names = {key[: -len(part)] for key in tensors for part in PARTS if key.endswith(part)}
+    # A name ends so in a dense checkpoint too (a float "layer_scales"): a pair is MXFP4 where one of them is bytes.
+    names = {
+        key[: -len(part)]
+        for key, info in tensors.items()
+        for part in PARTS
+        if key.endswith(part) and info.dtype == "U8"
+    }
     found = []
     for name in sorted(names):
         blocks, scales = tensors.get(name + "_blocks"), tensors.get(name + "_scales")
@@ -152,8 +159,9 @@ def check_scales(scales: TensorInfo, values) -> None:
 
 
 def is_quantization_key(name: str) -> bool:
-    """A tensor only an MXFP4 checkpoint has."""
-    return name.endswith(PARTS)
+    """A tensor only an MXFP4 checkpoint has: a projection's blocks or scales (a dense model may have other
+    "..._scales")."""
+    return name.endswith(tuple("proj" + part for part in PARTS))
 
 
 def dequantize(
@@ -230,25 +238,19 @@ def source_bytes(weight: WeightMxfp4, piece: tuple[int, int, int, int]) -> tuple
     return piece[0] * per_expert, piece[1] * per_expert
 
 
-class Mxfp4Format:
-    """``quant_method: "mxfp4"`` checkpoints, in the shape of ``formats.base.SourceFormat`` (wired there by the
-    integration; nothing is registered here)."""
+@register
+class Mxfp4Format(SourceFormat):
+    """``quant_method: "mxfp4"`` checkpoints: gpt-oss's MXFP4 experts."""
 
     name: ClassVar[str] = "mxfp4"
     family: ClassVar[str] = "MXFP4"
     title: ClassVar[str] = "MXFP4 (OCP microscaling FP4)"
     quant_methods: ClassVar[tuple[str, ...]] = ("mxfp4",)
-    name_suffix: ClassVar[str] = r"(?:mxfp4|MXFP4)"
+    name_suffix: ClassVar[str] = r"mxfp4"
     plan_reads: ClassVar[re.Pattern] = PLAN_READS
-    hint: ClassVar[str] = "U8 X_blocks [E, R, G, 16] beside its X_scales [E, R, G]"
-
-    @classmethod
-    def reads_config(cls, quantization_config: dict) -> bool:
-        return quantization_config.get("quant_method") in cls.quant_methods
-
-    @classmethod
-    def config_problem(cls, quantization_config: dict) -> str | None:
-        return None
+    hint: ClassVar[str] = "U8 '*_blocks' with '*_scales'"
+    marks: ClassVar[str] = "MXFP4 blocks"
+    card_tags: ClassVar[frozenset[str]] = frozenset({"mxfp4"})
 
     @classmethod
     def is_quantization_key(cls, tensor_name: str) -> bool:
@@ -256,12 +258,14 @@ class Mxfp4Format:
 
     @classmethod
     def exactness(cls, dtype_flag: str, several: bool) -> str:
+        source = " from MXFP4" if several else ""
         if dtype_flag in ("bf16", "fp32"):
             return (
-                f"Each expert weight is its FP4 value times its block's power of two, exact in {dtype_flag}: bit for "
-                "bit transformers' Mxfp4Config(dequantize=True)."
+                f"Every expert weight dequantized{source} is its FP4 value times its block's power of two, exact in "
+                f"{dtype_flag}: bit for bit transformers' `Mxfp4Config(dequantize=True)`."
             )
         return (
-            "Each expert weight is its FP4 value times its block's power of two rounded to fp16 (overflow to inf, "
-            "tiny values to fp16's subnormals): bit for bit transformers' Mxfp4Config(dequantize=True) in fp16."
+            f"Every expert weight dequantized{source} is its FP4 value times its block's power of two rounded to "
+            "fp16 (beyond its range to inf, tiny values to its subnormals): bit for bit transformers' "
+            "`Mxfp4Config(dequantize=True)` in fp16."
         )

@@ -29,6 +29,16 @@ def quiet_loggers():
             logger.setLevel(level)
 
 
+# What verify recomputes with each reference library (by its import name), and the name pip installs it by.
+RECOMPUTES = {
+    "bitsandbytes": "the weights (bitsandbytes' dequantization)",
+    "peft": "LoRA merges (peft's own merge)",
+    "compressed_tensors": "FP8 weights (compressed-tensors' dequantizers)",
+    "transformers": "the weights (transformers' dequantization)",
+}
+PIP_NAMES = {"compressed_tensors": "compressed-tensors"}
+
+
 def reference_library(name: str) -> None:
     """DependencyError unless ``name`` imports: without its reference library verify can recompute nothing, which is
     not a difference in the weights."""
@@ -37,8 +47,8 @@ def reference_library(name: str) -> None:
     try:
         importlib.import_module(name)
     except Exception as error:  # noqa: BLE001  (ImportError, or a broken install failing inside its import)
-        what = "LoRA merges (peft's own merge)" if name == "peft" else "the weights (bitsandbytes' dequantization)"
+        what = RECOMPUTES.get(name, "the weights")
         raise DependencyError(
             f"verify recomputes {what} with {name}, which cannot be imported ({type(error).__name__}: "
-            f"{str(error).splitlines()[0] if str(error) else ''}); install it: pip install {name}"
+            f"{str(error).splitlines()[0] if str(error) else ''}); install it: pip install {PIP_NAMES.get(name, name)}"
         ) from None

@@ -8,7 +8,8 @@
   mis-blocks, a weight whose shape is not whole blocks.
 - ``fp8`` checkpoints with one scale per tensor: transformers' ``Fp8Dequantize._dequantize_one`` (what
   ``FineGrainedFP8Config(dequantize=True)`` runs), in the output dtype as transformers loads a model of that dtype.
-- compressed-tensors FP8 (tensor, channel, block strategies): the library's ``FloatQuantizationCompressor.
+- compressed-tensors FP8 (tensor, channel, block strategies; the kind ``dequantize_compressed_fp8``, whose reference
+  module takes this one's): the library's ``FloatQuantizationCompressor.
   decompress``, which multiplies in the scale's dtype (what ``CompressedTensorsConfig(dequantize=True)`` runs),
   then the cast; where the output dtype is not the scale's, the scale is widened to fp32 first (losslessly), so the
   library computes the product once, exactly for bf16/fp16 scales, and the cast rounds it once.
@@ -27,6 +28,11 @@ def against(tensor, device) -> str:
     if weight.format == "compressed-tensors":
         return "compressed-tensors"
     return "compressed-tensors (FP8BlockDequantizer)" if weight.strategy == "block" else "transformers"
+
+
+def libraries(recipe) -> tuple[str, ...]:
+    weight = recipe.weight
+    return ("transformers",) if weight.format == "fp8" and weight.strategy != "block" else ("compressed_tensors",)
 
 
 def slices(tensor, reader, device, context, piece_bytes: int):

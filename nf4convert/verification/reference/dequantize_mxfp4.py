@@ -13,6 +13,10 @@ def against(tensor, device) -> str:
     return "transformers"
 
 
+def libraries(recipe) -> tuple[str, ...]:
+    return ("transformers",)
+
+
 def slices(tensor, reader, device, context, piece_bytes: int):
     weight = tensor.recipe.weight
     experts, dense_rows, rows = tensor.shape

@@ -310,8 +310,8 @@ def test_the_cpu_route_makes_a_host_computation_here_or_in_a_worker():
         ({}, "config.json has no quantization_config: the weights are not quantized (already dense?)"),
         (
             {"quantization_config": {"quant_method": "gptq", "bits": 4}},
-            "config.json's quantization_config has quant_method 'gptq', not bitsandbytes or compressed-tensors or FP8 or "
-            "MXFP4 (not convertible here)",
+            "config.json's quantization_config has quant_method 'gptq', not bitsandbytes or compressed-tensors or "
+            "FP8 or MXFP4 (not convertible here)",
         ),
         (
             {"text_config": {"quantization_config": {"load_in_8bit": True, "llm_int8_has_fp16_weight": True}}},

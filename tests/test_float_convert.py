@@ -80,53 +80,6 @@ def small_pieces(monkeypatch):
     monkeypatch.setattr(CpuRoute, "piece_bytes", 3000)
 
 
-# --- the references, called directly ------------------------------------------------------------------------------
-
-
-def reference_weights(source: Path, out_dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Every dequantized weight of ``source`` as its format's reference library makes it in ``out_dtype``."""
-    quantization = json.loads((source / "config.json").read_text())["quantization_config"]
-    state = fc.read_state(source)
-    made = {}
-    if quantization["quant_method"] == "mxfp4":
-        from transformers.integrations.mxfp4 import convert_moe_packed_tensors
-
-        for name in [k for k in state if k.endswith("_blocks")]:
-            dense = name.removesuffix("_blocks")
-            made[dense] = convert_moe_packed_tensors(state[name], state[dense + "_scales"], dtype=out_dtype)
-        return made
-    if quantization["quant_method"] == "fp8":
-        from compressed_tensors.entrypoints.convert.converters.fp8block_dequantizer import FP8BlockDequantizer
-        from transformers.integrations.finegrained_fp8 import Fp8Dequantize
-
-        for name in [k for k in state if k.endswith(("_scale_inv", ".weight_scale"))]:
-            weight = name.rpartition(".")[0] + ".weight"
-            block = quantization.get("weight_block_size")
-            if block is None:
-                made[weight] = Fp8Dequantize(None)._dequantize_one(
-                    state[weight], state[name].reshape(()), output_dtype=out_dtype
-                )
-            else:
-                dequantizer = FP8BlockDequantizer(weight_block_size=tuple(block), dtype=out_dtype)
-                processed = dequantizer.process({"m.weight": state[weight], "m.weight_scale_inv": state[name]})
-                made[weight] = processed["m.weight"]
-        return made
-    from compressed_tensors.compressors import BaseCompressor
-    from compressed_tensors.quantization import QuantizationConfig
-
-    config = QuantizationConfig.model_validate(quantization)
-    scheme = config.config_groups["group_0"]
-    compressor = BaseCompressor.get_value_from_registry("float-quantized")
-    for name in [k for k in state if k.endswith(".weight_scale")]:
-        weight = name.rpartition(".")[0] + ".weight"
-        scale = state[name]
-        if scale.dtype != out_dtype:  # widened losslessly: the library then computes the exact product once
-            scale = scale.float()
-        made[weight] = compressor.decompress({"weight": state[weight], "weight_scale": scale}, scheme)["weight"]
-        made[weight] = made[weight].to(out_dtype)
-    return made
-
-
 @pytest.mark.parametrize("flag", list(OUT))
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_every_tensor_equals_the_reference_in_every_dtype(sources, variant, flag, tmp_path, small_pieces):
@@ -134,7 +87,7 @@ def test_every_tensor_equals_the_reference_in_every_dtype(sources, variant, flag
     out = tmp_path / "out"
     cli(source, "-o", out, "--dtype", flag, "--device", "cpu", "-q")
     got = fc.read_state(out)
-    want = reference_weights(source, OUT[flag])
+    want = fc.reference_weights(source, OUT[flag])
     assert want and set(want) <= set(got)
     for name, value in want.items():
         assert same_bits(got[name], value), name
@@ -291,7 +244,7 @@ def test_scales_in_another_shard_and_under_either_name(sources, tmp_path):
     assert first.keys() == second.keys() and alone[0].removesuffix("_scale_inv") in first
     for name, value in first.items():
         assert same_bits(value, second[name]), name
-    want = reference_weights(source, torch.bfloat16)[alone[0].removesuffix("_scale_inv")]
+    want = fc.reference_weights(source, torch.bfloat16)[alone[0].removesuffix("_scale_inv")]
     assert same_bits(first[alone[0].removesuffix("_scale_inv")], want)
 
 

@@ -40,6 +40,7 @@ class Context(NamedTuple):
     module_class: Callable  # module path -> the class transformers' model has there, or None
     parameter_shape: Callable  # tensor name -> the shape transformers' model gives it, or None
     unbuilt: Callable  # -> why transformers could not build the model (once asked), or None
+    module: Callable = lambda path: None  # module path -> that module of transformers' model, on the meta device
     tied: tuple = ()  # (input embeddings, head) of a tied base: they share one parameter while peft loads
 
     def recompute(self, tensor, reader, device):

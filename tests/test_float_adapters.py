@@ -35,22 +35,6 @@ def one_error_line(output: str) -> str:
     return lines[0]
 
 
-def make_adapter(folder: Path, arch: str, seed: int, **settings) -> Path:
-    """A LoRA adapter of random (nonzero) factors for the dense model of ``arch``, as peft saves it."""
-    from peft import LoraConfig, get_peft_model
-
-    torch.manual_seed(seed)
-    model = fc.dense_model(arch, seed=seed)
-    config = LoraConfig(init_lora_weights=False, **settings)
-    peft_model = get_peft_model(model, config)
-    with torch.no_grad():  # factors of a trained adapter's size, so the merge changes the weights visibly
-        for name, parameter in peft_model.named_parameters():
-            if "lora_" in name:
-                parameter.mul_(0.5)
-    peft_model.save_pretrained(folder)
-    return folder
-
-
 def reference_load(source: Path, dtype: torch.dtype):
     """The base as transformers dequantizes it (``dequantize=True``) in ``dtype``; but for compressed-tensors in fp32,
     whose transformers load rounds through the scales' bf16, with the library's exact products in place (what the
@@ -109,7 +93,7 @@ def gpt_oss(tmp_path_factory):
 
 
 def test_lora_on_gpt_oss_experts_and_attention(gpt_oss, tmp_path):
-    adapter = make_adapter(
+    adapter = fc.make_adapter(
         tmp_path / "adapter",
         "gpt-oss",
         seed=2,
@@ -124,7 +108,7 @@ def test_lora_on_gpt_oss_experts_and_attention(gpt_oss, tmp_path):
 
 
 def test_lora_on_one_expert_parameter_alone(gpt_oss, tmp_path):
-    adapter = make_adapter(
+    adapter = fc.make_adapter(
         tmp_path / "adapter",
         "gpt-oss",
         seed=2,
@@ -145,7 +129,7 @@ def test_lora_on_fp8_bases(variant, tmp_path):
     else:
         source = fc.build_compressed(tmp_path / "source", variant, seed=4)
     arch = (fc.FP8_VARIANTS.get(variant) or fc.COMPRESSED_VARIANTS[variant])[0]
-    adapter = make_adapter(
+    adapter = fc.make_adapter(
         tmp_path / "adapter", arch, seed=4, r=8, lora_alpha=16, target_modules=["q_proj", "down_proj", "up_proj"]
     )
     check_merge(source, adapter, tmp_path / "out")
@@ -172,7 +156,7 @@ def _edited_config(adapter: Path, **changes) -> Path:
     ],
 )
 def test_what_peft_would_not_merge_so_is_refused(gpt_oss, tmp_path, changes, expected):
-    adapter = make_adapter(
+    adapter = fc.make_adapter(
         tmp_path / "adapter",
         "gpt-oss",
         seed=3,

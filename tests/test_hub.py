@@ -337,7 +337,8 @@ def test_a_hub_repo_that_is_not_bitsandbytes_is_refused_before_its_weights(hub, 
     )
     lines = error_lines(result)
     assert result.returncode == 1 and len(lines) == 1, result.stderr
-    assert lines[0].startswith(f"Error: {repo}: not a bitsandbytes checkpoint: ") and says in lines[0], lines[0]
+    not_read = "not a bitsandbytes or compressed-tensors or FP8 or MXFP4 checkpoint"
+    assert lines[0].startswith(f"Error: {repo}: {not_read}: ") and says in lines[0], lines[0]
     assert downloaded(repo) == ["config.json"]  # not the weights
     assert [p.name for p in tmp_path.iterdir()] == ["cache"]
 
@@ -351,7 +352,7 @@ def test_a_local_checkpoint_saved_with_fp16_weights_says_why_it_has_nothing_to_c
     config = json.loads(FakeHub.repos[FP16_WEIGHTS]["config.json"])
     for has_fp16_weight, says in [
         (True, "saved with llm_int8_has_fp16_weight=True"),
-        (False, "no bitsandbytes weights"),
+        (False, "no bitsandbytes or compressed-tensors or FP8 or MXFP4 weights"),
     ]:
         config["quantization_config"]["llm_int8_has_fp16_weight"] = has_fp16_weight
         (folder / "config.json").write_text(json.dumps(config))

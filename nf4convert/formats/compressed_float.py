@@ -175,7 +175,7 @@ class CompressedFloatFormat(SourceFormat):
     quant_methods: ClassVar[tuple[str, ...]] = ("compressed-tensors",)
     name_suffix: ClassVar[str] = r"fp8(?:[-_](?:dynamic|block|static))?"
     plan_reads: ClassVar[re.Pattern] = PLAN_READS
-    hint: ClassVar[str] = "F8_E4M3 '*.weight' with '*.weight_scale'"
+    hint: ClassVar[str] = "FP8 '*.weight_scale'"
     marks: ClassVar[str] = "a compressed-tensors FP8 scale"
     card_tags: ClassVar[frozenset[str]] = frozenset({"fp8", "fp8-dynamic", "compressed-tensors", "llmcompressor"})
 

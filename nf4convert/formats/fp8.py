@@ -374,7 +374,7 @@ class Fp8Format(SourceFormat):
     quant_methods: ClassVar[tuple[str, ...]] = ("fp8",)
     name_suffix: ClassVar[str] = r"fp8(?:[-_](?:dynamic|block|static))?"
     plan_reads: ClassVar[re.Pattern] = PLAN_READS
-    hint: ClassVar[str] = "F8_E4M3 '*.weight' with '*.weight_scale_inv'"
+    hint: ClassVar[str] = "FP8 '*.weight_scale_inv'"
     marks: ClassVar[str] = "an FP8 scale"
     card_tags: ClassVar[frozenset[str]] = frozenset({"fp8", "fp8-dynamic", "fp8-block", "fp8-static"})
     card_fields: ClassVar[str] = r"^weight_block_size$|^activation_scheme$"

@@ -248,7 +248,7 @@ class Mxfp4Format(SourceFormat):
     quant_methods: ClassVar[tuple[str, ...]] = ("mxfp4",)
     name_suffix: ClassVar[str] = r"mxfp4"
     plan_reads: ClassVar[re.Pattern] = PLAN_READS
-    hint: ClassVar[str] = "U8 '*_blocks' with '*_scales'"
+    hint: ClassVar[str] = "MXFP4 '*_blocks'"
     marks: ClassVar[str] = "MXFP4 blocks"
     card_tags: ClassVar[frozenset[str]] = frozenset({"mxfp4"})
 

@@ -345,3 +345,48 @@ def test_activation_scales_are_dropped_and_the_rest_kept(sources, tmp_path):
         if state[name].dtype not in (torch.float8_e4m3fn,):
             assert same_bits(got[name], state[name]), name
     assert np.all([got[name].dtype == torch.bfloat16 for name in got])
+
+
+# --- verify: what each tensor is compared against; a flipped byte and a wrong scale caught ------------------------
+
+
+@pytest.mark.parametrize(
+    "variant,against",
+    [
+        ("gpt-oss", "against transformers"),
+        ("qwen3-fp8-block128-bf16", "against compressed-tensors (FP8BlockDequantizer)"),
+        ("llama-fp8-tensor-static", "against transformers"),
+        ("qwen3-ct-fp8-channel", "against compressed-tensors"),
+    ],
+)
+def test_verify_names_its_references_and_catches_a_flipped_byte_and_a_wrong_scale(sources, variant, against, tmp_path):
+    from safetensors.torch import load_file
+
+    source = source_of(sources, variant)
+    out = tmp_path / "out"
+    cli(source, "-o", out, "--device", "cpu", "-q")
+    report = cli("verify", out, source, "--device", "cpu")
+    assert "OK: bit-exact" in report and against in report, report
+    weight = sorted(fc.reference_weights(source, torch.bfloat16))[1]
+
+    flipped = tmp_path / "flipped"
+    shutil.copytree(out, flipped)
+    state = load_file(flipped / "model.safetensors")
+    raw = state[weight].view(torch.uint8).reshape(-1).clone()
+    raw[raw.numel() // 3] ^= 0x01  # the lowest mantissa bit of one value
+    state[weight] = raw.view(torch.bfloat16).reshape(state[weight].shape)
+    save_file(state, flipped / "model.safetensors", metadata={"format": "pt"})
+    report = cli("verify", flipped, source, "--device", "cpu", code=1)
+    assert f"{weight}: 1 of " in report and "FAILED: 1 problem" in report, report
+
+    names = (weight + "_scales", weight + "_scale", weight + "_scale_inv")  # MXFP4's, and FP8's under either name
+    scale = next(name for name in fc.read_state(source) if name in names)
+
+    def doubled(state, config):
+        state[scale] = state[scale].clone()
+        state[scale].view(-1)[0] += 1 if state[scale].dtype == torch.uint8 else state[scale].view(-1)[0]
+
+    wrong = edited(source, tmp_path / "wrong-scale", doubled)
+    report = cli("verify", out, wrong, "--device", "cpu", code=1)
+    assert f"MISMATCH {weight}" in report or f"{weight}: " in report, report
+    assert "FAILED: 1 problem" in report, report

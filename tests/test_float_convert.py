@@ -390,3 +390,34 @@ def test_verify_names_its_references_and_catches_a_flipped_byte_and_a_wrong_scal
     report = cli("verify", out, wrong, "--device", "cpu", code=1)
     assert f"MISMATCH {weight}" in report or f"{weight}: " in report, report
     assert "FAILED: 1 problem" in report, report
+
+
+@pytest.mark.parametrize(
+    "name,stem",
+    [
+        ("openai/gpt-oss-20b", "gpt-oss-20b"),
+        ("someone/gpt-oss-20b-mxfp4", "gpt-oss-20b"),
+        ("Qwen/Qwen3-30B-A3B-FP8", "Qwen3-30B-A3B"),
+        ("RedHatAI/Qwen3-8B-FP8-dynamic", "Qwen3-8B"),
+        ("RedHatAI/Llama-3.1-8B-Instruct-FP8-Dynamic", "Llama-3.1-8B-Instruct"),
+        ("deepseek-ai/DeepSeek-V3-0324", "DeepSeek-V3-0324"),
+        ("someone/Model-fp8_block", "Model"),
+    ],
+)
+def test_the_default_output_name_drops_the_quantization_suffix(name, stem):
+    from nf4convert.hub.names import model_stem
+
+    assert model_stem(name) == stem
+
+
+def test_a_batch_of_each_format(sources, tmp_path):
+    chosen = [
+        variant for variant in ("gpt-oss", "qwen3-fp8-block128-bf16", "llama-ct-fp8-tensor") if variant in sources
+    ]
+    output = cli("batch", *(sources[variant] for variant in chosen), "-o", tmp_path / "root", "--device", "cpu", "-q")
+    for variant in chosen:
+        folder = tmp_path / "root" / f"{variant}-bf16"
+        assert (folder / "model.safetensors").is_file(), output
+        want = fc.reference_weights(sources[variant], torch.bfloat16)
+        got = fc.read_state(folder)
+        assert all(same_bits(got[name], value) for name, value in want.items())

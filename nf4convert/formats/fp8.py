@@ -323,7 +323,10 @@ def dequantize(
         )
     if codes.device != scales.device:
         raise ArgumentError(f"FP8 dequantize: codes on {codes.device}, scales on {scales.device}")
-    values = codes.to(torch.float32)
+    # Each code's fp32 value from a table of the 256 codes made by torch's own conversion (so the same bits as
+    # ``codes.to(fp32)``, NaNs included): a gather, several times faster than that conversion on a CPU.
+    table = torch.arange(256, dtype=torch.uint8, device=codes.device).view(codes.dtype).to(torch.float32)
+    values = table.index_select(0, codes.view(torch.uint8).reshape(-1).to(torch.int32)).view(rows, columns)
     if rows == 0 or columns == 0:
         return values.to(out_dtype)
     scale = scales.reshape(scale_rows, grid.scale_columns).to(torch.float32)

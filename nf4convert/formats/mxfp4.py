@@ -189,10 +189,13 @@ def dequantize(
         raise ArgumentError(f"MXFP4 dequantize: groups {first_group}..+{groups} of {total}")
     blocks = blocks[:, :, first_group : first_group + groups]
     scales = scales[:, :, first_group : first_group + groups]
+    # Each byte's two values (low nibble first) from a table of the 256 bytes: one gather of whole pairs, which is
+    # several times faster on a CPU than a gather per nibble.
     table = torch.tensor(DOUBLED_E2M1, dtype=torch.float32, device=blocks.device)
-    values = torch.empty(experts, rows, groups, BLOCK_BYTES, 2, dtype=torch.float32, device=blocks.device)
-    values[..., 0] = table[(blocks & 0x0F).long()]
-    values[..., 1] = table[(blocks >> 4).long()]
+    every = torch.arange(256, device=blocks.device)
+    pairs = torch.stack((table[every & 0x0F], table[every >> 4]), dim=1)
+    values = pairs.index_select(0, blocks.reshape(-1).to(torch.int32))
+    values = values.view(experts, rows, groups, BLOCK_BYTES, 2)
     # 2 ** (byte - 128) as fp32 bits: a normal number's exponent field for bytes 2..255, the subnormals 2 ** -127
     # (0x00400000) and 2 ** -128 (0x00200000) for bytes 1 and 0.
     byte = scales.to(torch.int32)

@@ -421,3 +421,15 @@ def test_a_batch_of_each_format(sources, tmp_path):
         want = fc.reference_weights(sources[variant], torch.bfloat16)
         got = fc.read_state(folder)
         assert all(same_bits(got[name], value) for name, value in want.items())
+
+
+def test_verify_in_slices_smaller_than_an_expert_or_a_block_row(sources, tmp_path, monkeypatch, small_pieces):
+    from nf4convert.verification import stream
+
+    monkeypatch.setattr(stream, "CPU_SLICE_BYTES", 2500)  # MXFP4: a few groups of one expert; FP8: single rows
+    for variant in ("gpt-oss", "qwen3-fp8-block128-bf16"):
+        if variant not in sources:
+            continue
+        out = tmp_path / variant
+        cli(sources[variant], "-o", out, "--device", "cpu", "-q", "--dtype", "fp32")
+        assert "OK: bit-exact" in cli("verify", out, sources[variant], "--device", "cpu")

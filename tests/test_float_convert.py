@@ -433,3 +433,34 @@ def test_verify_in_slices_smaller_than_an_expert_or_a_block_row(sources, tmp_pat
         out = tmp_path / variant
         cli(sources[variant], "-o", out, "--device", "cpu", "-q", "--dtype", "fp32")
         assert "OK: bit-exact" in cli("verify", out, sources[variant], "--device", "cpu")
+
+
+# --- the GPU route ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_the_cuda_route_writes_the_cpu_routes_bytes_and_verifies_on_the_gpu(sources, variant, tmp_path):
+    source = source_of(sources, variant)
+    for flag in OUT:
+        cuda, cpu = tmp_path / f"cuda-{flag}", tmp_path / f"cpu-{flag}"
+        cli(source, "-o", cuda, "--dtype", flag, "--device", "cuda", "-q")
+        cli(source, "-o", cpu, "--dtype", flag, "--device", "cpu", "-q")
+        assert (cuda / "model.safetensors").read_bytes() == (cpu / "model.safetensors").read_bytes(), flag
+        assert "OK: bit-exact" in cli("verify", cuda, source, "--device", "cuda")
+
+
+@pytest.mark.gpu
+def test_an_adapter_on_gpt_oss_experts_merged_on_the_gpu_verifies_with_peft_there(sources, tmp_path):
+    adapter = fc.make_adapter(
+        tmp_path / "adapter",
+        "gpt-oss",
+        seed=0,
+        r=4,
+        target_modules=["q_proj"],
+        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+    )
+    out = tmp_path / "out"
+    cli(sources["gpt-oss"], "--adapter", adapter, "-o", out, "--device", "cuda", "-q")
+    report = cli("verify", out, sources["gpt-oss"], "--adapter", adapter, "--device", "cuda")
+    assert "OK: bit-exact" in report and "+ peft" in report

@@ -2,7 +2,7 @@
 ``dequantize_compressed_fp8``): each e4m3 code times its block's scale in fp32, rounded once to the output dtype,
 in pieces of whole rows of scale blocks (no two pieces share a scale row): the same torch ops on the host and on a
 GPU, so both routes write the same bytes. The activation scales such checkpoints carry (static FP8) are dropped: a
-dense model has no place for them."""
+dense model has no place for them; their fp32 tensors are copied as fp32."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from ..errors import CheckpointError
 from ..formats import compressed_float, fp8
 from ..pipeline.piece import Piece
 from .base import Planning, Recipe, register
+from .copy import Copy
 
 FP8_FORMATS = (fp8.Fp8Format, compressed_float.CompressedFloatFormat)  # the formats whose weights are FP8 codes
 
@@ -48,6 +49,11 @@ class DequantizeFp8(Recipe):
             planning.claim({weight.weight.name: cls(weight) for weight in found})
             dropped = cls.activation_names
             planning.consumed.update(name for name in planning.tensors if name.rpartition(".")[2] in dropped)
+            # What an FP8 release stores in fp32 beside its bf16 tensors (DeepSeek's router bias) is kept fp32, as
+            # DeepSeek's fp8_cast_bf16.py keeps it and transformers loads it (in fp32, from these bytes).
+            for name, info in planning.tensors.items():
+                if info.dtype == "F32" and name not in planning.consumed and name not in planning.recipes:
+                    planning.recipes[name] = Copy(info, keep=True)
 
     @classmethod
     def find_weights(cls, planning: Planning, quantization: dict) -> list[fp8.WeightFp8]:

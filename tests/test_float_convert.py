@@ -175,7 +175,7 @@ def reference_model(source: Path, variant: str):
 # test_float_formats shows both); their weights are checked against compressed-tensors and DeepSeek's rule above.
 @pytest.mark.parametrize(
     "variant",
-    ["gpt-oss", "qwen3-fp8-block32-f32", "llama-fp8-tensor-static", "deepseek-fp8-block16-f32",
+    ["gpt-oss", "qwen3-fp8-block32-f32", "llama-fp8-tensor-static", "deepseek-fp8-block16-whole-f32",
      "qwen3-ct-fp8-block-whole", "qwen3-ct-fp8-channel", "llama-ct-fp8-tensor", "qwen3-ct-fp8-block"],
 )  # fmt: skip
 def test_the_output_loads_as_the_dense_model_with_the_reference_logits(sources, variant, tmp_path):

@@ -24,8 +24,8 @@ Steps (``--steps``, comma-separated, in order, each in a fresh process after the
 ``verify-cuda`` (nf4convert verify of the cuda output on the GPU), ``verify-cpu`` (of the cpu output on the CPU).
 Each is timed at its process's exit and after the ``sync`` that follows; peak RssAnon and peak Pss with children, as
 bench_convert.py measures them. The cuda and cpu outputs are compared by the SHA-256 of each shard (both never lie
-on the disk at once: about 56 GB for gpt-oss-20b's source and one output). A markdown table on stdout; JSON with
-``--json``.
+on the disk at once: about 56 GB for gpt-oss-20b's source and one output; kept in the workdir, so steps split over
+several calls are compared too). A markdown table on stdout; JSON with ``--json``.
 """
 
 from __future__ import annotations
@@ -327,7 +327,9 @@ def main():
     unknown = [step for step in steps if step not in commands]
     if unknown:
         raise SystemExit(f"unknown steps {unknown}: {', '.join(commands)}")
-    results, digests = {}, {}
+    results = {}
+    kept = workdir / f"digests-{label}.json"  # a later call's steps are compared with an earlier call's output
+    digests = json.loads(kept.read_text()) if kept.is_file() else {}
     for index, step in enumerate(steps):
         route = step.removeprefix("verify-")
         if not step.startswith("verify-"):  # a new output: every other one goes first (the disk holds one)
@@ -345,12 +347,13 @@ def main():
         if step in ("cuda", "cpu"):
             run["output_gb"] = sum(p.stat().st_size for p in out_of[route].glob("*.safetensors")) / 1e9
             digests[step] = shard_digests(out_of[route])
+            kept.write_text(json.dumps(digests))
         later = steps[index + 1 :]
         if step != "dd" and f"verify-{route}" not in later:
             shutil.rmtree(out_of[route], ignore_errors=True)
     for other in out_of.values():
         shutil.rmtree(other, ignore_errors=True)
-    identical = digests["cuda"] == digests["cpu"] if len(digests) == 2 else None
+    identical = digests["cuda"] == digests["cpu"] if {"cuda", "cpu"} <= digests.keys() else None
     if identical is not None:
         print(f"cuda and cpu outputs identical: {identical}", flush=True)
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"

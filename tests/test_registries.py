@@ -120,12 +120,17 @@ def _scaled_kind():
 
 
 @pytest.fixture
-def scratch(monkeypatch):
-    """Scaled and its kind registered, in copies of the registries that the test's end throws away."""
-    monkeypatch.setattr(formats_base, "_REGISTRY", dict(all_formats()))
-    monkeypatch.setattr(kinds_base, "_REGISTRY", dict(all_kinds()))
+def scratch():
+    """Scaled and its kind registered; the registries as they were once the test ends."""
+    kept = (formats_base._REGISTRY, kinds_base._REGISTRY)
+    registries = [(registry, dict(registry.discovered())) for registry in kept]
     formats_base.register(Scaled)
-    return _scaled_kind()
+    try:
+        yield _scaled_kind()
+    finally:
+        for registry, saved in registries:
+            registry.clear()
+            registry.update(saved)
 
 
 def _scaled_checkpoint(folder, seed: int):

@@ -15,7 +15,7 @@ import click
 from .. import __version__
 from ..dtypes import OUTPUT_CHOICES
 from ..errors import ArgumentError, Nf4ConvertError, Terminated
-from ..options import ConvertOptions, VerifyOptions
+from ..options import VerifyOptions
 from .console import DefaultGroup, end, error_line, fail, message, run_action, say
 from .flags import convert_options, one_adapter, quiet, source_options
 
@@ -68,17 +68,8 @@ def main():
 def convert_command(
     source,
     output,
-    adapter,
-    dtype,
-    gguf_type,
-    device,
-    max_shard_size,
-    overwrite,
-    allow_no_config,
+    flags,
     quiet,
-    revision,
-    token,
-    cache_dir,
     dry_run,
     then_verify,
     push_to,
@@ -116,20 +107,7 @@ def convert_command(
     def action():
         from . import render, run
 
-        options = ConvertOptions.parse(
-            output=output,
-            dtype=dtype,
-            adapter=adapter,
-            revision=revision,
-            token=token,
-            cache_dir=cache_dir,
-            device=device,
-            max_shard_size=max_shard_size,
-            overwrite=overwrite,
-            allow_no_config=allow_no_config,
-            gguf_type=gguf_type,
-            progress=not quiet,
-        )
+        options = flags.parse(output=output, progress=not quiet)
         if dry_run:
             prepared = run.dry_run_plan(source, options)
             for line in render.plan_lines(prepared):
@@ -188,7 +166,8 @@ def _show_report(report) -> None:
     type=click.Choice(OUTPUT_CHOICES, case_sensitive=False),
     default="auto",
     show_default=True,
-    help="For a GGUF OUTPUT: the --dtype it was converted with (its tensors' dtype before the GGUF type).",
+    help="For a GGUF OUTPUT: the --dtype it was converted with (its tensors' dtype before the GGUF type). A folder's "
+    "tensors say their own: another dtype is refused.",
 )
 @click.option("-q", "--quiet", is_flag=True, callback=quiet, help="No progress bars (downloads too).")
 @source_options
@@ -267,17 +246,8 @@ def batch_command(
     sources,
     output_root,
     from_file,
-    adapter,
-    dtype,
-    gguf_type,
-    device,
-    max_shard_size,
-    overwrite,
-    allow_no_config,
+    flags,
     quiet,
-    revision,
-    token,
-    cache_dir,
     as_json,
     dry_run,
     skip_existing,
@@ -300,7 +270,7 @@ def batch_command(
       nf4convert batch --from-file models.txt -o converted/ --skip-existing --verify   # resume, checking all
       nf4convert batch org/a-bnb-4bit ./b-bnb-4bit -o gguf/ --gguf-type q8_0
     """
-    if skip_existing and overwrite:
+    if skip_existing and flags.overwrite:
         fail("--skip-existing keeps an output that is there, --overwrite replaces it: give one of them", 2)
     if dry_run and then_verify:
         fail("--dry-run writes nothing, so there is nothing to --verify", 2)
@@ -317,7 +287,9 @@ def batch_command(
 
     def failed(row, error) -> None:
         if isinstance(error, Nf4ConvertError):
-            resumed = error.option == "overwrite" and not overwrite  # an output there: one flag keeps, one replaces
+            resumed = (
+                error.option == "overwrite" and not flags.overwrite
+            )  # an output there: one flag keeps, one replaces
             row.error = (
                 f"{error} (pass --skip-existing to keep it, or --overwrite to replace it)"
                 if resumed
@@ -329,19 +301,7 @@ def batch_command(
     def action():
         from .run import batch
 
-        options = ConvertOptions.parse(
-            dtype=dtype,
-            adapter=adapter,
-            revision=revision,
-            token=token,
-            cache_dir=cache_dir,
-            device=device,
-            max_shard_size=max_shard_size,
-            overwrite=overwrite,
-            allow_no_config=allow_no_config,
-            gguf_type=gguf_type,
-            progress=not quiet and not as_json,
-        )
+        options = flags.parse(progress=not quiet and not as_json)
         return batch(
             sources,
             output_root,

@@ -9,13 +9,10 @@ subclass under ``@register``) and the kind that dequantizes its weights in ``kin
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
 import re
-from typing import ClassVar, TypeVar
+from typing import ClassVar
 
-_REGISTRY: dict[str, type[SourceFormat]] = {}
-_discovered = False
+from ..registry import Registry
 
 
 class SourceFormat:
@@ -57,28 +54,14 @@ class SourceFormat:
         raise NotImplementedError
 
 
-Format = TypeVar("Format", bound=type[SourceFormat])
-
-
-def register(source_format: Format) -> Format:
-    """Class decorator: the format joins the registry under its ``name``."""
-    known = _REGISTRY.get(source_format.name)
-    if known is not None and known is not source_format:
-        raise ValueError(f"source format {source_format.name!r} is registered twice")
-    _REGISTRY[source_format.name] = source_format
-    return source_format
+_REGISTRY = Registry(__package__, "source format", "name")
+register = _REGISTRY.register  # class decorator: the format joins the registry under its ``name``
 
 
 def all_formats() -> dict[str, type[SourceFormat]]:
     """Every registered format by name, in name order; the first call imports each module of ``formats/``, which
     registers what it defines."""
-    global _discovered
-    if not _discovered:
-        package = importlib.import_module(__package__)
-        for module in pkgutil.iter_modules(package.__path__):
-            importlib.import_module(f"{__package__}.{module.name}")
-        _discovered = True
-    return dict(sorted(_REGISTRY.items()))
+    return dict(sorted(_REGISTRY.discovered().items()))
 
 
 def families() -> str:

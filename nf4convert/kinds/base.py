@@ -9,23 +9,19 @@ bringing its compute) and its reference in ``verification/reference/`` under the
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Iterator, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Iterator
 
 from ..errors import CheckpointError
 from ..pipeline.piece import Piece
+from ..registry import Registry
 from ..safetensors_io.read import TensorInfo, TensorReader
 from ..strict_json import shown
 
 if TYPE_CHECKING:
     from ..dtypes import DType
     from ..formats.base import SourceFormat
-
-_REGISTRY: dict[str, type["Recipe"]] = {}
-_discovered = False
 
 
 class Recipe:
@@ -109,28 +105,14 @@ class Recipe:
         raise NotImplementedError
 
 
-Kind = TypeVar("Kind", bound=type[Recipe])
-
-
-def register(kind: Kind) -> Kind:
-    """Class decorator: the kind joins the registry under its ``kind``, which names its module."""
-    known = _REGISTRY.get(kind.kind)
-    if known is not None and known is not kind:
-        raise ValueError(f"kind {kind.kind!r} is registered twice")
-    _REGISTRY[kind.kind] = kind
-    return kind
+_REGISTRY = Registry(__package__, "kind", "kind")
+register = _REGISTRY.register  # class decorator: the kind joins the registry under its ``kind``, which names its module
 
 
 def all_kinds() -> dict[str, type[Recipe]]:
     """Every registered kind by name, in planning ``order``; the first call imports each module of ``kinds/``, which
     registers what it defines."""
-    global _discovered
-    if not _discovered:
-        package = importlib.import_module(__package__)
-        for module in pkgutil.iter_modules(package.__path__):
-            importlib.import_module(f"{__package__}.{module.name}")
-        _discovered = True
-    return dict(sorted(_REGISTRY.items(), key=lambda item: (item[1].order, item[0])))
+    return dict(sorted(_REGISTRY.discovered().items(), key=lambda item: (item[1].order, item[0])))
 
 
 @dataclass

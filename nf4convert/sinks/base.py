@@ -13,30 +13,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, ClassVar
 
+from ..registry import Registry
+
 if TYPE_CHECKING:
     from ..options import ConvertOptions
     from ..plan import Plan
     from ..safetensors_io.read import TensorReader
     from ..settings import Settings
 
-SINKS: dict[str, type["Sink"]] = {}
-
-
-def register(cls: type["Sink"]) -> type["Sink"]:
-    SINKS[cls.name] = cls
-    return cls
+SINKS = Registry(__package__, "output format", "name")
+register = SINKS.register  # class decorator: the sink joins the registry under its ``name``
 
 
 def all_sinks() -> list[type["Sink"]]:
     """Every registered sink, the ones that claim outputs by their options first and the default (the folder) last."""
-    import importlib
-    import pkgutil
-
-    from .. import sinks
-
-    for module in pkgutil.walk_packages(sinks.__path__, f"{sinks.__name__}."):
-        importlib.import_module(module.name)
-    return sorted(SINKS.values(), key=lambda sink: sink.default)
+    return sorted(SINKS.discovered().values(), key=lambda sink: sink.default)
 
 
 def sink_for(options: "ConvertOptions") -> type["Sink"]:
@@ -152,4 +143,10 @@ class Sink:
     @classmethod
     def push(cls, output: Path, repo_id: str, *, card: str | None, private: bool, token, revision, progress) -> str:
         """Upload the finished output to ``repo_id``; the repo's URL."""
+        raise NotImplementedError
+
+    @classmethod
+    def push_again(cls, output: Path, repo_id: str, *, card: str | None, private: bool, branch: str | None) -> str:
+        """After a failed ``push``: the command that uploads what it would have (``card``: as ``push`` took it), with
+        huggingface_hub's own CLI, keeping beside the output what that needs and the output lacks."""
         raise NotImplementedError

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The GPU machine: the GPU tests, the whole-model conversion benchmark, the kernel benchmark, torch.compile against eager.
+# The GPU machine: the GPU tests, the whole-model conversion benchmark, the kernel benchmark, torch.compile against eager,
+# the float formats at real shapes.
 # Expects bitsandbytes unpacked under .carry/site, peft 0.21 under .carry/peft and Unsloth's kernel copy under
-# .carry/peers (docs/performance.md, "How to run them"). STAGES picks parts (tests,convert,verify,int,dequant,compile,kernels); logs go
+# .carry/peers (docs/performance.md, "How to run them"). STAGES picks parts (tests,convert,verify,int,formats,dequant,compile,kernels); logs go
 # to $OUT.
 set -o pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -54,4 +55,14 @@ if [[ $stages == *kernels* ]]; then
   # What a compiled forward runs beside eager: GPU kernels, host profile, and Inductor's code and guards.
   TORCH_LOGS=${KERNELS_LOGS:-output_code,guards,recompiles} timeout ${KERNELS_TIMEOUT:-120} python3 benchmarks/bench_compile.py \
     --kernels ${KERNELS_SHAPE:-14336x4096} ${KERNELS_ARGS:-} > "$out/kernels.log" 2>&1; grep "^=====" "$out/kernels.log"; tail -5 "$out/kernels.log"
+fi
+if [[ $stages == *formats* ]]; then
+  # Models released as floats at their real shapes (bench_formats.py): gpt-oss-20b's MXFP4 (13 GB in, 42 GB out) and
+  # DeepSeek-V3's FP8 (3 dense + 1 MoE layers: 17 GB in, 30 GB out), each route and verify beside dd. FORMAT picks
+  # one (mxfp4, fp8); FORMATS_ARGS adds options ("--steps dd,cuda,verify-cuda", "--build-only": the source stays in
+  # /tmp/bench-formats for a later call). Verify needs compressed-tensors (and loguru) for FP8 on the path.
+  for format in ${FORMAT:-mxfp4 fp8}; do
+    timeout ${FORMATS_TIMEOUT:-560} python3 benchmarks/bench_formats.py --format "$format" --workdir /tmp/bench-formats \
+      --json "$out/formats-$format.json" ${FORMATS_ARGS:-} 2>&1 | tee "$out/formats-$format.log" | grep -v '^{'
+  done
 fi

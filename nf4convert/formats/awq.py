@@ -268,7 +268,6 @@ class Awq(SourceFormat):
     quant_methods: ClassVar[tuple[str, ...]] = ("awq",)
     name_suffix: ClassVar[str] = r"awq(?:[-_](?:int4|4-?bits?|gemm|gemv))*"
     plan_reads: ClassVar[re.Pattern] = PLAN_READS
-    hint: ClassVar[str] = "AWQ '*.qzeros'"
     marks: ClassVar[str] = "AWQ zeros"
     card_tags: ClassVar[frozenset[str]] = frozenset({"awq", "autoawq", "int4", "4-bit"})
     card_fields: ClassVar[str] = r"awq"

@@ -404,7 +404,6 @@ class CompressedInt(SourceFormat):
     # -W4A16, -quantized.w4a16 (RedHatAI, neuralmagic), -w4a16-asym, -W8A8, -int4-w4a16...
     name_suffix: ClassVar[str] = r"(?:quantized[._-])?(?:w4a16|w8a16|w8a8|w4a8|w4a4|w2a16)(?:[-_](?:asym|sym|g\d+))*"
     plan_reads: ClassVar[re.Pattern] = PLAN_READS
-    hint: ClassVar[str] = "compressed-tensors '*.weight_packed' or int8 '*.weight_scale'"
     marks: ClassVar[str] = "compressed-tensors integer scales"
     card_tags: ClassVar[frozenset[str]] = frozenset(
         {"compressed-tensors", "llmcompressor", "llm-compressor", "w4a16", "w8a16", "w8a8", "int4", "int8"}

@@ -321,7 +321,6 @@ class Gptq(SourceFormat):
     # -GPTQ, -GPTQ-Int4 (Qwen), -GPTQ-4bit-128g-actorder_True (TheBloke's branches and older repos)
     name_suffix: ClassVar[str] = r"gptq(?:[-_](?:int[2348]|[2348]-?bits?|\d+g|act-?order(?:_true)?))*"
     plan_reads: ClassVar[re.Pattern] = PLAN_READS
-    hint: ClassVar[str] = "GPTQ '*.g_idx'"
     marks: ClassVar[str] = "GPTQ zeros and group index"
     card_tags: ClassVar[frozenset[str]] = frozenset({"gptq", "auto-gptq", "autogptq", "gptqmodel", "int4", "4-bit"})
     card_fields: ClassVar[str] = r"gptq"

@@ -13,10 +13,14 @@ from __future__ import annotations
 
 from ...dtypes import DTYPES
 from ...errors import CheckpointError
-from .base import Slice, as_bytes, whole
+from .base import Library, Slice, as_bytes, whole
 
 # The library verify checks for before it starts: (import name, what it recomputes, the package that installs it)
-LIBRARY = ("compressed_tensors", "compressed-tensors weights (its own decompression)", "compressed-tensors")
+LIBRARY = Library("compressed_tensors", "compressed-tensors weights (its own decompression)", "compressed-tensors")
+
+
+def libraries(recipe) -> tuple[Library, ...]:
+    return (LIBRARY,)
 
 
 def against(tensor, device) -> str:

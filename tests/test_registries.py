@@ -184,7 +184,8 @@ def test_what_is_asked_of_all_formats_takes_in_a_format_defined_in_a_test(tmp_pa
     with pytest.raises(CheckpointError) as refused:
         make_plan(folder)
     assert str(refused.value) == (
-        f"{folder}: no quantized weights of a format nf4convert reads (AWQ, bitsandbytes, compressed-tensors, FP8, GPTQ, MXFP4 or scratch): nothing to convert"
+        f"{folder}: no quantized weights of a format nf4convert reads (AWQ, bitsandbytes, compressed-tensors, FP8, "
+        "GPTQ, MXFP4 or scratch): nothing to convert"
     )
 
 

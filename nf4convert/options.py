@@ -15,7 +15,9 @@ from pathlib import Path
 from .dtypes import DType, output_dtype
 from .errors import ArgumentError
 from .paths import expanded, expanded_output
+from .refs import ref_problem
 from .sizes import DEFAULT_SHARD_SIZE, parse_size
+from .strict_json import shown
 
 
 @dataclass(frozen=True)
@@ -25,6 +27,14 @@ class HubOptions:
     revision: str | None = None  # of SOURCE only (a local folder has none)
     token: str | None = None
     cache_dir: Path | None = None
+
+    @classmethod
+    def parse(cls, revision=None, token=None, cache_dir=None) -> "HubOptions":
+        """The Hub options, checked: a revision must be a branch, tag or commit name (refs.py), as a push's branch."""
+        problem = ref_problem(revision) if revision is not None else None
+        if problem is not None:
+            raise ArgumentError(f"revision {shown(revision)}: {problem}", option="revision")
+        return cls(revision, token, Path(cache_dir) if cache_dir is not None else None)
 
 
 @dataclass(frozen=True)
@@ -76,7 +86,7 @@ class ConvertOptions:
         return cls(
             dtype=dtype if isinstance(dtype, DType) else output_dtype(dtype),
             adapter=os.fspath(adapter) if adapter is not None else None,
-            hub=HubOptions(revision, token, Path(cache_dir) if cache_dir is not None else None),
+            hub=HubOptions.parse(revision, token, cache_dir),
             device=device,
             max_shard_size=parse_size(max_shard_size),
             overwrite=bool(overwrite),
@@ -111,7 +121,7 @@ class VerifyOptions:
         return cls(
             device=device,
             adapter=os.fspath(adapter) if adapter is not None else None,
-            hub=HubOptions(revision, token, Path(cache_dir) if cache_dir is not None else None),
+            hub=HubOptions.parse(revision, token, cache_dir),
             progress=bool(progress),
             dtype=dtype if isinstance(dtype, DType) or dtype is None else output_dtype(dtype),
         )

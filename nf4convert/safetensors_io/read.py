@@ -19,7 +19,7 @@ from typing import Iterable
 
 from ..dtypes import DTYPES
 from ..errors import CheckpointError
-from ..files import ADAPTER_WEIGHTS, INDEX_NAME, inside, plain_relative
+from ..files import ADAPTER_WEIGHTS, INDEX_NAME, inside, plain_relative, read_regular
 from ..strict_json import shown, strict_json
 
 
@@ -167,12 +167,9 @@ def read_index(folder: Path) -> dict[str, str] | None:
         path = candidates[0]
     path = inside(folder, path.name)
     try:
-        with open(path, "rb") as file:
-            raw = file.read(_INDEX_LIMIT + 1)
-    except OSError as error:
-        raise CheckpointError(f"{path}: cannot read ({error.strerror or error})") from None
-    if len(raw) > _INDEX_LIMIT:
-        raise CheckpointError(f"{path}: corrupt index (over {_INDEX_LIMIT} bytes)")
+        raw = read_regular(path, _INDEX_LIMIT)
+    except FileNotFoundError as error:  # a dangling link
+        raise CheckpointError(f"{path}: cannot read ({error.strerror})") from None
     index = strict_json(raw, f"{path}: corrupt index")
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict):

@@ -209,6 +209,32 @@ def series_members(listed: set[str], names: Iterable[str]) -> set[str]:
     }
 
 
+_SHARD_NUMBER = re.compile(r"(.+)-([0-9]+)-of-([0-9]+)\.safetensors")
+
+
+def _check_series(folder: Path, files: list[str]) -> None:
+    """Every numbered shard series among ``files`` complete: "-00001-of-00003" to "-00003-of-00003", none missing (a
+    download or copy that stopped, an index edited to match what is left) and none past its count. CheckpointError
+    naming the first shard missing otherwise: the checkpoint's weights in it would be silently left out."""
+    series: dict[tuple[str, int], dict[int, str]] = {}
+    for file in files:
+        match = _SHARD_NUMBER.fullmatch(file)
+        if match:
+            series.setdefault((match[1], int(match[3])), {})[int(match[2])] = file
+    for (prefix, count), numbered in sorted(series.items()):
+        width = len(next(iter(numbered.values())).rsplit("-of-", 1)[1]) - len(".safetensors")
+        beyond = sorted(number for number in numbered if not 1 <= number <= count)
+        if beyond:
+            raise CheckpointError(f"{folder / numbered[beyond[0]]}: shard {beyond[0]} of a series of {count}")
+        missing = [number for number in range(1, count + 1) if number not in numbered]
+        if missing:
+            name = f"{prefix}-{missing[0]:0{width}d}-of-{count:0{width}d}.safetensors"
+            raise CheckpointError(
+                f"{folder / name}: missing, {len(missing)} of the {count} shards of the series are (an interrupted "
+                "download or copy?); the weights in them would be left out of the output"
+            )
+
+
 def read_tensors(folder: Path) -> dict[str, TensorInfo]:
     """Every tensor of the checkpoint in ``folder``, resolved through the index when there is one.
 
@@ -250,6 +276,7 @@ def read_tensors(folder: Path) -> dict[str, TensorInfo]:
                 listed = "does not list" if name not in weight_map else f"lists under {shown(weight_map[name])}"
                 raise CheckpointError(f"{path}: holds tensor {shown(name)}, which the index {listed}")
             tensors[name] = info
+    _check_series(folder, files)
     if weight_map is not None:
         for name, file in weight_map.items():
             if name not in tensors:

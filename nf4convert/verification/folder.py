@@ -99,7 +99,7 @@ class Folder:
         elif context.unbuilt() is not None:
             report.notes.append(
                 f"config.json: transformers could not build the model from it ({context.unbuilt()}), so the "
-                "shapes it loads and its Conv1D layers were not checked"
+                "parameters it needs, the shapes it loads and its Conv1D layers were not checked"
             )
 
 

@@ -22,7 +22,7 @@ from ..options import VerifyOptions
 from ..paths import expanded
 from ..plan import make_plan
 from ..safetensors_io.read import TensorReader, read_tensors
-from ..skeleton import meta_model
+from ..skeleton import meta_model, unloaded_parameters
 from .folder import Folder
 from .gguf import GgufFile
 from .libraries import quiet_loggers, reference_library
@@ -136,4 +136,24 @@ def verified(output: str | Path, source: str, options: VerifyOptions) -> VerifyR
             revision=hub.revision,
             resolved=resolved,
         )
+        report.problems += _unloaded(plan, report)
     return report
+
+
+def _unloaded(plan, report: VerifyReport) -> list[str]:
+    """The parameters transformers' model for the source's config would load with random values: neither the source
+    nor therefore the output holds them (a shard or a weight missing from the checkpoint). A note where that cannot
+    be told though the model was built."""
+    if plan.config is None:
+        return []  # no model to ask: said in the note on the missing config
+    found = unloaded_parameters(plan.config, {tensor.name: tuple(tensor.shape) for tensor in plan.tensors})
+    if isinstance(found, str):
+        if not any("could not build the model" in note for note in report.notes):
+            report.notes.append(f"which parameters transformers' model needs was not checked: {found}")
+        return []
+    model, missing = found
+    return [
+        f"{name}: transformers' {model} has this parameter, the source and the output lack it (transformers would "
+        "fill it with random values)"
+        for name in missing
+    ]

@@ -68,6 +68,15 @@ def _infinite_warning(names: list[str]) -> str | None:
     )
 
 
+def _kept_warning(plan) -> str | None:
+    """What a conversion that kept the NaN or ±inf values an adapter merge made (``allow_non_finite``) says of them."""
+    kept = list(dict.fromkeys(line for tensor in plan.tensors for line in getattr(tensor.recipe, "non_finite", ())))
+    if not kept:
+        return None
+    shown = ", ".join(kept[:3]) + (f" and {len(kept) - 3} more" if len(kept) > 3 else "")
+    return f"the adapter's merge made NaN or ±inf values the base does not hold, kept as asked: {shown}"
+
+
 @dataclass(frozen=True)
 class Prepared:
     plan: object  # plan.Plan
@@ -145,6 +154,7 @@ def _prepare(source, options: ConvertOptions, *, reader, headers=None, on_output
             max_shard_size=options.max_shard_size,
             reader=reader,
             adapter=adapter_folder,
+            keep_non_finite=options.allow_non_finite,
         )
     except CheckpointError as error:
         better = reworded(error, folder)
@@ -196,6 +206,7 @@ def convert(
     on_output=None,
     allow_no_config: bool = False,
     gguf_type: str | None = None,
+    allow_non_finite: bool = False,
 ) -> ConvertResult:
     """Convert a quantized checkpoint into a dense safetensors checkpoint, or into one GGUF file.
 
@@ -207,7 +218,9 @@ def convert(
     that is itself an adapter means its base with it merged. Nothing is written unless the whole output
     is: it appears under its name only once complete. ``on_output(folder)`` is told where the output goes as soon as
     that is known. A checkpoint without config.json is refused unless ``allow_no_config``: its output then holds the
-    dense tensors (and the files carried over) without a config.json, which transformers needs to load a model.
+    dense tensors (and the files carried over) without a config.json, which transformers needs to load a model. An
+    adapter whose merge makes NaN or ±inf values that the base does not hold is refused unless ``allow_non_finite``:
+    then they are written, and a warning names the tensors.
 
     An ``output`` ending in ``.gguf`` (or a ``gguf_type``, then named ``<stem>-<type>.gguf``) is one GGUF file, the one
     llama.cpp's converter (the "gguf" extra) writes from the dense output: of type ``gguf_type`` (f32, f16, bf16,
@@ -236,6 +249,7 @@ def convert(
         max_shard_size=max_shard_size,
         overwrite=overwrite,
         allow_no_config=allow_no_config,
+        allow_non_finite=allow_non_finite,
         gguf_type=gguf_type,
         progress=progress,
         output_dir=output_dir,
@@ -300,7 +314,11 @@ def converted(source: str | os.PathLike, options: ConvertOptions, *, on_output=N
             plan.n_dequantized,
             size,
             time.perf_counter() - started,
-            tuple(w for w in [card.warning, _infinite_warning(written.infinite), *converter_warnings] if w)
+            tuple(
+                w
+                for w in [card.warning, _infinite_warning(written.infinite), _kept_warning(plan), *converter_warnings]
+                if w
+            )
             + tuple(leftover.note(removed=leftover.own) for leftover in prepared.leftovers),  # the own: staging's
             plan.kinds,
             sink.own_type,

@@ -48,6 +48,7 @@ class ConvertOptions:
     max_shard_size: int = parse_size(DEFAULT_SHARD_SIZE)
     overwrite: bool = False
     allow_no_config: bool = False
+    allow_non_finite: bool = False  # keep the NaN or ±inf values an adapter merge makes (refused otherwise)
     gguf_type: str | None = None  # checked by the GGUF sink, whose values they are
     progress: bool = True
     output: Path | None = None  # OUT as given (None: named for the user, in output_dir or here)
@@ -68,6 +69,7 @@ class ConvertOptions:
         max_shard_size=DEFAULT_SHARD_SIZE,
         overwrite=False,
         allow_no_config=False,
+        allow_non_finite=False,
         gguf_type=None,
         progress=True,
         output_dir=None,
@@ -91,6 +93,7 @@ class ConvertOptions:
             max_shard_size=parse_size(max_shard_size),
             overwrite=bool(overwrite),
             allow_no_config=bool(allow_no_config),
+            allow_non_finite=bool(allow_non_finite),
             gguf_type=gguf_type.lower() if isinstance(gguf_type, str) else gguf_type,
             progress=bool(progress),
             output=expanded_output(output, "output") if output is not None else None,

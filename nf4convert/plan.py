@@ -135,8 +135,11 @@ def make_plan(
     max_shard_size: str | int = DEFAULT_SHARD_SIZE,
     reader: TensorReader | None = None,
     adapter: Path | None = None,
+    keep_non_finite: bool = False,
 ) -> Plan:
     """Plan the conversion of the checkpoint in ``folder`` (with the peft LoRA adapter in ``adapter`` merged in).
+    ``keep_non_finite``: NaN or ±inf values a merge makes are kept (listed on its recipes' ``non_finite``), not
+    refused when the tensor is made.
 
     Raises:
         CheckpointError: a file is missing, truncated or corrupt, the checkpoint has no bitsandbytes weights, or
@@ -157,7 +160,7 @@ def make_plan(
     chosen = chosen or _auto_dtype(recipes, config)
     merged = None
     if adapter is not None:
-        recipes, merged = MergeLora.wrap(recipes, Path(adapter), chosen, config)
+        recipes, merged = MergeLora.wrap(recipes, Path(adapter), chosen, config, keep_non_finite)
 
     shards: list[list[tuple]] = [[]]
     shard_bytes = 0

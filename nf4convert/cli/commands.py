@@ -75,6 +75,7 @@ def convert_command(
     max_shard_size,
     overwrite,
     allow_no_config,
+    allow_non_finite,
     quiet,
     revision,
     token,
@@ -127,6 +128,7 @@ def convert_command(
             max_shard_size=max_shard_size,
             overwrite=overwrite,
             allow_no_config=allow_no_config,
+            allow_non_finite=allow_non_finite,
             gguf_type=gguf_type,
             progress=not quiet,
         )
@@ -274,6 +276,7 @@ def batch_command(
     max_shard_size,
     overwrite,
     allow_no_config,
+    allow_non_finite,
     quiet,
     revision,
     token,
@@ -339,6 +342,7 @@ def batch_command(
             max_shard_size=max_shard_size,
             overwrite=overwrite,
             allow_no_config=allow_no_config,
+            allow_non_finite=allow_non_finite,
             gguf_type=gguf_type,
             progress=not quiet and not as_json,
         )

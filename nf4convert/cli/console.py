@@ -25,6 +25,7 @@ HINTS = {
     "max_shard_size": "see --max-shard-size",
     "adapter": "see --adapter",
     "allow_no_config": "or pass --allow-no-config to write the dense tensors alone",
+    "allow_non_finite": "--allow-non-finite writes them anyway",
     "gguf_type": "see --gguf-type",
 }
 

@@ -85,6 +85,12 @@ def convert_options(function):
                 "without one, so transformers cannot load it as a model by itself.",
             ),
             click.option(
+                "--allow-non-finite",
+                is_flag=True,
+                help="Keep the NaN or ±inf values an adapter's merge makes where the base has none (refused otherwise: "
+                "such a model is broken); a warning names the tensors.",
+            ),
+            click.option(
                 "-q",
                 "--quiet",
                 is_flag=True,

@@ -12,7 +12,7 @@ from typing import ClassVar, Iterator
 from ..dtypes import DTYPES, DType
 from ..errors import CheckpointError
 from ..formats import config as model_config
-from ..formats import peft_checks, peft_lora, peft_merge, peft_tied
+from ..formats import peft_checks, peft_finite, peft_lora, peft_merge, peft_tied
 from ..pipeline.piece import Piece
 from .base import Recipe, whole
 from .untied import Untied
@@ -27,10 +27,14 @@ class MergeLora(Recipe):
     base: Recipe
     target: peft_lora.LoraTarget
     adapter: peft_lora.Adapter = field(compare=False, repr=False)  # the whole adapter (verify rebuilds its module)
+    keep_non_finite: bool = field(
+        default=False, compare=False, repr=False
+    )  # NaN/±inf the merge makes: kept, not refused
+    non_finite: list = field(default_factory=list, compare=False, repr=False)  # what it made, where kept: one line each
 
     @classmethod
     def wrap(
-        cls, recipes: list[Recipe], adapter_folder: Path, dtype: DType, config: dict | None
+        cls, recipes: list[Recipe], adapter_folder: Path, dtype: DType, config: dict | None, keep_non_finite=False
     ) -> tuple[list[Recipe], "Merged"]:
         """Each recipe whose tensor the adapter changes, wrapped in a merge; the adapter is checked first. On a tied
         base the embeddings start from what peft loads into the tied parameter, and where the adapter makes the head
@@ -85,9 +89,10 @@ class MergeLora(Recipe):
             target = targets.get(name)
             if target is not None and not DTYPES[code].cast:
                 raise CheckpointError(f"{adapter.path}: changes '{name}', which is not a floating tensor")
-            merged.append(cls(recipe, target, adapter) if target is not None else recipe)
+            merged.append(cls(recipe, target, adapter, keep_non_finite) if target is not None else recipe)
             if reason and name == embedding:  # the head right after the tensor it starts from
-                merged.append(cls(Untied(recipe, head_name), head, adapter) if head else Untied(recipe, head_name))
+                untied = Untied(recipe, head_name)
+                merged.append(cls(untied, head, adapter, keep_non_finite) if head else untied)
         return merged, Merged(adapter, reason, (embedding, head_name) if embedding else None, rows)
 
     @property
@@ -113,7 +118,14 @@ class MergeLora(Recipe):
         else:
             made = whole(dataclasses.replace(tensor, recipe=self.base), reader, route, route.device)
             base = made.view(DTYPES[tensor.dtype].torch).view(tensor.shape).to(route.device)
+        before = peft_finite.non_finite(base)
         merged = peft_merge.merge(self.target, base, peft_merge.read_lora(self.target, reader), inplace=True)
+        made = peft_finite.made(merged, before)
+        if any(made):
+            refused = peft_finite.refusal(self.adapter.path, tensor.name, *made, tensor.dtype)
+            if not self.keep_non_finite:
+                raise refused
+            self.non_finite.append(f"{tensor.name} ({peft_finite.described(*made)})")
         yield from route.pieces_of(merged.contiguous().view(-1).view(torch.uint8), self.sources[0])
 
 

@@ -15,6 +15,7 @@ from ..errors import CheckpointError, SourceNotFoundError
 from ..safetensors_io.read import TensorInfo, TensorReader, read_tensors
 from . import audit
 from .compare import Tallies, described
+from .finite import made_by_merge
 from .stream import check_tensors
 
 
@@ -84,6 +85,9 @@ class Folder:
                         report.dequantized += 1
                         report.merged += expected[name].recipe.kind == "merge_lora"
                 problem = retyped[name] or (tally.problem() if tally is not None else None)
+                if not problem and tally is not None and tally.non_finite:
+                    merged = context.recompute(expected[name], source_reader, device)
+                    problem = made_by_merge(expected[name], merged, source_reader, device, context)
                 if problem:
                     report.problems.append(f"{name}: {problem}")
         if resolved.adapter_folder is None and audit.looks_merged(report.problems):

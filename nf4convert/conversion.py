@@ -172,7 +172,7 @@ def _prepare(source, options: ConvertOptions, *, reader, headers=None, on_output
         lifecycle.check_destination(output, overwrite=options.overwrite, file=sink.file)
     lifecycle.check_not_source(output, folder)
     if adapter_folder is not None:
-        lifecycle.check_not_source(output, adapter_folder)
+        lifecycle.check_not_source(output, adapter_folder, "the adapter's")
     made.check_plan()
     free_bytes = lifecycle.free_space(output)
     return Prepared(

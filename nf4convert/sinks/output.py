@@ -110,15 +110,14 @@ def placed(path: Path, folder: Path) -> str | None:
     return "inside" if folder in path.parents else None
 
 
-def check_not_source(output: Path, source: Path) -> None:
-    """OutputError if OUT is the source folder, holds it, or is inside it (even with ``overwrite``)."""
+def check_not_source(output: Path, source: Path, what: str = "the source checkpoint's") -> None:
+    """OutputError if OUT is the source folder, holds it, or is inside it (even with ``overwrite``); ``what`` names
+    whose folder it is ("the adapter's")."""
     where = placed(output, source)
     if where in ("is", "holds"):
-        raise OutputError(f"{output}: is the source checkpoint's folder (or holds it); choose another output")
+        raise OutputError(f"{output}: is {what} folder (or holds it); choose another output")
     if where == "inside":
-        raise OutputError(
-            f"{output}: is inside the source checkpoint's folder {source.resolve()}; choose another output"
-        )
+        raise OutputError(f"{output}: is inside {what} folder {source.resolve()}; choose another output")
 
 
 def free_space(output: Path) -> int:

@@ -207,7 +207,6 @@ def test_a_missing_base_says_it_came_from_the_adapters_config(tmp_path):
 def test_an_output_inside_the_adapter_folder_says_the_adapters(tmp_path):
     pytest.importorskip("peft")
     from fixtures.adapters import make_adapter
-
     from fixtures.checkpoints import build
 
     base = build(tmp_path / "base-bnb-4bit", "llama-nf4-dq", seed=2)

@@ -13,6 +13,7 @@ kernel alone, and a cast of fp32 to the same bf16 bytes (the kernel's last pass 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import threading
@@ -38,6 +39,7 @@ def main() -> None:
 
     from nf4convert.formats import bnb4
     from nf4convert.kernels import cpu
+    from nf4convert.kinds import dequantize_4bit
     from nf4convert.pipeline.routes.cpu import CPU_PIECE_BYTES, CpuRoute
 
     cores = len(os.sched_getaffinity(0))
@@ -70,7 +72,8 @@ def main() -> None:
 
     def route_make(index, out):
         first, count, piece = pieces[index]
-        route.dequantize_4bit(piece)(packed[first // 2 : first // 2 + (count + 1) // 2], out[: 2 * count])
+        make = route.make(functools.partial(dequantize_4bit.dequantize_on_host, state=piece))
+        make(packed[first // 2 : first // 2 + (count + 1) // 2], out[: 2 * count])
 
     def kernel_only(index, out):
         first, count, piece = pieces[index]
@@ -135,7 +138,8 @@ def _in_processes(processes, pieces, packed, code, blocksize, nested_blocksize) 
     ``processes`` threads copies a piece's packed bytes into its slot of the shared mapping (as a reader would) and
     hands the piece to a worker, which decodes it into another slot; ``code``, ``blocksize`` and the nested
     blocksize come with each piece's quant state."""
-    from nf4convert.pipeline.routes.cpu import CPU_PIECE_BYTES, _dequantize_4bit_on_cpu
+    from nf4convert.kinds.dequantize_4bit import dequantize_on_host
+    from nf4convert.pipeline.routes.cpu import CPU_PIECE_BYTES
     from nf4convert.pipeline.routes.workers import Workers
 
     workers = Workers(processes, 2 * processes, CPU_PIECE_BYTES)
@@ -145,7 +149,7 @@ def _in_processes(processes, pieces, packed, code, blocksize, nested_blocksize) 
         first, count, piece = pieces[index]
         n_packed = (count + 1) // 2
         read[:n_packed] = packed[first // 2 : first // 2 + n_packed]
-        workers.run(_dequantize_4bit_on_cpu, read[:n_packed], out[: 2 * count], piece)
+        workers.run(functools.partial(dequantize_on_host, state=piece), read[:n_packed], out[: 2 * count])
 
     seconds = _in_threads(
         processes, len(pieces), lambda: (workers.slot(CPU_PIECE_BYTES), workers.slot(CPU_PIECE_BYTES)), feed

@@ -14,10 +14,11 @@ from pathlib import Path
 import torch
 from bench_convert import build_adapter, build_source
 
+from nf4convert.dtypes import output_dtype
 from nf4convert.formats import peft_merge
-from nf4convert.kinds import MergeLora
 from nf4convert.kinds.base import whole as _whole
-from nf4convert.pipeline.routes import route_for
+from nf4convert.kinds.merge_lora import MergeLora
+from nf4convert.pipeline.routes.base import route_for
 from nf4convert.plan import make_plan
 from nf4convert.safetensors_io.read import TensorReader
 
@@ -43,7 +44,7 @@ def main():
         source, adapter = Path(work) / "src", Path(work) / "adapter"
         build_source(source, layers=1)
         build_adapter(adapter, layers=1)
-        plan = make_plan(source, dtype="bf16", adapter=adapter)
+        plan = make_plan(source, dtype=output_dtype("bf16"), adapter=adapter)
         merges = [t for t in plan.tensors if isinstance(t.recipe, MergeLora)]
         print(f"{device}: {len(merges)} merges in one layer; ms per weight, best of 3", flush=True)
         print("| weight | shape | whole via pieces | to device | merge | back to host | total |")

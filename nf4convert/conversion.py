@@ -16,7 +16,7 @@ from .hub.names import model_name, model_stem
 from .hub.ranges import HeadersOnly
 from .hub.sources import as_text, named_sources, resolve_source, reworded
 from .options import ConvertOptions
-from .pipeline.routes import route_for
+from .pipeline.routes.base import route_for
 from .plan import make_plan
 from .safetensors_io.read import TensorReader
 from .settings import Settings
@@ -139,18 +139,12 @@ def _prepare(source, options: ConvertOptions, *, reader, headers=None, on_output
         lifecycle.check_destination(output, overwrite=options.overwrite, file=sink.file)
     hub = options.hub
     folder, adapter_folder, base, adapter = resolve_source(
-        source,
-        adapter,
-        revision=hub.revision,
-        token=hub.token,
-        cache_dir=hub.cache_dir,
-        progress=options.progress,
-        headers=headers,
+        source, adapter, hub, progress=options.progress, headers=headers
     )
     try:
         plan = make_plan(
             folder,
-            dtype=options.dtype.name if options.dtype is not None else "auto",
+            dtype=options.dtype,
             max_shard_size=options.max_shard_size,
             reader=reader,
             adapter=adapter_folder,

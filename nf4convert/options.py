@@ -16,7 +16,7 @@ from .dtypes import DType, output_dtype
 from .errors import ArgumentError
 from .paths import expanded, expanded_output
 from .refs import ref_problem
-from .sizes import DEFAULT_SHARD_SIZE, parse_size
+from .sizes import DEFAULT_SHARD_BYTES, DEFAULT_SHARD_SIZE, parse_size
 from .strict_json import shown
 
 
@@ -45,7 +45,7 @@ class ConvertOptions:
     adapter: str | None = None  # a peft LoRA adapter to merge, as the user named it
     hub: HubOptions = field(default_factory=HubOptions)
     device: str = "auto"  # checked when the device is picked (devices.pick_device): that needs torch
-    max_shard_size: int = parse_size(DEFAULT_SHARD_SIZE)
+    max_shard_size: int = DEFAULT_SHARD_BYTES
     overwrite: bool = False
     allow_no_config: bool = False
     allow_non_finite: bool = False  # keep the NaN or ±inf values an adapter merge makes (refused otherwise)

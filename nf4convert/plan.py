@@ -14,16 +14,21 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .dtypes import DTYPES, OUTPUT_DTYPES, DType, output_dtype
+from .dtypes import DTYPES, OUTPUT_DTYPES, DType
 from .errors import CheckpointError
 from .files import TOKENIZER_FILES, carried_files, inside, tokenizer_files
-from .formats import bnb4_weights, bnb8, peft_lora
+from .formats import peft_lora
+from .formats.base import all_formats, families
 from .formats.config import dense_config, quantization_config, read_config, resized_config, untied_config
-from .kinds import Copy, Dequantize4bit, Dequantize8bit, MergeLora, Recipe, Transpose
-from .kinds.base import PlannedTensor
+from .kinds.base import PlannedTensor, Planning, Recipe, all_kinds
 from .safetensors_io.read import TensorInfo, TensorReader, read_tensors
-from .sizes import DEFAULT_SHARD_SIZE, parse_size
-from .strict_json import shown
+from .sizes import DEFAULT_SHARD_BYTES
+
+# Every kind's and every format's module, imported with the planner on the thread that imports it: the CPU route's
+# worker processes, forked before a plan is made, unpickle the kinds' computations without importing anything, and the
+# model card, written on a side thread, reads the formats' texts without importing anything either.
+all_kinds()
+all_formats()
 
 
 def may_exceed(tensor: PlannedTensor) -> bool:
@@ -80,39 +85,31 @@ class Plan:
     @property
     def n_dequantized(self) -> int:
         """Tensors made by a recipe other than a plain copy."""
-        return sum(tensor.recipe.kind != Copy.kind for tensor in self.tensors)
+        return sum(not tensor.recipe.plain for tensor in self.tensors)
 
     @property
     def source_formats(self) -> list[str]:
-        """The bitsandbytes formats the weights came in, as the model card names them."""
+        """The source formats the weights came in, as the model card names them."""
         return sorted({tensor.recipe.innermost().source_format for tensor in self.tensors} - {None})
 
 
-def _recipes(folder: Path, tensors: dict[str, TensorInfo], reader: TensorReader, config: dict | None) -> list[Recipe]:
-    """One recipe per output tensor, in the order of the source files (so reads stay sequential)."""
-    four_bit, eight_bit = Dequantize4bit.claim(tensors, reader), Dequantize8bit.claim(tensors, reader)
-    for name in sorted(set(four_bit) & set(eight_bit)):
-        raise CheckpointError(
-            f"{tensors[name].path}: tensor {shown(name)} has both a 4-bit quant state and an 8-bit SCB; "
-            "it is one or the other"
-        )
-    quantization = quantization_config(config)
-    bnb4_weights.unclaimed_packed(tensors, [recipe.weight for recipe in four_bit.values()], quantization)
-    bnb8.unclaimed_int8(tensors, [recipe.weight for recipe in eight_bit.values()], quantization)
-    quantized = Transpose.wrap({**four_bit, **eight_bit}, config)
-    if not quantized:
-        raise CheckpointError(
-            f"{folder}: no bitsandbytes weights (no '*.quant_state.bitsandbytes__nf4/fp4' "
-            "or 8-bit '*.SCB' tensors): nothing to convert"
-        )
-    consumed = {source.name for recipe in quantized.values() for source in recipe.sources}
-    recipes: list[Recipe] = []
-    for info in sorted(tensors.values(), key=lambda t: (str(t.path), t.begin)):
-        if info.name in quantized:
-            recipes.append(quantized[info.name])
-        elif info.name not in consumed:
-            recipes.append(Copy(info))
-    return recipes
+def _refuse_unclaimed(planning: Planning) -> None:
+    """CheckpointError for a checkpoint of which no format claimed a weight: nothing to convert."""
+    if any(recipe.innermost().format is not None for recipe in planning.recipes.values()):
+        return
+    formats = all_formats().values()
+    hints = " or ".join(source_format.hint for source_format in formats)
+    raise CheckpointError(f"{planning.folder}: no {families()} weights (no {hints} tensors): nothing to convert")
+
+
+def _in_file_order(planning: Planning) -> dict[str, Recipe]:
+    """The recipes in the order of their anchors in the source files (so reads stay sequential)."""
+    tensors = planning.tensors
+    position = {
+        name: index
+        for index, name in enumerate(sorted(tensors, key=lambda n: (str(tensors[n].path), tensors[n].begin)))
+    }
+    return {anchor: planning.recipes[anchor] for anchor in sorted(planning.recipes, key=position.__getitem__)}
 
 
 def _auto_dtype(recipes: list[Recipe], config: dict | None) -> DType:
@@ -131,36 +128,43 @@ def _auto_dtype(recipes: list[Recipe], config: dict | None) -> DType:
 def make_plan(
     folder: Path,
     *,
-    dtype: str = "auto",
-    max_shard_size: str | int = DEFAULT_SHARD_SIZE,
+    dtype: DType | None = None,
+    max_shard_size: int = DEFAULT_SHARD_BYTES,
     reader: TensorReader | None = None,
     adapter: Path | None = None,
     keep_non_finite: bool = False,
 ) -> Plan:
-    """Plan the conversion of the checkpoint in ``folder`` (with the peft LoRA adapter in ``adapter`` merged in).
+    """Plan the conversion of the checkpoint in ``folder`` (with the peft LoRA adapter in ``adapter`` merged in): every
+    registered kind plans from the headers in its order (``kinds/base.py``), then once the dtype is chosen.
     ``keep_non_finite``: NaN or ±inf values a merge makes are kept (listed on its recipes' ``non_finite``), not
     refused when the tensor is made.
 
     Raises:
-        CheckpointError: a file is missing, truncated or corrupt, the checkpoint has no bitsandbytes weights, or
-            the adapter is not a LoRA adapter that fits the checkpoint.
-        ArgumentError: ``dtype`` is not auto, bf16, fp16, fp32 (or torch's names).
+        CheckpointError: a file is missing, truncated or corrupt, the checkpoint has no weights of a registered
+            format, or the adapter is not a LoRA adapter that fits the checkpoint.
+    ``dtype``: of every floating output tensor (None: auto, the dtype the weights were quantized from); shards of at
+    most ``max_shard_size`` bytes (options.py parses both).
     """
-    chosen = output_dtype(dtype)
-    max_shard_size = parse_size(max_shard_size)
+    chosen = dtype
+    kinds = all_kinds().values()
     own_reader = reader is None
     reader = reader or TensorReader()
     try:
         tensors = read_tensors(folder)
         config = read_config(folder)
-        recipes = _recipes(folder, tensors, reader, config)
+        planning = Planning(folder, tensors, reader, config, quantization_config(config), adapter and Path(adapter))
+        for kind in kinds:
+            kind.plan_source(planning)
+        _refuse_unclaimed(planning)
+        planning.recipes = _in_file_order(planning)
     finally:
         if own_reader:
             reader.close()
-    chosen = chosen or _auto_dtype(recipes, config)
-    merged = None
-    if adapter is not None:
-        recipes, merged = MergeLora.wrap(recipes, Path(adapter), chosen, config, keep_non_finite)
+    planning.dtype = chosen = chosen or _auto_dtype(list(planning.recipes.values()), config)
+    planning.keep_non_finite = keep_non_finite
+    for kind in kinds:
+        kind.plan_output(planning)
+    recipes, merged = planning.recipes.values(), planning.merged
 
     shards: list[list[tuple]] = [[]]
     shard_bytes = 0

@@ -46,5 +46,8 @@ def parse_size(text: str | int) -> int:
     return size
 
 
+DEFAULT_SHARD_BYTES = parse_size(DEFAULT_SHARD_SIZE)
+
+
 def size_text(nbytes: int) -> str:
     return f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e9 else f"{nbytes / 1e6:.1f} MB"

@@ -202,7 +202,7 @@ def test_verify_catches_tampering(checkpoints, tmp_path):
 
 
 def test_interrupted_run_leaves_nothing(checkpoints, tmp_path, monkeypatch):
-    from nf4convert.kinds import Copy
+    from nf4convert.kinds.copy import Copy
 
     calls = {"n": 0}
     original = Copy.produce

@@ -88,7 +88,7 @@ def test_absurd_shard_sizes_are_one_line(tmp_path, size):
 
 WRAPPER = """
 import os, signal, sys
-from nf4convert.kinds import Copy
+from nf4convert.kinds.copy import Copy
 original, calls = Copy.produce, [0]
 def producer(*args):
     calls[0] += 1
@@ -125,12 +125,12 @@ def test_signal_while_writing_leaves_nothing(tmp_path, signal_name, code, word, 
 
 KILLED_WORKER = """
 import os, signal, sys
-from nf4convert.pipeline.routes import cpu
+from nf4convert.kinds import dequantize_4bit
 parent = os.getpid()
-def killed(*args):
+def killed(*args, **kwargs):
     if os.getpid() != parent:
         os.kill(os.getpid(), signal.SIGKILL)
-cpu._dequantize_4bit_on_cpu = killed
+dequantize_4bit.dequantize_on_host = killed
 from nf4convert.cli.commands import main
 main(sys.argv[1:])
 """
@@ -179,7 +179,7 @@ elif sys.argv[2] == "in-place":
         os.kill(os.getpid(), sig)
     output.move_into_place = moved
 else:
-    from nf4convert.kinds import Copy
+    from nf4convert.kinds.copy import Copy
     original, calls = Copy.produce, [0]
     class Signals:
         def __del__(self):

@@ -394,7 +394,7 @@ def plan_lines(result) -> list[str]:
 
 
 def test_a_hub_dry_run_reads_headers_and_quant_states_and_downloads_no_weights(hub, tmp_path):
-    from nf4convert.formats import PLAN_READS
+    from nf4convert.formats.base import plan_reads
     from nf4convert.safetensors_io.read import read_header
 
     endpoint, source = hub
@@ -432,7 +432,7 @@ def test_a_hub_dry_run_reads_headers_and_quant_states_and_downloads_no_weights(h
         for first, end in sorted(reads):
             covered = max(covered, end) if first <= covered else covered
         assert covered >= header_end, (name, reads)
-        wanted = [t for t in tensors.values() if PLAN_READS.search(t.name)]
+        wanted = [t for t in tensors.values() if plan_reads().search(t.name)]
         for first, end in reads:
             assert end <= max(header_end, 1024) or all(
                 any(t.begin <= byte < t.end for t in wanted) for byte in (first, end - 1)

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "tiny-llama-bnb-4bit"
 KILLED = """
 import os, signal, sys
-from nf4convert.kinds import Copy
+from nf4convert.kinds.copy import Copy
 original, calls = Copy.produce, [0]
 def producer(*args):
     calls[0] += 1

@@ -16,6 +16,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from nf4convert.dtypes import output_dtype
+from nf4convert.kinds import dequantize_4bit
 from nf4convert.pipeline import core as pipeline_core
 from nf4convert.pipeline import piece as pieces
 from nf4convert.pipeline.routes.cpu import CpuRoute
@@ -82,7 +84,7 @@ class SmallPieces(CpuRoute):
 
 
 def _convert(source, out, route, shard_size=10**9, settings=None):
-    plan = make_plan(source, dtype="bf16", max_shard_size=shard_size)
+    plan = make_plan(source, dtype=output_dtype("bf16"), max_shard_size=shard_size)
     out.mkdir()
     progress = []
     with TensorReader() as reader, route:
@@ -326,7 +328,7 @@ def test_shards_written_at_once_give_the_same_bytes(tmp_path, monkeypatch, at_on
 
 def test_pieces_come_plain_tensors_first_and_shards_interleaved(tmp_path, monkeypatch):
     source, _ = _checkpoint(tmp_path / "src", 9)
-    plan = make_plan(source, dtype="bf16", max_shard_size=100_000)
+    plan = make_plan(source, dtype=output_dtype("bf16"), max_shard_size=100_000)
     recipes = {tensor.name: type(tensor.recipe).__name__ for tensor in plan.tensors}
     # A shard whose plan puts a made tensor before a plain one: the order below must change that.
     contrary = [
@@ -449,10 +451,12 @@ def test_profile_reports_where_the_time_went(tmp_path):
 def test_a_failing_piece_stops_every_stage(tmp_path, monkeypatch, processes):
     source, _ = _checkpoint(tmp_path / "src", 3)
     calls = {"n": 0}
-    original = SmallPieces.dequantize_4bit
+    original = SmallPieces.make
 
-    def failing(self, state):
-        make = original(self, state)
+    def failing(self, host, device=None):
+        make = original(self, host, device)
+        if host.func is not dequantize_4bit.dequantize_on_host:
+            return make
 
         def make_or_fail(read, out):
             calls["n"] += 1
@@ -462,7 +466,7 @@ def test_a_failing_piece_stops_every_stage(tmp_path, monkeypatch, processes):
 
         return make_or_fail
 
-    monkeypatch.setattr(SmallPieces, "dequantize_4bit", failing)
+    monkeypatch.setattr(SmallPieces, "make", failing)
     descriptors = len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else None
     with pytest.raises(MemoryError, match="piece 5"):
         _convert(source, tmp_path / "out", SmallPieces(workers=2, processes=processes))
@@ -598,7 +602,7 @@ def test_a_shard_writer_that_fails_to_start_closes_what_it_opened(tmp_path, monk
     from nf4convert.safetensors_io import write as writing
 
     source, _ = _checkpoint(tmp_path / "src", 12)
-    tensors = make_plan(source, dtype="bf16").shards[0].tensors
+    tensors = make_plan(source, dtype=output_dtype("bf16")).shards[0].tensors
     _recording_sync_file_range(monkeypatch)
     writeback = writing.Writeback()
     descriptors = len(os.listdir("/proc/self/fd"))
@@ -615,7 +619,7 @@ def test_a_shard_writer_that_fails_to_start_closes_what_it_opened(tmp_path, monk
 
 def test_positional_writes_in_any_order(tmp_path):
     source, _ = _checkpoint(tmp_path / "src", 4)
-    plan = make_plan(source, dtype="bf16")
+    plan = make_plan(source, dtype=output_dtype("bf16"))
     rng = random.Random(5)
     generator = torch.Generator().manual_seed(6)
     writer = ShardWriter(tmp_path / "x.safetensors", plan.shards[0].tensors)
@@ -651,7 +655,7 @@ def test_cuda_route_writes_the_cpu_route_bytes(tmp_path, piece_bytes):
         pass
 
     Route.piece_bytes = piece_bytes
-    plan = make_plan(source, dtype="bf16", max_shard_size=60_000)
+    plan = make_plan(source, dtype=output_dtype("bf16"), max_shard_size=60_000)
     (tmp_path / "cuda").mkdir()
     with TensorReader() as reader, Route(torch.device("cuda")) as route:
         write_shards(

@@ -11,8 +11,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from nf4convert.dtypes import output_dtype
 from nf4convert.errors import ArgumentError, CheckpointError
-from nf4convert.kinds import Copy, Dequantize4bit
+from nf4convert.kinds.copy import Copy
+from nf4convert.kinds.dequantize_4bit import Dequantize4bit
 from nf4convert.plan import make_plan
 from nf4convert.safetensors_io.read import TensorReader, read_tensors
 from nf4convert.safetensors_io.write import ShardWriter
@@ -75,7 +77,7 @@ def test_recipes_sizes_and_side_files(tmp_path):
 
 @pytest.mark.parametrize("limit", [1, 5000, 10**9])
 def test_shards_and_offsets(tmp_path, limit):
-    plan = make_plan(_checkpoint(tmp_path / "src"), dtype="float32", max_shard_size=limit)
+    plan = make_plan(_checkpoint(tmp_path / "src"), dtype=output_dtype("float32"), max_shard_size=limit)
     assert plan.dtype.name == "float32"
     names = [shard.filename for shard in plan.shards]
     assert names == (
@@ -129,7 +131,7 @@ def test_incomplete_quant_state_is_refused(tmp_path, drop, message):
 
 def test_bad_options(tmp_path):
     with pytest.raises(ArgumentError, match="dtype 'int8' is not one of auto, bf16"):
-        make_plan(_checkpoint(tmp_path / "src"), dtype="int8")
+        output_dtype("int8")
     assert parse_size("5GB") == 5 * 10**9 and parse_size("2GiB") == 2 * 2**30 and parse_size(" 300kb ") == 300_000
     assert parse_size(123) == 123
     assert parse_size("1.5GB") == 1_500_000_000 and parse_size(str(2**63 - 1)) == 2**63 - 1
@@ -139,7 +141,7 @@ def test_bad_options(tmp_path):
 
 
 def test_shard_writer_round_trips_through_safetensors(tmp_path):
-    plan = make_plan(_checkpoint(tmp_path / "src"), dtype="fp16", max_shard_size=5000)
+    plan = make_plan(_checkpoint(tmp_path / "src"), dtype=output_dtype("fp16"), max_shard_size=5000)
     generator = torch.Generator().manual_seed(11)
     written = {}
     for shard in plan.shards:

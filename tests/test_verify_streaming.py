@@ -125,12 +125,12 @@ def flip(out, name, position: float, bit: int = 0) -> int:
 def test_every_tensor_is_many_slices_and_verifies_ok(outputs, small_slices):
     from nf4convert.plan import make_plan
     from nf4convert.safetensors_io.read import TensorReader
-    from nf4convert.verification.reference import Context
+    from nf4convert.verification.reference.base import Context
 
     for variant, (source, out, adapter) in outputs.items():
         assert problems(out, source, adapter) == [], variant
         with TensorReader() as reader:
-            plan = make_plan(source, dtype="auto", reader=reader, adapter=adapter)
+            plan = make_plan(source, dtype=None, reader=reader, adapter=adapter)
             context = Context({t.name: t for t in plan.tensors}, None, None, None)
             name = next(name for kind, (v, name, _) in KINDS.items() if v == variant)
             tensor = next(t for t in plan.tensors if t.name == name)
@@ -203,7 +203,7 @@ def test_a_slice_the_reference_refuses_is_a_finding_and_the_rest_is_checked(outp
 
 
 def test_bytes_no_slice_covered_are_never_called_ok(outputs, small_slices, monkeypatch):
-    from nf4convert.verification import reference
+    from nf4convert.verification.reference import base as reference
 
     source, out, _ = outputs["llama-nf4-dq"]
     name = "model.layers.1.mlp.up_proj.weight"

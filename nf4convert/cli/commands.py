@@ -15,7 +15,7 @@ import click
 from .. import __version__
 from ..dtypes import OUTPUT_CHOICES
 from ..errors import ArgumentError, Nf4ConvertError, Terminated
-from ..options import ConvertOptions, VerifyOptions
+from ..options import VerifyOptions
 from .console import DefaultGroup, end, error_line, fail, message, run_action, say
 from .flags import convert_options, one_adapter, quiet, source_options
 
@@ -68,18 +68,8 @@ def main():
 def convert_command(
     source,
     output,
-    adapter,
-    dtype,
-    gguf_type,
-    device,
-    max_shard_size,
-    overwrite,
-    allow_no_config,
-    allow_non_finite,
+    flags,
     quiet,
-    revision,
-    token,
-    cache_dir,
     dry_run,
     then_verify,
     push_to,
@@ -117,21 +107,7 @@ def convert_command(
     def action():
         from . import render, run
 
-        options = ConvertOptions.parse(
-            output=output,
-            dtype=dtype,
-            adapter=adapter,
-            revision=revision,
-            token=token,
-            cache_dir=cache_dir,
-            device=device,
-            max_shard_size=max_shard_size,
-            overwrite=overwrite,
-            allow_no_config=allow_no_config,
-            allow_non_finite=allow_non_finite,
-            gguf_type=gguf_type,
-            progress=not quiet,
-        )
+        options = flags.parse(output=output, progress=not quiet)
         if dry_run:
             prepared = run.dry_run_plan(source, options)
             for line in render.plan_lines(prepared):
@@ -269,18 +245,8 @@ def batch_command(
     sources,
     output_root,
     from_file,
-    adapter,
-    dtype,
-    gguf_type,
-    device,
-    max_shard_size,
-    overwrite,
-    allow_no_config,
-    allow_non_finite,
+    flags,
     quiet,
-    revision,
-    token,
-    cache_dir,
     as_json,
     dry_run,
     skip_existing,
@@ -303,7 +269,7 @@ def batch_command(
       nf4convert batch --from-file models.txt -o converted/ --skip-existing --verify   # resume, checking all
       nf4convert batch org/a-bnb-4bit ./b-bnb-4bit -o gguf/ --gguf-type q8_0
     """
-    if skip_existing and overwrite:
+    if skip_existing and flags.overwrite:
         fail("--skip-existing keeps an output that is there, --overwrite replaces it: give one of them", 2)
     if dry_run and then_verify:
         fail("--dry-run writes nothing, so there is nothing to --verify", 2)
@@ -320,7 +286,9 @@ def batch_command(
 
     def failed(row, error) -> None:
         if isinstance(error, Nf4ConvertError):
-            resumed = error.option == "overwrite" and not overwrite  # an output there: one flag keeps, one replaces
+            resumed = (
+                error.option == "overwrite" and not flags.overwrite
+            )  # an output there: one flag keeps, one replaces
             row.error = (
                 f"{error} (pass --skip-existing to keep it, or --overwrite to replace it)"
                 if resumed
@@ -332,20 +300,7 @@ def batch_command(
     def action():
         from .run import batch
 
-        options = ConvertOptions.parse(
-            dtype=dtype,
-            adapter=adapter,
-            revision=revision,
-            token=token,
-            cache_dir=cache_dir,
-            device=device,
-            max_shard_size=max_shard_size,
-            overwrite=overwrite,
-            allow_no_config=allow_no_config,
-            allow_non_finite=allow_non_finite,
-            gguf_type=gguf_type,
-            progress=not quiet and not as_json,
-        )
+        options = flags.parse(progress=not quiet and not as_json)
         return batch(
             sources,
             output_root,

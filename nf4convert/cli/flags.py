@@ -3,11 +3,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import sys
+from dataclasses import dataclass
 
 import click
 
 from ..dtypes import OUTPUT_CHOICES
+from ..options import ConvertOptions
 from ..sinks.gguf.converter import GGUF_TYPES
 from ..sizes import DEFAULT_SHARD_SIZE
 
@@ -46,7 +50,50 @@ def one_adapter(ctx, param, values):
     return values[0] if values else None
 
 
-def convert_options(function):
+@dataclass(frozen=True)
+class ConvertFlags:
+    """The options every conversion takes, as the command line gave them: gathered by ``convert_options`` into one
+    argument of the command, parsed where it runs (a bad value is then one line, as any error of a run)."""
+
+    adapter: str | None
+    dtype: str
+    gguf_type: str | None
+    device: str
+    max_shard_size: str
+    overwrite: bool
+    allow_no_config: bool
+    allow_non_finite: bool
+    revision: str | None
+    token: str | None
+    cache_dir: str | None
+
+    def parse(self, *, output=None, progress: bool) -> ConvertOptions:
+        return ConvertOptions.parse(
+            output=output,
+            dtype=self.dtype,
+            adapter=self.adapter,
+            revision=self.revision,
+            token=self.token,
+            cache_dir=self.cache_dir,
+            device=self.device,
+            max_shard_size=self.max_shard_size,
+            overwrite=self.overwrite,
+            allow_no_config=self.allow_no_config,
+            allow_non_finite=self.allow_non_finite,
+            gguf_type=self.gguf_type,
+            progress=progress,
+        )
+
+
+def convert_options(command):
+    """Declare the options every conversion takes; the command receives them as one ``flags`` (``ConvertFlags``)."""
+
+    @functools.wraps(command)
+    def gathered(*args, **params):
+        flags = ConvertFlags(**{field.name: params.pop(field.name) for field in dataclasses.fields(ConvertFlags)})
+        return command(*args, flags=flags, **params)
+
+    function = gathered
     for option in reversed(
         [
             click.option("--adapter", multiple=True, callback=one_adapter, help=ADAPTER_HELP),

@@ -3,7 +3,7 @@ checked (the tiny JSON and table tensors read), and a weight's quant state loade
 
 A 4-bit weight ``W`` in a checkpoint is ``W`` (the packed bytes) plus ``W.absmax``, ``W.quant_map`` and, with
 double quantization, ``W.nested_absmax`` and ``W.nested_quant_map``, and ``W.quant_state.bitsandbytes__{nf4,fp4}``.
-What a quant state is, and its checks, are ``bnb4.py``'s.
+What a quant state is, and its checks, are ``bnb4.py``'s. The format registers here (``Bnb4bit``).
 """
 
 from __future__ import annotations
@@ -11,10 +11,13 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from typing import ClassVar
 
 from ..dtypes import BY_NAME, DTYPES, OUTPUT_DTYPES, to_float32
 from ..errors import CheckpointError
 from ..safetensors_io.read import TensorInfo, TensorReader
+from .base import register
+from .bnb import Bitsandbytes
 from .bnb4 import CODES, NestedState, QuantState4bit, layout_problem, matches_canonical, not_flat, parse_meta
 
 PARTS = ("absmax", "quant_map", "nested_absmax", "nested_quant_map")  # suffixes of a weight's quant-state tensors
@@ -25,6 +28,35 @@ PLAN_READS = re.compile(r"\.(?:" + "|".join(PARTS[1:]) + r"|quant_state\.bitsand
 
 
 _PART_KEY = re.compile(r"^(?P<weight>.+)\.(?:" + "|".join(PARTS) + r"|quant_state\.bitsandbytes__[^.]*)$")
+
+
+@register
+class Bnb4bit(Bitsandbytes):
+    """bitsandbytes 4-bit (NF4/FP4) checkpoints."""
+
+    name: ClassVar[str] = "bnb-4bit"
+    title: ClassVar[str] = "bitsandbytes 4-bit"
+    name_suffix: ClassVar[str] = r"(?:bnb-)?(?:4bit|nf4|fp4)"
+    plan_reads: ClassVar[re.Pattern] = PLAN_READS
+    hint: ClassVar[str] = "'*.quant_state.bitsandbytes__nf4/fp4'"
+    marks: ClassVar[str] = "a 4-bit quant state"
+    card_tags: ClassVar[frozenset[str]] = Bitsandbytes.card_tags | {
+        *("bnb-4bit", "bnb-nf4", "nf4", "fp4"),
+        *("4-bit", "4bit", "int4"),
+    }
+    only, other = "load_in_4bit", "load_in_8bit"
+
+    @classmethod
+    def is_quantization_key(cls, tensor_name: str) -> bool:
+        return bool(STATE_KEY.match(tensor_name)) or tensor_name.endswith(tuple("." + part for part in PARTS))
+
+    @classmethod
+    def exactness(cls, dtype_flag: str, several: bool) -> str:
+        return (
+            f"Every weight dequantized{' from 4-bit' if several else ''} is bit for bit what bitsandbytes' "
+            "`dequantize_4bit` computes from the quantized checkpoint with its CUDA kernels: the weights "
+            "its 4-bit layers dequantize to, in a format that loads without bitsandbytes."
+        )
 
 
 @dataclass(frozen=True, eq=False)

@@ -33,11 +33,13 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 from ..dtypes import DTYPES, OUTPUT_DTYPES
 from ..errors import ArgumentError, CheckpointError
 from ..safetensors_io.read import TensorInfo
+from .base import register
+from .bnb import Bitsandbytes
 
 if TYPE_CHECKING:
     import torch
@@ -54,6 +56,48 @@ ROW_MAJOR = 0
 
 # Exactly fp32(1/127): the literal bitsandbytes multiplies by.
 INV_127 = 7.874015718698502e-3
+
+
+@register
+class Bnb8bit(Bitsandbytes):
+    """bitsandbytes 8-bit (LLM.int8) checkpoints."""
+
+    name: ClassVar[str] = "bnb-8bit"
+    title: ClassVar[str] = "bitsandbytes 8-bit (LLM.int8)"
+    name_suffix: ClassVar[str] = r"(?:bnb-)?(?:8bit|int8)"
+    plan_reads: ClassVar[re.Pattern] = PLAN_READS
+    hint: ClassVar[str] = "8-bit '*.SCB'"
+    marks: ClassVar[str] = "an 8-bit SCB"
+    card_tags: ClassVar[frozenset[str]] = Bitsandbytes.card_tags | {"bnb-8bit", "8-bit", "8bit", "int8", "llm.int8"}
+    only, other = "load_in_8bit", "load_in_4bit"
+
+    @classmethod
+    def config_problem(cls, quantization_config: dict) -> str | None:
+        """With ``llm_int8_has_fp16_weight`` an 8-bit model keeps and saves its weights in fp16: bitsandbytes never
+        quantized them."""
+        if (
+            quantization_config.get("load_in_8bit") is True
+            and quantization_config.get("llm_int8_has_fp16_weight") is True
+        ):
+            return (
+                "saved with llm_int8_has_fp16_weight=True, so its weights are dense fp16 already (bitsandbytes never "
+                "quantized them): remove quantization_config from config.json and load it as a dense model"
+            )
+        return None
+
+    @classmethod
+    def is_quantization_key(cls, tensor_name: str) -> bool:
+        return tensor_name.endswith(tuple("." + part for part in PARTS))
+
+    @classmethod
+    def exactness(cls, dtype_flag: str, several: bool) -> str:
+        return (
+            f"Every weight dequantized{' from 8-bit' if several else ''} is bit for bit what bitsandbytes' "
+            "`int8_vectorwise_dequant` (plain torch arithmetic, the same on CPU and GPU) and the cast to "
+            f"{dtype_flag} give, as transformers' `dequantize()` does; the 8-bit model itself multiplies "
+            "in int8 (LLM.int8) and never forms these weights, so its outputs are close to, not equal "
+            "to, those of a model with these weights."
+        )
 
 
 @dataclass(frozen=True)

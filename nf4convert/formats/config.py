@@ -74,13 +74,8 @@ def vocab_size(config: dict):
     return config.get("vocab_size", text.get("vocab_size"))
 
 
-def not_bitsandbytes(config: dict) -> str | None:
-    """Why a checkpoint's config.json says it holds no bitsandbytes weights, or None where it may hold some.
-
-    transformers writes a ``quantization_config`` into config.json when it saves a quantized model; for bitsandbytes
-    its ``quant_method`` is "bitsandbytes" with ``load_in_4bit`` or ``load_in_8bit`` (older versions wrote the
-    flags without a ``quant_method``: not refused). With ``llm_int8_has_fp16_weight`` an 8-bit model keeps and saves
-    its weights in fp16: bitsandbytes never quantized them."""
+def quantization_configs(config) -> list[dict]:
+    """Every ``quantization_config`` in a config.json, a nested model config's (a multimodal model's) included."""
     found = []
 
     def visit(node):
@@ -94,25 +89,7 @@ def not_bitsandbytes(config: dict) -> str | None:
                 visit(value)
 
     visit(config)
-    if not found:
-        return "config.json has no quantization_config: the weights are not quantized (already dense?)"
-    methods = [q.get("quant_method") for q in found]
-    if not any(not isinstance(m, str) or "bitsandbytes" in m.lower() for m in methods):
-        method = methods[0]
-        return f"config.json's quantization_config has quant_method {method!r}, not bitsandbytes (not convertible here)"
-    dense_int8 = [
-        q
-        for q in found
-        if q.get("load_in_8bit") is True
-        and q.get("llm_int8_has_fp16_weight") is True
-        and q.get("load_in_4bit") is not True
-    ]
-    if len(dense_int8) == len(found):
-        return (
-            "saved with llm_int8_has_fp16_weight=True, so its weights are dense fp16 already (bitsandbytes never "
-            "quantized them): remove quantization_config from config.json and load it as a dense model"
-        )
-    return None
+    return found
 
 
 def input_embedding(shapes: dict, config: dict) -> str | None:

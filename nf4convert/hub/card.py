@@ -9,9 +9,10 @@ body, with these changes:
   model under the quantized one); for a local folder the source card's ``base_model``, if any, is kept.
 - ``base_model_relation`` is dropped: it described how the source relates to *its* base ("quantized"), and the
   Hub infers ours.
-- Tags that say the weights are quantized (``bitsandbytes``, ``4-bit``, ``bnb``, ``quantized``...) are dropped.
+- Tags that say the weights are quantized (``bitsandbytes``, ``4-bit``, ``bnb``, ``quantized``...) are dropped:
+  any format's (each source format names its own, ``formats/base.py``).
 - Fields that describe the quantization (``quantization_config``, ``quantized_by``, ``bnb_4bit_*``,
-  ``load_in_4bit``...) are dropped.
+  ``load_in_4bit``...) are dropped, likewise.
 - A section "How these weights were made" goes before the source card's body.
 
 A malformed source card never stops a conversion: ``model_card`` returns the card it could make and, in
@@ -26,41 +27,21 @@ import shlex
 from typing import NamedTuple
 
 from ..dtypes import OUTPUT_DTYPES
+from ..formats.base import all_formats, families
 from .errors import first_line as error_line
 from .names import looks_like_repo_id
 
-# Tags that describe quantized weights; compared lowercased. Tags about the model itself (unsloth, llama,
-# text-generation, conversational...) are kept.
-QUANTIZATION_TAGS = frozenset(
-    {
-        "bitsandbytes",
-        "bnb",
-        "bnb-4bit",
-        "bnb-8bit",
-        "bnb-nf4",
-        "4-bit",
-        "4bit",
-        "8-bit",
-        "8bit",
-        "int4",
-        "int8",
-        "nf4",
-        "fp4",
-        "llm.int8",
-        "quantized",
-        "quantization",
-        "quantised",
-    }
-)
-# YAML fields that describe the quantization (matched on the lowercased key): quantization_config, quantized_by,
-# quant_method, bnb_4bit_compute_dtype, bitsandbytes..., load_in_4bit, load_in_8bit, bits.
-QUANTIZATION_FIELD = re.compile(r"quanti[sz]|^quant_|bnb|bitsandbytes|^load_in_\d+bit$|^bits$")
+# Tags that describe quantized weights, whatever the format (each format adds its own: formats/base.py, card_tags);
+# compared lowercased. Tags about the model itself (unsloth, llama, text-generation, conversational...) are kept.
+QUANTIZATION_TAGS = frozenset({"quantized", "quantization", "quantised"})
+# YAML fields that describe the quantization, whatever the format (each format adds its own: card_fields), matched on
+# the lowercased key: quantization_config, quantized_by, quant_method, bits.
+QUANTIZATION_FIELD = r"quanti[sz]|^quant_|^bits$"
 # Fields about the source's relation to its own base model, wrong once base_model names the source itself.
 DROPPED_FIELDS = frozenset({"base_model_relation"})
 
 DTYPE_NAMES = {dtype.short: dtype.name for dtype in OUTPUT_DTYPES.values()}  # bf16 -> bfloat16, ...
 DTYPE_FLAGS = {name: flag for flag, name in DTYPE_NAMES.items()}
-FORMAT_NAMES = {"bnb-4bit": "bitsandbytes 4-bit", "bnb-8bit": "bitsandbytes 8-bit (LLM.int8)"}
 
 HUB_URL = "https://huggingface.co"
 CARD = "source model card (README.md)"  # how warnings name the file
@@ -89,7 +70,7 @@ def card_for_plan(plan, *, base: str, adapter: str | None, revision: str | None,
         source_repo=base if looks_like_repo_id(base) and not Path(base).exists() else None,
         dtype=plan.dtype.short,
         version=__version__,
-        quant_format=", ".join(plan.source_formats) or "bitsandbytes",
+        quant_format=", ".join(plan.source_formats) or families(),
         adapter=adapter,
         revision=revision,
         commit=commit_of(plan.folder),
@@ -203,8 +184,11 @@ def _dense_fields(fields: dict, *, source_repo: str | None) -> dict:
     dense = {}
     if source_repo is not None and "base_model" not in fields:
         dense["base_model"] = source_repo
+    dropped = re.compile(
+        "|".join([QUANTIZATION_FIELD, *(f.card_fields for f in all_formats().values() if f.card_fields)])
+    )
     for key, value in fields.items():
-        if QUANTIZATION_FIELD.search(key.lower()) or key in DROPPED_FIELDS:
+        if dropped.search(key.lower()) or key in DROPPED_FIELDS:
             continue
         if key == "base_model" and source_repo is not None:
             value = source_repo
@@ -222,7 +206,8 @@ def _dense_tags(tags):
         tags = [tags]
     if not isinstance(tags, list):
         return tags
-    return [tag for tag in tags if not (isinstance(tag, str) and tag.strip().lower() in QUANTIZATION_TAGS)]
+    dropped = QUANTIZATION_TAGS.union(*(f.card_tags for f in all_formats().values()))
+    return [tag for tag in tags if not (isinstance(tag, str) and tag.strip().lower() in dropped)]
 
 
 def _front_matter(fields: dict) -> tuple[str, str | None]:
@@ -276,11 +261,10 @@ def _how_made(
     dtype_text = f"{dtype_flag} ({DTYPE_NAMES[dtype_flag]})" if dtype_flag in DTYPE_NAMES else dtype
     formats = [part.strip().partition(" ") for part in quant_format.split(",") if part.strip()]  # (kind, _, detail)
     kinds = {kind for kind, _, _ in formats}
+    titles = {name: source_format.title for name, source_format in all_formats().items()}
     format_text = (
-        " and ".join(
-            " ".join(filter(None, [FORMAT_NAMES.get(kind, kind), detail.upper()])) for kind, _, detail in formats
-        )
-        or "bitsandbytes"
+        " and ".join(" ".join(filter(None, [titles.get(kind, kind), detail.upper()])) for kind, _, detail in formats)
+        or families()
     )
 
     if source_repo is not None:
@@ -362,26 +346,12 @@ def _local(folder: str) -> str:
 
 
 def _exactness(kinds: set[str], dtype_flag: str) -> list[str]:
-    """What the dequantized weights are bit for bit, per source format: 4-bit weights what bitsandbytes' CUDA kernels
-    compute (the weights its 4-bit layers dequantize to); 8-bit ones what its dequantization (plain torch arithmetic)
-    and the cast give, while its 8-bit layers multiply in int8 and never form these weights."""
-    both = "bnb-4bit" in kinds and "bnb-8bit" in kinds
-    sentences = []
-    if "bnb-4bit" in kinds or "bnb-8bit" not in kinds:
-        sentences.append(
-            f"Every weight dequantized{' from 4-bit' if both else ''} is bit for bit what bitsandbytes' "
-            "`dequantize_4bit` computes from the quantized checkpoint with its CUDA kernels: the weights "
-            "its 4-bit layers dequantize to, in a format that loads without bitsandbytes."
-        )
-    if "bnb-8bit" in kinds:
-        sentences.append(
-            f"Every weight dequantized{' from 8-bit' if both else ''} is bit for bit what bitsandbytes' "
-            "`int8_vectorwise_dequant` (plain torch arithmetic, the same on CPU and GPU) and the cast to "
-            f"{dtype_flag} give, as transformers' `dequantize()` does; the 8-bit model itself multiplies "
-            "in int8 (LLM.int8) and never forms these weights, so its outputs are close to, not equal "
-            "to, those of a model with these weights."
-        )
-    return sentences
+    """What the dequantized weights are bit for bit, in a sentence per source format named (``formats/base.py``:
+    exactness), in the formats' order; where none is named, the first registered format's."""
+    registered = all_formats()
+    named = [source_format for name, source_format in registered.items() if name in kinds]
+    named = named or list(registered.values())[:1]
+    return [source_format.exactness(dtype_flag, len(named) > 1) for source_format in named]
 
 
 def _link(repo_id: str) -> str:

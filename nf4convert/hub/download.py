@@ -17,6 +17,7 @@ from pathlib import Path
 
 from ..errors import ArgumentError, Nf4ConvertError, SourceNotFoundError
 from ..files import ADAPTER_WEIGHTS  # an adapter's own weights are small and read whole
+from ..options import HubOptions
 from ..paths import expanded
 from ..safetensors_io.read import read_index
 from .errors import hub_error_line
@@ -68,17 +69,15 @@ def progress_bars(enabled: bool) -> Iterator[None]:
 
 def resolve(
     source: str,
+    hub: HubOptions = HubOptions(),
     *,
-    revision: str | None = None,
-    token: str | None = None,
-    cache_dir: str | None = None,
     progress: bool = True,
     precheck: Callable[[Path], None] | None = None,
     headers: HeadersOnly | None = None,
 ) -> Path:
-    """A local folder holding the checkpoint named by ``source``.
+    """A local folder holding the checkpoint named by ``source``, fetched as ``hub`` says.
 
-    ``revision`` (a branch, tag or commit) applies to a Hub repo only. ``progress=False`` hides huggingface_hub's
+    ``hub.revision`` (a branch, tag or commit) applies to a Hub repo only. ``progress=False`` hides huggingface_hub's
     download bars. ``precheck``, for a Hub repo, is called on a folder holding only its ``config.json`` and
     ``adapter_config.json`` (those it has) before anything else is downloaded, and may raise to stop there.
     ``headers``: a Hub repo's weights are not downloaded; the folder returned is its copy for a plan, in
@@ -93,7 +92,7 @@ def resolve(
         >>> resolve("unsloth/Llama-3.2-1B-Instruct-bnb-4bit")   # downloads only what is needed
         >>> resolve("./my-model-bnb-4bit")                        # a local folder, used in place
     """
-    path = expanded(source, "source")
+    path, revision, token = expanded(source, "source"), hub.revision, hub.token
     if path.is_dir():
         if revision is not None:
             raise ArgumentError(
@@ -112,7 +111,7 @@ def resolve(
     )
     from huggingface_hub import utils as errors  # in huggingface_hub 0.24 its errors module lacks GatedRepoError
 
-    fetch = dict(revision=revision, token=token, cache_dir=cache_dir)
+    fetch = dict(revision=revision, token=token, cache_dir=hub.cache_dir)  # snapshot_download's
     try:
         with progress_bars(progress), hub_session(quiet=not progress):
             if precheck is not None:

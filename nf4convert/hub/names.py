@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from ..formats.base import name_suffix
 from ..paths import expanded
 
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -29,11 +30,7 @@ def commit_of(folder: Path) -> str | None:
     return folder.name if folder.parent.name == "snapshots" and COMMIT.fullmatch(folder.name) else None
 
 
-# A quantization suffix on a model's name: dropped from the name of what is made of it
-QUANT_SUFFIX = re.compile(r"-(?:bnb-)?(?:4bit|nf4|fp4|8bit|int8)$", re.IGNORECASE)
-
-
 def model_stem(source: str) -> str:
     """The model's name, its quantization suffix dropped (org/Llama-bnb-4bit -> Llama): the default output's name, and
     the name llama.cpp's converter is given for a GGUF (by convert and verify alike)."""
-    return QUANT_SUFFIX.sub("", model_name(source)) or model_name(source)
+    return name_suffix().sub("", model_name(source)) or model_name(source)  # a registered format's suffix

@@ -19,13 +19,13 @@ from pathlib import Path
 
 from ..errors import OutputError, SourceNotFoundError
 from ..files import ADAPTER_WEIGHTS
-from ..formats import PLAN_READS
+from ..formats.base import plan_reads
 from ..safetensors_io.read import HEADER_LIMIT, read_header, read_index, series_members
 from .names import commit_of
 
 # A headers-only copy holds, of each weight file, its header and the tensors whose bytes a plan reads
-# (formats.PLAN_READS: quant states, code tables, nested absmax, 8-bit scales and formats, all small) up to this size
-# each; reading any other bytes of it is an error (safetensors_io.read.TensorReader), never zeros.
+# (formats.base.plan_reads: quant states, code tables, nested absmax, 8-bit scales and formats, all small) up to this
+# size each; reading any other bytes of it is an error (safetensors_io.read.TensorReader), never zeros.
 PLAN_TENSOR_BYTES = 1 << 24
 _FIRST_BYTES = 100_000  # a file's first request: the whole header for 97% of the Hub's files (huggingface_hub's figure)
 _GAP_BYTES = 1 << 16  # such tensors this close together are fetched in one request
@@ -87,7 +87,7 @@ def _scratch_errors(source: str) -> Iterator[None]:
 def copy_for_plan(source: str, downloaded: Path, headers: HeadersOnly, token: str | None, patterns: list[str]) -> Path:
     """The repo as a plan reads it: ``downloaded`` (a Hub cache snapshot of everything but the weights) itself where
     it holds the weights already; else a copy in ``headers``: those files copied, and each weight file the plan reads
-    (as read_tensors chooses them) at its size, sparse, holding its header and the tensors of formats.PLAN_READS
+    (as read_tensors chooses them) at its size, sparse, holding its header and the tensors of formats.base.plan_reads
     (fetched with range requests, several at once)."""
 
     from huggingface_hub import HfApi
@@ -225,14 +225,14 @@ def _sparse_file(reader: _RangeReader, source: str, name: str, path: Path, bar) 
 
 
 def _plan_runs(tensors: dict, held: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """The byte ranges to fetch for a file's tensors that a plan reads (formats.PLAN_READS, at most PLAN_TENSOR_BYTES
-    each; a larger one is the plan's to refuse, by its size alone) not held yet, neighbours merged."""
-
+    """The byte ranges to fetch for a file's tensors that a plan reads (formats.base.plan_reads, at most
+    PLAN_TENSOR_BYTES each; a larger one is the plan's to refuse, by its size alone) not held yet, neighbours merged."""
+    reads = plan_reads()
     wanted = sorted(
         (t.begin, t.end)
         for t in tensors.values()
         if 0 < t.nbytes <= PLAN_TENSOR_BYTES
-        and PLAN_READS.search(t.name)
+        and reads.search(t.name)
         and not any(a <= t.begin and t.end <= b for a, b in held)
     )
     runs: list[list[int]] = []

@@ -6,13 +6,16 @@ verify both start here."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from functools import partial
 from pathlib import Path
 from typing import NamedTuple
 
 from ..errors import ArgumentError, CheckpointError
-from ..formats.config import not_bitsandbytes, read_config
+from ..formats.base import config_problem, config_reason, families
+from ..formats.config import read_config
+from ..options import HubOptions
 from ..paths import expanded
 
 
@@ -45,7 +48,7 @@ def named_sources(source, adapter) -> tuple[str, str | None]:
 
 def _refuse_early(folder: Path, *, source: str) -> None:
     """A Hub SOURCE's precheck, on its config files alone: refuse before downloading weights when its config.json
-    says it is not a bitsandbytes checkpoint. An adapter (its base is checked when fetched), a repo without
+    says it holds nothing a registered format dequantizes. An adapter (its base is checked when fetched), a repo without
     config.json and a config.json that does not parse are left to the weights and the plan, as local folders are."""
     if (folder / "adapter_config.json").is_file() or not (folder / "config.json").is_file():
         return
@@ -54,21 +57,22 @@ def _refuse_early(folder: Path, *, source: str) -> None:
         config = read_config(folder)  # strict and depth-limited, as the plan reads it
     except CheckpointError:
         return
-    reason = not_bitsandbytes(config) if config is not None else None
+    reason = config_reason(config) if config is not None else None
     if reason is not None:
-        raise CheckpointError(f"{source}: not a bitsandbytes checkpoint: {reason}; its weights were not downloaded")
+        raise CheckpointError(f"{source}: not a {families()} checkpoint: {reason}; its weights were not downloaded")
 
 
 def reworded(error: CheckpointError, folder: Path) -> CheckpointError:
-    """A plan's refusal of a local checkpoint, with the reason its config.json gives where it gives one (a model saved
-    with ``llm_int8_has_fp16_weight`` has no 8-bit weights: that, not their absence, is what the user needs to know)."""
+    """A plan's refusal of a local checkpoint, with the reason its config.json gives where a format finds one (a model
+    saved with ``llm_int8_has_fp16_weight`` has no 8-bit weights: that, not their absence, is what the user needs to
+    know)."""
 
     try:
         config = read_config(folder)
     except CheckpointError:
         return error
-    reason = not_bitsandbytes(config) if config is not None else None
-    if reason is None or "llm_int8_has_fp16_weight" not in reason:
+    reason = config_problem(config) if config is not None else None
+    if reason is None:
         return error
     return CheckpointError(f"{folder}: {reason}")
 
@@ -76,16 +80,14 @@ def reworded(error: CheckpointError, folder: Path) -> CheckpointError:
 def resolve_source(
     source: str | os.PathLike,
     adapter: str | os.PathLike | None = None,
+    hub: HubOptions = HubOptions(),
     *,
-    revision=None,
-    token=None,
-    cache_dir=None,
     progress=True,
     headers=None,
 ) -> Resolved:
-    """SOURCE resolved, and ADAPTER (a :class:`Resolved`); a SOURCE that is itself a peft adapter
-    (``adapter_config.json``, no ADAPTER given) stands for the base its config names, with it merged (a folder that also
-    holds model weights is a checkpoint). ``revision`` applies to SOURCE (a local folder has none); a Hub checkpoint
+    """SOURCE resolved, and ADAPTER (a :class:`Resolved`), from the Hub as ``hub`` says; a SOURCE that is itself a peft
+    adapter (``adapter_config.json``, no ADAPTER given) stands for the base its config names, with it merged (a folder
+    that also holds model weights is a checkpoint). ``hub.revision`` applies to SOURCE only; a Hub checkpoint
     whose config.json says it is not bitsandbytes is refused before its weights are downloaded; ``progress=False`` hides
     download bars; ``headers`` (a ``hub.HeadersOnly``): the checkpoint's weights are not downloaded, its folder is their
     copy for a plan."""
@@ -94,11 +96,9 @@ def resolve_source(
     from .download import resolve
 
     source, adapter = as_text(source), as_text(adapter)
-    fetch = dict(token=token, cache_dir=cache_dir, progress=progress)
-    folder = resolve(
-        source, revision=revision, precheck=partial(_refuse_early, source=source), headers=headers, **fetch
-    )
-    adapter_folder = resolve(adapter, **fetch) if adapter is not None else None
+    folder = resolve(source, hub, progress=progress, precheck=partial(_refuse_early, source=source), headers=headers)
+    others = dataclasses.replace(hub, revision=None)  # the adapter's, and the base an adapter SOURCE names
+    adapter_folder = resolve(adapter, others, progress=progress) if adapter is not None else None
     weights = [p for p in folder.glob("*.safetensors") if p.name != peft_lora.WEIGHTS_NAME]
     if adapter_folder is not None and (folder / peft_config.CONFIG_NAME).is_file() and not weights:
         raise ArgumentError(
@@ -115,7 +115,9 @@ def resolve_source(
                 option="adapter",
             )
         try:
-            base_folder = resolve(base, precheck=partial(_refuse_early, source=base), headers=headers, **fetch)
+            base_folder = resolve(
+                base, others, progress=progress, precheck=partial(_refuse_early, source=base), headers=headers
+            )
         except SourceNotFoundError as error:  # the user never typed this name: say where it came from
             raise SourceNotFoundError(
                 f"{error} (the base that {folder / peft_config.CONFIG_NAME} names in base_model_name_or_path; give "

@@ -1,23 +1,9 @@
-"""The tensor kinds, one module each: how a kind is planned (its recipe: sources, dtype, shape) and how its pieces
-are produced. This registry is the one place that lists them; the reference each is checked against lives in
-``verification/reference/`` under the same module name.
+"""Tensor kinds, one module each, registered where they are defined (``base.py``: what every kind answers, the
+registry, what a kind plans from). A kind plans itself from the checkpoint's headers and brings its compute; the
+reference each is checked against lives in ``verification/reference/`` under the same module name.
 
-Adding a kind: a module here with a ``Recipe`` subclass (``kinds/base.py`` says what it answers), its entry below,
-where the planner makes it (``plan.py``), and its reference in ``verification/reference/``.
+- ``dequantize_4bit.py``, ``dequantize_8bit.py``: a source format's weights, claimed and dequantized.
+- ``transpose.py``: a claimed Conv1D weight, written (in, out).
+- ``copy.py``: every other source tensor, cast to the output dtype where it is floating.
+- ``merge_lora.py`` (with ``untied.py``, a tied base's head written apart): an adapter's change merged in.
 """
-
-from __future__ import annotations
-
-from .base import Recipe
-from .copy import Copy
-from .dequantize_4bit import Dequantize4bit
-from .dequantize_8bit import Dequantize8bit
-from .merge_lora import MergeLora
-from .transpose import Transpose
-from .untied import Untied
-
-KINDS: dict[str, type[Recipe]] = {
-    kind.kind: kind for kind in (Copy, Dequantize4bit, Dequantize8bit, Transpose, Untied, MergeLora)
-}
-
-__all__ = ["KINDS", "Recipe", "Copy", "Dequantize4bit", "Dequantize8bit", "Transpose", "Untied", "MergeLora"]

@@ -1,29 +1,54 @@
 """What every tensor kind says of itself: the interface the planner, the pipeline and verify ask through, so that none
-of them needs to know which kinds there are (the registry, ``kinds/__init__.py``, does); a planned output tensor, which
-carries its recipe; and a tensor made whole from its recipe's pieces."""
+of them needs to know which kinds there are; the registry each kind joins where it is defined; what a kind plans
+from (``Planning``); a planned output tensor, which carries its recipe; and a tensor made whole from its recipe's
+pieces.
+
+Adding a kind is adding its module here (a ``Recipe`` subclass under ``@register``, planning itself in its hooks and
+bringing its compute) and its reference in ``verification/reference/`` under the same name: nothing else lists it.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, Iterator
 
+from ..errors import CheckpointError
 from ..pipeline.piece import Piece
-from ..safetensors_io.read import TensorReader
+from ..registry import Registry
+from ..safetensors_io.read import TensorInfo, TensorReader
+from ..strict_json import shown
 
 if TYPE_CHECKING:
     from ..dtypes import DType
+    from ..formats.base import SourceFormat
 
 
 class Recipe:
     """How one output tensor is made. A *leaf* recipe reads source tensors (a copy, a dequantization); a *wrapper*
-    (a transpose, a merge) makes its ``base`` recipe's tensor and changes it (``base`` is a wrapper's own field)."""
+    (a transpose, a merge) makes its ``base`` recipe's tensor and changes it (``base`` is a wrapper's own field).
+
+    A kind plans itself: the planner calls every registered kind's ``plan_source`` in ``order`` (claim the
+    checkpoint's weights of a format, wrap some, copy the rest), then, once the output dtype is chosen, every kind's
+    ``plan_output`` (merge an adapter). A kind brings its compute: ``produce`` cuts its tensor into pieces and gives
+    each the route's ``make`` of its own module-level functions (``pipeline/routes/``)."""
 
     kind: ClassVar[str]  # the registry's key, and the name of the kind's module here and in verification/reference/
     label: ClassVar[str]  # how a plan and a summary name what was done ("dequantized from 4-bit")
+    format: ClassVar[type[SourceFormat] | None] = None  # the source format a leaf dequantizes (None: plain, wrapper)
+    order: ClassVar[int] = 0  # when its planning hooks run among the kinds', lowest first
     plain: ClassVar[bool] = False  # a source tensor's bytes, cast at most: needs no GPU (written first)
     numpy_made: ClassVar[bool] = False  # the CPU route makes it without torch (numpy alone)
     uses_kernel: ClassVar[bool] = False  # made by the fused 4-bit kernel (the CUDA route warms it up first)
-    is_quantized: ClassVar[bool] = False  # a leaf that dequantizes a bitsandbytes weight (as quantized: (out, in))
+    is_quantized: ClassVar[bool] = False  # a leaf that dequantizes a quantized weight (as quantized: (out, in))
+
+    @classmethod
+    def plan_source(cls, planning: "Planning") -> None:
+        """Plan from the checkpoint's headers: claim the tensors this kind makes, wrap recipes, fill the rest."""
+
+    @classmethod
+    def plan_output(cls, planning: "Planning") -> None:
+        """Plan once the output dtype is chosen (``planning.dtype``): wrap recipes that depend on it."""
 
     @property
     def sources(self) -> tuple:
@@ -39,7 +64,7 @@ class Recipe:
 
     @property
     def quantized(self) -> bool:
-        """Whether it starts from a bitsandbytes weight."""
+        """Whether it starts from a quantized weight."""
         return self.innermost().is_quantized
 
     @property
@@ -72,12 +97,56 @@ class Recipe:
 
     @property
     def source_format(self) -> str | None:
-        """The bitsandbytes format it came in, as the model card names it ("bnb-4bit nf4")."""
+        """The source format it came in, as the model card names it ("bnb-4bit nf4")."""
         return None
 
     def produce(self, tensor: "PlannedTensor", reader: "TensorReader", route) -> "Iterator[Piece]":
         """The pieces that make ``tensor`` (this recipe's planned tensor) on ``route``."""
         raise NotImplementedError
+
+
+_REGISTRY = Registry(__package__, "kind", "kind")
+register = _REGISTRY.register  # class decorator: the kind joins the registry under its ``kind``, which names its module
+
+
+def all_kinds() -> dict[str, type[Recipe]]:
+    """Every registered kind by name, in planning ``order``; the first call imports each module of ``kinds/``, which
+    registers what it defines."""
+    return dict(sorted(_REGISTRY.discovered().items(), key=lambda item: (item[1].order, item[0])))
+
+
+@dataclass
+class Planning:
+    """What the kinds plan from and into: the checkpoint's headers and config, and the recipes so far.
+
+    ``recipes`` maps each recipe's *anchor* (the source tensor it is placed by: a weight's packed or int8 tensor, a
+    plain tensor itself) to the recipe. Once the sources are planned the planner puts them in the order of their
+    anchors' files and offsets (so reads stay sequential); a ``plan_output`` hook keeps that order, and a tensor it
+    adds goes where it inserts it."""
+
+    folder: Path
+    tensors: dict[str, TensorInfo]  # every source tensor, by name
+    reader: TensorReader  # for the few small tensors a plan reads (quant states, scales)
+    config: dict | None  # config.json, if any
+    quantization: dict | None  # its quantization_config
+    adapter: Path | None = None  # the folder of a peft adapter to merge in
+    recipes: dict[str, Recipe] = field(default_factory=dict)
+    consumed: set[str] = field(default_factory=set)  # the source tensors claimed recipes read
+    dtype: DType | None = None  # the output's floating dtype: None until chosen (after every plan_source)
+    merged: Any = None  # what merging an adapter did beyond the tensors (kinds/merge_lora.py: Merged)
+    keep_non_finite: bool = False  # the NaN or ±inf values a merge makes: kept, not refused (allow_non_finite)
+
+    def claim(self, claimed: dict[str, Recipe]) -> None:
+        """Add a format's leaf recipes (anchor -> recipe): the weights it found in the checkpoint, each checked.
+        CheckpointError for an anchor another format claimed already (the first in name order)."""
+        for anchor in sorted(claimed.keys() & self.recipes.keys()):
+            first, second = self.recipes[anchor].innermost().format, claimed[anchor].format
+            raise CheckpointError(
+                f"{self.tensors[anchor].path}: tensor {shown(anchor)} has both {first.marks} and {second.marks}; "
+                "it is one or the other"
+            )
+        self.recipes.update(claimed)
+        self.consumed.update(source.name for recipe in claimed.values() for source in recipe.sources)
 
 
 @dataclass(frozen=True)

@@ -14,34 +14,50 @@ from ..errors import CheckpointError
 from ..formats import config as model_config
 from ..formats import peft_checks, peft_finite, peft_lora, peft_merge, peft_tied
 from ..pipeline.piece import Piece
-from .base import Recipe, whole
+from .base import Planning, Recipe, register, whole
 from .untied import Untied
 
 
+@register
 @dataclass(frozen=True)
 class MergeLora(Recipe):
     """Another recipe's tensor with a peft LoRA adapter's change merged in, bit for bit as peft merges it."""
 
     kind: ClassVar[str] = "merge_lora"
     label: ClassVar[str] = "merged with the adapter"
+    order: ClassVar[int] = 200  # wraps whatever every other kind made
     base: Recipe
     target: peft_lora.LoraTarget
     adapter: peft_lora.Adapter = field(compare=False, repr=False)  # the whole adapter (verify rebuilds its module)
-    keep_non_finite: bool = field(
-        default=False, compare=False, repr=False
-    )  # NaN/±inf the merge makes: kept, not refused
+    keep_non_finite: bool = field(default=False, compare=False, repr=False)  # NaN/±inf it makes: kept, not refused
     non_finite: list = field(default_factory=list, compare=False, repr=False)  # what it made, where kept: one line each
 
     @classmethod
+    def plan_output(cls, planning: Planning) -> None:
+        """With an adapter: each recipe whose tensor it changes, wrapped in a merge (``planning.merged`` says what
+        else the merge did)."""
+        if planning.adapter is not None:
+            planning.recipes, planning.merged = cls.wrap(
+                planning.recipes, planning.adapter, planning.dtype, planning.config, planning.keep_non_finite
+            )
+
+    @classmethod
     def wrap(
-        cls, recipes: list[Recipe], adapter_folder: Path, dtype: DType, config: dict | None, keep_non_finite=False
-    ) -> tuple[list[Recipe], "Merged"]:
-        """Each recipe whose tensor the adapter changes, wrapped in a merge; the adapter is checked first. On a tied
-        base the embeddings start from what peft loads into the tied parameter, and where the adapter makes the head
-        differ from them, the head gets a tensor of its own: an Untied copy of the embeddings, merged with its
-        change."""
+        cls,
+        recipes: dict[str, Recipe],
+        adapter_folder: Path,
+        dtype: DType,
+        config: dict | None,
+        keep_non_finite: bool = False,
+    ) -> tuple[dict[str, Recipe], "Merged"]:
+        """``recipes`` (anchor -> recipe, in output order) with each recipe whose tensor the adapter changes wrapped
+        in a merge; the adapter is checked first. On a tied base the embeddings start from what peft loads into the
+        tied parameter, and where the adapter makes the head differ from them, the head gets a tensor of its own: an
+        Untied copy of the embeddings, merged with its change, right after them (under the head's name).
+        ``keep_non_finite``: the NaN or ±inf values a merge makes are kept (listed on its ``non_finite``), not
+        refused."""
         adapter = peft_lora.load_adapter(adapter_folder)
-        shapes = {name: shape for name, _, shape in (recipe.output(dtype) for recipe in recipes)}
+        shapes = {name: shape for name, _, shape in (recipe.output(dtype) for recipe in recipes.values())}
         config = config if isinstance(config, dict) else {}
         head_name = peft_lora.HEAD
         tied = model_config.tied(config) and head_name not in shapes
@@ -83,16 +99,16 @@ class MergeLora(Recipe):
                         f"{adapter.path}: resizes the vocabulary to {rows} tokens but saves no {rows}-row '{name}'; "
                         "the trained model's new rows of it are not in the adapter"
                     )
-        merged = []
-        for recipe in recipes:
+        merged = {}
+        for anchor, recipe in recipes.items():
             name, code, _ = recipe.output(dtype)
             target = targets.get(name)
             if target is not None and not DTYPES[code].cast:
                 raise CheckpointError(f"{adapter.path}: changes '{name}', which is not a floating tensor")
-            merged.append(cls(recipe, target, adapter, keep_non_finite) if target is not None else recipe)
+            merged[anchor] = cls(recipe, target, adapter, keep_non_finite) if target is not None else recipe
             if reason and name == embedding:  # the head right after the tensor it starts from
                 untied = Untied(recipe, head_name)
-                merged.append(cls(untied, head, adapter, keep_non_finite) if head else untied)
+                merged[head_name] = cls(untied, head, adapter, keep_non_finite) if head else untied
         return merged, Merged(adapter, reason, (embedding, head_name) if embedding else None, rows)
 
     @property

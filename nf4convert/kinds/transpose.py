@@ -8,27 +8,29 @@ import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar, Iterator
 
-from ..dtypes import DTYPES, DType
+from ..dtypes import DTYPES, OUTPUT_DTYPES, DType
 from ..formats import conv1d
 from ..pipeline.piece import Piece, pieces_from_memory
-from .base import Recipe, whole
+from .base import Planning, Recipe, register, whole
 
 
+@register
 @dataclass(frozen=True)
 class Transpose(Recipe):
     """A Conv1D layer's quantized weight, stored (in, out) as the dense model holds it."""
 
     kind: ClassVar[str] = "transpose"
     label: ClassVar[str] = "dequantized and transposed (Conv1D)"
+    order: ClassVar[int] = 50  # once the formats' weights are claimed
     base: Recipe
 
     @classmethod
-    def wrap(cls, quantized: dict[str, Recipe], config: dict | None) -> dict[str, Recipe]:
-        """``quantized`` (name -> recipe) with each Conv1D layer's weight wrapped."""
-        return {
-            name: cls(recipe) if conv1d.is_conv1d_weight(recipe.weight.name, config) else recipe
-            for name, recipe in quantized.items()
-        }
+    def plan_source(cls, planning: Planning) -> None:
+        """Each claimed weight of a Conv1D layer, wrapped."""
+        any_dtype = next(iter(OUTPUT_DTYPES.values()))  # a name does not depend on the dtype
+        for anchor, recipe in planning.recipes.items():
+            if recipe.format is not None and conv1d.is_conv1d_weight(recipe.output(any_dtype)[0], planning.config):
+                planning.recipes[anchor] = cls(recipe)
 
     @property
     def sources(self) -> tuple:

@@ -10,12 +10,13 @@ from typing import ClassVar, Iterator
 
 from ..dtypes import DType
 from ..pipeline.piece import Piece
-from .base import Recipe
+from .base import Recipe, register
 
 
+@register
 @dataclass(frozen=True)
 class Untied(Recipe):
-    """The input embeddings' tensor, as the untied head's."""
+    """The input embeddings' tensor, as the untied head's (made by a merge's planning, ``merge_lora.py``)."""
 
     kind: ClassVar[str] = "untied"
     label: ClassVar[str] = "the input embeddings, as the untied head"

@@ -2,7 +2,7 @@
 buffers pieces are read and made into.
 
 A kind's producer (``kinds/``) cuts its tensor into pieces of at most ``route.piece_bytes`` (whole quant blocks, whole
-8-bit rows); a route (``pipeline/routes/``) gives each piece its ``make``.
+8-bit rows) and gives each piece the ``make`` a route (``pipeline/routes/``) builds from the kind's own computations.
 """
 
 from __future__ import annotations

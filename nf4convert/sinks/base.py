@@ -13,30 +13,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, ClassVar
 
+from ..registry import Registry
+
 if TYPE_CHECKING:
     from ..options import ConvertOptions
     from ..plan import Plan
     from ..safetensors_io.read import TensorReader
     from ..settings import Settings
 
-SINKS: dict[str, type["Sink"]] = {}
-
-
-def register(cls: type["Sink"]) -> type["Sink"]:
-    SINKS[cls.name] = cls
-    return cls
+SINKS = Registry(__package__, "output format", "name")
+register = SINKS.register  # class decorator: the sink joins the registry under its ``name``
 
 
 def all_sinks() -> list[type["Sink"]]:
     """Every registered sink, the ones that claim outputs by their options first and the default (the folder) last."""
-    import importlib
-    import pkgutil
-
-    from .. import sinks
-
-    for module in pkgutil.walk_packages(sinks.__path__, f"{sinks.__name__}."):
-        importlib.import_module(module.name)
-    return sorted(SINKS.values(), key=lambda sink: sink.default)
+    return sorted(SINKS.discovered().values(), key=lambda sink: sink.default)
 
 
 def sink_for(options: "ConvertOptions") -> type["Sink"]:

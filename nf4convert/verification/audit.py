@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ..errors import CheckpointError
 from ..files import FOREIGN_FILES, IGNORED_FILES, INDEX_NAME, SKIPPED_DIRS, WRITTEN_ANEW
-from ..formats import bnb4_weights, bnb8
+from ..formats.base import quantization_key
 from ..safetensors_io.read import TensorInfo, read_header, read_index
 from ..safetensors_io.write import SHARD_METADATA
 from ..strict_json import strict_json
@@ -27,11 +27,8 @@ def leftovers(produced: dict[str, TensorInfo], output: Path, expected_config: di
     """Quantization keys left in the output, and a config.json that is not the source's made dense (no
     quantization_config, the output's dtype recorded): what transformers would load the weights with. A source
     without a config.json gets none in its output."""
-    suffixes = tuple("." + part for part in (*bnb4_weights.PARTS, *bnb8.PARTS))
     problems = [
-        f"{name}: a quantization key remains in the output"
-        for name in sorted(produced)
-        if bnb4_weights.STATE_KEY.match(name) or name.endswith(suffixes)
+        f"{name}: a quantization key remains in the output" for name in sorted(produced) if quantization_key(name)
     ]
     config_path = output / "config.json"
     if expected_config is None:

@@ -33,7 +33,7 @@ from ..sinks.gguf.converter import (
     tensors_of,
 )
 from .finite import made_by_merge
-from .reference import against
+from .reference.base import against
 
 HEADER_FIELDS = ("GGUF.version", "GGUF.tensor_count", "GGUF.kv_count")  # the reader's names for the header's words
 

@@ -18,7 +18,7 @@ from ..devices import cpu_cores
 from ..dtypes import DTYPES
 from ..errors import CheckpointError
 from .compare import Tallies, differing
-from .reference import against
+from .reference.base import against
 
 CPU_SLICE_BYTES = 1 << 23  # output bytes a CPU thread recomputes at once: its buffers reused, slice after slice
 CUDA_SLICE_BYTES = 1 << 25  # on a GPU: larger copies, fewer launches

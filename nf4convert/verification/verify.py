@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ..devices import pick_device
 from ..errors import ArgumentError, CheckpointError
-from ..formats import bnb4_weights, bnb8
+from ..formats.base import quantization_key
 from ..hub.sources import named_sources, resolve_source
 from ..options import VerifyOptions
 from ..paths import expanded
@@ -26,27 +26,24 @@ from ..skeleton import meta_model, unloaded_parameters
 from .folder import Folder
 from .gguf import GgufFile
 from .libraries import quiet_loggers, reference_library
-from .reference import Context
+from .reference.base import Context
 from .report import VerifyReport
 
 OUTPUTS = (GgufFile, Folder)  # the kinds of output verify checks: the first that claims OUT checks it
 
 
-def _plan_source(folder: Path, output: Path, dtype: str, reader: TensorReader, adapter: Path | None):
+def _plan_source(folder: Path, output: Path, dtype, reader: TensorReader, adapter: Path | None):
     try:
         return make_plan(folder, dtype=dtype, reader=reader, adapter=adapter)
     except CheckpointError:
-        # OUT and SOURCE swapped: the "output" is the bitsandbytes checkpoint.
+        # OUT and SOURCE swapped: the "output" is the quantized checkpoint.
         try:
-            swapped = any(
-                bnb4_weights.STATE_KEY.match(name) or name.endswith(f".{bnb8.PARTS[0]}")
-                for name in read_tensors(output)
-            )
+            swapped = next(filter(None, map(quantization_key, read_tensors(output))), None)
         except CheckpointError:
-            swapped = False
-        if swapped:
+            swapped = None
+        if swapped is not None:
             raise ArgumentError(
-                f"{output} is a bitsandbytes checkpoint and {folder} is not: the order is OUT, then SOURCE"
+                f"{output} is a {swapped.family} checkpoint and {folder} is not: the order is OUT, then SOURCE"
             ) from None
         raise
 
@@ -105,9 +102,7 @@ def verified(output: str | Path, source: str, options: VerifyOptions) -> VerifyR
     hub, progress = options.hub, options.progress
     with quiet_loggers(), TensorReader() as source_reader:
         reference_library("bitsandbytes")
-        resolved = resolve_source(
-            source, adapter, revision=hub.revision, token=hub.token, cache_dir=hub.cache_dir, progress=progress
-        )
+        resolved = resolve_source(source, adapter, hub, progress=progress)
         if resolved.adapter_folder is not None:
             reference_library("peft")
         if resolved.folder.resolve() == output.resolve():
@@ -116,13 +111,7 @@ def verified(output: str | Path, source: str, options: VerifyOptions) -> VerifyR
                 "the bitsandbytes one"
             )
         planned_in = checked.plan_dtype(options.dtype)
-        plan = _plan_source(
-            resolved.folder,
-            output,
-            planned_in.name if planned_in is not None else "auto",
-            source_reader,
-            resolved.adapter_folder,
-        )
+        plan = _plan_source(resolved.folder, output, planned_in, source_reader, resolved.adapter_folder)
         planned = {tensor.name: tensor for tensor in plan.tensors}
         context = Context(planned, *meta_model(plan.config), plan.tied or ())
         checked.check(

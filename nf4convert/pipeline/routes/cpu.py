@@ -1,6 +1,7 @@
-"""The CPU route: pieces made on the CPU, spread over the cores. Casts run on the makers' threads (one numpy call
-each, which lets go of Python's lock); 4-bit and 8-bit pieces run in forked worker processes (``workers.py``; the
-CPU kernel works on whole blocks, so any piece stands alone) where the machine has enough cores for them to pay.
+"""The CPU route: pieces made on the CPU, spread over the cores. Pieces made in the makers' own buffers (casts: one
+numpy call each, which lets go of Python's lock) run on the makers' threads; pieces made in the workers' shared
+mapping (``Piece.on_device``: 4-bit and 8-bit pieces, each standing alone) run in forked worker processes
+(``workers.py``) where the machine has enough cores for them to pay.
 """
 
 from __future__ import annotations
@@ -8,7 +9,6 @@ from __future__ import annotations
 import sys
 from typing import Callable, Iterator
 
-from ...formats import bnb4, bnb8
 from ...safetensors_io.read import TensorReader
 from ...settings import Settings
 from ..core import READ_AHEAD, WRITE_AHEAD
@@ -20,26 +20,16 @@ CPU_PIECE_BYTES = 1 << 22  # output bytes per piece: small, as every core holds 
 PROCESS_MIN_CORES, MAX_PROCESSES = 8, 8
 
 
-def cast(source_dtype: str, target_dtype: str):
-    """A plain tensor's piece cast on the CPU, on either route (so both give the same bits): kernels/cpu.cast."""
-
-    def make(read, out):
-        from ...kernels import cpu
-
-        cpu.cast(read, source_dtype, out, target_dtype)
-
-    return make
-
-
 class CpuRoute:
-    """Pieces made on the CPU, spread over the cores. Casts run on the makers' threads; 4-bit and 8-bit pieces run
-    in worker processes (workers.py) where the machine has ``PROCESS_MIN_CORES`` cores or more, else on the threads
-    too. Pieces are numpy arrays, and 4-bit pieces and casts are made in numpy (kernels/cpu.py): torch is imported
-    only by what needs it (_needs_torch: 8-bit pieces, LoRA merges, Conv1D transposes, fp16 out), and then runs one
-    thread per maker (the makers are the parallelism; more would oversubscribe the cores)."""
+    """Pieces made on the CPU, spread over the cores (``base.Route`` says what a route answers). Casts run on the
+    makers' threads; 4-bit and 8-bit pieces run in worker processes (workers.py) where the machine has
+    ``PROCESS_MIN_CORES`` cores or more, else on the threads too. Pieces are numpy arrays, and 4-bit pieces and casts
+    are made in numpy (kernels/cpu.py): torch is imported only by what needs it (_needs_torch: 8-bit pieces, LoRA
+    merges, Conv1D transposes, fp16 out), and then runs one thread per maker (the makers are the parallelism; more
+    would oversubscribe the cores)."""
 
     piece_bytes = CPU_PIECE_BYTES
-    cast = staticmethod(cast)
+    gpu = False
 
     def __init__(self, settings: Settings | None = None, *, workers: int | None = None, processes: int | None = None):
         """``processes``: worker processes (default: from the cores and ``settings.processes``; 0 for none), with one
@@ -111,13 +101,19 @@ class CpuRoute:
         if torch is not None:
             torch.set_num_threads(1)
 
-    def state_4bit(self, state):
-        return state  # numpy arrays, as read
-
-    def _made(self, function: Callable, *args) -> Callable:
+    def make(self, host: Callable, device: Callable | None = None) -> Callable:
+        """``host(read, out)`` in a worker process where both lie in the shared mapping, else on the calling thread
+        (``device`` is a GPU's: not here)."""
         if self._workers is None:
-            return lambda read, out: function(read, out, *args)
-        return lambda read, out: self._workers.run(function, read, out, *args)
+            return host
+        return lambda read, out: self._run(host, read, out)
+
+    def _run(self, host: Callable, read, out) -> None:
+        workers = self._workers  # as they are now (warm may have forked them again)
+        if workers is None:
+            host(read, out)
+        else:
+            workers.run(host, read, out)
 
     def make_into(self, piece: Piece, read, target) -> None:
         """Make ``piece`` from ``read`` into ``target`` (host tensors) on this thread: a tensor made whole."""
@@ -127,12 +123,6 @@ class CpuRoute:
         """A tensor already made in host memory (raw bytes), handed to the writers piece by piece."""
         return pieces_from_memory(data, source, self.piece_bytes)
 
-    def dequantize_4bit(self, state):
-        return self._made(_dequantize_4bit_on_cpu, state)
-
-    def dequantize_8bit(self, scb, columns: int, out_type):
-        return self._made(_dequantize_8bit_on_cpu, scb, columns, out_type)
-
 
 def _needs_torch(tensor) -> bool:
     """Whether the CPU route makes ``tensor`` with torch: anything but plain tensors and 4-bit weights (8-bit weights,
@@ -141,29 +131,3 @@ def _needs_torch(tensor) -> bool:
 
     recipe = tensor.recipe
     return not recipe.numpy_made or (recipe.converts_to(tensor.dtype) and cpu.uses_torch(tensor.dtype))
-
-
-def _dequantize_4bit_on_cpu(packed, out, state) -> None:
-    from ...kernels import cpu
-
-    nested = state.state2
-    cpu.dequantize(
-        packed,
-        state.absmax,
-        nested and nested.code,
-        nested and nested.absmax,
-        state.offset,
-        bnb4.CODES[state.quant_type],
-        out,
-        state.dtype,
-        state.blocksize,
-        nested.blocksize if nested else 0,
-    )
-
-
-def _dequantize_8bit_on_cpu(codes, out, scb, columns: int, out_type) -> None:
-    import torch
-
-    rows = codes.size // columns
-    made = bnb8.dequantize(torch.from_numpy(codes).view(torch.int8).view(rows, columns), scb, out_type)
-    torch.from_numpy(out).view(out_type).view(rows, columns).copy_(made)

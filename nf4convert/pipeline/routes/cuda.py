@@ -14,10 +14,8 @@ import threading
 from typing import Callable, Iterator
 
 from ... import profile
-from ...formats import bnb4, bnb8
 from ...safetensors_io.read import TensorReader
 from ..piece import Buffers, Piece, pieces_from_memory
-from .cpu import cast
 
 CUDA_PIECE_BYTES = 1 << 24  # large copies and writes, a few pinned buffers of it
 
@@ -35,15 +33,16 @@ class _Slot:
 
 
 class CudaRoute:
-    """Pieces made on one GPU: one maker thread enqueues copies and kernels, nothing waits on the host but
-    the writer (for its piece's event) and a reused pinned buffer (for the copy that last read it).
+    """Pieces made on one GPU (``base.Route`` says what a route answers): one maker thread enqueues copies and
+    kernels, nothing waits on the host but the writer (for its piece's event) and a reused pinned buffer (for the copy
+    that last read it).
 
     The route starts on a thread of its own (CUDA's context, streams, device buffers, then a warm-up launch
     of the kernel for the plan's first 4-bit piece, which loads or compiles it), so plain tensors are read
     and written meanwhile; the first piece the GPU makes waits for it."""
 
     piece_bytes = CUDA_PIECE_BYTES
-    cast = staticmethod(cast)
+    gpu = True
     makers = 1  # enqueues only; one thread keeps the streams' order simple
     slots = 3  # pieces on the device at once: one copied in, one made, one copied out
 
@@ -105,9 +104,10 @@ class CudaRoute:
 
         torch.cuda.set_device(self.device)
 
-    def state_4bit(self, state):
-        """The quant state as read (numpy) as the kernel takes it: tensors on this route's GPU."""
-        return bnb4.on_device(state, self.device)
+    def make(self, host: Callable | None, device: Callable | None = None) -> Callable:
+        """``device`` through this route's slots and streams; without one, ``host`` on the maker thread (a cast: on
+        the CPU, so that both routes write the same bits)."""
+        return host if device is None else _DeviceMake(self, device)
 
     def _run(self, read, out, compute):
         """Copy ``read`` in, ``compute(device bytes in, device bytes out) -> device result``, copy the result out."""
@@ -170,24 +170,6 @@ class CudaRoute:
         for first in range(0, data.numel(), self.piece_bytes):
             part = data[first : first + self.piece_bytes]
             yield Piece(first, part.numel(), source, 0, 0, _FromDevice(self, part, ready), on_device=True)
-
-    def dequantize_4bit(self, state):
-        from ...dequantize import dequantize_4bit
-
-        def compute(packed, out):
-            dequantize_4bit(packed, state, out=out.view(state.dtype))
-            return out
-
-        return _DeviceMake(self, compute)
-
-    def dequantize_8bit(self, scb, columns: int, out_type):
-        import torch
-
-        def compute(codes, out):
-            rows = codes.numel() // columns
-            return bnb8.dequantize(codes.view(torch.int8).view(rows, columns), scb, out_type).view(-1).view(torch.uint8)
-
-        return _DeviceMake(self, compute)
 
 
 class _FromDevice:

@@ -19,7 +19,7 @@ from typing import Callable
 
 from ...errors import ArgumentError
 from ...settings import Settings
-from ...sizes import DEFAULT_SHARD_SIZE, parse_size
+from ...sizes import DEFAULT_SHARD_BYTES
 from .. import output as lifecycle
 from ..base import Sink, Written, register
 from ..naming import default_output
@@ -42,7 +42,6 @@ from .q8_0 import Q8_0
 from .writes import PositionalWrites
 
 GGUF_SUFFIX = ".gguf"
-DEFAULT_SHARD_BYTES = parse_size(DEFAULT_SHARD_SIZE)  # the converter's tensor order is that of the default dense output
 
 
 @dataclass

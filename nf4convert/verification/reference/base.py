@@ -1,8 +1,23 @@
-"""What every reference module shares: the slice it answers with, and a leaf kind's reference made whole."""
+"""What every reference module shares: the slice it answers with, what a reference may need beyond its own tensor
+(``Context``), a leaf kind's reference made whole, and the reference of a kind, found by its name.
+
+A kind's reference is the module of this package named as the kind (``kinds/<kind>.py`` ->
+``verification/reference/<kind>.py``). Each has:
+
+- ``slices(tensor, reader, device, context, piece_bytes)``: the tensor's reference as :class:`Slice` s, each a range
+  of the output tensor's bytes and how the reference library computes just that range (whole quant blocks, whole
+  8-bit rows, a run of plain elements; a reference that needs the whole tensor, a merge or a transpose, is one slice);
+- ``reference(tensor, reader, device, context)``: the whole tensor (what a merge or a transpose starts from);
+- ``against(tensor, device)``: what the tensor is compared against, as the report names it.
+
+A recipe is read by its fields alone: nothing here imports the convert side.
+"""
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+import importlib
+from types import ModuleType
+from typing import Callable, Iterator, NamedTuple
 
 
 class Slice(NamedTuple):
@@ -14,6 +29,34 @@ class Slice(NamedTuple):
     offset: int
     nbytes: int
     make: Callable
+
+
+class Context(NamedTuple):
+    """What a reference may need beyond its own tensor."""
+
+    planned: dict  # every planned tensor by name (a merge rebuilds its module's siblings)
+    module_class: Callable  # module path -> the class transformers' model has there, or None
+    parameter_shape: Callable  # tensor name -> the shape transformers' model gives it, or None
+    unbuilt: Callable  # -> why transformers could not build the model (once asked), or None
+    tied: tuple = ()  # (input embeddings, head) of a tied base: they share one parameter while peft loads
+
+    def recompute(self, tensor, reader, device):
+        """``tensor`` recomputed whole by its kind's reference (a wrapper's reference recomputes its base through
+        this)."""
+        return reference_for(tensor.recipe.kind).reference(tensor, reader, device, self)
+
+    def slices(self, tensor, reader, device, piece_bytes: int) -> Iterator[Slice]:
+        return reference_for(tensor.recipe.kind).slices(tensor, reader, device, self, piece_bytes)
+
+
+def reference_for(kind: str) -> ModuleType:
+    """The reference module of the kind named ``kind`` (a recipe's ``kind``)."""
+    return importlib.import_module(f"{__package__}.{kind}")
+
+
+def against(tensor, device) -> str:
+    """What ``tensor`` is compared against on ``device``: "bitsandbytes", "the source tensor", ..."""
+    return reference_for(tensor.recipe.kind).against(tensor, device)
 
 
 def whole(tensor, reader, device, context):

@@ -10,11 +10,10 @@ import warnings
 
 from ...dtypes import DTYPES
 from .base import Slice, as_bytes
+from .base import against as base_against
 
 
 def against(tensor, device) -> str:
-    from . import against as base_against
-
     return f"{base_against(dataclasses.replace(tensor, recipe=tensor.recipe.base), device)} + peft"
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from .base import Slice, as_bytes
+from .base import against as base_against
 
 
 def _base(tensor):
@@ -13,8 +14,6 @@ def _base(tensor):
 
 
 def against(tensor, device) -> str:
-    from . import against as base_against
-
     return base_against(_base(tensor), device)
 
 

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 
+from .base import against as base_against
+
 
 def _base(tensor):
     return dataclasses.replace(tensor, recipe=tensor.recipe.base)
 
 
 def against(tensor, device) -> str:
-    from . import against as base_against
-
     return base_against(_base(tensor), device)
 
 

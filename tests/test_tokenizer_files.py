@@ -198,3 +198,34 @@ def fuzz_case(seed: int, sources, root: Path) -> str | None:
 def test_fuzz_tokenizer_files(sources, tmp_path):
     failures = [failure for seed in range(2 * FUZZ_CASES) if (failure := fuzz_case(seed, sources, tmp_path))]
     assert not failures, f"{len(failures)} of {2 * FUZZ_CASES} cases went wrong:\n" + "\n".join(failures[:8])
+
+
+def test_only_what_the_libraries_raise_is_put_on_the_models_files():
+    # an error of nf4convert's own code under the converter (a tensor it asked for) must stay what it is
+    import nf4convert
+    from nf4convert.sinks.gguf.converter import _raised_by_libraries
+
+    ours = str(Path(nf4convert.__file__).parent / "kinds" / "made_here.py")
+    namespace: dict = {}
+    exec(compile("def make(inner):\n    return inner()\n", ours, "exec"), namespace)
+    exec(compile("def convert(inner):\n    return inner()\n", "/x/site-packages/conversion/base.py", "exec"), namespace)
+    exec(
+        compile("def kernel():\n    raise RuntimeError('out of memory')\n", "/x/site-packages/torch/k.py", "exec"),
+        namespace,
+    )
+    exec(
+        compile("def vocab():\n    raise TypeError('bad vocab')\n", "/x/site-packages/tokenizers/t.py", "exec"),
+        namespace,
+    )
+
+    def raised(call):
+        try:
+            call()
+        except Exception as error:  # noqa: BLE001
+            return error
+        raise AssertionError("nothing raised")
+
+    convert, make = namespace["convert"], namespace["make"]
+    assert _raised_by_libraries(raised(lambda: convert(namespace["vocab"])))
+    assert not _raised_by_libraries(raised(lambda: convert(lambda: make(namespace["kernel"]))))
+    assert not _raised_by_libraries(raised(lambda: make(namespace["kernel"])))

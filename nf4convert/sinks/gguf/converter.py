@@ -236,8 +236,9 @@ def converter_errors(folder: Path):
 
 
 def _raised_by_libraries(error: BaseException) -> bool:
-    """Whether ``error`` came from the converter or a library it calls, not from nf4convert's code under it: the
-    innermost frame outside Python's own library is not nf4convert's."""
+    """Whether ``error`` came from the converter or a library it calls on the model's files, not from nf4convert's code
+    under it (a tensor the converter asked us for, and what our code called to make it): no frame of nf4convert's lies
+    deeper than the first frame of theirs. Python's own library's frames are not counted."""
     import sysconfig
 
     package = str(Path(__file__).resolve().parents[2])
@@ -245,13 +246,12 @@ def _raised_by_libraries(error: BaseException) -> bool:
     files = []
     traceback = error.__traceback__
     while traceback is not None:
-        files.append(traceback.tb_frame.f_code.co_filename)
+        name = traceback.tb_frame.f_code.co_filename
+        if not (name.startswith(standard) and "-packages" not in name):
+            files.append(name)
         traceback = traceback.tb_next
-    for name in reversed(files):
-        if name.startswith(standard) and "-packages" not in name:
-            continue
-        return not name.startswith(package)
-    return True
+    theirs = next((index for index, name in enumerate(files) if not name.startswith(package)), None)
+    return theirs is not None and not any(name.startswith(package) for name in files[theirs:])
 
 
 class _WeightNeeded(Exception):

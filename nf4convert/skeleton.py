@@ -92,7 +92,7 @@ def meta_model(config: dict | None) -> tuple[Callable, Callable, Callable]:
 
 
 def unloaded_parameters(config: dict | None, tensors: dict[str, tuple]) -> tuple[str, list[str]] | str:
-    """(the model's class name, the parameters and persistent buffers it leaves at their random initial values) when
+    """(the model's class name, the parameters it leaves at their random initial values) when
     transformers loads a checkpoint of ``tensors`` (name -> shape) into the model it builds from ``config``, by its own
     loading rules: its key renames and conversions, its tied weights, the keys its model may lack. A string saying why
     that cannot be told where it cannot (no model, or a transformers without those rules)."""
@@ -119,4 +119,5 @@ def unloaded_parameters(config: dict | None, tensors: dict[str, tuple]) -> tuple
             model._adjust_missing_and_unexpected_keys(info)
         except Exception as error:  # noqa: BLE001  (transformers' loading rules changed under us: not a finding)
             return f"transformers' loading rules could not be applied ({type(error).__name__}: {error})"[:300]
-    return type(model).__name__, sorted(info.missing_keys)
+    buffers = {name for name, _ in model.named_buffers()}  # computed on load (a rotary table), never random
+    return type(model).__name__, sorted(key for key in info.missing_keys if key not in buffers)

@@ -74,6 +74,13 @@ def test_a_fifo_where_a_json_file_is_expected_is_refused_not_waited_on(tmp_path,
     assert done.returncode == 1 and line == f"Error: {folder / name}: not a regular file (a pipe, socket or device)"
 
 
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")
+def test_a_fifo_given_as_verifys_gguf_is_named_as_such(tmp_path):
+    os.mkfifo(tmp_path / "out.gguf")
+    line = one_error_line(run("verify", tmp_path / "out.gguf", EXAMPLE, "-q", code=1).stderr)
+    assert line == f"Error: {tmp_path / 'out.gguf'}: not a regular file"
+
+
 # ---- config.json and the index, fuzzed through the command line ----------------------------------------------------
 
 ODD_VALUES = [None, True, False, 0, -1, 2**70, 1e308, -0.0, "", "x", "../x", [], [None], {}, {"a": []}, "\x00"]

@@ -14,6 +14,7 @@ source; this runs the converter on the references and compares.
 
 from __future__ import annotations
 
+import os
 import tempfile
 from pathlib import Path
 
@@ -49,7 +50,8 @@ class GgufFile:
 
     def __init__(self, output: Path):
         if not output.is_file():
-            raise SourceNotFoundError(f"{output}: {'a folder, not a GGUF file' if output.is_dir() else 'no such file'}")
+            found = "a folder, not a GGUF file" if output.is_dir() else "not a regular file"
+            raise SourceNotFoundError(f"{output}: {found if os.path.lexists(output) else 'no such file'}")
         self.output = output
         self.gguf_module, _ = converter()
         self.actual = _read(self.gguf_module, output)

@@ -3,7 +3,7 @@
     python benchmarks/bench_memory.py [--workdir DIR] [--keep]
 
 Builds a ~0.6B-parameter Llama-shaped 4-bit checkpoint (hidden 1024, intermediate 4096, 28 layers,
-vocab 32000; NF4 with double quantization, bf16; 1.15 GB of bf16 output) with transformers +
+vocab 32000; NF4 with double quantization, bf16; 1.07 GB of bf16 output) with transformers +
 bitsandbytes on the CPU, then converts it twice, each in a fresh process:
 
   nf4convert     nf4convert SOURCE -o OUT --device cpu

@@ -16,6 +16,7 @@ from .hub.names import model_name, model_stem
 from .hub.ranges import HeadersOnly
 from .hub.sources import as_text, named_sources, resolve_source, reworded
 from .options import ConvertOptions
+from .paths import expanded
 from .pipeline.routes.base import route_for
 from .plan import make_plan
 from .safetensors_io.read import TensorReader
@@ -136,7 +137,10 @@ def _prepare(source, options: ConvertOptions, *, reader, headers=None, on_output
     sink.check_ready()  # before any download: a missing library is said first
     output = options.output
     if output is not None:  # before any download
-        lifecycle.check_destination(output, overwrite=options.overwrite, file=sink.file)
+        local = [expanded(name, "source") for name in (source, adapter) if name is not None]
+        lifecycle.check_destination(
+            output, overwrite=options.overwrite, file=sink.file, sources=[path for path in local if path.is_dir()]
+        )
     hub = options.hub
     folder, adapter_folder, base, adapter = resolve_source(
         source, adapter, hub, progress=options.progress, headers=headers
@@ -163,7 +167,8 @@ def _prepare(source, options: ConvertOptions, *, reader, headers=None, on_output
     if on_output is not None:
         on_output(output)
     if named:
-        lifecycle.check_destination(output, overwrite=options.overwrite, file=sink.file)
+        sources = [folder] + ([adapter_folder] if adapter_folder is not None else [])
+        lifecycle.check_destination(output, overwrite=options.overwrite, file=sink.file, sources=sources)
     lifecycle.check_not_source(output, folder)
     if adapter_folder is not None:
         lifecycle.check_not_source(output, adapter_folder, "the adapter's")
@@ -223,7 +228,8 @@ def convert(
     Raises:
         ArgumentError: a bad ``dtype``, ``device``, ``max_shard_size``, ``stem`` or ``gguf_type``, or ``output`` with
             ``output_dir``.
-        DependencyError: a GGUF output without llama.cpp's converter (``pip install "nf4convert[gguf]"``).
+        DependencyError: a GGUF output without llama.cpp's converter (the "gguf" extra: ``pip install ".[gguf]"`` in
+            the clone).
         SourceNotFoundError: ``source`` cannot be found or fetched.
         CheckpointError: the checkpoint is corrupt, not a checkpoint this tool reads or has no config.json (and
             ``allow_no_config`` is off), or the adapter does not fit it.

@@ -99,8 +99,12 @@ def _compiled(packed, quant_state, fields, out, backend):
     """Under torch.compile: a registered op per backend, whose tables and offset travel as tensors. CUDA (and the
     Triton interpreter): the triton_op. CPU: an opaque custom op around the exact CPU path, so that Inductor cannot
     contract its multiplies and adds into FMAs (kernels/compiled.py)."""
-    from .kernels import compiled  # noqa: F401  (registers the ops)
+    from .kernels import compiled  # registers the ops
 
+    if backend == "triton" and not compiled.HAS_TRITON:
+        from .devices import no_triton
+
+        raise no_triton(f"dequantizing {packed.device.type} tensors with backend={backend!r}")
     absmax, code2, absmax2, offset, nested_blocksize = fields
     shape = tuple(quant_state.shape)
     op = torch.ops.nf4convert.dequantize_4bit if backend == "triton" else torch.ops.nf4convert.dequantize_4bit_cpu

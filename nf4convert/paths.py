@@ -60,3 +60,12 @@ def expanded_output(name: str | os.PathLike, option: str) -> Path:
         except (OSError, RuntimeError) as error:  # RuntimeError: a symlink loop (Python < 3.13)
             raise OutputError(f"{os.fspath(name)}: cannot be resolved ({error})") from None
     return path
+
+
+def shown(text: str) -> str:
+    """``text`` (a message, a card) as a UTF-8 file or a terminal can hold it: each byte of a name that is not UTF-8,
+    which Python keeps in a ``str`` as a lone surrogate (``os.fsdecode``), written as ``\\xNN``."""
+    try:
+        return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    except UnicodeEncodeError:  # a surrogate no file name decodes to
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")

@@ -1,5 +1,6 @@
 """Sizes as users write and read them: ``--max-shard-size`` (decimal units, like transformers) and its one default,
-and byte counts in messages. Imports nothing heavy: the command line's ``--help`` shows the default."""
+and byte counts and counts of things in messages. Imports nothing heavy: the command line's ``--help`` shows the
+default."""
 
 from __future__ import annotations
 
@@ -51,3 +52,8 @@ DEFAULT_SHARD_BYTES = parse_size(DEFAULT_SHARD_SIZE)
 
 def size_text(nbytes: int) -> str:
     return f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e9 else f"{nbytes / 1e6:.1f} MB"
+
+
+def counted(count: int, noun: str) -> str:
+    """``count`` with ``noun`` in the number it takes: "1 tensor", "3 tensors"."""
+    return f"{count} {noun}{'' if count == 1 else 's'}"

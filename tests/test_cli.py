@@ -173,8 +173,13 @@ def test_default_output_name_and_overwrite(checkpoints, tmp_path, monkeypatch):
     assert marker.exists()  # refused: nothing touched
     run(source, "-q", "--overwrite")
     assert not marker.exists() and (out / "config.json").exists()
-    # Never the source itself, even with --overwrite.
+    # Never the source itself, even with --overwrite; said first (not that it exists and is not empty), and so of a
+    # folder that holds it.
     assert "is the source checkpoint's folder" in run(source, "-o", source, "-q", "--overwrite", code=1)
+    held = shutil.copytree(source, tmp_path / "models" / "Held-bnb-4bit")
+    for held_in in (held, held.parent):
+        said = run(held, "-o", held_in, "-q", code=1)
+        assert said.startswith(f"Error: {held_in}: is the source checkpoint's folder (or holds it)"), said
     assert "is the current folder or holds it" in run(source, "-o", tmp_path.parent, "-q", "--overwrite", code=1)
     assert "is the current folder" in run(source, "-o", tmp_path, "-q", "--overwrite", code=1)  # which holds it too
     assert "is inside the source checkpoint's folder" in run(source, "-o", source / "dense", "-q", code=1)
@@ -902,3 +907,14 @@ def test_the_cpu_route_runs_without_torch(processes, dtype, tmp_path):
             env=env,
         )
         assert result.returncode != 0 and not (tmp_path / "fp16").exists()
+
+
+def test_one_of_a_thing_is_counted_in_the_singular(tmp_path):
+    """A shard of one tensor, one tensor checked: "1 tensor", never "1 tensors"."""
+    from nf4convert.verification.report import VerifyReport, report_lines
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "tiny-llama-bnb-4bit"
+    plan = run(example, "-o", tmp_path / "out", "--dry-run", "--max-shard-size", "1")  # a shard per tensor
+    assert "  model-00001-of-00039.safetensors: 1 tensor, " in plan and "1 tensors" not in plan
+    report = VerifyReport(tmp_path / "out", checked=1, compared_against={"lm_head.weight": "the source tensor"})
+    assert report_lines(report)[0] == f"{tmp_path / 'out'}: 1 tensor checked on cpu (1 against its source tensor)"

@@ -167,3 +167,40 @@ def test_a_stop_in_clicks_own_code_is_a_stopped_run_not_aborted(monkeypatch, tmp
     result = CliRunner().invoke(cli.main, [str(EXAMPLE), "-o", "out", "-q"])
     lines = [line for line in result.output.splitlines() if line]  # click closes a terminal's ^C with a blank line
     assert (result.exit_code, lines) == (code, [f"Error: {word}; nothing was written"]), result.output
+
+
+# The console script run as Python runs it, noting each module looked for while SIGINT is Python's KeyboardInterrupt.
+_WATCHED = """
+import signal, sys
+seen = []
+
+class Watch:
+    def find_spec(self, name, path=None, target=None):
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler and name not in seen:
+            seen.append(name)
+            print("under Python's handler:", name, file=sys.stderr, flush=True)  # the command may end by os._exit
+        return None
+
+sys.meta_path.insert(0, Watch())
+script = sys.argv[1]
+sys.argv = [script, "--version"]
+exec(compile(open(script).read(), script, "exec"), {"__name__": "__main__"})
+"""
+
+
+def test_what_runs_before_the_stop_handlers_is_what_the_reference_says(tmp_path):
+    """A Ctrl-C before the entry module's handlers is Python's own traceback: docs/cli.md names what runs until then
+    (after Python's start-up), and that is all that runs: the package's two first modules and the entry module."""
+    script = _console_script(tmp_path)
+    result = subprocess.run(
+        [sys.executable, "-c", _WATCHED, str(script)], capture_output=True, text=True, env=package_env(), timeout=120
+    )
+    assert result.returncode == 0 and "version" in result.stdout, result.stderr
+    prefix = "under Python's handler: "
+    measured = [line.removeprefix(prefix) for line in result.stderr.splitlines() if line.startswith(prefix)]
+    reference = " ".join((ROOT / "docs" / "cli.md").read_text(encoding="utf-8").split())
+    said = re.search(r"the console script's imports of ((?:`[\w.]+`(?:, | and )?)+)", reference)
+    assert said is not None, "docs/cli.md no longer says what runs before the handlers"
+    assert (
+        re.findall(r"`([\w.]+)`", said.group(1)) == measured == ["nf4convert", "nf4convert.cli", "nf4convert.cli.entry"]
+    )

@@ -5,6 +5,8 @@ kernel-table cache during a trace does not recompile the next layer."""
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -268,6 +270,7 @@ print(sorted(m for m in ("torch._dynamo", "torch._inductor") if m in sys.modules
     assert result.returncode == 0 and result.stdout.strip() == "[]", result.stdout + result.stderr
 
 
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="the launcher needs Triton")
 def test_eager_launches_do_not_import_the_compiler():
     """Registering the compile op imports torch._dynamo and Inductor (seconds): only a trace may pay that."""
     import subprocess

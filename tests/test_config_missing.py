@@ -48,7 +48,13 @@ def test_its_tensors_alone_when_asked_with_a_card_and_a_verification_that_say_so
     summary = run(configless, "-o", "out", "-q", "--device", "cpu", "--allow-no-config")
     assert summary.startswith("out: 39 tensors")
     out = tmp_path / "out"
-    assert sorted(path.name for path in out.iterdir()) == ["README.md", "generation_config.json", "model.safetensors"]
+    tokenizer = ["tokenizer.json", "tokenizer.model", "tokenizer_config.json"]
+    assert sorted(path.name for path in out.iterdir()) == [
+        "README.md",
+        "generation_config.json",
+        "model.safetensors",
+        *tokenizer,
+    ]
     card = (out / "README.md").read_text()
     assert "quantization_config" not in card  # it said config.json no longer had one
     assert "There is no `config.json`: the source had none" in card

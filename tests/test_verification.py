@@ -13,7 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 from nf4convert.cli.commands import main
-from nf4convert.errors import CheckpointError
+from nf4convert.errors import ArgumentError, CheckpointError
 from nf4convert.verification.verify import verify
 
 from fixtures.checkpoints import build
@@ -393,3 +393,18 @@ def test_nans_in_a_cast_plain_tensor_are_canonical_and_verify_ok(tmp_path, dtype
     assert written[:4].view(integer).tolist() == [0x7FFF if dtype == "fp16" else 0x7FFFFFFF] * 4
     assert not written[4:].isnan().any()
     assert "OK: bit-exact" in run("verify", out, source, "-q", "--device", "cpu")
+
+
+def test_dtype_is_a_gguf_option_and_a_folder_refuses_another_than_its_own(converted):
+    """verify's dtype says what a GGUF's tensors were made in; a folder's tensors say theirs: another is refused in one
+    line, before anything is recomputed, and its own is what verify uses anyway."""
+    source, outputs = converted
+    result = CliRunner().invoke(main, ["verify", str(outputs["single"]), str(source), "--dtype", "fp16", "-q"])
+    assert result.exit_code == 2 and result.stdout == "", result.output
+    assert result.stderr == (
+        f"Error: {outputs['single']}: its tensors are bfloat16, not float16 (dtype is a GGUF's: the dtype its tensors "
+        "were made in; a folder's tensors say their own) (see --dtype)\n"
+    )
+    assert "OK: bit-exact" in run("verify", outputs["single"], source, "--dtype", "bf16", "-q", "--device", "cpu")
+    with pytest.raises(ArgumentError, match=r"its tensors are bfloat16, not float32 \(dtype is a GGUF's"):
+        verify(outputs["sharded"], str(source), device="cpu", dtype="fp32")

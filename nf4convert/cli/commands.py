@@ -166,7 +166,8 @@ def _show_report(report) -> None:
     type=click.Choice(OUTPUT_CHOICES, case_sensitive=False),
     default="auto",
     show_default=True,
-    help="For a GGUF OUTPUT: the --dtype it was converted with (its tensors' dtype before the GGUF type).",
+    help="For a GGUF OUTPUT: the --dtype it was converted with (its tensors' dtype before the GGUF type). A folder's "
+    "tensors say their own: another dtype is refused.",
 )
 @click.option("-q", "--quiet", is_flag=True, callback=quiet, help="No progress bars (downloads too).")
 @source_options

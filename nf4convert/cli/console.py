@@ -6,6 +6,7 @@ commands themselves are cli.py's.
 
 from __future__ import annotations
 
+import re
 import shlex
 import signal
 import sys
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 import click
 
 from ..errors import ArgumentError, Interrupted, Nf4ConvertError, Terminated
+from ..paths import shown
 from .signals import StopSignals
 
 # What a library error's ``option`` becomes on the command line.
@@ -167,8 +169,8 @@ def _refuse_mistyped_command(word: str, commands: list[str]) -> None:
 
 def error_line(text: str) -> None:
     """The one way an error reaches the terminal: ``Error: ...`` on one line, whatever the text holds (a path
-    or tensor name with a newline or carriage return in it is shown escaped)."""
-    one_line = text.replace("\r", "\\r").replace("\n", "\\n")
+    or tensor name with a newline or carriage return in it is shown escaped, a byte that is not UTF-8 as ``\\xNN``)."""
+    one_line = shown(text).replace("\r", "\\r").replace("\n", "\\n")
     try:
         click.echo(f"Error: {one_line}", err=True)
     except BrokenPipeError:
@@ -237,9 +239,24 @@ def _reader_gone(stream) -> None:
 
 
 def message(error) -> str:
-    """A library error's line, with the flag that would change the outcome."""
-    hint = HINTS.get(getattr(error, "option", None) or "")
-    return f"{error} ({hint})" if hint else str(error)
+    """A library error's line, with the flag that would change the outcome. A message that names its option as the API
+    spells it (``max_shard_size``) names the command line's flag (``--max-shard-size``) instead."""
+    option = getattr(error, "option", None) or ""
+    text, hint = str(error), HINTS.get(option)
+    flag = _flag(option) if "_" in option else None  # a name without "_" is the flag's own word, and a plain word too
+    if flag is not None and re.search(rf"(?<![\w-]){option}(?!\w)", text):
+        text = re.sub(rf"(?<![\w-]){option}(?!\w)", flag, text)
+        hint = None if hint == f"see {flag}" else hint
+    return f"{text} ({hint})" if hint else text
+
+
+def _flag(option: str) -> str | None:
+    """The flag of this command that sets the API's ``option`` (None: it has none)."""
+    context = click.get_current_context(silent=True)
+    for param in context.command.params if context is not None else ():
+        if param.name == option:
+            return max(param.opts, key=len)
+    return None
 
 
 def run_action(action, *, stops_reported: bool = False, kept=lambda: None):

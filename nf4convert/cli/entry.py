@@ -7,7 +7,9 @@ over, so until then SIGINT, SIGTERM and SIGHUP end the process at once with the 
 stop (130, 143, 129), saying nothing. A signal the caller ignores (``nohup``, ``trap '' INT``) stays ignored. The
 handlers are set as this module is imported, its first statements after the package's few: it is imported only to
 run the command (the library and the tests import ``cli``). ``_signal``, the C module beneath ``signal``, is loaded
-when Python starts: taking it imports nothing that a signal could interrupt.
+when Python starts: taking it imports nothing that a signal could interrupt. Before these statements run Python's own
+start-up and the console script's imports of ``nf4convert`` and ``nf4convert.cli`` (a few assignments): a Ctrl-C
+there is Python's to report (docs/cli.md says so; tests/test_cli_process.py checks that nothing else runs first).
 """
 
 import _signal

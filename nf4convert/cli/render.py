@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from ..sinks.output import space_needed
-from ..sizes import size_text
+from ..sizes import counted, size_text
 
 
 def summary(result) -> str:
     """A ``ConvertResult`` in one line, its tensors counted by kind as the plan counts them."""
     made = kinds_text(result.kinds) if result.kinds else f"{result.dequantized} dequantized"
     return (
-        f"{result.output}: {result.tensors} tensors ({made}), "
+        f"{result.output}: {counted(result.tensors, 'tensor')} ({made}), "
         f"{result.bytes / 1e9:.2f} GB {result.made}, {result.seconds:.1f} s"
     )
 
@@ -32,9 +32,8 @@ def plan_lines(prepared) -> list[str]:
     says it, bytes, free space."""
     plan, sink = prepared.plan, prepared.sink
     needed = prepared.needed
-    shown = f"{prepared.headers_only} (its headers and quant states read from the Hub; no weights downloaded)"
     lines = [
-        f"source: {shown if prepared.headers_only else plan.folder}",
+        f"source: {_source(prepared)}",
         f"output: {prepared.output} ({sink.what(planned=True)})",
         f"tensors: {len(plan.tensors)} ({kinds_text(plan.kinds)})",
         *sink.plan_lines(),
@@ -46,6 +45,22 @@ def plan_lines(prepared) -> list[str]:
     lines += [f"leftover: {leftover.note()}" for leftover in prepared.leftovers]
     lines.append("dry run: nothing was written")
     return lines
+
+
+def _source(prepared) -> str:
+    """A dry run's source: a Hub repo by its id and commit (read from the Hub, or from the Hub cache's copy), a local
+    folder by its path."""
+    from pathlib import Path
+
+    from ..hub.names import commit_of, looks_like_repo_id
+
+    if prepared.headers_only:
+        return f"{prepared.headers_only} (its headers and quant states read from the Hub; no weights downloaded)"
+    folder, base = prepared.plan.folder, prepared.base
+    commit = commit_of(folder)
+    if commit and looks_like_repo_id(base) and not Path(base).expanduser().exists():
+        return f"{base}@{commit[:12]} (from the Hub cache: {folder})"
+    return str(folder)
 
 
 def table(rows) -> list[str]:

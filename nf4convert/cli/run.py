@@ -78,26 +78,18 @@ def convert_then(
                     progress=options.progress,
                 )
             except UploadError as error:  # the output stays: say so, and how to push it once the cause is gone
-                again = error.option != "private"  # a public repo refused for --private: a plain upload would fill it
-                kept = kept_for_push(result.output, push_to, private, push_branch, again=again)
+                kept = f"{result.output} is complete and kept"
+                if error.option != "private":  # a public repo refused for --private: a plain upload would fill it
+                    again = sink.push_again(
+                        result.output, push_to, card=result.card, private=private, branch=push_branch
+                    )
+                    kept = f"{kept}; {again}"
                 raise UploadError(f"{error}; {kept}", option=error.option) from error
             on_step(Pushed(url))
     except (Interrupted, Terminated) as stop:
         stop.output_complete = stop.output_complete or result.output
         raise
     return True
-
-
-def kept_for_push(output, repo_id: str, private: bool, branch: str | None, *, again: bool = True) -> str:
-    """What a failed push leaves, and (``again``) the command that pushes it once the cause is gone: huggingface_hub's
-    own CLI."""
-    import shlex
-
-    kept = f"{output} is complete and kept"
-    if not again:
-        return kept
-    words = ["hf", "upload", repo_id, str(output), ".", *(["--revision", branch] if branch else [])]
-    return f"{kept}; push it again with: {shlex.join(words + (['--private'] if private else []))}"
 
 
 def verify_output(output, source, options: VerifyOptions) -> VerifyReport:
@@ -192,7 +184,7 @@ def batch(
 
         try:
             own = options.replace(output=None, output_dir=root, stem=stem)
-            found = _existing(source, output, own, named) if skip_existing else None
+            found = _existing(source, output, own, named, file=sink.file) if skip_existing else None
             if found is not None:
                 row.output, row.existing = str(found), True
                 row.tensors = _verified(found, source, own) if verify else None
@@ -244,15 +236,16 @@ class _Existing(Exception):
         self.folder = folder
 
 
-def _existing(source: str, output: str, options: ConvertOptions, told) -> Path | None:
-    """A batch source's output if it is there already: named in advance where the dtype is given; else, as the plan
-    of the source's headers names it (a Hub repo's weights are not downloaded to learn it)."""
-    if not output.endswith("<dtype>"):
-        return Path(output) if lifecycle.holds_output(Path(output)) else None
+def _existing(source: str, output: str, options: ConvertOptions, told, *, file: bool) -> Path | None:
+    """A batch source's output if it is there already (``file``: the output is one file): named in advance where the
+    dtype is given; else, as the plan of the source's headers names it (a Hub repo's weights are not downloaded to
+    learn it)."""
+    if "<dtype>" not in output:
+        return Path(output) if lifecycle.holds_output(Path(output), file=file) else None
 
     def named(folder: Path) -> None:
         told(folder)
-        if lifecycle.holds_output(folder):
+        if lifecycle.holds_output(folder, file=file):
             raise _Existing(folder)
 
     try:

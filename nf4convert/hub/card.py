@@ -28,6 +28,7 @@ from typing import NamedTuple
 
 from ..dtypes import OUTPUT_DTYPES
 from ..formats.base import all_formats, families
+from ..paths import shown
 from .errors import first_line as error_line
 from .names import looks_like_repo_id
 
@@ -121,6 +122,7 @@ def model_card(
         >>> (output / "README.md").write_text(card.text, encoding="utf-8")
         >>> if card.warning: print(f"Warning: {card.warning}")
     """
+    title = shown(title) if title is not None else None
     fields, body, warning = _split(source_card_text)
     original_base = fields.get("base_model")
     front_matter, yaml_warning = _front_matter(_dense_fields(fields, source_repo=source_repo))
@@ -306,8 +308,8 @@ def _how_made(
     if adapter:
         adapter_repo = looks_like_repo_id(adapter)
         name = adapter if adapter_repo else adapter.rstrip("/\\").replace("\\", "/").rsplit("/", 1)[-1]
-        shown = _link(adapter) if adapter_repo else f"`{name}` (a local folder)"
-        lines += ["", f"The adapter {shown} was then merged into the dequantized weights."]
+        named = _link(adapter) if adapter_repo else f"`{shown(name)}` (a local folder)"
+        lines += ["", f"The adapter {named} was then merged into the dequantized weights."]
         if untied:
             # the one departure from peft's own merge of the tied base, which keeps the tie and is not the trained model
             lines[-1] += (
@@ -342,7 +344,19 @@ def _local(folder: str) -> str:
     from pathlib import Path
 
     path = Path(folder)
-    return shlex.quote(path.name if path.is_absolute() else folder.rstrip("/") or folder)
+    return _shell_word(path.name if path.is_absolute() else folder.rstrip("/") or folder)
+
+
+def _shell_word(word: str) -> str:
+    """``word`` quoted for a POSIX shell; one holding bytes that are not UTF-8 in bash's ``$'...'``, each such byte as
+    ``\\xNN`` (the card is UTF-8 text, the command must still name the same path)."""
+    if shown(word) == word:
+        return shlex.quote(word)
+    escaped = "".join(
+        f"\\x{ord(char) - 0xDC00:02x}" if 0xDC80 <= ord(char) <= 0xDCFF else "\\" + char if char in "\\'" else char
+        for char in word
+    )
+    return f"$'{escaped}'"
 
 
 def _exactness(kinds: set[str], dtype_flag: str) -> list[str]:

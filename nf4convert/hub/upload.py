@@ -191,3 +191,16 @@ def push_file_to_hub(
         raise UploadError(f"{file}: cannot be staged for the upload ({error.strerror or error})") from None
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def upload_command(
+    repo_id: str, local_path: Path | str, path_in_repo: str, *, private: bool, branch: str | None
+) -> str:
+    """The shell command of huggingface_hub's own CLI that uploads ``local_path`` (a folder's contents with
+    ``path_in_repo`` ".", or one file) to ``repo_id`` as ``path_in_repo``, as a push does: on ``branch`` (created if
+    missing), the repo created private if asked."""
+    import shlex
+
+    words = ["hf", "upload", repo_id, str(local_path), path_in_repo]
+    words += ["--revision", branch] if branch else []
+    return shlex.join(words + (["--private"] if private else []))

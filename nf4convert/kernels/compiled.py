@@ -20,8 +20,15 @@ from typing import List, Optional
 
 import torch
 
-from .launch import _plan
-from .nf4 import dequantize_4bit_kernel
+try:
+    from .launch import _plan
+    from .nf4 import dequantize_4bit_kernel
+except ImportError as error:  # without Triton only the CPU op is registered; the CPU path never needs Triton
+    if (error.name or "").split(".")[0] != "triton":
+        raise
+    HAS_TRITON = False
+else:
+    HAS_TRITON = True
 
 
 def _dequantize_cuda(
@@ -46,7 +53,8 @@ def _dequantize_cuda(
 
 # The one argument list, read from _dequantize_cuda's annotations (triton_op infers it from them, and takes no other).
 SCHEMA = torch.library.infer_schema(_dequantize_cuda, mutates_args=())
-dequantize_4bit_op = torch.library.triton_op("nf4convert::dequantize_4bit", _dequantize_cuda, mutates_args=())
+if HAS_TRITON:
+    dequantize_4bit_op = torch.library.triton_op("nf4convert::dequantize_4bit", _dequantize_cuda, mutates_args=())
 
 
 @torch.library.custom_op("nf4convert::dequantize_4bit_cpu", mutates_args=(), device_types="cpu", schema=SCHEMA)

@@ -13,8 +13,6 @@ from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
-from . import configs
-
 
 class LaunchKey(NamedTuple):
     data_ptr: int
@@ -92,6 +90,9 @@ class ReplayCache:
         return result if entry.replay(result) else None
 
     def remember(self, packed: torch.Tensor, quant_state: Any, replay: Callable[[torch.Tensor], bool]) -> None:
+        # Imported by the first launch, not with this module: the launch configs need Triton, which the CPU path
+        # runs without.
+        from . import configs
 
         self._configs = configs
         state_id = id(quant_state)

@@ -144,3 +144,9 @@ class Sink:
     def push(cls, output: Path, repo_id: str, *, card: str | None, private: bool, token, revision, progress) -> str:
         """Upload the finished output to ``repo_id``; the repo's URL."""
         raise NotImplementedError
+
+    @classmethod
+    def push_again(cls, output: Path, repo_id: str, *, card: str | None, private: bool, branch: str | None) -> str:
+        """After a failed ``push``: the command that uploads what it would have (``card``: as ``push`` took it), with
+        huggingface_hub's own CLI, keeping beside the output what that needs and the output lacks."""
+        raise NotImplementedError

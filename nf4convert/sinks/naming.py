@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..dtypes import DType
+from ..dtypes import OUTPUT_DTYPES, DType
 from ..errors import ArgumentError
 from ..hub.names import looks_like_repo_id, model_stem
 from ..paths import expanded, expanded_output
@@ -67,8 +67,12 @@ def check_batch_root(output_root, folders) -> None:
 
 def batch_output(output_root, stem: str, dtype: DType | None) -> str:
     """Where batch writes ``stem``'s output folder, with ``<dtype>`` standing for the dtype while it is auto (None: the
-    plan decides it)."""
-    return str(default_output(output_root, stem, dtype.short if dtype is not None else "<dtype>"))
+    plan decides it). The name is checked as it will be, with the longest dtype the plan may choose, not the
+    placeholder."""
+    if dtype is not None:
+        return str(default_output(output_root, stem, dtype.short))
+    longest = max((choice.short for choice in OUTPUT_DTYPES.values()), key=len)
+    return str(default_output(output_root, stem, longest).with_name(f"{stem}-<dtype>"))
 
 
 def default_output(output_dir, stem: str, short_dtype: str) -> Path:

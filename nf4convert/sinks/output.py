@@ -52,10 +52,11 @@ def _reason(error: OSError) -> str:
     return error.strerror or str(error)
 
 
-def check_destination(output: Path, *, overwrite: bool, file: bool = False) -> None:
+def check_destination(output: Path, *, overwrite: bool, file: bool = False, sources=()) -> None:
     """OutputError if OUT is a file, or a non-empty folder and ``overwrite`` is off, or where it goes cannot be
     written (a read-only file system, no permission): found by a dry run too, not by the first write. ``file``: OUT is
-    one file (a GGUF), refused if it is a folder, or a file and ``overwrite`` is off."""
+    one file (a GGUF), refused if it is a folder, or a file and ``overwrite`` is off. ``sources``: local folders the
+    run reads (``check_not_source``), checked before OUT's contents: that reason is the one to give."""
     if output.is_symlink():
         raise OutputError(
             f"{output}: is a symbolic link; give the {'file' if file else 'folder'} it points to, or a new name"
@@ -64,6 +65,8 @@ def check_destination(output: Path, *, overwrite: bool, file: bool = False) -> N
     cwd = Path.cwd().resolve()
     if output.name in ("", ".", "..") or output.resolve() == cwd or output.resolve() in cwd.parents:
         raise OutputError(f"{output}: is the current folder or holds it; give the output a folder name of its own")
+    for source in sources:
+        check_not_source(output, source)
     try:
         if file and output.is_dir():
             raise OutputError(f"{output}: is a folder; a GGUF output is one file (give a new file name)")
@@ -83,9 +86,12 @@ def check_destination(output: Path, *, overwrite: bool, file: bool = False) -> N
         )
 
 
-def holds_output(output: Path) -> bool:
-    """Whether OUT is there as a conversion would refuse to write it without ``overwrite``: a folder, not empty."""
+def holds_output(output: Path, *, file: bool = False) -> bool:
+    """Whether OUT is there as a conversion would refuse to write it without ``overwrite``: a folder, not empty; or
+    (``file``: the output is one file, a GGUF) a file."""
     try:
+        if file:
+            return output.is_file() and not output.is_symlink()
         return output.is_dir() and not output.is_symlink() and any(output.iterdir())
     except OSError:
         return False  # one that cannot be read: the conversion's own checks say so

@@ -21,6 +21,7 @@ from ..plan import Plan, may_exceed
 from ..safetensors_io.read import TensorReader
 from ..safetensors_io.write import ShardWriter, Writeback
 from ..settings import Settings
+from ..sizes import counted
 from . import output as lifecycle
 from .base import Sink, Written, register
 from .naming import batch_output, default_output
@@ -129,7 +130,8 @@ class SafetensorsFolder(Sink):
     def plan_lines(self) -> list[str]:
         plan = self.plan
         lines = [
-            f"  {shard.filename}: {len(shard.tensors)} tensors, {shard.nbytes / 1e9:.3f} GB" for shard in plan.shards
+            f"  {shard.filename}: {counted(len(shard.tensors), 'tensor')}, {shard.nbytes / 1e9:.3f} GB"
+            for shard in plan.shards
         ]
         config = "rewritten" if plan.config else "none"
         lines.append(f"side files: {len(plan.side_files)} ({plan.side_bytes / 1e6:.1f} MB), config.json {config}")
@@ -151,3 +153,9 @@ class SafetensorsFolder(Sink):
         from ..hub.upload import push_to_hub
 
         return push_to_hub(output, repo_id, private=private, token=token, revision=revision, progress=progress)
+
+    @classmethod
+    def push_again(cls, output, repo_id, *, card, private, branch) -> str:
+        from ..hub.upload import upload_command
+
+        return f"push it again with: {upload_command(repo_id, output, '.', private=private, branch=branch)}"

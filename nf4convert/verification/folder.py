@@ -11,7 +11,7 @@ from collections import Counter
 from pathlib import Path
 
 from ..dtypes import BY_NAME, DTYPES, OUTPUT_DTYPES
-from ..errors import CheckpointError, SourceNotFoundError
+from ..errors import ArgumentError, CheckpointError, SourceNotFoundError
 from ..safetensors_io.read import TensorInfo, TensorReader, read_tensors
 from . import audit
 from .compare import Tallies, described
@@ -35,10 +35,17 @@ class Folder:
         self.produced: dict[str, TensorInfo] = {}
 
     def plan_dtype(self, dtype):
-        """The dtype the source is planned in (a ``DType``): the output's own, from its headers (``dtype`` is a GGUF's
-        option)."""
+        """The dtype the source is planned in (a ``DType``): the output's own, from its headers. ``dtype`` is a GGUF's
+        option (its tensors' dtype before the GGUF type): given for a folder, it must be the folder's own."""
         self.produced = read_tensors(self.output)
-        return BY_NAME[_output_dtype(self.output, self.produced)]
+        own = BY_NAME[_output_dtype(self.output, self.produced)]
+        if dtype is not None and dtype != own:
+            raise ArgumentError(
+                f"{self.output}: its tensors are {own.name}, not {dtype.name} (dtype is a GGUF's: the dtype its "
+                "tensors were made in; a folder's tensors say their own)",
+                option="dtype",
+            )
+        return own
 
     def check(self, report, plan, context, source_reader, device, *, progress: bool, source, revision, resolved):
         """Audit the output and compare each of its tensors with the reference of the planned one; what differs, and

@@ -117,6 +117,7 @@ class GgufFile:
                 for tensor in recomputed:
                     report.dequantized += not tensor.recipe.plain
                     report.merged += tensor.recipe.kind == "merge_lora"
+                    report.compared_against[tensor.name] = against(tensor, device)
                 if problem:
                     sources = ", ".join(sorted({against(tensor, device) for tensor in recomputed})) or "the reference"
                     report.problems.append(f"{name}: {problem} (llama.cpp's converter on {sources})")

@@ -7,6 +7,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..sizes import counted
+
 
 @dataclass
 class VerifyReport:
@@ -31,27 +33,29 @@ class VerifyReport:
 
     @property
     def libraries(self) -> str:
-        """What the recomputed tensors were compared against, together ("bitsandbytes and peft")."""
-        if self.gguf:  # every tensor went through the converter, run on the reference libraries' tensors
-            return "llama.cpp's converter on " + ("bitsandbytes and peft" if self.merged else "bitsandbytes")
+        """What the recomputed tensors were compared against, together ("bitsandbytes and peft"; a GGUF's: "llama.cpp's
+        converter on bitsandbytes", every tensor having gone through the converter)."""
         names = []
         for what in sorted(self.against):
             for part in what.split(" + "):
                 if part != "the source tensor" and part not in names:
                     names.append(part)
-        return " and ".join(names) or "the source tensors"
+        together = " and ".join(names) or "the source tensors"
+        return f"llama.cpp's converter on {together}" if self.gguf else together
 
 
 def report_lines(report: VerifyReport) -> list[str]:
     """The report as the command prints it: what was compared against what, each problem, the verdict."""
+    plain = {True: "its source tensor", False: "their source tensors"}  # a copy is compared with its source
     compared = ", ".join(
-        f"{count} against {'their source tensors' if what == 'the source tensor' else what}"
+        f"{count} against {plain[count == 1] if what == 'the source tensor' else what}"
         for what, count in sorted(report.against.items())
     )
     if report.gguf:
         compared = f"{report.dequantized} recomputed by {report.libraries}"
     lines = [
-        f"{report.output}: {report.checked} tensors checked on {report.device}" + (f" ({compared})" if compared else "")
+        f"{report.output}: {counted(report.checked, 'tensor')} checked on {report.device}"
+        + (f" ({compared})" if compared else "")
     ]
     lines += [f"  MISMATCH {problem}" for problem in report.problems[:20]]
     if len(report.problems) > 20:

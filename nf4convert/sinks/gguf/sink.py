@@ -275,3 +275,35 @@ class GgufFile(Sink):
         return push_file_to_hub(
             output, repo_id, card=card, private=private, token=token, revision=revision, progress=progress
         )
+
+    @classmethod
+    def push_again(cls, output, repo_id, *, card, private, branch) -> str:
+        """The file, then its model card (the push's README.md), written beside it as ``<stem>.README.md`` since the
+        card lives nowhere else; a file of that name that is not this card is left as it is."""
+        from ...hub.upload import upload_command
+
+        output = Path(output)
+        file = upload_command(repo_id, output, output.name, private=private, branch=branch)
+        if card is None:
+            return f"push it again with: {file}"
+        kept = output.with_name(f"{output.stem}.README.md")
+        try:
+            if not kept.exists():
+                _write_new(kept, card.encode("utf-8"))
+            elif kept.read_bytes() != card.encode("utf-8"):
+                return f"push it again with: {file} (its model card was not kept: {kept} is another file)"
+        except OSError as error:
+            return f"push it again with: {file} (its model card could not be kept: {error.strerror or error})"
+        readme = upload_command(repo_id, kept, "README.md", private=private, branch=branch)
+        return f"its model card is kept as {kept}; push both again with: {file} && {readme}"
+
+
+def _write_new(path: Path, data: bytes) -> None:
+    """``data`` as the new file ``path``, whole or not at all (OSError)."""
+    handle = open(path, "xb")  # a file there already is not ours: FileExistsError
+    try:
+        with handle:
+            handle.write(data)
+    except OSError:
+        path.unlink(missing_ok=True)
+        raise

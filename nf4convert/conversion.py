@@ -137,9 +137,15 @@ def _prepare(source, options: ConvertOptions, *, reader, headers=None, on_output
     sink.check_ready()  # before any download: a missing library is said first
     output = options.output
     if output is not None:  # before any download
-        local = [expanded(name, "source") for name in (source, adapter) if name is not None]
+        local, adapter_local = (expanded(name, "source") if name is not None else None for name in (source, adapter))
+        if adapter_local is None and (local / "adapter_config.json").is_file():  # an adapter as SOURCE: named so
+            local, adapter_local = None, local
         lifecycle.check_destination(
-            output, overwrite=options.overwrite, file=sink.file, sources=[path for path in local if path.is_dir()]
+            output,
+            overwrite=options.overwrite,
+            file=sink.file,
+            sources=[local] if local is not None and local.is_dir() else [],
+            adapter=adapter_local if adapter_local is not None and adapter_local.is_dir() else None,
         )
     hub = options.hub
     folder, adapter_folder, base, adapter = resolve_source(
@@ -167,8 +173,9 @@ def _prepare(source, options: ConvertOptions, *, reader, headers=None, on_output
     if on_output is not None:
         on_output(output)
     if named:
-        sources = [folder] + ([adapter_folder] if adapter_folder is not None else [])
-        lifecycle.check_destination(output, overwrite=options.overwrite, file=sink.file, sources=sources)
+        lifecycle.check_destination(
+            output, overwrite=options.overwrite, file=sink.file, sources=[folder], adapter=adapter_folder
+        )
     lifecycle.check_not_source(output, folder)
     if adapter_folder is not None:
         lifecycle.check_not_source(output, adapter_folder, "the adapter's")

@@ -218,10 +218,11 @@ def test_an_output_inside_the_adapter_folder_says_the_adapters(tmp_path):
 
     base = build(tmp_path / "base-bnb-4bit", "llama-nf4-dq", seed=2)
     adapter = make_adapter(tmp_path / "adapter", "linear", seed=2)
-    line = one_error_line(run(base, "--adapter", adapter, "-o", adapter / "out", "-q", code=1).stderr)
-    assert line == (
-        f"Error: {adapter / 'out'}: is inside the adapter's folder {adapter.resolve()}; choose another output"
-    )
+    for args in ([base, "--adapter", adapter], [adapter]):  # the adapter given as SOURCE, its base named in it
+        line = one_error_line(run(*args, "-o", adapter / "out", "-q", code=1).stderr)
+        assert line == (
+            f"Error: {adapter / 'out'}: is inside the adapter's folder {adapter.resolve()}; choose another output"
+        )
 
 
 def test_an_8bit_scale_of_zero_is_taken_as_the_docs_say(tmp_path):

@@ -52,11 +52,12 @@ def _reason(error: OSError) -> str:
     return error.strerror or str(error)
 
 
-def check_destination(output: Path, *, overwrite: bool, file: bool = False, sources=()) -> None:
+def check_destination(output: Path, *, overwrite: bool, file: bool = False, sources=(), adapter=None) -> None:
     """OutputError if OUT is a file, or a non-empty folder and ``overwrite`` is off, or where it goes cannot be
     written (a read-only file system, no permission): found by a dry run too, not by the first write. ``file``: OUT is
     one file (a GGUF), refused if it is a folder, or a file and ``overwrite`` is off. ``sources``: local folders the
-    run reads (``check_not_source``), checked before OUT's contents: that reason is the one to give."""
+    run reads (``check_not_source``), and ``adapter``'s (named as the adapter's), checked before OUT's contents: that
+    reason is the one to give."""
     if output.is_symlink():
         raise OutputError(
             f"{output}: is a symbolic link; give the {'file' if file else 'folder'} it points to, or a new name"
@@ -67,6 +68,8 @@ def check_destination(output: Path, *, overwrite: bool, file: bool = False, sour
         raise OutputError(f"{output}: is the current folder or holds it; give the output a folder name of its own")
     for source in sources:
         check_not_source(output, source)
+    if adapter is not None:
+        check_not_source(output, adapter, "the adapter's")
     try:
         if file and output.is_dir():
             raise OutputError(f"{output}: is a folder; a GGUF output is one file (give a new file name)")

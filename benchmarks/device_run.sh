@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The GPU machine: the GPU tests, the whole-model conversion benchmark, the kernel benchmark, torch.compile against eager.
+# The GPU machine: the GPU tests, the whole-model conversion benchmark, the kernel benchmark, torch.compile against eager,
+# the float formats at real shapes.
 # Expects bitsandbytes unpacked under .carry/site, peft 0.21 under .carry/peft and Unsloth's kernel copy under
-# .carry/peers (docs/performance.md, "How to run them"). STAGES picks parts (tests,convert,verify,dequant,compile,kernels); logs go
+# .carry/peers (docs/performance.md, "How to run them"). STAGES picks parts (tests,convert,verify,int,formats,dequant,compile,kernels); logs go
 # to $OUT.
 set -o pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -35,6 +36,13 @@ if [[ $stages == *verify* ]]; then
   timeout ${VERIFY_TIMEOUT:-540} python3 benchmarks/bench_verify.py --workdir /tmp/bench-verify --json "$out/verify.json" \
     ${VERIFY_ARGS:---shape 8b} 2>&1 | tee "$out/verify.log" | grep -v '^{'
 fi
+if [[ $stages == *int* ]]; then
+  # GPTQ and AWQ (bench_int.py): INT_ARGS picks the checkpoints and steps; one checkpoint a call stays well inside a
+  # call's time ("--checkpoints gptq-8b", "--checkpoints awq-8b", "--checkpoints gptq-70b").
+  timeout ${INT_TIMEOUT:-560} python3 benchmarks/bench_int.py --workdir /tmp/bench-int --json "$out/int.json" \
+    ${INT_ARGS:---checkpoints gptq-8b} 2>&1 | tee "$out/int.log" | grep -v '^{'
+  rm -rf /tmp/bench-int
+fi
 if [[ $stages == *dequant* ]]; then
   timeout ${DEQUANT_TIMEOUT:-200} python3 benchmarks/bench_dequant.py --json "$out/dequant.json" ${DEQUANT_ARGS:---timer graph --rounds 3} 2>&1 | tee "$out/dequant.log" | grep -v '^{'
 fi
@@ -47,4 +55,14 @@ if [[ $stages == *kernels* ]]; then
   # What a compiled forward runs beside eager: GPU kernels, host profile, and Inductor's code and guards.
   TORCH_LOGS=${KERNELS_LOGS:-output_code,guards,recompiles} timeout ${KERNELS_TIMEOUT:-120} python3 benchmarks/bench_compile.py \
     --kernels ${KERNELS_SHAPE:-14336x4096} ${KERNELS_ARGS:-} > "$out/kernels.log" 2>&1; grep "^=====" "$out/kernels.log"; tail -5 "$out/kernels.log"
+fi
+if [[ $stages == *formats* ]]; then
+  # Models released as floats at their real shapes (bench_formats.py): gpt-oss-20b's MXFP4 (13 GB in, 42 GB out) and
+  # DeepSeek-V3's FP8 (3 dense + 1 MoE layers: 17 GB in, 30 GB out), each route and verify beside dd. FORMAT picks
+  # one (mxfp4, fp8); FORMATS_ARGS adds options ("--steps dd,cuda,verify-cuda", "--build-only": the source stays in
+  # /tmp/bench-formats for a later call). Verify needs compressed-tensors (and loguru) for FP8 on the path.
+  for format in ${FORMAT:-mxfp4 fp8}; do
+    timeout ${FORMATS_TIMEOUT:-560} python3 benchmarks/bench_formats.py --format "$format" --workdir /tmp/bench-formats \
+      --json "$out/formats-$format.json" ${FORMATS_ARGS:-} 2>&1 | tee "$out/formats-$format.log" | grep -v '^{'
+  done
 fi

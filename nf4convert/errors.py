@@ -40,7 +40,7 @@ class SourceNotFoundError(Nf4ConvertError):
 
 
 class CheckpointError(Nf4ConvertError):
-    """A checkpoint file that is missing, truncated, corrupt, or not a bitsandbytes checkpoint we convert."""
+    """A checkpoint file that is missing, truncated, corrupt, or not of a format nf4convert reads."""
 
 
 class OutputError(Nf4ConvertError):

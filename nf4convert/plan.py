@@ -97,9 +97,9 @@ def _refuse_unclaimed(planning: Planning) -> None:
     """CheckpointError for a checkpoint of which no format claimed a weight: nothing to convert."""
     if any(recipe.innermost().format is not None for recipe in planning.recipes.values()):
         return
-    formats = all_formats().values()
-    hints = " or ".join(source_format.hint for source_format in formats)
-    raise CheckpointError(f"{planning.folder}: no {families()} weights (no {hints} tensors): nothing to convert")
+    raise CheckpointError(
+        f"{planning.folder}: no quantized weights of a format nf4convert reads ({families()}): nothing to convert"
+    )
 
 
 def _in_file_order(planning: Planning) -> dict[str, Recipe]:

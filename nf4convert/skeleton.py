@@ -55,11 +55,13 @@ def why_unbuilt(config: dict | None, error: BaseException) -> str:
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
-def meta_model(config: dict | None) -> tuple[Callable, Callable, Callable]:
-    """(module path -> its class, tensor name -> its shape, -> why there is no model) in the model transformers builds
-    from ``config`` (on the meta device, no weights), each None where that cannot be built or has no such part: the
-    answers to "Linear, Conv1D or Embedding?" and "what shape does the model load here?" from transformers' own model
-    (verify's, and the adapter check's where a name does not tell: formats/peft_lora.py). Built when first asked."""
+def meta_model(config: dict | None) -> tuple[Callable, Callable, Callable, Callable]:
+    """(module path -> its class, tensor name -> its shape, -> why there is no model, module path -> the module) in the
+    model transformers builds from ``config`` (on the meta device, no weights), each None where that cannot be built
+    or has no such part: the answers to "Linear, Conv1D or Embedding?", "what shape does the model load here?" and
+    "which parameters does this module register, in what order, and how are its experts laid out?" from transformers'
+    own model (verify's, and the adapter check's where a name does not tell: formats/peft_lora.py). Built when first
+    asked."""
 
     failure = []
 
@@ -88,7 +90,14 @@ def meta_model(config: dict | None) -> tuple[Callable, Callable, Callable]:
             return None
         return tuple(held.shape) if hasattr(held, "shape") else None
 
-    return module_class, parameter_shape, lambda: failure[0] if failure else None
+    def module(path: str):
+        built = model()
+        try:
+            return built.get_submodule(path) if built is not None else None
+        except AttributeError:
+            return None
+
+    return module_class, parameter_shape, lambda: failure[0] if failure else None, module
 
 
 def unloaded_parameters(config: dict | None, tensors: dict[str, tuple]) -> tuple[str, list[str]] | str:

@@ -474,7 +474,7 @@ def test_bad_input_is_one_clear_line(case, checkpoints, tmp_path):
         "bad-json": "quant state is not valid JSON",
         "packed-size": "packed bytes do not hold shape",
         "eight-bit": f"tensor '{weight}' has 8-bit scales ('{weight.removesuffix('weight')}SCB') but is U8, not I8",
-        "dense": "no bitsandbytes weights",
+        "dense": "no quantized weights of a format nf4convert reads",
         "no-safetensors": "no .safetensors files",
         "bad-quant-map": "quant_map is not bitsandbytes' nf4 table",
         "quant-state-lost": f"'{weight}' looks like a packed 4-bit weight (U8 [8192, 1]) but has no quant state",

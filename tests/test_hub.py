@@ -149,8 +149,8 @@ def hub(tmp_path_factory):
     FakeHub.repos = {
         REPO: files,
         DENSE: {"config.json": json.dumps(dense_config).encode(), **weights},
-        GPTQ: {
-            "config.json": json.dumps({**config, "quantization_config": {"quant_method": "gptq", "bits": 4}}).encode(),
+        GPTQ: {  # a quant_method no registered format reads
+            "config.json": json.dumps({**config, "quantization_config": {"quant_method": "hqq", "nbits": 4}}).encode(),
             **weights,
         },
         FP16_WEIGHTS: {"config.json": json.dumps({**config, "quantization_config": fp16_weights}).encode(), **weights},
@@ -320,7 +320,7 @@ def test_revision_is_for_hub_repos_and_the_card_records_it(hub, tmp_path):
     "repo,says",
     [
         (DENSE, "config.json has no quantization_config"),
-        (GPTQ, "quant_method 'gptq', not bitsandbytes"),
+        (GPTQ, "quant_method 'hqq', which nf4convert does not read"),
         (FP16_WEIGHTS, "saved with llm_int8_has_fp16_weight=True, so its weights are dense fp16 already"),
     ],
 )
@@ -337,7 +337,8 @@ def test_a_hub_repo_that_is_not_bitsandbytes_is_refused_before_its_weights(hub, 
     )
     lines = error_lines(result)
     assert result.returncode == 1 and len(lines) == 1, result.stderr
-    assert lines[0].startswith(f"Error: {repo}: not a bitsandbytes checkpoint: ") and says in lines[0], lines[0]
+    assert lines[0].startswith(f"Error: {repo}: not a checkpoint nf4convert reads: ")
+    assert says in lines[0], lines[0]
     assert downloaded(repo) == ["config.json"]  # not the weights
     assert [p.name for p in tmp_path.iterdir()] == ["cache"]
 
@@ -351,7 +352,7 @@ def test_a_local_checkpoint_saved_with_fp16_weights_says_why_it_has_nothing_to_c
     config = json.loads(FakeHub.repos[FP16_WEIGHTS]["config.json"])
     for has_fp16_weight, says in [
         (True, "saved with llm_int8_has_fp16_weight=True"),
-        (False, "no bitsandbytes weights"),
+        (False, "no quantized weights of a format nf4convert reads"),
     ]:
         config["quantization_config"]["llm_int8_has_fp16_weight"] = has_fp16_weight
         (folder / "config.json").write_text(json.dumps(config))
@@ -682,3 +683,61 @@ def test_a_dry_run_refuses_what_the_conversion_would(hub, tmp_path):
     assert result.returncode == 2 and len(lines) == 1 and "device 'tpu' is not cpu, cuda or cuda:N" in lines[0], (
         result.stderr
     )
+
+
+# Checkpoints released as floats (FP8, compressed-tensors FP8, MXFP4): their repos' names as the Hub has them.
+FLOAT_REPOS = {
+    "gpt-oss": "test-org/tiny-gpt-oss-mxfp4",
+    "qwen3-fp8-block128-bf16": "test-org/tiny-qwen3-FP8",
+}
+
+
+@pytest.mark.parametrize("variant", list(FLOAT_REPOS))
+def test_float_checkpoints_from_the_hub_dry_run_then_convert_and_verify(hub, tmp_path, variant):
+    """A dry run reads headers and the FP8 scales only (MXFP4's scales are read with their pieces: headers alone);
+    the conversion downloads the weights, verifies, and is named without the quantization suffix."""
+    from nf4convert.formats.base import plan_reads
+    from nf4convert.safetensors_io.read import read_header
+
+    from fixtures import float_checkpoints as fc
+
+    if variant != "gpt-oss":
+        pytest.importorskip("compressed_tensors")
+    endpoint, _ = hub
+    repo = FLOAT_REPOS[variant]
+    source = tmp_path / "local" / repo.split("/")[1]
+    if variant == "gpt-oss":
+        fc.build_mxfp4(source)
+    elif variant in fc.FP8_VARIANTS:
+        fc.build_fp8(source, variant)
+    else:
+        fc.build_compressed(source, variant)
+    FakeHub.repos[repo] = {p.name: p.read_bytes() for p in source.iterdir() if p.is_file()}
+    env = {"HF_ENDPOINT": endpoint, "HF_HUB_DISABLE_XET": "1"}
+    local = cli(source, "--dry-run", "-q", "-o", tmp_path / "out", env={}, cwd=tmp_path)
+    assert local.returncode == 0, local.stderr
+    FakeHub.requested.clear()
+    FakeHub.ranges.clear()
+    cache = tmp_path / "cache"
+    remote = cli(repo, "--dry-run", "-q", "-o", tmp_path / "out", "--cache-dir", cache, env=env, cwd=tmp_path,
+                 patch=SMALL_LIMITS)  # fmt: skip
+    assert remote.returncode == 0 and plan_lines(remote) == plan_lines(local), remote.stderr
+    assert not [name for name in downloaded(repo) if name.endswith(".safetensors")]
+    read_any = False
+    for name in sorted(n for n in FakeHub.repos[repo] if n.endswith(".safetensors")):
+        tensors, _ = read_header(source / name)
+        header_end = min(t.begin for t in tensors.values())
+        wanted = [t for t in tensors.values() if plan_reads().search(t.name)]
+        for _, file, first, end in [r for r in FakeHub.ranges if r[:2] == (repo, name)]:
+            beyond = end > max(header_end, 1024)
+            read_any |= beyond
+            inside = all(any(t.begin <= byte < t.end for t in wanted) for byte in range(max(first, header_end), end))
+            assert not beyond or inside, (name, first, end)
+    assert read_any == (variant != "gpt-oss")  # FP8 scales are read; MXFP4 plans from headers
+    done = cli(repo, "-q", "--verify", "--device", "cpu", "--cache-dir", cache, env=env, cwd=tmp_path)
+    assert done.returncode == 0 and "OK: bit-exact" in done.stdout, done.stderr
+    out = tmp_path / f"{repo.split('/')[1].split('-FP8')[0].removesuffix('-mxfp4')}-bf16"
+    mine = cli(source, "-q", "--device", "cpu", "-o", tmp_path / "mine", env={}, cwd=tmp_path)
+    assert mine.returncode == 0, mine.stderr
+    assert (out / "model.safetensors").read_bytes() == (tmp_path / "mine" / "model.safetensors").read_bytes()
+    assert f"[{repo}](" in (out / "README.md").read_text()

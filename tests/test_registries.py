@@ -173,7 +173,7 @@ def test_a_format_and_kind_defined_in_a_test_alone_are_planned_and_converted(tmp
 
 
 def test_what_is_asked_of_all_formats_takes_in_a_format_defined_in_a_test(tmp_path, scratch):
-    assert formats_base.families() == "bitsandbytes or scratch"
+    assert formats_base.families() == "AWQ, bitsandbytes, compressed-tensors, FP8, GPTQ, MXFP4 or scratch"
     assert formats_base.config_reason({"quantization_config": {"quant_method": "scratch"}}) is None
     assert formats_base.quantization_key("layers.0.qscale") is Scaled
     assert formats_base.plan_reads().search("layers.0.qscale")
@@ -184,8 +184,8 @@ def test_what_is_asked_of_all_formats_takes_in_a_format_defined_in_a_test(tmp_pa
     with pytest.raises(CheckpointError) as refused:
         make_plan(folder)
     assert str(refused.value) == (
-        f"{folder}: no bitsandbytes or scratch weights (no '*.quant_state.bitsandbytes__nf4/fp4' or 8-bit '*.SCB' "
-        "or '*.qscale' tensors): nothing to convert"
+        f"{folder}: no quantized weights of a format nf4convert reads (AWQ, bitsandbytes, compressed-tensors, FP8, "
+        "GPTQ, MXFP4 or scratch): nothing to convert"
     )
 
 
@@ -215,8 +215,20 @@ def test_a_weight_two_formats_claim_is_refused_naming_both(tmp_path, scratch):
 
 
 def test_the_registries_hold_what_is_defined_and_nothing_after_a_scratch_test():
-    assert list(all_formats()) == ["bnb-4bit", "bnb-8bit"]
-    assert set(all_kinds()) == {"copy", "dequantize_4bit", "dequantize_8bit", "transpose", "untied", "merge_lora"}
+    assert list(all_formats()) == [
+        "awq",
+        "bnb-4bit",
+        "bnb-8bit",
+        "compressed-int",
+        "compressed-tensors-fp8",
+        "fp8",
+        "gptq",
+        "mxfp4",
+    ]
+    assert set(all_kinds()) == {
+        "copy", "dequantize_4bit", "dequantize_8bit", "dequantize_gptq", "dequantize_awq", "dequantize_compressed_int",
+        "dequantize_fp8", "dequantize_compressed_fp8", "dequantize_mxfp4", "transpose", "untied", "merge_lora",
+    }  # fmt: skip
     order = [kind.order for kind in all_kinds().values()]
     assert order == sorted(order) and list(all_kinds())[-2:] == ["copy", "merge_lora"]
 
@@ -302,9 +314,15 @@ def test_the_cpu_route_makes_a_host_computation_here_or_in_a_worker():
     [
         ({}, "config.json has no quantization_config: the weights are not quantized (already dense?)"),
         (
-            {"quantization_config": {"quant_method": "gptq", "bits": 4}},
-            "config.json's quantization_config has quant_method 'gptq', not bitsandbytes (not convertible here)",
+            {"quantization_config": {"quant_method": "hqq", "nbits": 4}},
+            "config.json's quantization_config has quant_method 'hqq', which nf4convert does not read (it reads "
+            "AWQ, bitsandbytes, compressed-tensors, FP8, GPTQ or MXFP4)",
         ),
+        (
+            {"quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 128, "checkpoint_format": "x"}},
+            "config.json: quantization_config checkpoint_format 'x' is not a GPTQ layout this reads (gptq, gptq_v2)",
+        ),
+        ({"quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 128}}, None),
         (
             {"text_config": {"quantization_config": {"load_in_8bit": True, "llm_int8_has_fp16_weight": True}}},
             "saved with llm_int8_has_fp16_weight=True, so its weights are dense fp16 already (bitsandbytes never "
@@ -325,7 +343,7 @@ def test_the_cpu_route_makes_a_host_computation_here_or_in_a_worker():
 )
 def test_a_config_is_refused_for_the_reasons_it_was_when_bitsandbytes_was_assumed(config, reason):
     assert formats_base.config_reason(config) == reason
-    problem = reason if reason and "llm_int8_has_fp16_weight" in reason else None
+    problem = reason if reason and ("llm_int8_has_fp16_weight" in reason or "GPTQ layout" in reason) else None
     assert formats_base.config_problem(config) == problem
 
 

@@ -465,3 +465,20 @@ def test_stale_weights_are_the_root_weight_files_the_folder_lacks(tmp_path):
         "consolidated.pth",
         "adapter_config.json",
     ]
+
+
+def test_cli_converts_an_mxfp4_checkpoint_verifies_then_pushes(hub, tmp_path):
+    """gpt-oss's MXFP4 experts: converted, verified against transformers, pushed with its card."""
+    from fixtures import float_checkpoints as fc
+
+    endpoint, state = hub
+    source, out = fc.build_mxfp4(tmp_path / "tiny-gpt-oss"), tmp_path / "out"
+    env = client_env(endpoint, tmp_path / "home", HF_XET_XORB_COMPRESSION_POLICY="none", HF_HUB_DISABLE_XET="1")
+    command = [sys.executable, "-m", "nf4convert", str(source), "-o", str(out), "--device", "cpu", "-q", "--verify",
+               "--push-to-hub", "me/tiny-gpt-oss-bf16", "--token", WRITE_TOKEN]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "OK: bit-exact with transformers" in result.stdout and "pushed to" in result.stdout, result.stdout
+    repo = state.repos["me/tiny-gpt-oss-bf16"]
+    assert repo["branches"]["main"] == {".gitattributes": GITATTRIBUTES, **files_of(out)}
+    assert "MXFP4 (OCP microscaling FP4)" in files_of(out)["README.md"].decode()

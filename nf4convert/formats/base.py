@@ -25,7 +25,6 @@ class SourceFormat:
     quant_methods: ClassVar[tuple[str, ...]]  # config.json's quantization_config.quant_method values it reads
     name_suffix: ClassVar[str]  # regex (no anchors) of the suffix a Hub name carries; the default output drops it
     plan_reads: ClassVar[re.Pattern]  # tensors whose bytes a plan reads (a Hub dry run range-reads just these)
-    hint: ClassVar[str]  # what its tensors look like, for a "no ... weights" message ("8-bit '*.SCB'")
     marks: ClassVar[str]  # what makes a tensor one of its weights, for one claimed twice ("an 8-bit SCB")
     card_tags: ClassVar[frozenset[str]] = frozenset()  # a source card's tags (lowercased) that describe its weights
     card_fields: ClassVar[str] = ""  # regex of a source card's YAML fields (lowercased) that describe its quantization
@@ -65,8 +64,9 @@ def all_formats() -> dict[str, type[SourceFormat]]:
 
 
 def families() -> str:
-    """The registered formats' families as a message names them ("bitsandbytes"; "bitsandbytes or gptq")."""
-    return " or ".join(dict.fromkeys(source_format.family for source_format in all_formats().values()))
+    """The registered formats' families as a message names them ("bitsandbytes"; "AWQ, bitsandbytes or GPTQ")."""
+    named = sorted(dict.fromkeys(source_format.family for source_format in all_formats().values()), key=str.lower)
+    return named[0] if len(named) == 1 else f"{', '.join(named[:-1])} or {named[-1]}"
 
 
 def plan_reads() -> re.Pattern:
@@ -96,7 +96,10 @@ def config_reason(config: dict) -> str | None:
         return "config.json has no quantization_config: the weights are not quantized (already dense?)"
     if not any(f.reads_config(quantization) for quantization in found for f in all_formats().values()):
         method = found[0].get("quant_method")
-        return f"config.json's quantization_config has quant_method {method!r}, not {families()} (not convertible here)"
+        return (
+            f"config.json's quantization_config has quant_method {method!r}, which nf4convert does not read (it reads "
+            f"{families()})"
+        )
     return config_problem(config)
 
 

@@ -38,7 +38,6 @@ class Bnb4bit(Bitsandbytes):
     title: ClassVar[str] = "bitsandbytes 4-bit"
     name_suffix: ClassVar[str] = r"(?:bnb-)?(?:4bit|nf4|fp4)"
     plan_reads: ClassVar[re.Pattern] = PLAN_READS
-    hint: ClassVar[str] = "'*.quant_state.bitsandbytes__nf4/fp4'"
     marks: ClassVar[str] = "a 4-bit quant state"
     card_tags: ClassVar[frozenset[str]] = Bitsandbytes.card_tags | {
         *("bnb-4bit", "bnb-nf4", "nf4", "fp4"),

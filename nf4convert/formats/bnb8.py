@@ -66,7 +66,6 @@ class Bnb8bit(Bitsandbytes):
     title: ClassVar[str] = "bitsandbytes 8-bit (LLM.int8)"
     name_suffix: ClassVar[str] = r"(?:bnb-)?(?:8bit|int8)"
     plan_reads: ClassVar[re.Pattern] = PLAN_READS
-    hint: ClassVar[str] = "8-bit '*.SCB'"
     marks: ClassVar[str] = "an 8-bit SCB"
     card_tags: ClassVar[frozenset[str]] = Bitsandbytes.card_tags | {"bnb-8bit", "8-bit", "8bit", "int8", "llm.int8"}
     only, other = "load_in_8bit", "load_in_4bit"

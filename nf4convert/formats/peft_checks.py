@@ -6,23 +6,27 @@ from __future__ import annotations
 import dataclasses
 
 from ..errors import CheckpointError
-from . import conv1d
+from . import conv1d, peft_params
 from .peft_config import all_linear, is_embedding, saved_whole, targeted
 from .peft_lora import Adapter, per_token, shape_of
 
 
-def _lazy_classes(config: dict | None):
-    """module path -> the class transformers' model has there, or None; the model built on the first question."""
+def _lazy_model(config: dict | None):
+    """(module path -> the class transformers' model has there, module path -> that module on the meta device), each
+    None where there is none; the model built on the first question."""
     built = []
 
-    def module_class(module: str):
-        if not built:
-            from ..skeleton import meta_model
+    def asked(which: int):
+        def answer(module: str):
+            if not built:
+                from ..skeleton import meta_model
 
-            built.append(meta_model(config)[0])
-        return built[0](module)
+                built.append(meta_model(config))
+            return built[0][which](module)
 
-    return module_class
+        return answer
+
+    return asked(0), asked(3)
 
 
 def _other_kind(target, module_class) -> bool:
@@ -54,7 +58,8 @@ def validate(adapter: Adapter, base: dict, *, config: dict | None = None) -> Ada
     """
     path = adapter.path
     orientation: dict[str, bool | None] = {}  # linear target -> fan_in_fan_out, None for a square weight
-    classes = _lazy_classes(config)
+    classes, modules = _lazy_model(config)
+    peft_params.resolve(adapter, base, modules)
     for name, target in adapter.targets.items():
         if name not in base:
             hint = ""
@@ -90,7 +95,7 @@ def validate(adapter: Adapter, base: dict, *, config: dict | None = None) -> Ada
                     f"{shape[0]} of the base's '{name}': an adapter can add tokens, not remove them"
                 )
             shape = tuple(replacement.shape)  # a resized vocabulary: the adapter's rows are the model's
-        if target.kind == "replace":
+        if target.kind in ("replace", "param"):  # a parameter's LoRA was checked as it was resolved
             continue
         if target.kind == "tokens":
             delta, rows = target.tensors["trainable_tokens_delta"], len(target.indices)

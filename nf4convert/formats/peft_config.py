@@ -48,7 +48,7 @@ def _layer_indexes(value) -> bool:  # check_target_module_exists' is_using_layer
 
 
 # Config fields that, when set, make the merged model something other than base + LoRA/DoRA deltas: other LoRA
-# variants, layers added or copied (layer_replication, target_parameters, trainable tokens), Megatron layers, and
+# variants, layers added or copied (layer_replication, trainable tokens), Megatron layers, and
 # which modules get LoRA beyond target_modules (peft would leave some saved tensors unused). Each maps to "set" as
 # peft 0.21 tests it: ``is not None`` where it does (for the sub-configs, _get_lora_subconfig refuses any other
 # non-null value), else truthiness (``if config.layer_replication:``, resolve_lora_variant's ``bool(...)``).
@@ -62,7 +62,6 @@ UNSUPPORTED_VARIANTS = {
     "kasa_config": _not_none,
     "use_qalora": _truthy,
     "layer_replication": _truthy,
-    "target_parameters": _truthy,
     "megatron_config": _truthy,
     "exclude_modules": _truthy,
     "layers_to_transform": _layer_indexes,
@@ -175,7 +174,11 @@ def read_config(folder: Path) -> tuple[Path, dict]:
             f"{config_path}: lora_bias with {'use_dora' if config['use_dora'] else f'init_lora_weights {init!r}'}: "
             "peft refuses this config"
         )
+    _parameters(config, config_path)
     targets = config.get("target_modules")
+    if config["target_parameters"] and targets in (None, []):  # peft: parameters alone are a valid target
+        config["target_modules"] = targets = []
+        return config_path, config
     if not (
         isinstance(targets, str) or (isinstance(targets, list) and targets and all(isinstance(t, str) for t in targets))
     ):
@@ -194,6 +197,34 @@ def read_config(folder: Path) -> tuple[Path, dict]:
             if config.get(name) is not None:
                 raise CheckpointError(f"{config_path}: {name} with a target_modules pattern: peft refuses this config")
     return config_path, config
+
+
+def _parameters(config: dict, config_path: Path) -> None:
+    """target_parameters as peft takes it (a list of parameter names or name tails; peft's ``lora.ParamWrapper``),
+    and the settings its wrapper refuses with them."""
+    names = config.get("target_parameters")
+    config["target_parameters"] = names = names if names is not None else []
+    if not (isinstance(names, list) and all(isinstance(name, str) and name for name in names)):
+        raise CheckpointError(f"{config_path}: target_parameters is {names!r}, not a list of parameter names")
+    if not names:
+        return
+    for name, refused in (("lora_dropout", 0), ("fan_in_fan_out", False), ("lora_bias", False), ("use_dora", False)):
+        if config.get(name, refused) not in (refused, None):
+            raise CheckpointError(
+                f"{config_path}: target_parameters with {name} {config[name]!r}: peft's parameter wrapper refuses it"
+            )
+
+
+def parameter_targets(config: dict, module: str) -> list[str]:
+    """The names of ``module``'s parameters that target_parameters names, as peft matches a parameter's full name
+    (``module.parameter``) against each entry: the entry itself, or a tail of it after a dot."""
+    found = []
+    for entry in config.get("target_parameters") or ():
+        parameter = entry.rpartition(".")[2]
+        full = f"{module}.{parameter}"
+        if (full == entry or full.endswith("." + entry)) and parameter not in found:
+            found.append(parameter)
+    return found
 
 
 def _index_list(value) -> bool:
@@ -240,6 +271,8 @@ def targeted(config: dict, module: str) -> bool:
     (``tuners_utils.check_target_module_exists``): a string is a full-match pattern, except "all-linear"
     (every Linear/Conv1D layer but the output layer); a list names module path suffixes."""
     targets = config["target_modules"]
+    if targets == []:
+        return False
     if all_linear(targets):
         return module.rpartition(".")[2] != "lm_head" and not is_embedding(module)
     if isinstance(targets, str):

@@ -20,6 +20,7 @@ from .peft_config import (
     indices_for,
     is_embedding,
     number,
+    parameter_targets,
     pattern_value,
     read_config,
     saved_whole,
@@ -50,7 +51,8 @@ HEAD = "lm_head.weight"
 class LoraTarget:
     """One base tensor the adapter changes and how.
 
-    kind: "linear" (LoRA/DoRA on a Linear or Conv1D weight), "embedding" (on an Embedding weight), "bias"
+    kind: "linear" (LoRA/DoRA on a Linear or Conv1D weight), "embedding" (on an Embedding weight), "param" (LoRA on
+    a parameter named by target_parameters: peft's ``ParamWrapper``, on a 3-D fused-experts parameter), "bias"
     (``lora_bias``: ``lora_B.bias * scaling`` added to the module's bias), "replace" (the saved tensor replaces
     the base's: ``modules_to_save``, saved biases, saved embedding weights), "tokens" (trainable tokens: the saved
     rows replace rows ``indices`` of an embedding or head).
@@ -73,6 +75,9 @@ class LoraTarget:
     use_rslora: bool = False
     indices: tuple[int, ...] | None = None  # "tokens": the rows replaced, in peft's order
     saved_whole: bool = False
+    depth: int = 0  # "param": how many wrappers of the module's other targeted parameters it lies inside
+    experts: int = 0  # "param": the parameter's leading dimension, each expert's LoRA a slice of the factors
+    transposed: bool = False  # "param": the parameter is [experts, in, out] (the module's is_transposed)
 
 
 @dataclass
@@ -129,6 +134,12 @@ def load_adapter(folder: Path) -> Adapter:
             # peft's load_state_dict puts these into the base parameters: "x.base_layer.weight" is x's own weight.
             replacements[rest.replace(".base_layer.", ".")] = (info, ".base_layer." in rest)
 
+    parameters: dict[str, LoraTarget] = {}  # LoRA on target_parameters, by the module path its tensors carry
+    for module, roles in list(lora_modules.items()):
+        target = _parameter_target(path, config, module, roles)
+        if target is not None:
+            parameters[module] = target
+            del lora_modules[module]
     for module, roles in lora_modules.items():
         if not targeted(config, module):  # peft would create no LoRA layer there and leave these tensors unused
             raise CheckpointError(
@@ -141,7 +152,7 @@ def load_adapter(folder: Path) -> Adapter:
                 f"{path}: '{module}' has LoRA tensors and {where} modules_to_save too (peft gives it "
                 "no LoRA layer and would leave them unused)"
             )
-    targets: dict[str, LoraTarget] = {}
+    targets: dict[str, LoraTarget] = dict(parameters)  # keyed by module path until peft_params names them
     for module, roles in lora_modules.items():
         for target in _module_targets(path, config_path, config, module, roles):
             # the module's own base parameters, saved as "<module>.base_layer.<param>", are loaded before the merge
@@ -187,6 +198,33 @@ def load_adapter(folder: Path) -> Adapter:
         )
     base = config.get("base_model_name_or_path")
     return Adapter(folder, path, config, base if isinstance(base, str) else None, targets, tensors)
+
+
+BASE_LAYER = ".base_layer"
+
+
+def _parameter_target(path: Path, config: dict, module: str, roles: dict) -> LoraTarget | None:
+    """The LoRA of a parameter target_parameters names (None for a module's LoRA): peft wraps a module once per
+    targeted parameter, each wrapper around the last, so the tensors of all but the outermost lie under
+    ``.base_layer`` once per wrapper outside them. Which parameter each is, its rank and scaling are settled against
+    the base model (``peft_params.resolve``)."""
+    inner = module
+    while inner.endswith(BASE_LAYER):
+        inner = inner[: -len(BASE_LAYER)]
+    if not parameter_targets(config, inner):
+        return None
+    if targeted(config, inner):
+        raise CheckpointError(
+            f"{path}: '{inner}' is named by both target_modules and target_parameters; peft refuses that"
+        )
+    if set(roles) != {"lora_A", "lora_B"}:
+        odd = sorted(set(roles) - {"lora_A", "lora_B"}) or ["lora_A and lora_B"]
+        raise CheckpointError(
+            f"{path}: the LoRA of a parameter of '{inner}' has {', '.join(odd)}; peft's parameter wrapper has lora_A "
+            "and lora_B only"
+        )
+    depth = (len(module) - len(inner)) // len(BASE_LAYER)
+    return LoraTarget(module, "param", module=inner, tensors=dict(roles), depth=depth)
 
 
 def _module_targets(path: Path, config_path: Path, config: dict, module: str, roles: dict) -> list[LoraTarget]:

@@ -25,6 +25,11 @@ the dense checkpoint loaded in the output dtype. What that does, step by step, a
   ``factor = transpose((magnitude / norm).view(-1, 1), fifo)``, ``W' = (factor * (W + delta)).to(W.dtype)``.
   Embeddings: ``norm`` over ``W.T + 1 * delta.T``, ``factor = (magnitude / norm).view(1, -1)``.
 - ``lora_bias``: ``bias += lora_B.bias * scaling`` (in place, fp32 compute).
+- A parameter (``target_parameters``; ``ParamWrapper.get_delta_weight`` and ``merge``, ``peft_params.py`` says which
+  parameter and how it is laid out): with ``A = lora_A.reshape(experts, rank, in)`` and
+  ``B = lora_B.reshape(out, rank, experts)``, ``delta = einsum("o r e, e r i -> e i o", B, A) * scaling`` in fp32
+  (``"... -> e o i"`` for a parameter that is not ``is_transposed``), then ``delta.to(weight.dtype)`` and
+  ``weight += delta``: rounded to the output dtype *before* the add, as for embeddings.
 - Trainable tokens (``trainable_token_indices``; ``TrainableTokensLayer.merge``): ``W.index_copy(0, indices,
   delta.to(W))``: the saved rows replace those rows of the embedding (or head), each cast once to the output dtype.
   A list names the input embeddings; on a tied model peft gives the head a token adapter tied to the embedding's
@@ -87,6 +92,16 @@ def merge(target: LoraTarget, base_weight, lora: dict, *, inplace: bool = False)
     if target.kind == "bias":
         merged = writable()
         merged += fp32("lora_B.bias") * target.scaling  # not mul_: fp32() may return the caller's tensor
+        return merged
+
+    if target.kind == "param":  # the same einsum on the same shapes as peft's, so its reduction runs in its order
+        lora_a, lora_b = fp32("lora_A"), fp32("lora_B")
+        lora_a = lora_a.reshape(target.experts, -1, lora_a.shape[-1])
+        lora_b = lora_b.reshape(lora_b.shape[0], -1, target.experts)
+        equation = "o r e, e r i -> e i o" if target.transposed else "o r e, e r i -> e o i"
+        delta = torch.einsum(equation, lora_b, lora_a) * target.scaling
+        merged = writable()
+        merged += delta.to(out_dtype)
         return merged
 
     if target.kind == "linear":

@@ -27,7 +27,7 @@ import shlex
 from typing import NamedTuple
 
 from ..dtypes import OUTPUT_DTYPES
-from ..formats.base import all_formats, families
+from ..formats.base import all_formats
 from ..paths import shown
 from .errors import first_line as error_line
 from .names import looks_like_repo_id
@@ -71,7 +71,7 @@ def card_for_plan(plan, *, base: str, adapter: str | None, revision: str | None,
         source_repo=base if looks_like_repo_id(base) and not Path(base).exists() else None,
         dtype=plan.dtype.short,
         version=__version__,
-        quant_format=", ".join(plan.source_formats) or families(),
+        quant_format=", ".join(plan.source_formats),
         adapter=adapter,
         revision=revision,
         commit=commit_of(plan.folder),
@@ -266,7 +266,7 @@ def _how_made(
     titles = {name: source_format.title for name, source_format in all_formats().items()}
     format_text = (
         " and ".join(" ".join(filter(None, [titles.get(kind, kind), detail.upper()])) for kind, _, detail in formats)
-        or families()
+        or "quantized"
     )
 
     if source_repo is not None:

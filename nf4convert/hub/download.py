@@ -43,7 +43,7 @@ ALLOW_PATTERNS = [
     "*merges*",
 ]
 # Fetched first when the caller checks a repo before its weights (``precheck``): enough to tell a checkpoint that is
-# not a bitsandbytes one, or an adapter, without downloading gigabytes.
+# not one nf4convert reads, or an adapter, without downloading gigabytes.
 CONFIG_FILES = ["config.json", "adapter_config.json"]
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from ..errors import ArgumentError, CheckpointError
-from ..formats.base import config_problem, config_reason, families
+from ..formats.base import config_problem, config_reason
 from ..formats.config import read_config
 from ..options import HubOptions
 from ..paths import expanded
@@ -59,7 +59,7 @@ def _refuse_early(folder: Path, *, source: str) -> None:
         return
     reason = config_reason(config) if config is not None else None
     if reason is not None:
-        raise CheckpointError(f"{source}: not a {families()} checkpoint: {reason}; its weights were not downloaded")
+        raise CheckpointError(f"{source}: not a checkpoint nf4convert reads: {reason}; its weights were not downloaded")
 
 
 def reworded(error: CheckpointError, folder: Path) -> CheckpointError:

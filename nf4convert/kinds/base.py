@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Iterator
 
 from ..errors import CheckpointError
-from ..pipeline.piece import Piece
+from ..pipeline.piece import Piece, read_piece
 from ..registry import Registry
 from ..safetensors_io.read import TensorInfo, TensorReader
 from ..strict_json import shown
@@ -169,7 +169,7 @@ def whole(tensor: PlannedTensor, reader: TensorReader, route, device="cpu"):
 
     made = torch.empty(tensor.nbytes, dtype=torch.uint8, device=device)
     for piece in tensor.recipe.produce(tensor, reader, route):
-        read = reader.read(piece.source, piece.first, piece.count)
+        read = read_piece(reader, piece)
         target = made[piece.offset : piece.offset + piece.nbytes]
         if piece.make is None:
             target.copy_(read)

@@ -25,6 +25,7 @@ class Copy(Recipe):
     plain: ClassVar[bool] = True
     numpy_made: ClassVar[bool] = True
     source: TensorInfo
+    keep: bool = False  # the source's dtype kept whatever the output's (a kind that plans it so says why)
 
     @classmethod
     def plan_source(cls, planning: Planning) -> None:
@@ -39,10 +40,10 @@ class Copy(Recipe):
 
     def output(self, dtype: DType) -> tuple[str, str, tuple]:
         source = self.source
-        return source.name, dtype.code if DTYPES[source.dtype].cast else source.dtype, source.shape
+        return source.name, dtype.code if DTYPES[source.dtype].cast and not self.keep else source.dtype, source.shape
 
     def exceeds_fp16(self) -> bool:
-        return self.source.dtype in ("BF16", "F32", "F64")
+        return self.source.dtype in ("BF16", "F32", "F64") and not self.keep
 
     def converts_to(self, code: str) -> bool:
         return self.source.dtype != code

@@ -18,7 +18,7 @@ from typing import Callable
 
 from .. import profile
 from ..safetensors_io.read import TensorReader, as_array
-from .piece import Piece
+from .piece import Piece, read_piece
 
 READ_AHEAD = 3  # pieces read before their make begins
 WRITE_AHEAD = 3  # pieces made and waiting for (or being written by) the writers; more than one write in flight
@@ -73,7 +73,7 @@ class Pipeline:
     def _read(self, piece: Piece):
         started = _now()
         buffer = self.route.pool(piece).take(piece.count)
-        read = self.reader.read(piece.source, piece.first, piece.count, out=buffer)
+        read = read_piece(self.reader, piece, out=buffer)
         self._timed("read", started)
         return read, buffer
 

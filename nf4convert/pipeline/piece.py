@@ -27,6 +27,51 @@ class Piece:
     make: Optional[Callable] = None
     on_device: bool = False  # made on the route's device (its buffers pinned on CUDA), not on the CPU
     watched: bool = False  # fp16 bytes checked for ±inf when written (plan.may_exceed)
+    # Bytes that are not one range of ``source`` (a block of columns of every row: ``Columns``):
+    # ``load(reader, out) -> out[:count]`` gives them in place of the positional read.
+    load: Optional[Callable] = None
+
+
+def read_piece(reader, piece: Piece, out=None):
+    """The ``count`` bytes a piece is made from: its range of ``source``, or what its ``load`` gathers; into ``out``
+    (a uint8 numpy array or CPU tensor, returned as ``out[:count]``) or a new uint8 tensor."""
+    if piece.load is None:
+        return reader.read(piece.source, piece.first, piece.count, out=out)
+    if out is None:
+        import torch
+
+        out = torch.empty(piece.count, dtype=torch.uint8)
+    return piece.load(reader, out)
+
+
+class Columns:
+    """A 2-D tensor whose pieces each need the same columns of every row (a weight packed transposed, so that an
+    output row is a column of the packed tensor). A read per row would be one small read each, thousands a piece:
+    instead the first piece to load reads the whole tensor in one sequential read, each piece gathers its columns
+    from it in memory, and the tensor is let go once its last piece has loaded. Memory holds it (at most a quarter of
+    the dense weight for 4-bit codes, half for 8-bit) only while its pieces are read; the reads stay sequential, and a
+    source read over HTTP ranges (a Hub stream) reads it as any other tensor."""
+
+    def __init__(self, source: TensorInfo, rows: int, loads: int):
+        """``rows``: the tensor's first dimension; ``loads``: how many pieces will load from it."""
+        self.source, self.rows, self._left = source, rows, loads
+        self._data = None
+        self._lock = threading.Lock()
+
+    def load(self, first: int, count: int, reader, out):
+        """Bytes ``[first, first + count)`` of every row, rows end to end, into ``out`` (``out[:rows * count]``)."""
+        import numpy as np
+
+        with self._lock:
+            data = self._data
+            if data is None:
+                data = self._data = reader.array(self.source).reshape(self.rows, -1)
+            self._left -= 1
+            if self._left <= 0:
+                self._data = None
+        gathered = out[: self.rows * count]
+        np.copyto(as_array(gathered).reshape(self.rows, count), data[:, first : first + count])
+        return gathered
 
 
 def pieces_from_memory(data, source: TensorInfo, piece_bytes: int) -> Iterator[Piece]:

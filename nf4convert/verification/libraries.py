@@ -29,16 +29,18 @@ def quiet_loggers():
             logger.setLevel(level)
 
 
-def reference_library(name: str) -> None:
+def reference_library(name: str, what: str | None = None, package: str | None = None) -> None:
     """DependencyError unless ``name`` imports: without its reference library verify can recompute nothing, which is
-    not a difference in the weights."""
+    not a difference in the weights. ``what`` it recomputes, and the ``package`` that installs it, where a reference
+    module says (``LIBRARY``: compressed-tensors' decompression)."""
     import importlib
 
     try:
         importlib.import_module(name)
     except Exception as error:  # noqa: BLE001  (ImportError, or a broken install failing inside its import)
-        what = "LoRA merges (peft's own merge)" if name == "peft" else "the weights (bitsandbytes' dequantization)"
+        if what is None:
+            what = "LoRA merges (peft's own merge)" if name == "peft" else "the weights (bitsandbytes' dequantization)"
         raise DependencyError(
             f"verify recomputes {what} with {name}, which cannot be imported ({type(error).__name__}: "
-            f"{str(error).splitlines()[0] if str(error) else ''}); install it: pip install {name}"
+            f"{str(error).splitlines()[0] if str(error) else ''}); install it: pip install {package or name}"
         ) from None

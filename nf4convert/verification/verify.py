@@ -26,7 +26,7 @@ from ..skeleton import meta_model, unloaded_parameters
 from .folder import Folder
 from .gguf import GgufFile
 from .libraries import quiet_loggers, reference_library
-from .reference.base import Context
+from .reference.base import Context, libraries
 from .report import VerifyReport
 
 OUTPUTS = (GgufFile, Folder)  # the kinds of output verify checks: the first that claims OUT checks it
@@ -112,6 +112,8 @@ def verified(output: str | Path, source: str, options: VerifyOptions) -> VerifyR
             )
         planned_in = checked.plan_dtype(options.dtype)
         plan = _plan_source(resolved.folder, output, planned_in, source_reader, resolved.adapter_folder)
+        for library in libraries(plan.tensors):  # the leaf kinds' reference libraries beyond bitsandbytes
+            reference_library(library.name, library.recomputes, library.package)
         planned = {tensor.name: tensor for tensor in plan.tensors}
         context = Context(planned, *meta_model(plan.config), plan.tied or ())
         checked.check(

@@ -8,7 +8,9 @@ A kind's reference is the module of this package named as the kind (``kinds/<kin
   of the output tensor's bytes and how the reference library computes just that range (whole quant blocks, whole
   8-bit rows, a run of plain elements; a reference that needs the whole tensor, a merge or a transpose, is one slice);
 - ``reference(tensor, reader, device, context)``: the whole tensor (what a merge or a transpose starts from);
-- ``against(tensor, device)``: what the tensor is compared against, as the report names it.
+- ``against(tensor, device)``: what the tensor is compared against, as the report names it;
+- optionally ``libraries(tensor)``: the reference libraries (import names) it recomputes with beyond bitsandbytes and
+  peft, which verify checks for before it reads a tensor.
 
 A recipe is read by its fields alone: nothing here imports the convert side.
 """
@@ -38,6 +40,7 @@ class Context(NamedTuple):
     module_class: Callable  # module path -> the class transformers' model has there, or None
     parameter_shape: Callable  # tensor name -> the shape transformers' model gives it, or None
     unbuilt: Callable  # -> why transformers could not build the model (once asked), or None
+    module: Callable = lambda path: None  # module path -> that module of transformers' model, on the meta device
     tied: tuple = ()  # (input embeddings, head) of a tied base: they share one parameter while peft loads
 
     def recompute(self, tensor, reader, device):
@@ -57,6 +60,27 @@ def reference_for(kind: str) -> ModuleType:
 def against(tensor, device) -> str:
     """What ``tensor`` is compared against on ``device``: "bitsandbytes", "the source tensor", ..."""
     return reference_for(tensor.recipe.kind).against(tensor, device)
+
+
+class Library(NamedTuple):
+    """A reference library beyond bitsandbytes and peft that a reference computes with."""
+
+    name: str  # its import name
+    recomputes: str  # what verify recomputes with it, as a message says ("FP8 weights (compressed-tensors' ...)")
+    package: str  # what pip installs it by
+
+
+def libraries(tensors) -> list[Library]:
+    """The reference libraries the references of ``tensors`` name (each reference module's ``libraries(recipe)``), in
+    name order."""
+    needed = set()
+    for tensor in tensors:
+        recipe = tensor.recipe
+        while recipe is not None:  # a wrapper's base is recomputed by its own kind's reference
+            named = getattr(reference_for(recipe.kind), "libraries", None)
+            needed.update(named(recipe) if named else ())
+            recipe = getattr(recipe, "base", None)
+    return sorted(needed)
 
 
 def whole(tensor, reader, device, context):

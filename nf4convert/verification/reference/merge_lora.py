@@ -21,12 +21,26 @@ def slices(tensor, reader, device, context, piece_bytes: int):
     yield Slice(0, tensor.nbytes, lambda read, take: as_bytes(reference(tensor, reader, device, context)))
 
 
-def _skeleton_module(module: str, adapter, device, dtype, references: dict, layer_class):
+def _skeleton_module(module: str, adapter, device, dtype, references: dict, layer_class, meta_layer=None):
     """A stand-in for one module of the base model holding ``references`` (its tensors, by full name): the layer
     class the model has there (``layer_class``, read from transformers' own model on the meta device: Linear,
-    Conv1D or Embedding, which decides what peft does), or a plain holder for a modules_to_save module. peft
-    then does all of the merging."""
+    Conv1D or Embedding, which decides what peft does), or a plain holder for a modules_to_save module; for LoRA on
+    its parameters (target_parameters), transformers' module itself (``meta_layer``: the parameters it registers, in
+    its order, and its layout of experts, which decide what peft wraps and how). peft then does all of the merging."""
+    import copy
+
     import torch
+
+    if any(t.module == module and t.kind == "param" for t in adapter.targets.values()):
+        if meta_layer is None:
+            raise RuntimeError(f"transformers' model has no module '{module}' to wrap its parameters as peft does")
+        layer = copy.deepcopy(meta_layer)
+        for name, _ in list(layer.named_parameters(recurse=False)):
+            value = references.get(f"{module}.{name}")
+            if value is None:
+                raise RuntimeError(f"'{module}.{name}' is not in the checkpoint to stand in for the model's")
+            setattr(layer, name, torch.nn.Parameter(value, requires_grad=False))
+        return layer
 
     lora = next((t for t in adapter.targets.values() if t.module == module and t.kind in ("linear", "embedding")), None)
     params = {name.rpartition(".")[2]: value for name, value in references.items()}
@@ -110,13 +124,16 @@ def reference(tensor, reader, device, context):
     # a causal LM registers its head after the base model, so peft loads into the tied parameter the head's weight last
     for path in sorted(wanted, key=lambda path: (bool(pair) and path == pair[1], path)):
         held = {name: value for name, value in references.items() if name.rpartition(".")[0] == path}
-        modules[path] = _skeleton_module(path, recipe.adapter, device, dtype, held, context.module_class(path))
+        layer_class, meta_layer = context.module_class(path), context.module(path)
+        modules[path] = _skeleton_module(path, recipe.adapter, device, dtype, held, layer_class, meta_layer)
     if module in pair:  # tied, as the trained model loaded it
         if "weight" not in modules[pair[1]]._parameters:  # a head the output keeps tied: a Linear, as the model has
             rows, columns = modules[pair[0]].weight.shape
             modules[pair[1]] = torch.nn.Linear(columns, rows, bias=False, device="meta")
         modules[pair[1]].weight = modules[pair[0]].weight
-    if not any(t.module in modules and t.kind in ("linear", "embedding") for t in recipe.adapter.targets.values()):
+    if not any(
+        t.module in modules and t.kind in ("linear", "embedding", "param") for t in recipe.adapter.targets.values()
+    ):
         # peft refuses a model with no LoRA target, so one stands beside
         lora = next(t for t in recipe.adapter.targets.values() if t.kind in ("linear", "embedding"))
         modules[lora.module] = _skeleton_module(

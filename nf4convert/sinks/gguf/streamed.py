@@ -24,7 +24,7 @@ from .q8_0 import BLOCK, BLOCK_BYTES, Q8_0, quiet_bf16
 
 
 class _Stopped(Exception):
-    """The file's layout will not come: the conversion failed or stopped elsewhere (that failure is the one reported)."""
+    """The file's layout will not come: the conversion failed or stopped elsewhere (that failure is reported)."""
 
 
 class Layout:

@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -148,6 +149,34 @@ def test_a_reordered_tensor_is_made_whole_and_the_rest_streams(tmp_path, monkeyp
     assert sum(recognised.streamed for recognised in made) == len(made) - len(whole) > len(whole)
 
 
+def test_pieces_made_before_the_metadata_is_written_are_held_then_written(tmp_path, monkeypatch):
+    """The converter's metadata (its tokenizer, the card) comes late: the first streamed pieces are held (a bounded
+    amount), the next wait for it; the file is the same."""
+    from conversion.base import ModelBase
+
+    from nf4convert.plan import make_plan
+    from nf4convert.sinks.gguf import streamed
+
+    source, _ = _llama(tmp_path)
+    plan = make_plan(source)
+    expected = tmp_path / "expected.gguf"
+    _write(plan, expected, "q8_0", fast=False)
+    held, layout_set = [], streamed.Layout.set
+    monkeypatch.setattr(streamed, "HELD_BYTES", 4000)
+    monkeypatch.setattr(streamed.Layout, "set", lambda self, offsets: held.extend(layout_set(self, offsets)) or held)
+    prepare_metadata = ModelBase.prepare_metadata
+
+    def late(self, vocab_only):
+        time.sleep(1.0)
+        prepare_metadata(self, vocab_only)
+
+    monkeypatch.setattr(ModelBase, "prepare_metadata", late)
+    ours = tmp_path / "ours.gguf"
+    _write(plan, ours, "q8_0", fast=True, piece_bytes=PIECE_BYTES)
+    assert ours.read_bytes() == expected.read_bytes()
+    assert held and sum(data.nbytes for _, data in held) <= 4000
+
+
 # The peak of a conversion to GGUF in a process of its own, on two cores: VmHWM (ru_maxrss would start from pytest's)
 MEMORY = """
 import json, os, re, sys
@@ -222,3 +251,48 @@ def test_memory_does_not_grow_with_the_embedding(gguf_type, tmp_path):
         out.unlink()
     grown = peaks[32768] - peaks[2048]
     assert grown < 64, peaks
+
+
+def test_metadata_is_packed_as_gguf_py_packs_it():
+    """Every kind of field, arrays of every item type among them (a vocabulary's strings with multi-byte and empty
+    ones, scores, types, bools, bytes), and arrays gguf-py refuses or packs itself: the same bytes, or its error."""
+    import random
+
+    from gguf import GGUFValueType as T
+    from gguf.gguf_writer import GGUFValue, GGUFWriter
+
+    from nf4convert.sinks.gguf.metadata import pack_field
+
+    rng = random.Random(5)
+    words = ["", "a", "é", "▁the", "\u4e2d\u6587", "<0x0A>", "\U0001f600"] + [
+        f"t{rng.randrange(10**6)}" for _ in range(50)
+    ]
+    fields = {
+        "s": GGUFValue("name é", T.STRING),
+        "u32": GGUFValue(7, T.UINT32),
+        "f32": GGUFValue(0.1, T.FLOAT32),
+        "b": GGUFValue(True, T.BOOL),
+        "i64": GGUFValue(-(2**40), T.INT64),
+        "tokens": GGUFValue([rng.choice(words) for _ in range(3000)], T.ARRAY),
+        "bytes-tokens": GGUFValue([w.encode() for w in words], T.ARRAY),
+        "scores": GGUFValue([rng.uniform(-1e6, 1e6) for _ in range(3000)], T.ARRAY),
+        "types": GGUFValue([rng.randrange(1, 7) for _ in range(3000)], T.ARRAY, T.INT32),
+        "ints": GGUFValue([rng.randrange(-(2**31), 2**31) for _ in range(100)], T.ARRAY),
+        "u8": GGUFValue(bytes(range(256)), T.ARRAY),
+        "flags": GGUFValue([True, False, True], T.ARRAY),
+        "u64s": GGUFValue([2**63 + 5, 3], T.ARRAY, T.UINT64),
+        "nested": GGUFValue([[1, 2], [3]], T.ARRAY),
+        "mixed": GGUFValue([1, "a"], T.ARRAY),
+        "empty": GGUFValue([], T.ARRAY),
+    }
+    writer = GGUFWriter(None, "llama")
+    for key, value in fields.items():
+        try:
+            want = writer._pack_val(key, T.STRING, add_vtype=False) + writer._pack_val(
+                value.value, value.type, add_vtype=True, sub_type=value.sub_type
+            )
+        except ValueError as refused:
+            with pytest.raises(ValueError, match=re.escape(str(refused))):
+                pack_field(writer, key, value)
+            continue
+        assert pack_field(writer, key, value) == want, key

@@ -32,6 +32,7 @@ from ..naming import default_output
 from .converter import (
     FLOAT_TYPES,
     GGUF_TYPES,
+    Vocabulary,
     check,
     converter,
     converter_errors,
@@ -43,6 +44,7 @@ from .converter import (
 )
 from .fast import FastTensor, recognise
 from .feed import Feed
+from .metadata import write_kv_data_to_file
 from .q8_0 import Q8_0
 from .streamed import GgufFileWrites, Layout, StreamedTensor
 from .writes import PositionalWrites
@@ -67,11 +69,13 @@ def write_gguf(
     settings: Settings | None = None,
     progress: Callable[[int], None] = lambda nbytes: None,
     fast: bool = True,
+    vocabulary: Vocabulary | None = None,
 ) -> GgufWritten:
     """Write the GGUF that llama.cpp's converter makes from the dense checkpoint of ``plan`` into ``path``, reading the
     source through ``reader`` and making tensors on ``route``. ``name``: the model's name, as the converter would read
     it from the dense folder's name; ``card``: the dense model card. ``progress(bytes)`` as dense tensors are made.
-    ``fast``: take the fast paths (off: the converter's own graph for every tensor).
+    ``fast``: take the fast paths (off: the converter's own graph for every tensor). ``vocabulary``: the one the
+    check of the same staged folder recorded (``converter.check``), written instead of reading the tokenizer again.
 
     The converter runs as its ``write()`` runs, with two of its steps taken over: once its tensors are prepared (their
     lazy graphs, types and sizes: the file's layout but for where the data begins), the feed starts making them in the
@@ -150,6 +154,8 @@ def write_gguf(
             torch.inference_mode(),
         ):
             model = converter_model(stage, tensors_of(plan), feed.take, Path(path), gguf_type)
+            if vocabulary is not None:
+                vocabulary.write_into(model)
             prepare_tensors, writer = model.prepare_tensors, model.gguf_writer
 
             def prepared():
@@ -159,13 +165,14 @@ def write_gguf(
                 profile.mark("GGUF tensors prepared")
 
             def write_tensors_in_place(progress=False):  # our bar, not its
-                _write_tensors(writer, gguf, layout, descriptor, writes)
+                _write_tensors(writer, gguf, pieces, descriptor, writes)
                 writes.finish()
                 feed.finish()
                 if not all(stream.complete() for stream in streamed):
                     raise InternalError(f"{path}: a Q8_0 block was left without all its values")
 
             model.prepare_tensors = prepared
+            writer.write_kv_data_to_file = functools.partial(write_kv_data_to_file, writer)
             writer.write_tensors_to_file = write_tensors_in_place
             model.write()
     except BaseException:
@@ -195,10 +202,11 @@ class _At:
         self.position = position
 
 
-def _write_tensors(writer, gguf, layout: Layout, descriptor: int, writes: PositionalWrites) -> None:
+def _write_tensors(writer, gguf, pieces: GgufFileWrites, descriptor: int, writes: PositionalWrites) -> None:
     """In place of gguf-py's ``write_tensors_to_file``: the tensor infos written and the data's place known (the
-    streamed pieces waiting for it go on), then each tensor made whole converted and handed to the positional writes
-    at its place; the padding between tensors and after the last is a hole of zeros, as gguf-py writes it."""
+    streamed pieces held meanwhile written, those waiting for it going on), then each tensor made whole converted and
+    handed to the positional writes at its place; the padding between tensors and after the last is a hole of zeros,
+    as gguf-py writes it."""
     import numpy as np
 
     writer.write_ti_data_to_file()
@@ -211,7 +219,8 @@ def _write_tensors(writer, gguf, layout: Layout, descriptor: int, writes: Positi
             offsets[tensor_name] = position
             position += writer.ggml_pad(info.nbytes, writer.data_alignment)
     os.ftruncate(descriptor, position)
-    layout.set(offsets)
+    for at, data in pieces.layout.set(offsets):
+        pieces.pwrite(data, at)
     profile.mark("GGUF layout written")
     for split in writer.tensors:
         for tensor_name, info in split.items():
@@ -288,6 +297,7 @@ class GgufFile(Sink):
         self.type = self.own_type = (
             options.gguf_type or FLOAT_TYPES[plan.dtype.short]
         )  # --dtype's float type by default
+        self._vocabulary = None  # what the check recorded of the converter's vocabulary
 
     def default_output(self, output_dir, stem: str) -> Path:
         return default_output(output_dir, stem, f"{self.type}{GGUF_SUFFIX}")
@@ -297,7 +307,7 @@ class GgufFile(Sink):
         found without reading a weight (``converter.check``)."""
         plan = self.plan
         with staged(plan.folder, plan.config or {}, None, self.model) as stage:
-            check(stage, tensors_of(plan), self.type, plan.folder)
+            self._vocabulary = check(stage, tensors_of(plan), self.type, plan.folder)
 
     def size_bound(self) -> int:
         """At most the bytes of the GGUF: each tensor at the type's size (one-dimensional ones in fp32, as the converter
@@ -331,6 +341,7 @@ class GgufFile(Sink):
             card=card(),
             settings=settings,
             progress=progress,
+            vocabulary=self._vocabulary,
         )
 
     def place(self, staging: Path, output: Path, *, overwrite: bool) -> int:

@@ -14,7 +14,7 @@ from .errors import CheckpointError, Nf4ConvertError
 from .formats.config import check_present as check_config_present
 from .hub.names import model_name, model_stem
 from .hub.ranges import HeadersOnly
-from .hub.sources import as_text, named_sources, resolve_source, reworded
+from .hub.sources import Resolved, as_text, named_sources, resolve_source, reworded
 from .options import ConvertOptions
 from .pipeline.routes.base import route_for
 from .plan import make_plan
@@ -40,6 +40,8 @@ class ConvertResult:
     card: str | None = None  # a one-file output (a GGUF): the model card a push uploads beside it
     made: str = ""  # what the output is, as the summary says it ("bfloat16", "GGUF q8_0 (made from bfloat16)")
     sink: str = "safetensors"  # the output format's sink (``sinks.base.SINKS``), which pushes it
+    # SOURCE resolved and planned (a verify that follows in this process takes them): not part of the result's value
+    prepared: "Prepared | None" = field(default=None, repr=False, compare=False)
 
 
 def model_card(prepared: "Prepared"):
@@ -79,6 +81,7 @@ class Prepared:
     headers_only: str | None = None  # planned from its headers alone: the Hub repo as "repo@commit" (its copy is gone)
     leftovers: tuple = ()  # sinks.output.Leftover: killed runs' staging folders beside the output
     sink: Sink | None = None  # what the output is written as
+    resolved: Resolved | None = None  # SOURCE and ADAPTER resolved to folders
 
     @property
     def needed(self) -> int:
@@ -129,9 +132,8 @@ def _prepare(source, options: ConvertOptions, *, reader, headers=None, on_output
     if output is not None:  # before any download
         lifecycle.check_destination(output, overwrite=options.overwrite, file=sink.file)
     hub = options.hub
-    folder, adapter_folder, base, adapter = resolve_source(
-        source, adapter, hub, progress=options.progress, headers=headers
-    )
+    resolved = resolve_source(source, adapter, hub, progress=options.progress, headers=headers)
+    folder, adapter_folder, base, adapter = resolved
     try:
         plan = make_plan(
             folder,
@@ -169,6 +171,7 @@ def _prepare(source, options: ConvertOptions, *, reader, headers=None, on_output
         headers and headers.shown(folder),
         tuple(lifecycle.leftovers(output)),
         made,
+        resolved,
     )
 
 
@@ -248,6 +251,8 @@ def converted(source: str | os.PathLike, options: ConvertOptions, *, on_output=N
     started = time.perf_counter()
     settings = Settings.from_env()
     profile.start("convert called", enabled=settings.profile)
+    with contextlib.suppress(Nf4ConvertError):  # said where prepare() checks it, in its order
+        sink_for(options).check_ready()  # what the sink imports (the GGUF converter) begins now, on the side
     chosen_device = pick_device(options.device)
     profile.mark("device picked")
     # The route starts now (a CUDA context takes a while) and the card is written on the side while the tensors are.
@@ -301,6 +306,7 @@ def converted(source: str | os.PathLike, options: ConvertOptions, *, on_output=N
             sink.pushed_card(card.text, output),
             sink.what(),
             sink.name,
+            prepared,
         )
     return result
 

@@ -24,12 +24,12 @@ from ..hub.names import model_stem
 from ..sinks.gguf.converter import (
     GGUF_TYPES,
     NAME_FIELDS,
-    converter,
     converter_errors,
     converter_model,
     dense_dtype,
     quiet_converter,
     staged,
+    start_importing,
     tensors_of,
 )
 from .reference.base import against
@@ -50,7 +50,10 @@ class GgufFile:
         if not output.is_file():
             raise SourceNotFoundError(f"{output}: {'a folder, not a GGUF file' if output.is_dir() else 'no such file'}")
         self.output = output
-        self.gguf_module, _ = converter()
+        start_importing()  # the converter, on the side, while SOURCE is resolved and planned
+        import gguf
+
+        self.gguf_module = gguf
         self.actual = _read(self.gguf_module, output)
         self.gguf_type = _gguf_type(self.gguf_module, self.actual, output)
 

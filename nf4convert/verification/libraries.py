@@ -21,25 +21,44 @@ from ..errors import DependencyError
 _importing = threading.Lock()  # torch.compile is replaced for one import at a time
 
 
+QUIET = ("bitsandbytes.backends.cpu.ops", "peft")  # loggers quieted while verifying
+_quieted = threading.Lock()
+_quieting = {"depth": 0, "levels": []}  # blocks quieting now (on any thread); the levels found by the first
+
+
+@contextlib.contextmanager
+def _quiet_levels():
+    """The loggers of ``QUIET`` at ERROR during the block, from any thread: the first block in sets them, the last out
+    restores what the first found (blocks on two threads, one importing on the side, overlap)."""
+    import logging
+
+    loggers = [logging.getLogger(name) for name in QUIET]
+    with _quieted:
+        if not _quieting["depth"]:
+            _quieting["levels"] = [logger.level for logger in loggers]
+            for logger in loggers:
+                logger.setLevel(logging.ERROR)
+        _quieting["depth"] += 1
+    try:
+        yield
+    finally:
+        with _quieted:
+            _quieting["depth"] -= 1
+            if not _quieting["depth"]:
+                for logger, level in zip(loggers, _quieting["levels"]):
+                    logger.setLevel(level)
+
+
 @contextlib.contextmanager
 def quiet_loggers():
     """bitsandbytes warns on import about an optional CPU matmul kernel that verification never uses, and peft about
     the stand-in models it is handed (in its log and as Python warnings: a config key it does not know, a layer class
     it adjusts fan_in_fan_out for): quiet while verifying, as the caller had them after."""
-    import logging
     import warnings
 
-    loggers = [logging.getLogger(name) for name in ("bitsandbytes.backends.cpu.ops", "peft")]
-    levels = [logger.level for logger in loggers]
-    for logger in loggers:
-        logger.setLevel(logging.ERROR)
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", module=r"peft(\.|$)")
-            yield
-    finally:
-        for logger, level in zip(loggers, levels):
-            logger.setLevel(level)
+    with _quiet_levels(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", module=r"peft(\.|$)")
+        yield
 
 
 @contextlib.contextmanager
@@ -80,7 +99,7 @@ def import_bitsandbytes():
 
     if sys.modules.get("bitsandbytes") is not None:
         return sys.modules["bitsandbytes"]
-    with _importing, compile_on_first_call():
+    with _importing, _quiet_levels(), compile_on_first_call():
         import bitsandbytes
     return bitsandbytes
 

@@ -23,6 +23,7 @@ from ..options import VerifyOptions
 from ..paths import expanded
 from ..plan import make_plan
 from ..safetensors_io.read import TensorReader, read_tensors
+from ..settings import Settings
 from ..skeleton import meta_model
 from .folder import Folder
 from .gguf import GgufFile
@@ -97,14 +98,18 @@ def verified(output: str | Path, source: str, options: VerifyOptions, *, resolve
 
     The reference libraries begin importing on the preload thread at once (``libraries.start_importing``) while SOURCE
     is resolved and planned and the output's headers read."""
+    try:
+        profiled = Settings.from_env().profile
+    except ArgumentError:  # the conversion's settings, not verify's: a bad one is said there
+        profiled = False
+    profile.start("verify called", enabled=profiled)
     source, adapter = named_sources(source, options.adapter)
     named = os.fspath(output)
     if not named.strip():
         raise ArgumentError("output is empty; give the converted checkpoint's folder", option="output")
     output = expanded(named, "output")
-    kind = next(kind for kind in OUTPUTS if kind.claims(named))
+    checked = next(kind for kind in OUTPUTS if kind.claims(named))(output)  # its own checks, before SOURCE is fetched
     start_importing("bitsandbytes", *(["peft"] if adapter is not None else []), "transformers.modeling_utils")
-    checked = kind(output)  # its own checks, before SOURCE is fetched
     chosen = pick_device(options.device, kernel=False)  # bitsandbytes recomputes: no Triton needed
     report = VerifyReport(output, device=str(chosen), gguf=checked.gguf)
     hub, progress = options.hub, options.progress
@@ -126,6 +131,7 @@ def verified(output: str | Path, source: str, options: VerifyOptions, *, resolve
         reference_library("bitsandbytes")
         if resolved.adapter_folder is not None:
             reference_library("peft")
+        profile.mark("reference libraries imported")
         planned = {tensor.name: tensor for tensor in plan.tensors}
         context = Context(planned, *meta_model(plan.config), plan.tied or ())
         checked.check(
@@ -139,4 +145,6 @@ def verified(output: str | Path, source: str, options: VerifyOptions, *, resolve
             revision=hub.revision,
             resolved=resolved,
         )
+    profile.mark("compared")
+    profile.report()
     return report

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nf4convert.dtypes import DTYPES
+from nf4convert.dtypes import BY_NAME, DTYPES
 
 from fixtures import checkpoints, checkpoints8
 from fixtures.adapters import make_adapter
@@ -102,7 +102,7 @@ def test_every_kind_streams_in_small_pieces_into_the_converters_bytes(case, tmp_
 
     monkeypatch.setattr(streamed.StreamedTensor, "write", recorded)
     for gguf_type in ("bf16", "f16", "q8_0"):
-        dtype = {"bf16": "bfloat16", "f16": "float16", "q8_0": "auto"}[gguf_type]
+        dtype = {"bf16": BY_NAME["bfloat16"], "f16": BY_NAME["float16"], "q8_0": None}[gguf_type]
         plan = make_plan(source, dtype=dtype, adapter=adapter)
         planned = {tensor.name: tensor for tensor in plan.tensors}
         pieces.clear()

@@ -97,9 +97,8 @@ def write_gguf(
     settings = settings or Settings()
     gguf, _ = converter()
     written = GgufWritten(0)
-    on_gpu = getattr(route.device, "type", route.device) == "cuda"
     writers = settings.writers
-    if gguf_type == "q8_0" and not on_gpu:  # the writing threads quantize: the CPU's cores are the work's
+    if gguf_type == "q8_0" and not route.gpu:  # the writing threads quantize: the CPU's cores are the work's
         writers = max(writers, cpu_cores() // 2)
     feed = Feed(plan, reader, route, writers=writers, progress=progress)
     layout = Layout()

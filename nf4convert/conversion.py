@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import profile
+from . import preload, profile
 from .devices import pick_device
 from .errors import CheckpointError, Nf4ConvertError
 from .formats.config import check_present as check_config_present
@@ -46,6 +46,7 @@ class ConvertResult:
 
 def model_card(prepared: "Prepared"):
     """The output's README.md (a ``card.Card``): the base's card made true for the dense (merged) model."""
+    preload.settled()  # huggingface_hub, which the card imports, may be importing on the preload thread
     from .hub.card import card_for_plan
 
     return card_for_plan(
@@ -241,8 +242,11 @@ def convert(
     return converted(source, options, on_output=on_output)
 
 
-def converted(source: str | os.PathLike, options: ConvertOptions, *, on_output=None) -> ConvertResult:
-    """``convert`` with its options parsed: the stages in order."""
+def converted(
+    source: str | os.PathLike, options: ConvertOptions, *, on_output=None, then_importing: tuple = ()
+) -> ConvertResult:
+    """``convert`` with its options parsed: the stages in order. ``then_importing``: what a step after the conversion
+    will import (``preload.start``'s arguments), begun on the preload thread once SOURCE is planned."""
     from tqdm.auto import tqdm
 
     from .hub import card as _card  # noqa: F401  (imported here, not first on the side thread: see _side_thread)
@@ -251,8 +255,9 @@ def converted(source: str | os.PathLike, options: ConvertOptions, *, on_output=N
     started = time.perf_counter()
     settings = Settings.from_env()
     profile.start("convert called", enabled=settings.profile)
-    with contextlib.suppress(Nf4ConvertError):  # said where prepare() checks it, in its order
-        sink_for(options).check_ready()  # what the sink imports (the GGUF converter) begins now, on the side
+    if _local_folder(source):  # a Hub SOURCE's download imports huggingface_hub's parts: not beside it
+        with contextlib.suppress(Nf4ConvertError):  # said where prepare() checks it, in its order
+            getattr(sink_for(options), "begin_imports", lambda: None)()  # the GGUF converter's, on the side
     chosen_device = pick_device(options.device)
     profile.mark("device picked")
     # The route starts now (a CUDA context takes a while) and the card is written on the side while the tensors are.
@@ -262,6 +267,7 @@ def converted(source: str | os.PathLike, options: ConvertOptions, *, on_output=N
         prepared = prepare(source, options, reader=reader, on_output=on_output)
         plan, output, sink = prepared.plan, prepared.output, prepared.sink
         profile.mark("planned")
+        preload.start(*then_importing)
         lifecycle.check_free_space(output, prepared.needed)
         card_made = side.submit(model_card, prepared)
         with lifecycle.staging(output) as temporary:
@@ -309,6 +315,14 @@ def converted(source: str | os.PathLike, options: ConvertOptions, *, on_output=N
             prepared,
         )
     return result
+
+
+def _local_folder(source: str) -> bool:
+    """Whether SOURCE names a local folder (a name that cannot be expanded is said where it is resolved)."""
+    try:
+        return Path(source).expanduser().is_dir()
+    except (RuntimeError, OSError):
+        return False
 
 
 @contextlib.contextmanager

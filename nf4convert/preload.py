@@ -4,7 +4,9 @@ what needs none of them: resolving and planning, reading headers, making and wri
 The reference libraries and llama.cpp's converter take seconds to import (torch's compiler stack, transformers'
 model registry), which a command otherwise waits for where it first uses them. ``start(...)`` queues them on one
 background thread; where a module is first needed, ``ready(name)`` waits for that thread to be done with it and the
-caller imports it itself: at once, or with the import's own error.
+caller imports it itself: at once, or with the import's own error. Code that imports from the same packages on another
+thread waits first (``settled``): the background thread runs beside code that imports nothing new of them (reading,
+planning, making pieces).
 
 Only while ``allowed`` (the command line, under its stop signals' handlers): Python raises Ctrl-C in the main thread
 wherever it is, and a main thread interrupted while it waits for a module another thread is importing can leave that
@@ -72,6 +74,14 @@ def ready(name: str) -> None:
     """Wait until the background thread is done with ``name`` (imported or failed), if it was queued."""
     done = _done.get(name)
     if done is not None:
+        done.wait()
+
+
+def settled() -> None:
+    """Wait until the background thread has done everything queued: where a thread is about to import what it may be
+    importing (transformers, huggingface_hub beneath it). Two threads importing one web of packages at once can each
+    wait for a module the other is part way through, and Python then hands one of them that module half made."""
+    for done in list(_done.values()):
         done.wait()
 
 

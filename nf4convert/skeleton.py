@@ -7,6 +7,8 @@ import functools
 import logging
 from typing import Callable
 
+from . import preload
+
 
 def meta_model(config: dict | None) -> tuple[Callable, Callable, Callable]:
     """(module path -> its class, tensor name -> its shape, -> why there is no model) in the model transformers builds
@@ -18,6 +20,7 @@ def meta_model(config: dict | None) -> tuple[Callable, Callable, Callable]:
 
     @functools.lru_cache(maxsize=1)
     def model():
+        preload.settled()  # transformers may be importing on the preload thread
         import torch
         import transformers
 

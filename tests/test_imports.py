@@ -151,3 +151,24 @@ def test_preload_imports_on_the_side_only_where_allowed():
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "raised again: ModuleNotFoundError"
+
+
+def test_verify_builds_its_model_while_its_libraries_import_on_the_side(tmp_path):
+    """verify in a fresh process, its libraries importing on the preload thread while it plans: transformers' model
+    on the meta device is built whole (no module handed over half imported), and the check passes."""
+    from fixtures.checkpoints import build
+
+    source = build(tmp_path / "bert-bnb-4bit", "bert-encoder-nf4")
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "nf4convert"]
+    subprocess.run([*command, str(source), "-o", str(out), "-q", "--device", "cpu"], check=True, env=package_env())
+    for _ in range(2):
+        result = subprocess.run(
+            [*command, "verify", str(out), str(source), "--device", "cpu", "-q"],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env=package_env(),
+        )
+        assert result.returncode == 0 and "OK: bit-exact" in result.stdout, result.stdout + result.stderr
+        assert "could not build the model" not in result.stdout, result.stdout

@@ -61,12 +61,13 @@ def convert_then(
 
     With ``verify``, the reference libraries begin importing on the side as the conversion starts, and verify takes
     SOURCE as the conversion resolved and planned it."""
-    with preload.allowed():
-        if verify:
-            from ..verification.libraries import start_importing
+    then_importing = ()
+    if verify:
+        from ..verification.libraries import importing, reference_libraries
 
-            start_importing("bitsandbytes", *(["peft"] if options.adapter else []), "transformers.modeling_utils")
-        result: ConvertResult = converted(source, options)
+        then_importing = importing(*reference_libraries(options.adapter is not None))
+    with preload.allowed():
+        result: ConvertResult = converted(source, options, then_importing=then_importing)
     try:
         on_step(result)
         if verify:

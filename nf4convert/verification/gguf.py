@@ -23,13 +23,14 @@ from ..hub.card import card_for_plan
 from ..hub.names import model_stem
 from ..sinks.gguf.converter import (
     GGUF_TYPES,
+    IMPORTS,
     NAME_FIELDS,
     converter_errors,
     converter_model,
     dense_dtype,
+    installed,
     quiet_converter,
     staged,
-    start_importing,
     tensors_of,
 )
 from .reference.base import against
@@ -41,6 +42,7 @@ class GgufFile:
     """A GGUF file, as verify checks it: read (and its type known) before SOURCE is fetched."""
 
     gguf = True
+    imports = IMPORTS  # the converter's, begun on the side
 
     @staticmethod
     def claims(output: str) -> bool:
@@ -50,7 +52,7 @@ class GgufFile:
         if not output.is_file():
             raise SourceNotFoundError(f"{output}: {'a folder, not a GGUF file' if output.is_dir() else 'no such file'}")
         self.output = output
-        start_importing()  # the converter, on the side, while SOURCE is resolved and planned
+        installed()
         import gguf
 
         self.gguf_module = gguf

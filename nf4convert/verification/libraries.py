@@ -107,10 +107,20 @@ def import_bitsandbytes():
 IMPORTERS = {"bitsandbytes": import_bitsandbytes}
 
 
+def reference_libraries(adapter: bool) -> tuple[str, ...]:
+    """What verify imports to recompute: bitsandbytes first (peft imports it too), peft for an adapter, and the part of
+    transformers its model on the meta device needs (``skeleton.py``)."""
+    return ("bitsandbytes", *(["peft"] if adapter else []), "transformers.modeling_utils")
+
+
+def importing(*names: str) -> tuple:
+    """``preload.start``'s arguments for ``names``: bitsandbytes through ``import_bitsandbytes``."""
+    return tuple((name, IMPORTERS[name]) if name in IMPORTERS else name for name in names)
+
+
 def start_importing(*names: str) -> None:
-    """Begin importing the reference libraries ``names`` on the preload thread (``preload.py``), bitsandbytes first
-    where asked (peft imports it too)."""
-    preload.start(*((name, IMPORTERS[name]) if name in IMPORTERS else name for name in names))
+    """Begin importing ``names`` on the preload thread (``preload.py``)."""
+    preload.start(*importing(*names))
 
 
 def reference_library(name: str) -> None:

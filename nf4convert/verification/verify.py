@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .. import profile
+from .. import preload, profile
 from ..devices import pick_device
 from ..errors import ArgumentError, CheckpointError
 from ..formats.base import quantization_key
@@ -27,7 +27,7 @@ from ..settings import Settings
 from ..skeleton import meta_model
 from .folder import Folder
 from .gguf import GgufFile
-from .libraries import installed, quiet_loggers, reference_library, start_importing
+from .libraries import installed, quiet_loggers, reference_libraries, reference_library, start_importing
 from .reference.base import Context
 from .report import VerifyReport
 
@@ -96,8 +96,8 @@ def verified(output: str | Path, source: str, options: VerifyOptions, *, resolve
     adapter) as a conversion in this process resolved and planned it (``convert --verify``), taken instead of resolving
     and planning again (the plan only where it is in the output's dtype); the recomputing is verify's own all the same.
 
-    The reference libraries begin importing on the preload thread at once (``libraries.start_importing``) while SOURCE
-    is resolved and planned and the output's headers read."""
+    The reference libraries begin importing on the preload thread (``libraries.start_importing``) once SOURCE is
+    resolved, while it is planned and the output's headers read."""
     try:
         profiled = Settings.from_env().profile
     except ArgumentError:  # the conversion's settings, not verify's: a bad one is said there
@@ -109,7 +109,6 @@ def verified(output: str | Path, source: str, options: VerifyOptions, *, resolve
         raise ArgumentError("output is empty; give the converted checkpoint's folder", option="output")
     output = expanded(named, "output")
     checked = next(kind for kind in OUTPUTS if kind.claims(named))(output)  # its own checks, before SOURCE is fetched
-    start_importing("bitsandbytes", *(["peft"] if adapter is not None else []), "transformers.modeling_utils")
     chosen = pick_device(options.device, kernel=False)  # bitsandbytes recomputes: no Triton needed
     report = VerifyReport(output, device=str(chosen), gguf=checked.gguf)
     hub, progress = options.hub, options.progress
@@ -119,6 +118,8 @@ def verified(output: str | Path, source: str, options: VerifyOptions, *, resolve
             resolved = resolve_source(source, adapter, hub, progress=progress)
         if resolved.adapter_folder is not None:
             installed("peft")
+        # begun once SOURCE is here (a download imports huggingface_hub's parts: not beside transformers' import)
+        start_importing(*checked.imports, *reference_libraries(resolved.adapter_folder is not None))
         if resolved.folder.resolve() == output.resolve():
             raise ArgumentError(
                 f"{output} is given as both OUT and SOURCE: the order is the converted checkpoint, then "
@@ -131,6 +132,7 @@ def verified(output: str | Path, source: str, options: VerifyOptions, *, resolve
         reference_library("bitsandbytes")
         if resolved.adapter_folder is not None:
             reference_library("peft")
+        preload.settled()  # from here this thread imports transformers' and the converter's parts itself
         profile.mark("reference libraries imported")
         planned = {tensor.name: tensor for tensor in plan.tensors}
         context = Context(planned, *meta_model(plan.config), plan.tied or ())

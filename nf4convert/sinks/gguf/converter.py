@@ -83,12 +83,15 @@ def installed() -> None:
                 )
 
 
+# what the converter imports: gguf-py, its modules with transformers beneath them, and what every transformers model
+# configuration imports (it reads a model's config through transformers)
+IMPORTS = ("gguf", "conversion", "transformers.utils.type_validators")
+
+
 def start_importing() -> None:
-    """The converter checked (``installed``) and its import begun on the preload thread (``preload.py``): gguf-py,
-    the converter's modules with transformers beneath them, and what every transformers model configuration imports
-    (its first model class's config is read through transformers)."""
+    """The converter checked (``installed``) and its import begun on the preload thread (``preload.py``)."""
     installed()
-    preload.start("gguf", "conversion", "transformers.utils.type_validators")
+    preload.start(*IMPORTS)
 
 
 @functools.cache
@@ -100,7 +103,8 @@ def converter():
             the copy it bundles.
     """
     installed()
-    preload.ready("conversion")
+    for name in IMPORTS:  # all of them: this thread goes on to import transformers' parts
+        preload.ready(name)
     try:
         import conversion
         import gguf

@@ -38,6 +38,7 @@ from .converter import (
     converter_errors,
     converter_model,
     dense_dtype,
+    installed,
     quiet_converter,
     staged,
     start_importing,
@@ -286,7 +287,12 @@ class GgufFile(Sink):
 
     @classmethod
     def check_ready(cls) -> None:
-        start_importing()  # the converter checked at once, imported on the side meanwhile
+        installed()  # read, not imported: its import begins with the command (begin_imports) or where first needed
+
+    @classmethod
+    def begin_imports(cls) -> None:
+        """The converter's import begun on the preload thread, while the command resolves and plans."""
+        start_importing()
 
     @classmethod
     def batch_output(cls, output_root, stem: str, options) -> str:

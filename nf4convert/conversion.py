@@ -58,6 +58,14 @@ def model_card(prepared: "Prepared"):
     )
 
 
+def _card_then_importing(prepared: "Prepared", then_importing: tuple):
+    """The model card, then ``then_importing`` begun on the preload thread: after the card, whose huggingface_hub
+    imports must not run beside them (a GGUF's writing waits for the card)."""
+    card = model_card(prepared)
+    preload.start(*then_importing, here=())
+    return card
+
+
 def _infinite_warning(names: list[str]) -> str | None:
     """What a conversion to fp16 says of the tensors it wrote with ±inf (values beyond fp16's range, 65504, in their
     source or made so by a merge; torch's cast and bitsandbytes make them so too)."""
@@ -246,7 +254,8 @@ def converted(
     source: str | os.PathLike, options: ConvertOptions, *, on_output=None, then_importing: tuple = ()
 ) -> ConvertResult:
     """``convert`` with its options parsed: the stages in order. ``then_importing``: what a step after the conversion
-    will import (``preload.start``'s arguments), begun on the preload thread once SOURCE is planned."""
+    will import (``preload.start``'s arguments), begun on the preload thread once SOURCE is planned and the model card
+    made."""
     from tqdm.auto import tqdm
 
     from .hub import card as _card  # noqa: F401  (imported here, not first on the side thread: see _side_thread)
@@ -267,9 +276,10 @@ def converted(
         prepared = prepare(source, options, reader=reader, on_output=on_output)
         plan, output, sink = prepared.plan, prepared.output, prepared.sink
         profile.mark("planned")
-        preload.start(*then_importing)
+        if then_importing:
+            preload.start()  # torch, on this thread (preload.start's ``here``)
         lifecycle.check_free_space(output, prepared.needed)
-        card_made = side.submit(model_card, prepared)
+        card_made = side.submit(_card_then_importing, prepared, then_importing)
         with lifecycle.staging(output) as temporary:
             n_tensors = len(plan.tensors)
             with tqdm(

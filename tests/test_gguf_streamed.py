@@ -71,19 +71,22 @@ CASES = {
 }
 
 
-def _write(plan, out: Path, gguf_type: str, *, fast: bool, piece_bytes: int | None = None):
+def _write(plan, out: Path, gguf_type: str, *, fast: bool, piece_bytes: int | None = None, device: str = "cpu"):
+    from nf4convert.pipeline.routes.base import route_for
     from nf4convert.pipeline.routes.cpu import CpuRoute
     from nf4convert.safetensors_io.read import TensorReader
     from nf4convert.sinks.gguf.sink import write_gguf
 
-    with TensorReader() as reader, CpuRoute(processes=0) as route:
+    route = CpuRoute(processes=0) if device == "cpu" else route_for(torch.device(device))
+    with TensorReader() as reader, route:
         if piece_bytes is not None:
             route.piece_bytes = piece_bytes
         return write_gguf(plan, out, reader, route, gguf_type=gguf_type, name="model", card=None, fast=fast)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("case", list(CASES))
-def test_every_kind_streams_in_small_pieces_into_the_converters_bytes(case, tmp_path, monkeypatch):
+def test_every_kind_streams_in_small_pieces_into_the_converters_bytes(case, device, tmp_path, monkeypatch):
     from conversion.base import TextModel
 
     from nf4convert.plan import make_plan
@@ -110,7 +113,7 @@ def test_every_kind_streams_in_small_pieces_into_the_converters_bytes(case, tmp_
         _write(plan, expected, gguf_type, fast=False)  # the converter's own graph for every tensor, made whole
         assert not pieces
         ours = tmp_path / f"streamed-{gguf_type}.gguf"
-        written = _write(plan, ours, gguf_type, fast=True, piece_bytes=PIECE_BYTES)
+        written = _write(plan, ours, gguf_type, fast=True, piece_bytes=PIECE_BYTES, device=device)
         assert ours.read_bytes() == expected.read_bytes(), gguf_type
         assert kinds <= {planned[name].recipe.kind for name in pieces}, gguf_type
         assert written.fast >= len(pieces) > 0

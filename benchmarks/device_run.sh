@@ -31,9 +31,9 @@ fi
 if [[ $stages == *gguf* ]]; then
   # -o x.gguf (bf16, f16, q8_0) against the dense conversion on each route, with the targets (1.1x, 1.2x, 1 GB) and
   # each run's profile; gguf-bf16 once more under -X importtime. GGUF_ARGS: "--shape 70b" for the 70B shapes (8 layers).
-  timeout ${GGUF_TIMEOUT:-580} python3 benchmarks/bench_gguf.py --workdir /tmp/bench-gguf --device ${GGUF_DEVICES:-cuda,cpu} \
+  # The checkpoint is built in (or taken from) the verify stage's folder, which keeps it for that stage.
+  timeout ${GGUF_TIMEOUT:-580} python3 benchmarks/bench_gguf.py --workdir /tmp/bench-verify --device ${GGUF_DEVICES:-cuda,cpu} \
     --importtime --json "$out/gguf.json" ${GGUF_ARGS:-} 2>&1 | tee "$out/gguf.log" | grep -v ' {"seconds"'
-  rm -rf /tmp/bench-gguf
 fi
 if [[ $stages == *verify* ]]; then
   # verify beside the conversion. VERIFY_ARGS: the 8B shapes by default; "--shape 70b --layers 8 --steps

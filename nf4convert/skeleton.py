@@ -7,6 +7,8 @@ import functools
 import logging
 from typing import Callable
 
+from . import preload
+
 
 def meta_model(config: dict | None) -> tuple[Callable, Callable, Callable, Callable]:
     """(module path -> its class, tensor name -> its shape, -> why there is no model, module path -> the module) in the
@@ -20,6 +22,7 @@ def meta_model(config: dict | None) -> tuple[Callable, Callable, Callable, Calla
 
     @functools.lru_cache(maxsize=1)
     def model():
+        preload.settled()  # transformers may be importing on the preload thread
         import torch
         import transformers
 

@@ -70,11 +70,12 @@ def start(*modules: str | tuple[str, Callable[[], object]], here: tuple[str, ...
             _thread[0].start()
 
 
-def ready(name: str) -> None:
-    """Wait until the background thread is done with ``name`` (imported or failed), if it was queued."""
+def ready(name: str) -> bool:
+    """Wait until the background thread is done with ``name`` (imported or failed), if it was queued; whether it was."""
     done = _done.get(name)
     if done is not None:
         done.wait()
+    return done is not None
 
 
 def settled() -> None:

@@ -126,10 +126,11 @@ def start_importing(*names: str) -> None:
 def reference_library(name: str, what: str | None = None, package: str | None = None) -> None:
     """DependencyError unless ``name`` imports: without its reference library verify can recompute nothing, which is
     not a difference in the weights. ``what`` it recomputes, and the ``package`` that installs it, where a reference
-    module says (``LIBRARY``: compressed-tensors' decompression)."""
+    says (compressed-tensors' decompression)."""
     import importlib
 
-    preload.ready(name)
+    if not preload.ready(name):
+        preload.settled()  # not queued: this thread imports it, perhaps from packages the preload thread is importing
     try:
         IMPORTERS.get(name, functools.partial(importlib.import_module, name))()
     except Exception as error:  # noqa: BLE001  (ImportError, or a broken install failing inside its import)

@@ -8,13 +8,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import profile
+from . import preload, profile
 from .devices import pick_device
 from .errors import CheckpointError, Nf4ConvertError
 from .formats.config import check_present as check_config_present
 from .hub.names import model_name, model_stem
 from .hub.ranges import HeadersOnly
-from .hub.sources import as_text, named_sources, resolve_source, reworded
+from .hub.sources import Resolved, as_text, named_sources, resolve_source, reworded
 from .options import ConvertOptions
 from .paths import expanded
 from .pipeline.routes.base import route_for
@@ -41,10 +41,13 @@ class ConvertResult:
     card: str | None = None  # a one-file output (a GGUF): the model card a push uploads beside it
     made: str = ""  # what the output is, as the summary says it ("bfloat16", "GGUF q8_0 (made from bfloat16)")
     sink: str = "safetensors"  # the output format's sink (``sinks.base.SINKS``), which pushes it
+    # SOURCE resolved and planned (a verify that follows in this process takes them): not part of the result's value
+    prepared: "Prepared | None" = field(default=None, repr=False, compare=False)
 
 
 def model_card(prepared: "Prepared"):
     """The output's README.md (a ``card.Card``): the base's card made true for the dense (merged) model."""
+    preload.settled()  # huggingface_hub, which the card imports, may be importing on the preload thread
     from .hub.card import card_for_plan
 
     return card_for_plan(
@@ -54,6 +57,14 @@ def model_card(prepared: "Prepared"):
         revision=prepared.revision,
         title=prepared.output.name,
     )
+
+
+def _card_then_importing(prepared: "Prepared", then_importing: tuple):
+    """The model card, then ``then_importing`` begun on the preload thread: after the card, whose huggingface_hub
+    imports must not run beside them (a GGUF's writing waits for the card)."""
+    card = model_card(prepared)
+    preload.start(*then_importing, here=())
+    return card
 
 
 def _infinite_warning(names: list[str]) -> str | None:
@@ -89,6 +100,7 @@ class Prepared:
     headers_only: str | None = None  # planned from its headers alone: the Hub repo as "repo@commit" (its copy is gone)
     leftovers: tuple = ()  # sinks.output.Leftover: killed runs' staging folders beside the output
     sink: Sink | None = None  # what the output is written as
+    resolved: Resolved | None = None  # SOURCE and ADAPTER resolved to folders
 
     @property
     def needed(self) -> int:
@@ -148,9 +160,8 @@ def _prepare(source, options: ConvertOptions, *, reader, headers=None, on_output
             adapter=adapter_local if adapter_local is not None and adapter_local.is_dir() else None,
         )
     hub = options.hub
-    folder, adapter_folder, base, adapter = resolve_source(
-        source, adapter, hub, progress=options.progress, headers=headers
-    )
+    resolved = resolve_source(source, adapter, hub, progress=options.progress, headers=headers)
+    folder, adapter_folder, base, adapter = resolved
     try:
         plan = make_plan(
             folder,
@@ -191,6 +202,7 @@ def _prepare(source, options: ConvertOptions, *, reader, headers=None, on_output
         headers and headers.shown(folder),
         tuple(lifecycle.leftovers(output)),
         made,
+        resolved,
     )
 
 
@@ -265,8 +277,12 @@ def convert(
     return converted(source, options, on_output=on_output)
 
 
-def converted(source: str | os.PathLike, options: ConvertOptions, *, on_output=None) -> ConvertResult:
-    """``convert`` with its options parsed: the stages in order."""
+def converted(
+    source: str | os.PathLike, options: ConvertOptions, *, on_output=None, then_importing: tuple = ()
+) -> ConvertResult:
+    """``convert`` with its options parsed: the stages in order. ``then_importing``: what a step after the conversion
+    will import (``preload.start``'s arguments), begun on the preload thread once SOURCE is planned and the model card
+    made."""
     from tqdm.auto import tqdm
 
     from .hub import card as _card  # noqa: F401  (imported here, not first on the side thread: see _side_thread)
@@ -275,6 +291,9 @@ def converted(source: str | os.PathLike, options: ConvertOptions, *, on_output=N
     started = time.perf_counter()
     settings = Settings.from_env()
     profile.start("convert called", enabled=settings.profile)
+    if _local_folder(source):  # a Hub SOURCE's download imports huggingface_hub's parts: not beside it
+        with contextlib.suppress(Nf4ConvertError):  # said where prepare() checks it, in its order
+            getattr(sink_for(options), "begin_imports", lambda: None)()  # the GGUF converter's, on the side
     chosen_device = pick_device(options.device)
     profile.mark("device picked")
     # The route starts now (a CUDA context takes a while) and the card is written on the side while the tensors are.
@@ -284,8 +303,10 @@ def converted(source: str | os.PathLike, options: ConvertOptions, *, on_output=N
         prepared = prepare(source, options, reader=reader, on_output=on_output)
         plan, output, sink = prepared.plan, prepared.output, prepared.sink
         profile.mark("planned")
+        if then_importing:
+            preload.start()  # torch, on this thread (preload.start's ``here``)
         lifecycle.check_free_space(output, prepared.needed)
-        card_made = side.submit(model_card, prepared)
+        card_made = side.submit(_card_then_importing, prepared, then_importing)
         with lifecycle.staging(output) as temporary:
             n_tensors = len(plan.tensors)
             with tqdm(
@@ -332,8 +353,17 @@ def converted(source: str | os.PathLike, options: ConvertOptions, *, on_output=N
             sink.pushed_card(card.text, output),
             sink.what(),
             sink.name,
+            prepared,
         )
     return result
+
+
+def _local_folder(source: str) -> bool:
+    """Whether SOURCE names a local folder (a name that cannot be expanded is said where it is resolved)."""
+    try:
+        return Path(source).expanduser().is_dir()
+    except (RuntimeError, OSError):
+        return False
 
 
 @contextlib.contextmanager

@@ -9,10 +9,13 @@ import functools
 import logging
 from typing import Callable
 
+from . import preload
+
 
 @contextlib.contextmanager
 def _quiet_transformers():
     """transformers' config and model warnings, and its loading bar, are not this tool's output."""
+    preload.settled()  # transformers may be importing on the preload thread
     import transformers
 
     quiet = logging.getLogger("transformers")
@@ -105,6 +108,7 @@ def unloaded_parameters(config: dict | None, tensors: dict[str, tuple]) -> tuple
     transformers loads a checkpoint of ``tensors`` (name -> shape) into the model it builds from ``config``, by its own
     loading rules: its key renames and conversions, its tied weights, the keys its model may lack. A string saying why
     that cannot be told where it cannot (no model, or a transformers without those rules)."""
+    preload.settled()  # transformers may be importing on the preload thread
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import convert_and_load_state_dict_in_model

@@ -23,6 +23,7 @@ class Folder:
     """A converted checkpoint's folder, as verify checks it."""
 
     gguf = False
+    imports = ()  # beyond the reference libraries
 
     @staticmethod
     def claims(output: str) -> bool:

@@ -24,11 +24,12 @@ from ..hub.card import card_for_plan
 from ..hub.names import model_stem
 from ..sinks.gguf.converter import (
     GGUF_TYPES,
+    IMPORTS,
     NAME_FIELDS,
-    converter,
     converter_errors,
     converter_model,
     dense_dtype,
+    installed,
     quiet_converter,
     staged,
     tensors_of,
@@ -43,6 +44,7 @@ class GgufFile:
     """A GGUF file, as verify checks it: read (and its type known) before SOURCE is fetched."""
 
     gguf = True
+    imports = IMPORTS  # the converter's, begun on the side
 
     @staticmethod
     def claims(output: str) -> bool:
@@ -53,7 +55,10 @@ class GgufFile:
             found = "a folder, not a GGUF file" if output.is_dir() else "not a regular file"
             raise SourceNotFoundError(f"{output}: {found if os.path.lexists(output) else 'no such file'}")
         self.output = output
-        self.gguf_module, _ = converter()
+        installed()
+        import gguf
+
+        self.gguf_module = gguf
         self.actual = _read(self.gguf_module, output)
         self.gguf_type = _gguf_type(self.gguf_module, self.actual, output)
 

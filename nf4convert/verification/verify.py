@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from .. import preload, profile
 from ..devices import pick_device
 from ..errors import ArgumentError, CheckpointError
 from ..formats.base import quantization_key
@@ -22,10 +23,11 @@ from ..options import VerifyOptions
 from ..paths import expanded
 from ..plan import make_plan
 from ..safetensors_io.read import TensorReader, read_tensors
+from ..settings import Settings
 from ..skeleton import meta_model, unloaded_parameters
 from .folder import Folder
 from .gguf import GgufFile
-from .libraries import quiet_loggers, reference_library
+from .libraries import installed, quiet_loggers, reference_libraries, reference_library, start_importing
 from .reference.base import Context, libraries
 from .report import VerifyReport
 
@@ -89,8 +91,18 @@ def verify(
     return verified(output, source, options)
 
 
-def verified(output: str | Path, source: str, options: VerifyOptions) -> VerifyReport:
-    """``verify`` with its options parsed."""
+def verified(output: str | Path, source: str, options: VerifyOptions, *, resolved=None, plan=None) -> VerifyReport:
+    """``verify`` with its options parsed. ``resolved`` (``hub.sources.Resolved``) and ``plan``: this SOURCE (and
+    adapter) as a conversion in this process resolved and planned it (``convert --verify``), taken instead of resolving
+    and planning again (the plan only where it is in the output's dtype); the recomputing is verify's own all the same.
+
+    The reference libraries begin importing on the preload thread (``libraries.start_importing``) once SOURCE is
+    resolved, while it is planned and the output's headers read."""
+    try:
+        profiled = Settings.from_env().profile
+    except ArgumentError:  # the conversion's settings, not verify's: a bad one is said there
+        profiled = False
+    profile.start("verify called", enabled=profiled)
     source, adapter = named_sources(source, options.adapter)
     named = os.fspath(output)
     if not named.strip():
@@ -101,19 +113,29 @@ def verified(output: str | Path, source: str, options: VerifyOptions) -> VerifyR
     report = VerifyReport(output, device=str(chosen), gguf=checked.gguf)
     hub, progress = options.hub, options.progress
     with quiet_loggers(), TensorReader() as source_reader:
-        reference_library("bitsandbytes")
-        resolved = resolve_source(source, adapter, hub, progress=progress)
+        installed("bitsandbytes")
+        if resolved is None:
+            resolved = resolve_source(source, adapter, hub, progress=progress)
         if resolved.adapter_folder is not None:
-            reference_library("peft")
+            installed("peft")
+        # begun once SOURCE is here (a download imports huggingface_hub's parts: not beside transformers' import)
+        start_importing(*checked.imports, *reference_libraries(resolved.adapter_folder is not None))
         if resolved.folder.resolve() == output.resolve():
             raise ArgumentError(
                 f"{output} is given as both OUT and SOURCE: the order is the converted checkpoint, then "
                 "the bitsandbytes one"
             )
         planned_in = checked.plan_dtype(options.dtype)
-        plan = _plan_source(resolved.folder, output, planned_in, source_reader, resolved.adapter_folder)
+        if plan is None or plan.folder != resolved.folder or planned_in not in (None, plan.dtype):
+            plan = _plan_source(resolved.folder, output, planned_in, source_reader, resolved.adapter_folder)
+        profile.mark("verify planned")
+        reference_library("bitsandbytes")
+        if resolved.adapter_folder is not None:
+            reference_library("peft")
         for library in libraries(plan.tensors):  # the leaf kinds' reference libraries beyond bitsandbytes
             reference_library(library.name, library.recomputes, library.package)
+        preload.settled()  # from here this thread imports transformers' and the converter's parts itself
+        profile.mark("reference libraries imported")
         planned = {tensor.name: tensor for tensor in plan.tensors}
         context = Context(planned, *meta_model(plan.config), plan.tied or ())
         checked.check(
@@ -128,6 +150,8 @@ def verified(output: str | Path, source: str, options: VerifyOptions) -> VerifyR
             resolved=resolved,
         )
         report.problems += _unloaded(plan, report)
+    profile.mark("compared")
+    profile.report()
     return report
 
 

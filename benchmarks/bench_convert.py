@@ -242,6 +242,8 @@ def measure(command: list[str], env: dict | None = None, cwd: str | None = None,
     profiles = [
         json.loads(line) for line in text.splitlines() if line.startswith(('{"profile"', '{"pipeline_seconds"'))
     ]
+    if len(profiles) > 1:  # a conversion, then the verify that followed it: each its own report
+        run["profiles"] = [line.get("profile", line) for line in profiles]
     if profiles:  # this code's report, or the older one-line pipeline figures (a route run @ older code)
         old = profiles[-1].get("profile") is None
         run["profile"] = (
@@ -256,6 +258,23 @@ def measure(command: list[str], env: dict | None = None, cwd: str | None = None,
             }
         )
     return run
+
+
+def import_times(command: list[str], top: int = 15) -> list[tuple[str, float]]:
+    """``command`` (a Python one: ``[python, ...]``) run once more under ``python -X importtime``: its ``top`` slowest
+    imports, (module, cumulative seconds), each with what it imported beneath it (so a package and its submodules
+    both show: read the chain)."""
+    with tempfile.TemporaryFile() as stderr:
+        subprocess.run([command[0], "-X", "importtime", *command[1:]], stdout=subprocess.DEVNULL, stderr=stderr)
+        stderr.seek(0)
+        lines = stderr.read().decode(errors="replace").splitlines()
+    found = []
+    for line in lines:
+        if line.startswith("import time:") and line.count("|") == 2:
+            _, cumulative, name = line.split("|")
+            if cumulative.strip().isdigit():
+                found.append((name.rstrip(), int(cumulative) / 1e6))
+    return sorted(found, key=lambda item: -item[1])[:top]
 
 
 def _tree_pss_kb(pid: int) -> int:

@@ -24,9 +24,14 @@ Steps (``--steps``, comma-separated, run in the order given, each in a fresh pro
                   output on the CPU; verify-adapter: the adapter step's, --adapter LORA, on the GPU;
                   verify-cuda-on-cpu: the cuda step's output checked on the CPU)
   imports         python -c "import torch, bitsandbytes, transformers": what verify imports before it can start
+  help            nf4convert --help (verify-help: nf4convert verify --help), the fastest of three runs
 
 Each is timed at its process's exit and after a ``sync`` that follows; peak RssAnon (sampled every 5 ms) and peak
 Pss (anonymous and shared memory) of the process with its children (every 50 ms), as bench_convert.py measures them.
+Targets: a verify at most 1.5x the conversion that wrote its output (imports included), a conversion with --verify at
+most 2.2x the same conversion alone, each --help under 0.2 s. Each run's NF4CONVERT_PROFILE reports (the conversion's,
+then verify's: the moments they reached, the preload thread's imports) are kept in the JSON, their marks printed;
+``--importtime`` runs each verify step once more under ``python -X importtime`` and keeps its slowest imports.
 An output is removed once no later step reads it (the 70B outputs do not fit the disk together); the cuda and cpu
 outputs, when both are made, are compared byte for byte. A markdown table on stdout; JSON with ``--json``.
 """
@@ -46,7 +51,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_convert import _weights, build_source, measure, sync_seconds, write_checkpoint
+from bench_convert import _weights, build_source, import_times, measure, sync_seconds, write_checkpoint
 
 SHAPES = {
     "8b": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8),
@@ -57,6 +62,8 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 SHARD_BYTES = 5 * 10**9
 CONVERSIONS = {"cuda": "cuda", "cpu": "cpu", "adapter": "cuda", "adapter-cpu": "cpu"}  # step -> its --device
 IMPORTS = "import torch, bitsandbytes, transformers"
+TARGETS = {"verify": 1.5, "+verify": 2.2}  # x its conversion: a verify step, a conversion with --verify
+HELP_TARGET = 0.2  # seconds
 # the conversion a step is compared with ("x its conversion"): a verify with the conversion that wrote its output
 CONVERSION_OF = {
     "verify-cuda": "cuda",
@@ -151,7 +158,7 @@ def plan_steps(steps: list[str]) -> list[dict]:
     planned = []
     for step in steps:
         route, _, then = step.partition("+")
-        if step in ("dd", "imports"):
+        if step in ("dd", "imports", "help", "verify-help"):
             planned.append({"step": step})
         elif step.startswith("verify-"):
             made, _, on = step.removeprefix("verify-").partition("-on-")
@@ -174,6 +181,8 @@ def command(step: dict, source: Path, adapter: Path, workdir: Path, dense: int) 
                 f"count={dense} status=none"]  # fmt: skip
     if name == "imports":
         return [sys.executable, "-c", IMPORTS]
+    if name in ("help", "verify-help"):
+        return [*module, *(["verify"] if name == "verify-help" else []), "--help"]
     if "reads" in step:
         merged = ["--adapter", str(adapter)] if step["reads"].startswith("out-adapter") else []
         return [*module, "verify", str(workdir / step["reads"]), str(source), "-q", "--device", step["device"], *merged]
@@ -187,11 +196,14 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="8b")
     parser.add_argument("--layers", type=int, default=None, help="default: 32 for 8b, 8 for 70b")
-    parser.add_argument("--steps", default="dd,cuda,verify-cuda,cuda+verify,cpu,verify-cpu,cpu+verify")
+    parser.add_argument(
+        "--steps", default="dd,cuda,verify-cuda,cuda+verify,cpu,verify-cpu,cpu+verify,imports,help,verify-help"
+    )
     parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "bench-verify")
     parser.add_argument("--vocab", type=int, default=VOCAB, help="a smaller vocabulary makes a smaller checkpoint")
     parser.add_argument("--rank", type=int, default=64, help="the adapter's LoRA rank")
     parser.add_argument("--build-only", action="store_true")
+    parser.add_argument("--importtime", action="store_true", help="each verify step once more under -X importtime")
     parser.add_argument("--json")
     options = parser.parse_args()
     layers = options.layers or (32 if options.shape == "8b" else 8)
@@ -220,11 +232,16 @@ def main():
             shutil.rmtree(workdir / step["writes"], ignore_errors=True)
         subprocess.run(["sync"], check=True)
         try:
-            run = measure(command(step, source, adapter, workdir, dense))
+            run = measure(command(step, source, adapter, workdir, dense), {"NF4CONVERT_PROFILE": "1"})
+            if name.endswith("help"):  # the fastest of three: a process start, not the machine's noise
+                run = min([run, *(measure(command(step, source, adapter, workdir, dense)) for _ in range(2))],
+                          key=lambda r: r["seconds"])  # fmt: skip
         except SystemExit as error:
             print(f"{name}: failed: {str(error)[-800:]}", flush=True)
             continue
         run["synced_seconds"] = run["seconds"] + sync_seconds()
+        if options.importtime and "verify" in name and not name.endswith("help"):
+            run["imports"] = import_times(command(step, source, adapter, workdir, dense))
         results[name] = run
         print(name, json.dumps(run), flush=True)
         cuda, cpu = workdir / "out-cuda", workdir / "out-cpu"
@@ -252,8 +269,11 @@ def report(results: dict, options, layers: int, dense: int) -> None:
         f"{datetime.date.today().isoformat()}; {options.shape} shapes, {layers} layers, "
         f"{dense / 1e9:.2f} GB of bf16 out"
     )
-    print("| step | s (exit) | x dd | s (+sync) | x dd | x its conversion | peak RssAnon | peak Pss with children |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(
+        "| step | s (exit) | x dd | s (+sync) | x dd | x its conversion | target | peak RssAnon | "
+        "peak Pss with children |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
     dd = results.get("dd")
 
     def ratio(value, base):
@@ -262,14 +282,29 @@ def report(results: dict, options, layers: int, dense: int) -> None:
     for name, r in results.items():
         converted = CONVERSION_OF.get(name)
         against = results.get(converted, {}).get("seconds") if converted else None
+        target = TARGETS["+verify" if name.endswith("+verify") else "verify"] if converted else None
+        if name.endswith("help"):
+            verdict = f"< {HELP_TARGET} s {'met' if r['seconds'] < HELP_TARGET else 'MISSED'}"
+        elif target is not None and against:
+            verdict = f"{target} {'met' if r['seconds'] / against <= target else 'MISSED'}"
+        else:
+            verdict = "-"
         print(
-            f"| {name} | {r['seconds']:.1f} | {ratio(r['seconds'], dd and dd['seconds'])} | "
+            f"| {name} | {r['seconds']:.2f} | {ratio(r['seconds'], dd and dd['seconds'])} | "
             f"{r['synced_seconds']:.1f} | {ratio(r['synced_seconds'], dd and dd['synced_seconds'])} | "
-            f"{ratio(r['seconds'], against)} | {r['peak_anon_mb']:.0f} MB | {r['peak_tree_pss_mb']:.0f} MB |"
+            f"{ratio(r['seconds'], against)} | {verdict} | {r['peak_anon_mb']:.0f} MB | "
+            f"{r['peak_tree_pss_mb']:.0f} MB |"
         )
     identical = [r["identical_cuda_cpu"] for r in results.values() if "identical_cuda_cpu" in r]
     if identical:
         print(f"cuda and cpu outputs byte-identical: {identical[-1]}")
+    print("\nwhere the time went (seconds since the process started, NF4CONVERT_PROFILE; conversion, then verify):")
+    for name, r in results.items():
+        for report_of in r.get("profiles") or ([r["profile"]] if "profile" in r else []):
+            marks = report_of.get("marks", {})
+            print(f"  {name}: " + ", ".join(f"{mark} {at}" for mark, at in marks.items()))
+        for module, seconds in r.get("imports", [])[:8]:
+            print(f"      import {seconds:6.2f} s  {module}")
     if options.json:
         Path(options.json).write_text(
             json.dumps(

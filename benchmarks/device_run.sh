@@ -2,8 +2,8 @@
 # The GPU machine: the GPU tests, the whole-model conversion benchmark, the kernel benchmark, torch.compile against eager,
 # the float formats at real shapes.
 # Expects bitsandbytes unpacked under .carry/site, peft 0.21 under .carry/peft and Unsloth's kernel copy under
-# .carry/peers (docs/performance.md, "How to run them"). STAGES picks parts (tests,convert,verify,int,formats,dequant,compile,kernels); logs go
-# to $OUT.
+# .carry/peers (docs/performance.md, "How to run them"). STAGES picks parts
+# (tests,convert,gguf,verify,int,formats,dequant,compile,kernels); logs go to $OUT.
 set -o pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 carry=$(cd "$root/.." && pwd)  # .carry when run from .carry/perf
@@ -29,12 +29,19 @@ if [[ $stages == *convert* ]]; then
     | tee "$out/convert.log" | grep -v '^ *$'
   rm -rf /tmp/bench-convert
 fi
+if [[ $stages == *gguf* ]]; then
+  # -o x.gguf (bf16, f16, q8_0) against the dense conversion on each route, with the targets (1.1x, 1.2x, 1 GB) and
+  # each run's profile; gguf-bf16 once more under -X importtime. GGUF_ARGS: "--shape 70b" for the 70B shapes (8 layers).
+  # The checkpoint is built in (or taken from) the verify stage's folder, which keeps it for that stage.
+  timeout ${GGUF_TIMEOUT:-580} python3 benchmarks/bench_gguf.py --workdir /tmp/bench-verify --device ${GGUF_DEVICES:-cuda,cpu} \
+    --importtime --json "$out/gguf.json" ${GGUF_ARGS:-} 2>&1 | tee "$out/gguf.log" | grep -v ' {"seconds"'
+fi
 if [[ $stages == *verify* ]]; then
   # verify beside the conversion. VERIFY_ARGS: the 8B shapes by default; "--shape 70b --layers 8 --steps
   # dd,cuda,verify-cuda,cpu,verify-cpu,adapter,verify-adapter" for the 70B shapes (the checkpoint stays in
   # /tmp/bench-verify for a later stage of the same call: "--build-only" first splits a long run).
   timeout ${VERIFY_TIMEOUT:-540} python3 benchmarks/bench_verify.py --workdir /tmp/bench-verify --json "$out/verify.json" \
-    ${VERIFY_ARGS:---shape 8b} 2>&1 | tee "$out/verify.log" | grep -v '^{'
+    ${VERIFY_ARGS:---shape 8b --importtime} 2>&1 | tee "$out/verify.log" | grep -v ' {"seconds"'
 fi
 if [[ $stages == *int* ]]; then
   # GPTQ and AWQ (bench_int.py): INT_ARGS picks the checkpoints and steps; one checkpoint a call stays well inside a

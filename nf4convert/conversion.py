@@ -8,13 +8,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import profile
+from . import preload, profile
 from .devices import pick_device
 from .errors import CheckpointError, Nf4ConvertError
 from .formats.config import check_present as check_config_present
 from .hub.names import model_name, model_stem
 from .hub.ranges import HeadersOnly
-from .hub.sources import as_text, named_sources, resolve_source, reworded
+from .hub.sources import Resolved, as_text, named_sources, resolve_source, reworded
 from .hub.weights import HubWeights
 from .options import ConvertOptions
 from .paths import expanded
@@ -43,10 +43,13 @@ class ConvertResult:
     made: str = ""  # what the output is, as the summary says it ("bfloat16", "GGUF q8_0 (made from bfloat16)")
     sink: str = "safetensors"  # the output format's sink (``sinks.base.SINKS``), which pushes it
     read: object = None  # a Hub SOURCE's weights (``hub.stream.StreamStats``): bytes streamed, and from the Hub cache
+    # SOURCE resolved and planned (a verify that follows in this process takes them): not part of the result's value
+    prepared: "Prepared | None" = field(default=None, repr=False, compare=False)
 
 
 def model_card(prepared: "Prepared"):
     """The output's README.md (a ``card.Card``): the base's card made true for the dense (merged) model."""
+    preload.settled()  # huggingface_hub, which the card imports, may be importing on the preload thread
     from .hub.card import card_for_plan
 
     return card_for_plan(
@@ -56,6 +59,14 @@ def model_card(prepared: "Prepared"):
         revision=prepared.revision,
         title=prepared.output.name,
     )
+
+
+def _card_then_importing(prepared: "Prepared", then_importing: tuple):
+    """The model card, then ``then_importing`` begun on the preload thread: after the card, whose huggingface_hub
+    imports must not run beside them (a GGUF's writing waits for the card)."""
+    card = model_card(prepared)
+    preload.start(*then_importing, here=())
+    return card
 
 
 def _infinite_warning(names: list[str]) -> str | None:
@@ -71,6 +82,15 @@ def _infinite_warning(names: list[str]) -> str | None:
     )
 
 
+def _kept_warning(plan) -> str | None:
+    """What a conversion that kept the NaN or ±inf values an adapter merge made (``allow_non_finite``) says of them."""
+    kept = list(dict.fromkeys(line for tensor in plan.tensors for line in getattr(tensor.recipe, "non_finite", ())))
+    if not kept:
+        return None
+    shown = ", ".join(kept[:3]) + (f" and {len(kept) - 3} more" if len(kept) > 3 else "")
+    return f"the adapter's merge made NaN or ±inf values the base does not hold, kept as asked: {shown}"
+
+
 @dataclass(frozen=True)
 class Prepared:
     plan: object  # plan.Plan
@@ -82,6 +102,7 @@ class Prepared:
     headers_only: str | None = None  # planned from its headers alone: the Hub repo as "repo@commit" (its copy is gone)
     leftovers: tuple = ()  # sinks.output.Leftover: killed runs' staging folders beside the output
     sink: Sink | None = None  # what the output is written as
+    resolved: Resolved | None = None  # SOURCE and ADAPTER resolved to folders
     # a Hub SOURCE whose weights are not in the Hub cache: (their bytes, whether --download fetches them first; else a
     # conversion streams them)
     hub_weights: tuple[int, bool] | None = None
@@ -132,14 +153,19 @@ def _prepare(source, options: ConvertOptions, *, reader, headers=None, on_output
     sink.check_ready()  # before any download: a missing library is said first
     output = options.output
     if output is not None:  # before any download
-        local = [expanded(name, "source") for name in (source, adapter) if name is not None]
+        local, adapter_local = (expanded(name, "source") if name is not None else None for name in (source, adapter))
+        if adapter_local is None and (local / "adapter_config.json").is_file():  # an adapter as SOURCE: named so
+            local, adapter_local = None, local
         lifecycle.check_destination(
-            output, overwrite=options.overwrite, file=sink.file, sources=[path for path in local if path.is_dir()]
+            output,
+            overwrite=options.overwrite,
+            file=sink.file,
+            sources=[local] if local is not None and local.is_dir() else [],
+            adapter=adapter_local if adapter_local is not None and adapter_local.is_dir() else None,
         )
     hub = options.hub
-    folder, adapter_folder, base, adapter = resolve_source(
-        source, adapter, hub, progress=options.progress, headers=headers
-    )
+    resolved = resolve_source(source, adapter, hub, progress=options.progress, headers=headers)
+    folder, adapter_folder, base, adapter = resolved
     try:
         plan = make_plan(
             folder,
@@ -147,6 +173,7 @@ def _prepare(source, options: ConvertOptions, *, reader, headers=None, on_output
             max_shard_size=options.max_shard_size,
             reader=reader,
             adapter=adapter_folder,
+            keep_non_finite=options.allow_non_finite,
         )
     except CheckpointError as error:
         better = reworded(error, folder)
@@ -161,11 +188,12 @@ def _prepare(source, options: ConvertOptions, *, reader, headers=None, on_output
     if on_output is not None:
         on_output(output)
     if named:
-        sources = [folder] + ([adapter_folder] if adapter_folder is not None else [])
-        lifecycle.check_destination(output, overwrite=options.overwrite, file=sink.file, sources=sources)
+        lifecycle.check_destination(
+            output, overwrite=options.overwrite, file=sink.file, sources=[folder], adapter=adapter_folder
+        )
     lifecycle.check_not_source(output, folder)
     if adapter_folder is not None:
-        lifecycle.check_not_source(output, adapter_folder)
+        lifecycle.check_not_source(output, adapter_folder, "the adapter's")
     made.check_plan()
     free_bytes = lifecycle.free_space(output)
     return Prepared(
@@ -178,6 +206,7 @@ def _prepare(source, options: ConvertOptions, *, reader, headers=None, on_output
         headers and headers.shown(folder),
         tuple(lifecycle.leftovers(output)),
         made,
+        resolved,
         hub_weights=(headers.weight_bytes(folder), hub.download) if headers and headers.shown(folder) else None,
     )
 
@@ -201,6 +230,7 @@ def convert(
     on_output=None,
     allow_no_config: bool = False,
     gguf_type: str | None = None,
+    allow_non_finite: bool = False,
 ) -> ConvertResult:
     """Convert a quantized checkpoint into a dense safetensors checkpoint, or into one GGUF file.
 
@@ -212,7 +242,9 @@ def convert(
     that is itself an adapter means its base with it merged. Nothing is written unless the whole output
     is: it appears under its name only once complete. ``on_output(folder)`` is told where the output goes as soon as
     that is known. A checkpoint without config.json is refused unless ``allow_no_config``: its output then holds the
-    dense tensors (and the files carried over) without a config.json, which transformers needs to load a model.
+    dense tensors (and the files carried over) without a config.json, which transformers needs to load a model. An
+    adapter whose merge makes NaN or ±inf values that the base does not hold is refused unless ``allow_non_finite``:
+    then they are written, and a warning names the tensors.
 
     A Hub ``source``'s weights (not in the Hub cache) are streamed into the conversion, never written to disk, unless
     ``download`` (then downloaded into the Hub cache first, as its configs and tokenizer always are); weights in the
@@ -250,6 +282,7 @@ def convert(
         max_shard_size=max_shard_size,
         overwrite=overwrite,
         allow_no_config=allow_no_config,
+        allow_non_finite=allow_non_finite,
         gguf_type=gguf_type,
         progress=progress,
         output_dir=output_dir,
@@ -258,8 +291,12 @@ def convert(
     return converted(source, options, on_output=on_output)
 
 
-def converted(source: str | os.PathLike, options: ConvertOptions, *, on_output=None) -> ConvertResult:
-    """``convert`` with its options parsed: the stages in order."""
+def converted(
+    source: str | os.PathLike, options: ConvertOptions, *, on_output=None, then_importing: tuple = ()
+) -> ConvertResult:
+    """``convert`` with its options parsed: the stages in order. ``then_importing``: what a step after the conversion
+    will import (``preload.start``'s arguments), begun on the preload thread once SOURCE is planned and the model card
+    made."""
     from tqdm.auto import tqdm
 
     from .hub import card as _card  # noqa: F401  (imported here, not first on the side thread: see _side_thread)
@@ -268,6 +305,9 @@ def converted(source: str | os.PathLike, options: ConvertOptions, *, on_output=N
     started = time.perf_counter()
     settings = Settings.from_env()
     profile.start("convert called", enabled=settings.profile)
+    if _local_folder(source):  # a Hub SOURCE's download imports huggingface_hub's parts: not beside it
+        with contextlib.suppress(Nf4ConvertError):  # said where prepare() checks it, in its order
+            getattr(sink_for(options), "begin_imports", lambda: None)()  # the GGUF converter's, on the side
     chosen_device = pick_device(options.device)
     profile.mark("device picked")
     # The route starts now (a CUDA context takes a while) and the card is written on the side while the tensors are.
@@ -281,8 +321,10 @@ def converted(source: str | os.PathLike, options: ConvertOptions, *, on_output=N
         reader.front_to_back = weights.streams
         plan, output, sink = prepared.plan, prepared.output, prepared.sink
         profile.mark("planned")
+        if then_importing:
+            preload.start()  # torch, on this thread (preload.start's ``here``)
         lifecycle.check_free_space(output, prepared.needed)
-        card_made = side.submit(model_card, prepared)
+        card_made = side.submit(_card_then_importing, prepared, then_importing)
         with lifecycle.staging(output) as temporary:
             n_tensors = len(plan.tensors)
             with tqdm(
@@ -320,7 +362,11 @@ def converted(source: str | os.PathLike, options: ConvertOptions, *, on_output=N
             plan.n_dequantized,
             size,
             time.perf_counter() - started,
-            tuple(w for w in [card.warning, _infinite_warning(written.infinite), *converter_warnings] if w)
+            tuple(
+                w
+                for w in [card.warning, _infinite_warning(written.infinite), _kept_warning(plan), *converter_warnings]
+                if w
+            )
             + tuple(leftover.note(removed=leftover.own) for leftover in prepared.leftovers),  # the own: staging's
             plan.kinds,
             sink.own_type,
@@ -328,6 +374,7 @@ def converted(source: str | os.PathLike, options: ConvertOptions, *, on_output=N
             sink.what(),
             sink.name,
             weights.stats if weights.opened else None,
+            prepared,
         )
     return result
 
@@ -352,6 +399,14 @@ def _bar_updates(bar, n_tensors: int, weights: HubWeights):
         postfix()
 
     return progress, tensor_done
+
+
+def _local_folder(source: str) -> bool:
+    """Whether SOURCE names a local folder (a name that cannot be expanded is said where it is resolved)."""
+    try:
+        return Path(source).expanduser().is_dir()
+    except (RuntimeError, OSError):
+        return False
 
 
 @contextlib.contextmanager

@@ -91,12 +91,14 @@ class Interrupted(KeyboardInterrupt):
 
     signum = 2
     output_complete: Path | None = None  # an OUT that was complete before the signal could act: kept
+    left: Path | None = None  # a partly written folder that could not be removed
 
 
 class Terminated(BaseException):
     """SIGTERM or SIGHUP, raised in the main thread so that cleanup runs as for Ctrl-C."""
 
     output_complete: Path | None = None  # as Interrupted's
+    left: Path | None = None  # as Interrupted's
 
     def __init__(self, signum: int = 15):
         super().__init__(signum)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import fnmatch
 import os
+import stat
 from pathlib import Path, PureWindowsPath
 
 from .errors import CheckpointError
@@ -49,6 +50,30 @@ NAMED_WEIGHT_FILES = ("*.ckpt", "*.gguf")
 
 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.*")
+
+
+JSON_LIMIT = 100_000_000  # bytes of a config, index or adapter config read whole; real ones are kilobytes
+
+
+def read_regular(path: Path, limit: int = JSON_LIMIT) -> bytes:
+    """The bytes of ``path``, a regular file of at most ``limit`` bytes; CheckpointError naming it otherwise. Opened
+    without blocking, then checked: a FIFO (or a device) of that name would otherwise hold the run forever."""
+    try:
+        descriptor = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise
+    except OSError as error:
+        raise CheckpointError(f"{path}: cannot be read ({error.strerror or error})") from None
+    with os.fdopen(descriptor, "rb") as file:
+        try:
+            if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+                raise CheckpointError(f"{path}: not a regular file (a pipe, socket or device)")
+            raw = file.read(limit + 1)
+        except OSError as error:
+            raise CheckpointError(f"{path}: cannot be read ({error.strerror or error})") from None
+    if len(raw) > limit:
+        raise CheckpointError(f"{path}: over {limit} bytes, too large to be what its name says")
+    return raw
 
 
 def plain_relative(folder: Path, file, where: str) -> str:

@@ -15,7 +15,9 @@ from pathlib import Path
 from .dtypes import DType, output_dtype
 from .errors import ArgumentError
 from .paths import expanded, expanded_output
+from .refs import ref_problem
 from .sizes import DEFAULT_SHARD_BYTES, DEFAULT_SHARD_SIZE, parse_size
+from .strict_json import shown
 
 
 @dataclass(frozen=True)
@@ -26,6 +28,14 @@ class HubOptions:
     token: str | None = None
     cache_dir: Path | None = None
     download: bool = False  # the weights downloaded into the Hub cache first, not streamed
+
+    @classmethod
+    def parse(cls, revision=None, token=None, cache_dir=None, download=False) -> "HubOptions":
+        """The Hub options, checked: a revision must be a branch, tag or commit name (refs.py), as a push's branch."""
+        problem = ref_problem(revision) if revision is not None else None
+        if problem is not None:
+            raise ArgumentError(f"revision {shown(revision)}: {problem}", option="revision")
+        return cls(revision, token, Path(cache_dir) if cache_dir is not None else None, bool(download))
 
 
 @dataclass(frozen=True)
@@ -39,6 +49,7 @@ class ConvertOptions:
     max_shard_size: int = DEFAULT_SHARD_BYTES
     overwrite: bool = False
     allow_no_config: bool = False
+    allow_non_finite: bool = False  # keep the NaN or ±inf values an adapter merge makes (refused otherwise)
     gguf_type: str | None = None  # checked by the GGUF sink, whose values they are
     progress: bool = True
     output: Path | None = None  # OUT as given (None: named for the user, in output_dir or here)
@@ -60,6 +71,7 @@ class ConvertOptions:
         max_shard_size=DEFAULT_SHARD_SIZE,
         overwrite=False,
         allow_no_config=False,
+        allow_non_finite=False,
         gguf_type=None,
         progress=True,
         output_dir=None,
@@ -78,11 +90,12 @@ class ConvertOptions:
         return cls(
             dtype=dtype if isinstance(dtype, DType) else output_dtype(dtype),
             adapter=os.fspath(adapter) if adapter is not None else None,
-            hub=HubOptions(revision, token, Path(cache_dir) if cache_dir is not None else None, bool(download)),
+            hub=HubOptions.parse(revision, token, cache_dir, download),
             device=device,
             max_shard_size=parse_size(max_shard_size),
             overwrite=bool(overwrite),
             allow_no_config=bool(allow_no_config),
+            allow_non_finite=bool(allow_non_finite),
             gguf_type=gguf_type.lower() if isinstance(gguf_type, str) else gguf_type,
             progress=bool(progress),
             output=expanded_output(output, "output") if output is not None else None,
@@ -122,7 +135,7 @@ class VerifyOptions:
         return cls(
             device=device,
             adapter=os.fspath(adapter) if adapter is not None else None,
-            hub=HubOptions(revision, token, Path(cache_dir) if cache_dir is not None else None, bool(download)),
+            hub=HubOptions.parse(revision, token, cache_dir, download),
             progress=bool(progress),
             dtype=dtype if isinstance(dtype, DType) or dtype is None else output_dtype(dtype),
         )

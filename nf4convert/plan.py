@@ -132,9 +132,12 @@ def make_plan(
     max_shard_size: int = DEFAULT_SHARD_BYTES,
     reader: TensorReader | None = None,
     adapter: Path | None = None,
+    keep_non_finite: bool = False,
 ) -> Plan:
     """Plan the conversion of the checkpoint in ``folder`` (with the peft LoRA adapter in ``adapter`` merged in): every
     registered kind plans from the headers in its order (``kinds/base.py``), then once the dtype is chosen.
+    ``keep_non_finite``: NaN or ±inf values a merge makes are kept (listed on its recipes' ``non_finite``), not
+    refused when the tensor is made.
 
     Raises:
         CheckpointError: a file is missing, truncated or corrupt, the checkpoint has no weights of a registered
@@ -158,6 +161,7 @@ def make_plan(
         if own_reader:
             reader.close()
     planning.dtype = chosen = chosen or _auto_dtype(list(planning.recipes.values()), config)
+    planning.keep_non_finite = keep_non_finite
     for kind in kinds:
         kind.plan_output(planning)
     recipes, merged = planning.recipes.values(), planning.merged

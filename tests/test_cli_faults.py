@@ -20,6 +20,7 @@ from click.testing import CliRunner
 from nf4convert.cli.commands import main
 
 from fixtures.processes import default_stop_signals, package_env
+from fixtures.staging_folders import killed_run_folder
 
 pytest.importorskip("bitsandbytes")
 ROOT = Path(__file__).resolve().parents[1]
@@ -463,11 +464,10 @@ def test_runs_to_one_output_never_share_or_replace_each_other(tmp_path):
     from nf4convert.sinks import output
 
     out = tmp_path / "out"
-    stale = tmp_path / ".out.nf4convert-partial-999999999"  # a run killed outright (no such process)
-    stale.mkdir()
+    stale = killed_run_folder(tmp_path, ".out.nf4convert-partial")  # a run killed outright
     (stale / "model.safetensors").write_bytes(b"half")
     with pytest.raises(OutputError, match="appeared while converting"), output.staging(out) as mine:
-        assert mine.name == f".out.nf4convert-partial-{os.getpid()}" and not stale.exists()
+        assert mine.name.startswith(f".out.nf4convert-partial-{os.getpid()}-") and not stale.exists()
         (mine / "model.safetensors").write_bytes(b"mine")
         out.mkdir()  # another run finished first
         (out / "model.safetensors").write_bytes(b"theirs")
@@ -527,10 +527,9 @@ def test_batch_from_a_file_that_is_not_text_is_one_line(tmp_path):
 def test_stale_partial_folders_of_other_names_are_left_alone(tmp_path, monkeypatch):
     # OUT 'x*' cleans only its own killed runs' folders, not those of 'xyz' or 'x-data' that the glob would match
     monkeypatch.chdir(tmp_path)
-    others = [tmp_path / ".xyz.nf4convert-partial-4000000", tmp_path / ".x-data.nf4convert-partial-4000001"]
-    own = tmp_path / ".x*.nf4convert-partial-4000002"
+    others = [killed_run_folder(tmp_path, f".{name}.nf4convert-partial", 4000000) for name in ("xyz", "x-data")]
+    own = killed_run_folder(tmp_path, ".x*.nf4convert-partial", 4000002)
     for folder in (*others, own):
-        folder.mkdir()
         (folder / "file").write_text("precious")
     run(EXAMPLE, "-o", "x*", "-q", "--device", "cpu")
     assert all((folder / "file").exists() for folder in others) and not own.exists()
@@ -548,12 +547,12 @@ def test_an_output_name_at_the_file_systems_limit_is_written_and_replaced(tmp_pa
     stem = output._beside(Path(name), output.PARTIAL_SUFFIX, room=output.PID_ROOM)
     theirs = output._beside(Path(sibling), output.PARTIAL_SUFFIX, room=output.PID_ROOM)
     assert stem != theirs and len(os.fsencode(stem)) + output.PID_ROOM <= 255
-    (tmp_path / f"{stem}-4194300").mkdir()  # killed outright (pids fit in PID_ROOM)
-    (tmp_path / f"{theirs}-4194300").mkdir()
+    killed_run_folder(tmp_path, stem)  # killed outright (pids and the token fit in PID_ROOM)
+    kept = killed_run_folder(tmp_path, theirs)
     run(EXAMPLE, "-o", name, "-q", "--device", "cpu")
     run(EXAMPLE, "-o", name, "-q", "--device", "cpu", "--overwrite")
     assert "OK: bit-exact" in run("verify", name, EXAMPLE, "-q", "--device", "cpu")
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([name, f"{theirs}-4194300"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([name, kept.name])
 
 
 # --- ends of failed runs, folders made for OUT, batch's output root and listing ---------------------------------------

@@ -671,8 +671,10 @@ def run_cli_case(world, weight: str, other: str, content: bytes, tag: str) -> tu
                 return f"verify: {crash}", repr(verified.exception)[:200]
             if verified.exit_code != 0 or "OK: bit-exact" not in verified.output:
                 found = [line for line in verified.output.splitlines() if line.startswith("  MISMATCH")]
-                if verified.exit_code == 1 and found and all("transformers' model loads" in line for line in found):
-                    # a recorded shape the model does not load: convert writes what the state records, verify names it
+                # a recorded shape the model does not load: convert writes what the state records, verify names it;
+                # and the model's parameters that these cut-down checkpoints lack, which verify names too
+                named = ("transformers' model loads", "the source and the output lack it")
+                if verified.exit_code == 1 and found and all(any(n in line for n in named) for line in found):
                     return None
                 return "verify: refuses what convert wrote", verified.output[-300:]
             return None

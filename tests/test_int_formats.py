@@ -195,7 +195,6 @@ def test_format_classes_have_the_source_format_shape():
             ("quant_methods", tuple),
             ("name_suffix", str),
             ("plan_reads", re.Pattern),
-            ("hint", str),
         ):
             assert isinstance(getattr(cls, field), kind), (cls, field)
         assert cls.quant_methods == (method,)

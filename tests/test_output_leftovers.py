@@ -51,7 +51,7 @@ def test_a_killed_runs_staging_folder_is_named_then_removed_by_a_run_into_its_ou
     )
     assert killed.returncode == -signal.SIGKILL
     (leftover,) = tmp_path.glob(".out.nf4convert-partial-*")
-    pid = leftover.name.rpartition("-")[2]
+    pid = leftover.name.split("-")[-2]  # the name ends with the pid and a random token
     killed_by = f"{leftover}: left by a conversion that was killed (process {pid} is gone)"
     monkeypatch.chdir(tmp_path)
 

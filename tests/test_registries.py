@@ -49,7 +49,6 @@ class Scaled(SourceFormat):
     quant_methods: ClassVar[tuple[str, ...]] = ("scratch",)
     name_suffix: ClassVar[str] = r"scaled"
     plan_reads: ClassVar[re.Pattern] = re.compile(r"\.qscale$")
-    hint: ClassVar[str] = "'*.qscale'"
     marks: ClassVar[str] = "a scratch scale"
 
     @classmethod
@@ -273,7 +272,7 @@ def test_every_registered_format_is_the_format_of_a_kind():
     dequantized = {kind.format for kind in all_kinds().values() if kind.format is not None}
     assert set(all_formats().values()) <= dequantized
     for source_format in all_formats().values():
-        for name in ("family", "title", "quant_methods", "name_suffix", "plan_reads", "hint", "marks"):
+        for name in ("family", "title", "quant_methods", "name_suffix", "plan_reads", "marks"):
             assert getattr(source_format, name, None), (source_format.name, name)
 
 

@@ -7,6 +7,7 @@ commands themselves are cli.py's.
 from __future__ import annotations
 
 import re
+import shlex
 import signal
 import sys
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ HINTS = {
     "max_shard_size": "see --max-shard-size",
     "adapter": "see --adapter",
     "allow_no_config": "or pass --allow-no-config to write the dense tensors alone",
+    "allow_non_finite": "--allow-non-finite writes them anyway",
     "gguf_type": "see --gguf-type",
 }
 
@@ -190,8 +192,11 @@ def _stopped(stop: BaseException | None, signum: int, kept=None):
     teardown, which would wait for any worker thread still running."""
     word = "interrupted" if signum == signal.SIGINT else "terminated"
     complete = getattr(stop, "output_complete", None) or kept
+    left = getattr(stop, "left", None)  # a staging folder that could not be removed
     if complete:
         error_line(f"{word}; {complete} was complete and is kept")
+    elif left is not None:
+        error_line(f"{word}; {left} is left (it could not be removed): remove it with: rm -rf {shlex.quote(str(left))}")
     elif stop is None:  # the exception was swallowed where it was raised (a destructor): the work ran to its end
         error_line(f"{word} as the work finished")
     else:

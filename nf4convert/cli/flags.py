@@ -71,6 +71,7 @@ class ConvertFlags:
     max_shard_size: str
     overwrite: bool
     allow_no_config: bool
+    allow_non_finite: bool
     revision: str | None
     token: str | None
     cache_dir: str | None
@@ -89,6 +90,7 @@ class ConvertFlags:
             max_shard_size=self.max_shard_size,
             overwrite=self.overwrite,
             allow_no_config=self.allow_no_config,
+            allow_non_finite=self.allow_non_finite,
             gguf_type=self.gguf_type,
             progress=progress,
         )
@@ -139,6 +141,12 @@ def convert_options(command):
                 is_flag=True,
                 help="Convert a SOURCE that has no config.json (refused otherwise): the output holds the dense tensors "
                 "without one, so transformers cannot load it as a model by itself.",
+            ),
+            click.option(
+                "--allow-non-finite",
+                is_flag=True,
+                help="Keep the NaN or ±inf values an adapter's merge makes where the base has none (refused otherwise: "
+                "such a model is broken); a warning names the tensors.",
             ),
             click.option(
                 "-q",

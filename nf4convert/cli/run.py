@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from .. import preload
 from ..conversion import ConvertResult, Prepared, converted, prepare
 from ..devices import pick_device
 from ..dtypes import BY_NAME
@@ -56,12 +57,30 @@ def convert_then(
 ) -> bool:
     """Convert, then verify the output (if asked), then push it (if asked and verified); each step's result
     (``ConvertResult``, ``VerifyReport``, :class:`Pushed`) goes to ``on_step`` as it comes. Whether every step passed.
-    A stop signal after the output was complete says so (``output_complete``): it is kept."""
-    result: ConvertResult = converted(source, options)
+    A stop signal after the output was complete says so (``output_complete``): it is kept.
+
+    With ``verify``, the reference libraries begin importing on the side as the conversion starts, and verify takes
+    SOURCE as the conversion resolved and planned it."""
+    then_importing = ()
+    if verify:
+        from ..verification.libraries import importing, reference_libraries
+
+        then_importing = importing(*reference_libraries(options.adapter is not None))
+    with preload.allowed():
+        result: ConvertResult = converted(source, options, then_importing=then_importing)
     try:
         on_step(result)
         if verify:
-            report = verify_output(result.output, source, VerifyOptions.of(options, made_dtype(result)))
+            prepared = result.prepared
+            if prepared is not None and prepared.hub_weights is not None:
+                prepared = None  # a streamed SOURCE is streamed again: no copy of its weights was kept
+            report = verify_output(
+                result.output,
+                source,
+                VerifyOptions.of(options, made_dtype(result)),
+                resolved=prepared and prepared.resolved,
+                plan=prepared and prepared.plan,
+            )
             on_step(report)
             if not report.ok:
                 return False
@@ -92,14 +111,15 @@ def convert_then(
     return True
 
 
-def verify_output(output, source, options: VerifyOptions) -> VerifyReport:
+def verify_output(output, source, options: VerifyOptions, *, resolved=None, plan=None) -> VerifyReport:
     """``verification.verify`` of ``output`` against ``source``, with huggingface_hub's download bars shown or hidden
-    as ``options.progress`` says."""
+    as ``options.progress`` says (``resolved``, ``plan``: as a conversion of the same SOURCE made them, see
+    ``verified``); its libraries imported on the side while it resolves and plans."""
     from ..hub.download import progress_bars
     from ..verification.verify import verified
 
-    with progress_bars(options.progress):
-        return verified(output, source, options)
+    with progress_bars(options.progress), preload.allowed():
+        return verified(output, source, options, resolved=resolved, plan=plan)
 
 
 @dataclass

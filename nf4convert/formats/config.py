@@ -7,7 +7,7 @@ from pathlib import Path
 
 from ..dtypes import DType
 from ..errors import CheckpointError
-from ..files import inside
+from ..files import inside, read_regular
 from ..strict_json import strict_json
 
 
@@ -17,9 +17,9 @@ def read_config(folder: Path) -> dict | None:
         return None
     inside(folder, "config.json")
     try:
-        raw = path.read_bytes()
-    except OSError as error:
-        raise CheckpointError(f"{path}: cannot be read ({error.strerror or error})") from None
+        raw = read_regular(path)
+    except FileNotFoundError as error:  # a dangling link
+        raise CheckpointError(f"{path}: cannot be read ({error.strerror})") from None
     config = strict_json(raw, str(path))
     if not isinstance(config, dict):
         raise CheckpointError(f"{path}: not a JSON object")

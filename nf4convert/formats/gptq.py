@@ -181,7 +181,7 @@ def unused_biases(weights: list[GptqWeight], tensors: dict[str, TensorInfo], con
         return set()
     from ..skeleton import meta_model
 
-    _, parameter_shape, unbuilt = meta_model({k: v for k, v in config.items() if k != "quantization_config"})
+    _, parameter_shape, unbuilt, _ = meta_model({k: v for k, v in config.items() if k != "quantization_config"})
     absent = {name for name in biases if parameter_shape(name) is None}
     return set() if unbuilt() else absent
 

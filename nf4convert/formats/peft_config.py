@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 
 from ..errors import CheckpointError
-from ..files import inside
+from ..files import inside, read_regular
 from ..strict_json import strict_json
 
 CONFIG_NAME = "adapter_config.json"
@@ -110,11 +110,9 @@ def read_config(folder: Path) -> tuple[Path, dict]:
     # the checkpoint's rule for links: a Hub cache snapshot may read its repo's blobs, nothing may read outside
     config_path = inside(folder, CONFIG_NAME, what="adapter")
     try:
-        raw = config_path.read_bytes()
+        raw = read_regular(config_path)
     except FileNotFoundError:
         raise CheckpointError(f"{config_path}: missing (not a peft adapter folder)") from None
-    except OSError as error:
-        raise CheckpointError(f"{config_path}: cannot be read ({error.strerror or error})") from None
     config = strict_json(raw, str(config_path))
     if not isinstance(config, dict):
         raise CheckpointError(f"{config_path}: not a JSON object")

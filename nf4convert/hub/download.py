@@ -23,6 +23,7 @@ from ..safetensors_io.read import read_index
 from .errors import hub_error_line
 from .names import looks_like_repo_id
 from .ranges import HeadersOnly
+from .session import hub_session
 
 ALLOW_PATTERNS = [
     "*.safetensors",
@@ -113,7 +114,7 @@ def resolve(
 
     fetch = dict(revision=revision, token=token, cache_dir=hub.cache_dir)  # snapshot_download's
     try:
-        with progress_bars(progress):
+        with progress_bars(progress), hub_session(quiet=not progress):
             if precheck is not None:
                 precheck(Path(snapshot_download(source, allow_patterns=CONFIG_FILES, **fetch)))
             if headers is not None and headers.ranged and not constants.HF_HUB_OFFLINE:

@@ -110,7 +110,36 @@ def _line(error: BaseException) -> str:
         return f"the Xet storage refused the token: {_one_line(error)}"
     if "HFValidationError" in names:
         return f"invalid repo id or revision: {_one_line(error)}"
+    malformed = _malformed_answer(chain)
+    if malformed is not None:
+        return malformed
     return f"{type(error).__name__}: {_one_line(error)}"
+
+
+# What huggingface_hub raises reading an answer that is not the Hub API's (not JSON; JSON of another shape)
+_READING_ERRORS = ("JSONDecodeError", "KeyError", "TypeError", "AttributeError", "IndexError", "AssertionError")
+
+
+def _malformed_answer(chain: list[BaseException]) -> str | None:
+    """An answer huggingface_hub could not read as the Hub API's, said as such, with the endpoint that gave it: what
+    the library's own error (a KeyError for a missing field) leaves to be guessed."""
+    for link in chain:
+        names = {cls.__name__ for cls in type(link).__mro__}
+        if not names & set(_READING_ERRORS):
+            continue
+        frames, traceback = [], link.__traceback__
+        while traceback is not None:
+            frames.append(traceback.tb_frame.f_code.co_filename)
+            traceback = traceback.tb_next
+        if "JSONDecodeError" in names or any("huggingface_hub" in frame for frame in frames[-3:]):
+            from huggingface_hub import constants
+
+            what = "not JSON" if "JSONDecodeError" in names else "JSON of another shape"
+            return (
+                f"the answer from {constants.ENDPOINT} is not the Hub API's ({what}: {type(link).__name__}: "
+                f"{_one_line(link)}); is HF_ENDPOINT a Hub?"
+            )
+    return None
 
 
 def _http_line(error: BaseException, response) -> str:
@@ -203,8 +232,29 @@ def _network_line(chain: list[BaseException]) -> str | None:
         "ChunkedEncodingError",
         "ConnectionResetError",
     }:
-        return f"network error with{at or ' the server'}: {first_line(chain[-1])}"
+        return f"network error with{at or ' the server'}: {_cause_text(chain)}"
     return None
+
+
+# What a client error without a message means, by its type
+_DESCRIBED = {
+    "RemoteProtocolError": "the server broke off the HTTP exchange",
+    "ProtocolError": "the server broke off the HTTP exchange",
+    "ReadError": "the connection broke while reading the answer",
+    "WriteError": "the connection broke while sending the request",
+    "ConnectionResetError": "the server reset the connection",
+    "ChunkedEncodingError": "the answer's body was cut off",
+}
+
+
+def _cause_text(chain: list[BaseException]) -> str:
+    """The deepest message in an error chain, or what the deepest error's type means where none has a message."""
+    for link in reversed(chain):
+        lines = [" ".join(line.split()) for line in _text(link).splitlines() if line.strip()]
+        if lines:
+            return _shorten(lines[0])
+    names = [cls.__name__ for link in reversed(chain) for cls in type(link).__mro__]
+    return next((_DESCRIBED[name] for name in names if name in _DESCRIBED), f"{names[0]}, without a message")
 
 
 def _host(error: BaseException) -> str | None:

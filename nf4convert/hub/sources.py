@@ -115,10 +115,17 @@ def resolve_source(
                 "not set; name the base as SOURCE and this as the adapter",
                 option="adapter",
             )
-        adapter_folder, folder = (
-            folder,
-            resolve(base, others, progress=progress, precheck=partial(_refuse_early, source=base), headers=headers),
-        )
+        try:
+            base_folder = resolve(
+                base, others, progress=progress, precheck=partial(_refuse_early, source=base), headers=headers
+            )
+        except SourceNotFoundError as error:  # the user never typed this name: say where it came from
+            raise SourceNotFoundError(
+                f"{error} (the base that {folder / peft_config.CONFIG_NAME} names in base_model_name_or_path; give "
+                "the base as SOURCE and this folder as --adapter)",
+                option=error.option,
+            ) from None
+        adapter_folder, folder = folder, base_folder
         return Resolved(
             folder,
             adapter_folder,

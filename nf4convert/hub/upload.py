@@ -21,26 +21,23 @@ huggingface_hub is imported inside the functions that use it (its import cost is
 from __future__ import annotations
 
 import glob
-import re
 from fnmatch import fnmatchcase
 from pathlib import Path
 from urllib.parse import quote
 
 from ..errors import ArgumentError, UploadError
 from ..files import ADAPTER_FILES, LOADED_WEIGHT_FILES
+from ..refs import is_commit, ref_problem
+from ..strict_json import shown
 from .download import progress_bars
 from .errors import hub_error_line
 from .names import looks_like_repo_id
+from .session import hub_session
 
-COMMIT_SHA = re.compile(r"[0-9a-fA-F]{40}")
 # Root files a loader reads as the weights unasked, and an adapter's (checkpoint.LOADED_WEIGHT_FILES, ADAPTER_FILES).
 # Files in subfolders, and GGUF or other files that a tool reads only when named, are the owner's and stay.
 REPLACED_FILES = (*LOADED_WEIGHT_FILES, *ADAPTER_FILES)
 DEFAULT_COMMIT_MESSAGE = "Upload dense weights dequantized by nf4convert"
-# What git (and so the Hub) refuses in a branch name (git check-ref-format): a control character, space, ~ ^ : ? * [ \,
-# "..", "@{", "//", a part starting with "." or ending with ".lock", a name starting with "-" or "/", ending with
-# "/" or ".", or HEAD.
-BAD_BRANCH = re.compile(r"[\x00-\x20\x7f~^:?*\[\\]|\.\.|@\{|//|(^|/)\.|\.lock(/|$)|^[-/]|[/.]$|^HEAD$")
 
 
 def check_target(repo_id: str, revision: str | None) -> None:
@@ -58,13 +55,10 @@ def check_target(repo_id: str, revision: str | None) -> None:
         ) from None
     if not looks_like_repo_id(repo_id):
         raise ArgumentError(f"repo id {repo_id!r} is not a Hub repo id like 'me/model-bf16'", option="push_to_hub")
-    if (
-        revision is not None
-        and not re.fullmatch(r"refs/pr/\d+", revision)
-        and (revision == "" or BAD_BRANCH.search(revision))
-    ):
-        raise ArgumentError(f"branch {revision!r}: not a name git allows for a branch", option="push_branch")
-    if revision is not None and COMMIT_SHA.fullmatch(revision):
+    problem = ref_problem(revision) if revision is not None else None
+    if problem is not None:
+        raise ArgumentError(f"branch {shown(revision)}: {problem}", option="push_branch")
+    if revision is not None and is_commit(revision):
         raise ArgumentError(
             f"{repo_id}: revision {revision!r} is a commit; an upload needs a branch (or refs/pr/N)",
             option="push_branch",
@@ -114,7 +108,7 @@ def push_to_hub(
 
     api = HfApi(token=token)
     try:
-        with progress_bars(progress):
+        with progress_bars(progress), hub_session(quiet=not progress):
             url = str(api.create_repo(repo_id, private=private, exist_ok=True))
             if private and not api.repo_info(repo_id).private:
                 raise UploadError(

@@ -134,6 +134,7 @@ class Planning:
     consumed: set[str] = field(default_factory=set)  # the source tensors claimed recipes read
     dtype: DType | None = None  # the output's floating dtype: None until chosen (after every plan_source)
     merged: Any = None  # what merging an adapter did beyond the tensors (kinds/merge_lora.py: Merged)
+    keep_non_finite: bool = False  # the NaN or ±inf values a merge makes: kept, not refused (allow_non_finite)
 
     def claim(self, claimed: dict[str, Recipe]) -> None:
         """Add a format's leaf recipes (anchor -> recipe): the weights it found in the checkpoint, each checked.

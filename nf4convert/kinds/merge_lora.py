@@ -12,7 +12,7 @@ from typing import ClassVar, Iterator
 from ..dtypes import DTYPES, DType
 from ..errors import CheckpointError
 from ..formats import config as model_config
-from ..formats import peft_checks, peft_lora, peft_merge, peft_tied
+from ..formats import peft_checks, peft_finite, peft_lora, peft_merge, peft_tied
 from ..pipeline.piece import Piece
 from .base import Planning, Recipe, register, whole
 from .untied import Untied
@@ -29,6 +29,8 @@ class MergeLora(Recipe):
     base: Recipe
     target: peft_lora.LoraTarget
     adapter: peft_lora.Adapter = field(compare=False, repr=False)  # the whole adapter (verify rebuilds its module)
+    keep_non_finite: bool = field(default=False, compare=False, repr=False)  # NaN/±inf it makes: kept, not refused
+    non_finite: list = field(default_factory=list, compare=False, repr=False)  # what it made, where kept: one line each
 
     @classmethod
     def plan_output(cls, planning: Planning) -> None:
@@ -36,17 +38,24 @@ class MergeLora(Recipe):
         else the merge did)."""
         if planning.adapter is not None:
             planning.recipes, planning.merged = cls.wrap(
-                planning.recipes, planning.adapter, planning.dtype, planning.config
+                planning.recipes, planning.adapter, planning.dtype, planning.config, planning.keep_non_finite
             )
 
     @classmethod
     def wrap(
-        cls, recipes: dict[str, Recipe], adapter_folder: Path, dtype: DType, config: dict | None
+        cls,
+        recipes: dict[str, Recipe],
+        adapter_folder: Path,
+        dtype: DType,
+        config: dict | None,
+        keep_non_finite: bool = False,
     ) -> tuple[dict[str, Recipe], "Merged"]:
         """``recipes`` (anchor -> recipe, in output order) with each recipe whose tensor the adapter changes wrapped
         in a merge; the adapter is checked first. On a tied base the embeddings start from what peft loads into the
         tied parameter, and where the adapter makes the head differ from them, the head gets a tensor of its own: an
-        Untied copy of the embeddings, merged with its change, right after them (under the head's name)."""
+        Untied copy of the embeddings, merged with its change, right after them (under the head's name).
+        ``keep_non_finite``: the NaN or ±inf values a merge makes are kept (listed on its ``non_finite``), not
+        refused."""
         adapter = peft_lora.load_adapter(adapter_folder)
         shapes = {name: shape for name, _, shape in (recipe.output(dtype) for recipe in recipes.values())}
         config = config if isinstance(config, dict) else {}
@@ -96,10 +105,10 @@ class MergeLora(Recipe):
             target = targets.get(name)
             if target is not None and not DTYPES[code].cast:
                 raise CheckpointError(f"{adapter.path}: changes '{name}', which is not a floating tensor")
-            merged[anchor] = cls(recipe, target, adapter) if target is not None else recipe
+            merged[anchor] = cls(recipe, target, adapter, keep_non_finite) if target is not None else recipe
             if reason and name == embedding:  # the head right after the tensor it starts from
                 untied = Untied(recipe, head_name)
-                merged[head_name] = cls(untied, head, adapter) if head else untied
+                merged[head_name] = cls(untied, head, adapter, keep_non_finite) if head else untied
         return merged, Merged(adapter, reason, (embedding, head_name) if embedding else None, rows)
 
     @property
@@ -125,7 +134,14 @@ class MergeLora(Recipe):
         else:
             made = whole(dataclasses.replace(tensor, recipe=self.base), reader, route, route.device)
             base = made.view(DTYPES[tensor.dtype].torch).view(tensor.shape).to(route.device)
+        before = peft_finite.non_finite(base)
         merged = peft_merge.merge(self.target, base, peft_merge.read_lora(self.target, reader), inplace=True)
+        made = peft_finite.made(merged, before)
+        if any(made):
+            refused = peft_finite.refusal(self.adapter.path, tensor.name, *made, tensor.dtype)
+            if not self.keep_non_finite:
+                raise refused
+            self.non_finite.append(f"{tensor.name} ({peft_finite.described(*made)})")
         yield from route.pieces_of(merged.contiguous().view(-1).view(torch.uint8), self.sources[0])
 
 

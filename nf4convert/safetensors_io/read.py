@@ -19,7 +19,7 @@ from typing import Iterable
 
 from ..dtypes import DTYPES
 from ..errors import CheckpointError
-from ..files import ADAPTER_WEIGHTS, INDEX_NAME, inside, plain_relative
+from ..files import ADAPTER_WEIGHTS, INDEX_NAME, inside, plain_relative, read_regular
 from ..strict_json import shown, strict_json
 
 
@@ -167,12 +167,9 @@ def read_index(folder: Path) -> dict[str, str] | None:
         path = candidates[0]
     path = inside(folder, path.name)
     try:
-        with open(path, "rb") as file:
-            raw = file.read(_INDEX_LIMIT + 1)
-    except OSError as error:
-        raise CheckpointError(f"{path}: cannot read ({error.strerror or error})") from None
-    if len(raw) > _INDEX_LIMIT:
-        raise CheckpointError(f"{path}: corrupt index (over {_INDEX_LIMIT} bytes)")
+        raw = read_regular(path, _INDEX_LIMIT)
+    except FileNotFoundError as error:  # a dangling link
+        raise CheckpointError(f"{path}: cannot read ({error.strerror})") from None
     index = strict_json(raw, f"{path}: corrupt index")
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict):
@@ -210,6 +207,32 @@ def series_members(listed: set[str], names: Iterable[str]) -> set[str]:
         for name in names
         if name not in listed and (match := _SHARD_NAME.fullmatch(name)) and match.groups() in series
     }
+
+
+_SHARD_NUMBER = re.compile(r"(.+)-([0-9]+)-of-([0-9]+)\.safetensors")
+
+
+def _check_series(folder: Path, files: list[str]) -> None:
+    """Every numbered shard series among ``files`` complete: "-00001-of-00003" to "-00003-of-00003", none missing (a
+    download or copy that stopped, an index edited to match what is left) and none past its count. CheckpointError
+    naming the first shard missing otherwise: the checkpoint's weights in it would be silently left out."""
+    series: dict[tuple[str, int], dict[int, str]] = {}
+    for file in files:
+        match = _SHARD_NUMBER.fullmatch(file)
+        if match:
+            series.setdefault((match[1], int(match[3])), {})[int(match[2])] = file
+    for (prefix, count), numbered in sorted(series.items()):
+        width = len(next(iter(numbered.values())).rsplit("-of-", 1)[1]) - len(".safetensors")
+        beyond = sorted(number for number in numbered if not 1 <= number <= count)
+        if beyond:
+            raise CheckpointError(f"{folder / numbered[beyond[0]]}: shard {beyond[0]} of a series of {count}")
+        missing = [number for number in range(1, count + 1) if number not in numbered]
+        if missing:
+            name = f"{prefix}-{missing[0]:0{width}d}-of-{count:0{width}d}.safetensors"
+            raise CheckpointError(
+                f"{folder / name}: missing, {len(missing)} of the {count} shards of the series are (an interrupted "
+                "download or copy?); the weights in them would be left out of the output"
+            )
 
 
 def read_tensors(folder: Path) -> dict[str, TensorInfo]:
@@ -253,6 +276,7 @@ def read_tensors(folder: Path) -> dict[str, TensorInfo]:
                 listed = "does not list" if name not in weight_map else f"lists under {shown(weight_map[name])}"
                 raise CheckpointError(f"{path}: holds tensor {shown(name)}, which the index {listed}")
             tensors[name] = info
+    _check_series(folder, files)
     if weight_map is not None:
         for name, file in weight_map.items():
             if name not in tensors:

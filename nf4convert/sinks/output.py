@@ -1,6 +1,11 @@
 """The output's lifecycle: checks before anything is written, a temporary folder beside OUT, the side files (config,
 index, carried files), the atomic move into place, and cleanup on any failure. A GGUF output is one file, written in
-such a temporary folder and renamed into place from it. Stop signals wait while OUT is put in place (``held``).
+such a temporary folder and renamed into place from it. Stop signals wait while OUT is put in place (``held``), and
+while a failed run's temporary folder is removed.
+
+A temporary (staging) folder is owned by the run that made it through a lock it holds on a file inside
+(``ownership.py``): another run removes it only once its owner is provably gone, never by a process number alone,
+which means nothing in another container or on another host.
 
 OUT only ever appears complete: until the last rename it does not exist (or, with ``overwrite``, it is the
 user's old folder, untouched). Every OSError on this path becomes one OutputError line.
@@ -17,13 +22,15 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import STOP_SIGNALS, Interrupted, OutputError, Terminated
+from ..errors import STOP_SIGNALS, Interrupted, Nf4ConvertError, OutputError, Terminated
 from ..paths import NAME_MAX
 from ..sizes import size_text
+from . import ownership
 
 PARTIAL_SUFFIX = ".nf4convert-partial"
 OLD_SUFFIX = ".nf4convert-old"
-PID_ROOM = len("-4194304")  # a staging name ends with the run's pid; Linux's largest
+TOKEN_CHARS = 8  # a staging name's random part: two runs of one pid (in two containers) never share a name
+PID_ROOM = len("-4194304-") + TOKEN_CHARS  # a staging name ends with the run's pid (Linux's largest) and the token
 SPARE_BYTES = 64 << 20  # headroom on the disk beyond the output itself
 
 
@@ -45,11 +52,12 @@ def _reason(error: OSError) -> str:
     return error.strerror or str(error)
 
 
-def check_destination(output: Path, *, overwrite: bool, file: bool = False, sources=()) -> None:
+def check_destination(output: Path, *, overwrite: bool, file: bool = False, sources=(), adapter=None) -> None:
     """OutputError if OUT is a file, or a non-empty folder and ``overwrite`` is off, or where it goes cannot be
     written (a read-only file system, no permission): found by a dry run too, not by the first write. ``file``: OUT is
     one file (a GGUF), refused if it is a folder, or a file and ``overwrite`` is off. ``sources``: local folders the
-    run reads (``check_not_source``), checked before OUT's contents: that reason is the one to give."""
+    run reads (``check_not_source``), and ``adapter``'s (named as the adapter's), checked before OUT's contents: that
+    reason is the one to give."""
     if output.is_symlink():
         raise OutputError(
             f"{output}: is a symbolic link; give the {'file' if file else 'folder'} it points to, or a new name"
@@ -60,6 +68,8 @@ def check_destination(output: Path, *, overwrite: bool, file: bool = False, sour
         raise OutputError(f"{output}: is the current folder or holds it; give the output a folder name of its own")
     for source in sources:
         check_not_source(output, source)
+    if adapter is not None:
+        check_not_source(output, adapter, "the adapter's")
     try:
         if file and output.is_dir():
             raise OutputError(f"{output}: is a folder; a GGUF output is one file (give a new file name)")
@@ -116,15 +126,14 @@ def placed(path: Path, folder: Path) -> str | None:
     return "inside" if folder in path.parents else None
 
 
-def check_not_source(output: Path, source: Path) -> None:
-    """OutputError if OUT is the source folder, holds it, or is inside it (even with ``overwrite``)."""
+def check_not_source(output: Path, source: Path, what: str = "the source checkpoint's") -> None:
+    """OutputError if OUT is the source folder, holds it, or is inside it (even with ``overwrite``); ``what`` names
+    whose folder it is ("the adapter's")."""
     where = placed(output, source)
     if where in ("is", "holds"):
-        raise OutputError(f"{output}: is the source checkpoint's folder (or holds it); choose another output")
+        raise OutputError(f"{output}: is {what} folder (or holds it); choose another output")
     if where == "inside":
-        raise OutputError(
-            f"{output}: is inside the source checkpoint's folder {source.resolve()}; choose another output"
-        )
+        raise OutputError(f"{output}: is inside {what} folder {source.resolve()}; choose another output")
 
 
 def free_space(output: Path) -> int:
@@ -151,35 +160,72 @@ def check_free_space(output: Path, needed: int, free: int | None = None) -> None
         )
 
 
+def _staging_name(name: str) -> tuple[str, int | None] | None:
+    """(stem, pid) of a staging folder's name ``<stem>-<pid>-<token>`` (or an older version's ``<stem>-<pid>``),
+    or None for another name."""
+    stem, _, tail = name.rpartition("-")
+    if len(tail) == TOKEN_CHARS and all(c in "0123456789abcdef" for c in tail):
+        stem, _, pid = stem.rpartition("-")
+        return (stem, int(pid)) if pid.isdigit() else None
+    return (stem, int(tail)) if tail.isdigit() else None
+
+
+_OWNERS: dict[Path, ownership.Owner] = {}  # this process's staging folders and their locks
+
+
 @contextlib.contextmanager
 def staging(output: Path):
-    """A fresh temporary folder beside OUT, this run's own (two runs to one OUT never share one); removed if the
-    block fails in any way (Ctrl-C too). Those of runs that were killed outright are removed first."""
+    """A fresh temporary folder beside OUT, this run's own (two runs to one OUT never share one, whatever their
+    process numbers), locked while the run lives; removed if the block fails in any way (Ctrl-C too, and a second
+    one while it is removed). Those of OUT's runs that are provably gone (``ownership``) are removed first."""
     import glob
+    import secrets
 
     stem = _beside(output, PARTIAL_SUFFIX, room=PID_ROOM)
-    temporary = output.parent / f"{stem}-{os.getpid()}"
+    temporary = output.parent / f"{stem}-{os.getpid()}-{secrets.token_hex(TOKEN_CHARS // 2)}"
     try:
         for stale in output.parent.glob(f"{glob.escape(stem)}-*"):  # OUT's own, not x*'s
-            if stale.name.rpartition("-")[0] == temporary.name.rpartition("-")[0] and not _alive(
-                stale.name.rpartition("-")[2]
-            ):
-                shutil.rmtree(stale, ignore_errors=True)
+            named = _staging_name(stale.name)
+            if named is not None and named[0] == stem and stale.is_dir() and not stale.is_symlink():
+                if ownership.verdict(stale, named[1]).gone:
+                    shutil.rmtree(stale, ignore_errors=True)
     except OSError as error:
         raise OutputError(f"{output}: cannot be written ({_reason(error)})") from None
     made = _missing_parents(temporary)  # the folders above OUT this run creates: they go too if nothing is kept
+    owner = None
     try:  # from the mkdir on: a signal that lands just after it must not leave the folder behind
         try:
             temporary.mkdir(parents=True)
+            owner = _OWNERS[temporary] = ownership.Owner.claim(temporary)
         except OSError as error:
             raise OutputError(f"{output}: cannot be written ({_reason(error)})") from None
         yield temporary
     except OSError as error:
-        _remove(temporary, made)
-        raise OutputError(f"{output}: writing failed ({_reason(error)}); nothing was written") from None
+        left = _remove(temporary, made)
+        raise OutputError(f"{output}: writing failed ({_reason(error)}); {_what_is_left(left)}") from None
+    except (Interrupted, Terminated) as stop:
+        stop.left = _remove(temporary, made)
+        raise
+    except Nf4ConvertError as error:
+        left = _remove(temporary, made)
+        if left is None:
+            raise
+        said = type(error)(f"{error}; {_what_is_left(left)}", option=error.option)
+        said.__dict__.update({key: value for key, value in error.__dict__.items() if key != "option"})
+        raise said from None
     except BaseException:
         _remove(temporary, made)
         raise
+    finally:
+        _OWNERS.pop(temporary, None)
+        if owner is not None:
+            owner.close()
+
+
+def _what_is_left(left: Path | None) -> str:
+    if left is None:
+        return "nothing was written"
+    return f"{left} is left (it could not be removed): remove it with: rm -rf {shlex.quote(str(left))}"
 
 
 def _missing_parents(folder: Path) -> list[Path]:
@@ -192,9 +238,32 @@ def _missing_parents(folder: Path) -> list[Path]:
     return missing
 
 
-def _remove(temporary: Path, made: list[Path]) -> None:
-    """A run's staging folder, and the parents it made for it (deepest first) that nothing else has filled since."""
-    shutil.rmtree(temporary, ignore_errors=True)
+def _remove(temporary: Path, made: list[Path]) -> Path | None:
+    """A run's staging folder, and the parents it made for it (deepest first) that nothing else has filled since.
+    Stop signals wait until it is done (main thread): a second Ctrl-C stopped the removal halfway. Returns the folder
+    if it is still there (it could not be removed), else None."""
+    with _signals_waiting():
+        shutil.rmtree(temporary, ignore_errors=True)
+        _remove_parents(made)
+    return temporary if os.path.lexists(temporary) else None
+
+
+@contextlib.contextmanager
+def _signals_waiting():
+    """SIGINT, SIGTERM and SIGHUP recorded, not acted on, for the block (main thread only): they come while a run is
+    already stopping or failing, whose report says what came first."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {number: signal.signal(number, lambda signum, frame: None) for number in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+
+
+def _remove_parents(made: list[Path]) -> None:
     for parent in made:
         try:
             parent.rmdir()
@@ -204,46 +273,48 @@ def _remove(temporary: Path, made: list[Path]) -> None:
             break  # not empty (another run put something there), or not ours to remove: it, and those above, stay
 
 
-def _alive(pid: str) -> bool:
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return False
-    except (ValueError, OSError):  # not a pid of ours to judge (or not ours to signal): leave its folder alone
-        return True
-    return True
-
-
 @dataclass(frozen=True)
 class Leftover:
-    """A staging folder that a run killed outright (``kill -9``, the out-of-memory killer, a power cut) left beside
-    its OUT: no process of its number runs any more."""
+    """A staging folder beside OUT whose run is not running: one killed outright (``kill -9``, the out-of-memory
+    killer, a power cut) on this machine, provably gone (``gone``), or one whose owner cannot be checked from here (on
+    another host, before a reboot, or an older version's)."""
 
     path: Path
-    pid: int
-    own: bool  # OUT's own: a run into OUT removes it
+    pid: int | None
+    own: bool  # OUT's own: a run into OUT removes it, if its owner is provably gone
+    gone: bool = True
+    owner: str = ""  # who made it, where known ("process 12 on host h")
 
     def note(self, *, removed: bool = False) -> str:
         """One line naming it: removed (by a run into its OUT), or how to remove it."""
+        remove = f"rm -rf {shlex.quote(str(self.path))}"
+        if not self.gone:
+            return (
+                f"{self.path}: a conversion's temporary folder, whose owner ({self.owner}) cannot be checked from "
+                f"here; if no conversion into it runs there any more, remove it with: {remove}"
+            )
         killed = f"left by a conversion that was killed (process {self.pid} is gone)"
         if removed:
             return f"removed {self.path}, {killed}"
-        remove = f"rm -rf {shlex.quote(str(self.path))}"
         how = f"a conversion into its OUT removes it, or: {remove}" if self.own else f"remove it with: {remove}"
         return f"{self.path}: {killed}; {how}"
 
 
 def leftovers(output: Path) -> list[Leftover]:
-    """The staging folders of killed runs beside OUT (in its parent folder), whichever OUT they were for; OUT's own are
-    marked ``own``. A parent that cannot be read has none that can be named."""
+    """The staging folders beside OUT (in its parent folder) whose runs are not running, whichever OUT they were for:
+    provably gone, or not known from here (``Leftover``); OUT's own are marked ``own``. A parent that cannot be read
+    has none that can be named."""
     own = _beside(output, PARTIAL_SUFFIX, room=PID_ROOM)
     found = []
     try:
         for entry in sorted(output.parent.iterdir()):
-            stem, _, pid = entry.name.rpartition("-")
-            if stem.startswith(".") and stem.endswith(PARTIAL_SUFFIX) and pid.isdigit() and entry.is_dir():
-                if not entry.is_symlink() and not _alive(pid):
-                    found.append(Leftover(entry, int(pid), stem == own))
+            named = _staging_name(entry.name)
+            if named is None or not named[0].startswith(".") or not named[0].endswith(PARTIAL_SUFFIX):
+                continue
+            if entry.is_dir() and not entry.is_symlink() and entry not in _OWNERS:
+                judged = ownership.verdict(entry, named[1])
+                if not judged.alive:
+                    found.append(Leftover(entry, named[1], named[0] == own, judged.gone, judged.owner))
     except OSError:
         return []
     return found
@@ -257,6 +328,7 @@ def move_file_into_place(temporary: Path, output: Path, *, overwrite: bool = Fal
         raise OutputError(
             f"{output}: appeared while converting (another run?); nothing of this run was kept", option="overwrite"
         )
+    _unowned(temporary)
     os.replace(temporary / output.name, output)
     temporary.rmdir()
 
@@ -269,6 +341,7 @@ def move_into_place(temporary: Path, output: Path, *, overwrite: bool = False) -
         raise OutputError(
             f"{output}: appeared while converting (another run?); nothing of this run was kept", option="overwrite"
         )
+    _unowned(temporary)  # the owner file is the staging folder's, not OUT's
     if output.exists():
         old = output.parent / _beside(output, OLD_SUFFIX)
         shutil.rmtree(old, ignore_errors=True)
@@ -281,6 +354,13 @@ def move_into_place(temporary: Path, output: Path, *, overwrite: bool = False) -
         raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def _unowned(temporary: Path) -> None:
+    """The owner file of this run's ``temporary`` folder gone, before the folder (or its file) becomes OUT."""
+    owner = _OWNERS.get(temporary)
+    if owner is not None:
+        owner.unlink()
 
 
 @contextlib.contextmanager

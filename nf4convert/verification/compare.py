@@ -46,6 +46,7 @@ class Tally:
     mismatches: int = 0
     compared: int = 0  # bytes
     failure: str | None = None
+    non_finite: int = 0  # NaN or ±inf values of a merge's reference (compare.py leaves to finite.py what they mean)
 
     def problem(self) -> str | None:
         if self.failure is not None:
@@ -71,6 +72,10 @@ class Tallies:
         with self._lock:
             self.by_name[name].mismatches += mismatches
             self.by_name[name].compared += nbytes
+
+    def count_non_finite(self, name: str, count: int) -> None:
+        with self._lock:
+            self.by_name[name].non_finite += count
 
     def fail(self, name: str, error: BaseException) -> None:
         """The reference library refused this input: a finding about the tensor, not a crash."""

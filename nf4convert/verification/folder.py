@@ -15,6 +15,7 @@ from ..errors import ArgumentError, CheckpointError, SourceNotFoundError
 from ..safetensors_io.read import TensorInfo, TensorReader, read_tensors
 from . import audit
 from .compare import Tallies, described
+from .finite import made_by_merge
 from .stream import check_tensors
 
 
@@ -22,6 +23,7 @@ class Folder:
     """A converted checkpoint's folder, as verify checks it."""
 
     gguf = False
+    imports = ()  # beyond the reference libraries
 
     @staticmethod
     def claims(output: str) -> bool:
@@ -91,6 +93,9 @@ class Folder:
                         report.dequantized += 1
                         report.merged += expected[name].recipe.kind == "merge_lora"
                 problem = retyped[name] or (tally.problem() if tally is not None else None)
+                if not problem and tally is not None and tally.non_finite:
+                    merged = context.recompute(expected[name], source_reader, device)
+                    problem = made_by_merge(expected[name], merged, source_reader, device, context)
                 if problem:
                     report.problems.append(f"{name}: {problem}")
         if resolved.adapter_folder is None and audit.looks_merged(report.problems):
@@ -106,7 +111,7 @@ class Folder:
         elif context.unbuilt() is not None:
             report.notes.append(
                 f"config.json: transformers could not build the model from it ({context.unbuilt()}), so the "
-                "shapes it loads and its Conv1D layers were not checked"
+                "parameters it needs, the shapes it loads and its Conv1D layers were not checked"
             )
 
 

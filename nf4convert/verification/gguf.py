@@ -14,6 +14,7 @@ source; this runs the converter on the references and compares.
 
 from __future__ import annotations
 
+import os
 import tempfile
 from pathlib import Path
 
@@ -23,15 +24,17 @@ from ..hub.card import card_for_plan
 from ..hub.names import model_stem
 from ..sinks.gguf.converter import (
     GGUF_TYPES,
+    IMPORTS,
     NAME_FIELDS,
-    converter,
     converter_errors,
     converter_model,
     dense_dtype,
+    installed,
     quiet_converter,
     staged,
     tensors_of,
 )
+from .finite import made_by_merge
 from .reference.base import against
 
 HEADER_FIELDS = ("GGUF.version", "GGUF.tensor_count", "GGUF.kv_count")  # the reader's names for the header's words
@@ -41,6 +44,7 @@ class GgufFile:
     """A GGUF file, as verify checks it: read (and its type known) before SOURCE is fetched."""
 
     gguf = True
+    imports = IMPORTS  # the converter's, begun on the side
 
     @staticmethod
     def claims(output: str) -> bool:
@@ -48,9 +52,13 @@ class GgufFile:
 
     def __init__(self, output: Path):
         if not output.is_file():
-            raise SourceNotFoundError(f"{output}: {'a folder, not a GGUF file' if output.is_dir() else 'no such file'}")
+            found = "a folder, not a GGUF file" if output.is_dir() else "not a regular file"
+            raise SourceNotFoundError(f"{output}: {found if os.path.lexists(output) else 'no such file'}")
         self.output = output
-        self.gguf_module, _ = converter()
+        installed()
+        import gguf
+
+        self.gguf_module = gguf
         self.actual = _read(self.gguf_module, output)
         self.gguf_type = _gguf_type(self.gguf_module, self.actual, output)
 
@@ -75,11 +83,16 @@ class GgufFile:
         )
         planned = context.planned
         recomputed = []
+        non_finite: dict[str, str] = {}  # what merges made NaN or ±inf, where their base holds none
 
         def reference(name: str):
             tensor = planned[name]
             recomputed.append(tensor)
             made = context.recompute(tensor, source_reader, device).to("cpu")
+            if tensor.recipe.kind == "merge_lora" and name not in non_finite:
+                problem = made_by_merge(tensor, made, source_reader, device, context)
+                if problem:
+                    non_finite[name] = problem
             return made.to(DTYPES[tensor.dtype].torch).reshape(tensor.shape)
 
         with (
@@ -113,6 +126,7 @@ class GgufFile:
                 if problem:
                     sources = ", ".join(sorted({against(tensor, device) for tensor in recomputed})) or "the reference"
                     report.problems.append(f"{name}: {problem} (llama.cpp's converter on {sources})")
+            report.problems += [f"{name}: {problem}" for name, problem in non_finite.items()]
 
 
 def _read(gguf, path: Path):

@@ -88,20 +88,20 @@ def check_tensors(pairs, source_reader, output_reader, device, context, tallies:
         local.source, local.output = _Buffers(pinned=cuda), _Buffers(pinned=cuda)
         local.made = _Buffers(pinned=False)
 
-    def check(name, info, piece, itemsize):
+    def check(name, info, piece, itemsize, merged):
         try:
             if stop.is_set():
                 return
             with whole if piece.nbytes > slice_bytes else contextlib.nullcontext():
                 with torch.cuda.stream(local.stream) if cuda else contextlib.nullcontext():
-                    _compare(name, info, piece, itemsize)
+                    _compare(name, info, piece, itemsize, merged)
         except BaseException as error:  # noqa: BLE001  (a file unreadable, or worse: raised from the caller's thread)
             errors.append(error)
             stop.set()
         finally:
             slots.release()
 
-    def _compare(name, info, piece, itemsize):
+    def _compare(name, info, piece, itemsize, merged):
         local.source.reset()
         local.made.reset()
         try:
@@ -114,6 +114,8 @@ def check_tensors(pairs, source_reader, output_reader, device, context, tallies:
             tallies.fail(name, error)
             moved(piece.nbytes)
             return
+        if merged is not None:  # a merge's NaN and ±inf: the report says which the base lacks (finite.py)
+            tallies.count_non_finite(name, int((~torch.isfinite(expected.view(merged))).sum()))
         for start in range(0, piece.nbytes, COMPARE_BYTES):
             size = min(COMPARE_BYTES, piece.nbytes - start)
             local.output.reset()
@@ -131,6 +133,7 @@ def check_tensors(pairs, source_reader, output_reader, device, context, tallies:
             if stop.is_set():
                 break
             itemsize = DTYPES[tensor.dtype].itemsize
+            merged = DTYPES[tensor.dtype].torch if tensor.recipe.kind == "merge_lora" else None
             tallies.start(tensor.name, tensor.nbytes, itemsize, against(tensor, device))
             queued = 0
             try:
@@ -139,7 +142,7 @@ def check_tensors(pairs, source_reader, output_reader, device, context, tallies:
                     if stop.is_set():
                         slots.release()
                         break
-                    pool.submit(check, tensor.name, info, piece, itemsize)
+                    pool.submit(check, tensor.name, info, piece, itemsize, merged)
                     queued += piece.nbytes
             except CheckpointError:
                 raise

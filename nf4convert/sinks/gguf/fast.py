@@ -46,6 +46,9 @@ LAYOUT = frozenset(
         "clone",
     }
 )
+# of those, the ones that keep the values' row-major order: a tensor whose steps are all of these holds in the GGUF the
+# values of our tensor in our order, so each piece of ours is GGUF bytes at a place known from the piece alone
+ORDER_KEEPING = frozenset({"reshape", "view", "contiguous", "squeeze", "unsqueeze", "flatten", "unflatten", "clone"})
 
 
 @dataclass(frozen=True)
@@ -93,11 +96,13 @@ def _method(node, codes: _Codes) -> str | None:
 @dataclass
 class Recognised:
     """A graph the fast paths take: ``source`` (the name ``make_tensor`` makes), the layout ``steps`` the converter
-    applies to it (functions of one tensor, in order), and what gguf-py then does (``"same"`` or ``"q8_0"``)."""
+    applies to it (functions of one tensor, in order), what gguf-py then does (``"same"`` or ``"q8_0"``), and whether
+    every step keeps the values' order (``streamed``: written piece by piece as made, ``streamed.py``)."""
 
     source: str
     steps: list
     kind: str
+    streamed: bool = False
 
 
 def recognise(lazy, is_source: Callable, gguf) -> Recognised | None:
@@ -123,6 +128,7 @@ def recognise(lazy, is_source: Callable, gguf) -> Recognised | None:
     node = node._args[0]
     steps = []
     upcast = False
+    ordered = True
     while isinstance(node, LazyBase):
         name = is_source(node)
         if name is not None:
@@ -136,6 +142,7 @@ def recognise(lazy, is_source: Callable, gguf) -> Recognised | None:
             upcast = True  # the converter's upcast, right on our tensor
         elif method in LAYOUT and not any(isinstance(arg, torch.dtype) for arg in rest):
             steps.append(functools.partial(_replay, node._func, node._args[1:], node._kwargs))
+            ordered = ordered and method in ORDER_KEEPING
         else:
             return None
         node = node._args[0]
@@ -143,11 +150,11 @@ def recognise(lazy, is_source: Callable, gguf) -> Recognised | None:
         return None
     dtype = node._meta.dtype
     if kind == "q8_0":
-        return Recognised(name, steps[::-1], "q8_0")
+        return Recognised(name, steps[::-1], "q8_0", ordered)
     same = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}[kind]
     if dtype != same or upcast != (dtype == torch.bfloat16):  # gguf-py converts between types: left to it
         return None
-    return Recognised(name, steps[::-1], "same")
+    return Recognised(name, steps[::-1], "same", ordered)
 
 
 def _replay(function, args, kwargs, tensor):
@@ -156,18 +163,25 @@ def _replay(function, args, kwargs, tensor):
 
 class FastTensor:
     """Stands for one of the converter's lazy tensors in its writer (which asks only ``nbytes`` and ``tofile``): the
-    same bytes, made by a fast path on ``device`` and handed to ``writes()`` (the file's
-    ``gguf_writes.PositionalWrites``) at the writer's place, which it moves past them. ``quantizer()``: the
-    ``kernels.q8_0.Q8_0`` to quantize with."""
+    same bytes, made by a fast path. A ``stream`` (``streamed.StreamedTensor``) has them written piece by piece as the
+    feed makes them; otherwise the tensor is taken whole (``take``), its layout steps run on ``device``, and its bytes
+    handed to ``writes()`` (the file's ``writes.PositionalWrites``) at the place ``tofile`` is given, which it moves
+    past them. ``quantizer()``: the ``q8_0.Q8_0`` to quantize with."""
 
-    def __init__(self, recognised: Recognised, nbytes: int, take: Callable, device, quantizer: Callable, writes):
-        self.recognised, self.nbytes = recognised, nbytes
+    def __init__(
+        self, recognised: Recognised, nbytes: int, take: Callable, device, quantizer: Callable, writes, stream=None
+    ):
+        self.recognised, self.nbytes, self.stream = recognised, nbytes, stream
         self._take, self._device, self._quantizer, self._writes = take, device, quantizer, writes
 
     def tofile(self, out) -> None:
         import torch
 
-        start, writes = out.tell(), self._writes()
+        start = out.tell()
+        if self.stream is not None:  # written by the feed's pipeline, piece by piece
+            out.seek(start + self.nbytes)
+            return
+        writes = self._writes()
         tensor = self._take(self.recognised.source)
         if tensor.device != torch.device(self._device):
             tensor = tensor.to(self._device)

@@ -1,14 +1,13 @@
-"""Planned tensors made whole ahead of the GGUF writer, in the order it will ask for them.
+"""The GGUF's tensors made through the pipeline, in the order the file holds them: streamed to the file, or made whole
+ahead of the thread that writes the rest.
 
-The converter's writer asks for one tensor at a time. Made one at a time on the asking thread, a tensor would be read
-and decoded piece after piece on one core; instead a thread of our own pushes the tensors' pieces through the pipeline
-(``pipeline/core.py``: reads, the route's makers, writes) into host memory, in the writer's order, while the writer
-converts and writes the tensors before. At most ``ahead`` bytes are made and not yet taken (one tensor whatever its
-size), so memory stays at the tensor being written, ``ahead`` bytes and the pipeline's pieces.
-
-The feed starts on a forecast of that order (the converter's reading order), while the converter sets up; the writer's
-own order replaces it once known (``expect``). A tensor asked for out of order (the converter evaluating one early, or
-twice) is made on the asking thread.
+One thread of our own pushes every tensor's pieces through one pipeline (``pipeline/core.py``: reads, the route's
+makers, several writing threads) in the file's order. A tensor the file holds in our values' order (``streamed.py``)
+has its pieces written straight to their places in the file by the pipeline's writers: it is never whole. Any other
+(a reordering layout step such as the q/k permute, or a graph only the converter's code converts) is made whole into
+host memory, for the writing thread to take (``take``) and convert; at most ``ahead`` bytes are made and not yet taken
+(one tensor whatever its size), so memory stays at the tensor being converted, ``ahead`` bytes and the pipeline's
+pieces. A tensor asked for out of order (the converter evaluating one early, or twice) is made on the asking thread.
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ from ...kinds.base import whole
 from ...pipeline.core import Pipeline
 from ...plan import may_exceed
 
-AHEAD_BYTES = 256 << 20  # made, not yet taken: enough to keep the writer fed, little beside the largest tensor
+AHEAD_BYTES = 256 << 20  # made whole, not yet taken: enough to keep the writer fed, little beside the largest tensor
 
 
 class _Made:
@@ -53,44 +52,45 @@ class _Made:
 
 
 class Feed:
-    """Planned tensors by name, made ahead through the pipeline; ``take(name)`` hands one over (a CPU torch tensor of
-    its dtype and shape) and forgets it."""
+    """Planned tensors by name, made through the pipeline in the order given to ``start``: each one streamed to the
+    writer ``start`` pairs it with, or made whole for ``take(name)`` (a CPU torch tensor of its dtype and shape)."""
 
     def __init__(self, plan, reader, route, *, writers: int, progress: Callable[[int], None], ahead=AHEAD_BYTES):
         self._tensors = {tensor.name: tensor for tensor in plan.tensors}
         self._plan, self._reader, self._route, self._writers, self._progress = plan, reader, route, writers, progress
         self._ahead = ahead
         self._made: dict[str, _Made] = {}
-        self._pending = 0  # bytes made or being made, not yet taken
+        self._pending = 0  # bytes made or being made whole, not yet taken
         self._changed = threading.Condition()
         self._stop = False
+        self._done = False  # every tensor of the order pushed and its pieces written
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
-        self._queue: deque = deque()
-        self._wanted: set[str] = set()
+        self._queue: deque = deque()  # (name, its stream's writer or None: made whole), in the order made
+        self._wholes: deque = deque()  # the names made whole, in that order, until each is begun
+        self._crowded = False  # the feed waits for room (the writer to take what is made)
         self._taken: set[str] = set()
         self.infinite: list[str] = []  # fp16 tensors written with ±inf (plan.may_exceed), as the pipeline found them
 
-    def start(self, order: list[str]) -> None:
-        """Make the tensors named in ``order`` (each once), in that order, on a thread of their own."""
+    def start(self, order: list) -> None:
+        """Make the tensors ``order`` names, in that order, on a thread of their own: a name is made whole once, for
+        ``take``; a ``(name, writer)`` pair has the tensor's pieces written to ``writer`` (the pipeline's sink
+        interface, ``write(name, data, offset)``) as they are made."""
+        jobs, wholes = [], []
+        for item in order:
+            name, writer = item if isinstance(item, tuple) else (item, None)
+            if name not in self._tensors or (writer is None and name in wholes):
+                continue
+            jobs.append((name, writer))
+            if writer is None:
+                wholes.append(name)
         with self._changed:
-            self._queue = deque(dict.fromkeys(name for name in order if name in self._tensors))
-            self._wanted = set(self._queue)
+            self._queue = deque(jobs)
+            self._wholes = deque(wholes)
         self._thread = threading.Thread(target=self._run, name="nf4convert-gguf-feed", daemon=True)
         self._thread.start()
 
-    def expect(self, order: list[str]) -> None:
-        """The order the writer will ask in, once known (``start`` was given a forecast): what it will not ask for is
-        dropped, and the rest is made in this order."""
-        with self._changed:
-            wanted = dict.fromkeys(name for name in order if name in self._tensors and name not in self._taken)
-            for name in [name for name in self._made if name not in wanted]:
-                self._pending -= self._made.pop(name).tensor.nbytes
-            self._queue = deque(name for name in wanted if name not in self._made)
-            self._wanted = set(wanted)
-            self._changed.notify_all()
-
-    def _next(self) -> str | None:
+    def _next(self):
         with self._changed:
             return self._queue.popleft() if self._queue and not self._stop else None
 
@@ -99,31 +99,44 @@ class Feed:
             self._route.warm(self._plan, self._reader)
             made_names = []
             with Pipeline(self._route, self._reader, self._progress, writers=self._writers) as pipeline:
-                while (name := self._next()) is not None:
+                while (job := self._next()) is not None:
+                    name, writer = job
                     tensor = self._tensors[name]
-                    if not self._room(tensor.nbytes, pipeline):
-                        return
-                    made = _Made(tensor, self._notify)
-                    with self._changed:
-                        if name not in self._wanted or name in self._made:  # the order changed meanwhile
+                    if writer is None:
+                        writer = self._register(tensor, pipeline)
+                        if writer is None:  # taken (made) on the asking thread meanwhile
                             continue
-                        self._made[name] = made
-                        self._pending += tensor.nbytes
                     made_names.append(name)
                     watched = may_exceed(tensor)
                     for piece in tensor.recipe.produce(tensor, self._reader, self._route):
                         if self._stop:
                             return
                         piece.watched = watched
-                        pipeline.push(made, name, piece)
-                    if made.complete:
+                        pipeline.push(writer, name, piece)
+                    if isinstance(writer, _Made) and writer.complete:
                         self._notify()
                 pipeline.drain()
-                self.infinite += [name for name in made_names if name in pipeline.infinite]
+                self.infinite += [name for name in dict.fromkeys(made_names) if name in pipeline.infinite]
+            with self._changed:
+                self._done = not self._stop
+                self._changed.notify_all()
         except BaseException as error:  # noqa: BLE001  (handed to the thread that takes the tensors)
             with self._changed:
                 self._error = error
                 self._changed.notify_all()
+
+    def _register(self, tensor, pipeline) -> _Made | None:
+        """The next tensor made whole, once there is room for it (None: already taken, or stopped)."""
+        room = self._room(tensor.nbytes, pipeline)
+        with self._changed:
+            if self._wholes and self._wholes[0] == tensor.name:
+                self._wholes.popleft()
+            self._changed.notify_all()
+            if not room or tensor.name in self._taken:
+                return None
+            made = self._made[tensor.name] = _Made(tensor, self._notify)
+            self._pending += tensor.nbytes
+            return made
 
     def _room(self, nbytes: int, pipeline) -> bool:
         """Wait until ``nbytes`` more may be made (always, when nothing is waiting to be taken); False once stopped.
@@ -135,8 +148,13 @@ class Feed:
                 return True
         pipeline.drain()
         with self._changed:
-            while not self._stop and self._pending > 0 and self._pending + nbytes > self._ahead:
-                self._changed.wait()
+            self._crowded = True  # a take of the tensor waiting here makes it itself (it may be asked for first)
+            self._changed.notify_all()
+            try:
+                while not self._stop and self._pending > 0 and self._pending + nbytes > self._ahead:
+                    self._changed.wait()
+            finally:
+                self._crowded = False
             return not self._stop
 
     def _notify(self) -> None:
@@ -149,6 +167,16 @@ class Feed:
 
         tensor = self._tensors[name]
         with self._changed:
+            # the next tensor the feed makes whole is waited for, not made twice (unless the feed waits for room)
+            while (
+                name not in self._made
+                and self._wholes
+                and self._wholes[0] == name
+                and not self._crowded
+                and self._error is None
+                and not self._stop
+            ):
+                self._changed.wait()
             made = self._made.get(name)
             while made is not None and not made.complete and self._error is None:
                 self._changed.wait()
@@ -165,8 +193,17 @@ class Feed:
             raw = made.bytes
         return raw.view(DTYPES[tensor.dtype].torch).view(tensor.shape)
 
+    def finish(self) -> None:
+        """Wait until every tensor of the order is made and every streamed piece written; the feed's failure is
+        raised here."""
+        with self._changed:
+            while not self._done and self._error is None and self._thread is not None:
+                self._changed.wait()
+            if self._error is not None:
+                raise self._error
+
     def close(self) -> None:
-        """Stop making tensors ahead and wait for the pieces in flight."""
+        """Stop making tensors and wait for the pieces in flight."""
         with self._changed:
             self._stop = True
             self._changed.notify_all()

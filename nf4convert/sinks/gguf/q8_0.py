@@ -33,7 +33,8 @@ class Q8_0:
     def __init__(self, device, edge_blocks: Callable):
         import torch
 
-        self.chunk_values = CUDA_CHUNK_VALUES if torch.device(device).type == "cuda" else CHUNK_VALUES
+        self.device = torch.device(device)
+        self.chunk_values = CUDA_CHUNK_VALUES if self.device.type == "cuda" else CHUNK_VALUES
         blocks = self.chunk_values // BLOCK
         self.edge_blocks = edge_blocks
         self._values = torch.empty((blocks, BLOCK), dtype=torch.float32, device=device)

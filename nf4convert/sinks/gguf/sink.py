@@ -1,9 +1,12 @@
 """The GGUF sink: one ``.gguf`` file, written by llama.cpp's converter (``gguf_converter.py``) from the plan's tensors.
 
-No dense checkpoint is written: the converter's lazy tensors take our tensors from a feed (``gguf_feed.py``) that makes
-them through the pipeline ahead of the writer, and where a tensor's graph allows, a fast path (``gguf_fast.py``) writes
-the same bytes as the converter's graph without its fp32 round trip. The converter still decides everything else:
-names, types, shapes, order, metadata, the tokenizer.
+No dense checkpoint is written. Once the converter has prepared its tensors, the file's layout is known but for where
+the data begins; a feed (``feed.py``) then makes them through the pipeline in the file's order while the converter
+writes the metadata. Where a tensor's graph allows, a fast path (``fast.py``) gives the same bytes as the converter's
+graph without its fp32 round trip: written piece by piece at their places by the pipeline's writers where the
+converter's layout steps keep the values' order (``streamed.py``; the embedding and the head are never whole), else
+from the tensor made whole. The converter still decides everything else: names, types, shapes, order, metadata, the
+tokenizer.
 
 Which GGUF type: ``--gguf-type``, or the dense dtype's own float type (bf16 -> bf16, fp16 -> f16, fp32 -> f32); with
 ``--dtype auto`` a float ``--gguf-type`` makes the dense tensors in that type, so they need no conversion.
@@ -13,11 +16,14 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from ...errors import ArgumentError
+from ... import profile
+from ...dtypes import DTYPES
+from ...errors import ArgumentError, InternalError
 from ...settings import Settings
 from ...sizes import DEFAULT_SHARD_BYTES
 from .. import output as lifecycle
@@ -26,19 +32,23 @@ from ..naming import default_output
 from .converter import (
     FLOAT_TYPES,
     GGUF_TYPES,
+    Vocabulary,
     check,
     converter,
     converter_errors,
     converter_model,
-    converter_order,
     dense_dtype,
+    installed,
     quiet_converter,
     staged,
+    start_importing,
     tensors_of,
 )
 from .fast import FastTensor, recognise
 from .feed import Feed
+from .metadata import write_kv_data_to_file
 from .q8_0 import Q8_0
+from .streamed import GgufFileWrites, Layout, StreamedTensor
 from .writes import PositionalWrites
 
 GGUF_SUFFIX = ".gguf"
@@ -61,11 +71,19 @@ def write_gguf(
     settings: Settings | None = None,
     progress: Callable[[int], None] = lambda nbytes: None,
     fast: bool = True,
+    vocabulary: Vocabulary | None = None,
 ) -> GgufWritten:
     """Write the GGUF that llama.cpp's converter makes from the dense checkpoint of ``plan`` into ``path``, reading the
     source through ``reader`` and making tensors on ``route``. ``name``: the model's name, as the converter would read
     it from the dense folder's name; ``card``: the dense model card. ``progress(bytes)`` as dense tensors are made.
-    ``fast``: take the fast paths (off: the converter's own graph for every tensor).
+    ``fast``: take the fast paths (off: the converter's own graph for every tensor). ``vocabulary``: the one the
+    check of the same staged folder recorded (``converter.check``), written instead of reading the tokenizer again.
+
+    The converter runs as its ``write()`` runs, with two of its steps taken over: once its tensors are prepared (their
+    lazy graphs, types and sizes: the file's layout but for where the data begins), the feed starts making them in the
+    file's order, streamed tensors' pieces waiting for the layout while the converter writes the metadata (the
+    tokenizer's vocabulary, the card's fields); then the tensors' bytes are written at their places, the tensors made
+    whole converted on this thread (``_write_tensors``).
 
     Raises:
         DependencyError: the converter (the "gguf" extra) is missing or not the pinned one.
@@ -74,11 +92,18 @@ def write_gguf(
     import numpy as np
     import torch
 
+    from ...devices import cpu_cores
+    from ...safetensors_io.write import Writeback
+
     settings = settings or Settings()
     gguf, _ = converter()
     written = GgufWritten(0)
-    feed = Feed(plan, reader, route, writers=settings.writers, progress=progress)
-    writes: list[PositionalWrites] = []  # the file's, once the converter's writer has opened it
+    writers = settings.writers
+    if gguf_type == "q8_0" and not route.gpu:  # the writing threads quantize: the CPU's cores are the work's
+        writers = max(writers, cpu_cores() // 2)
+    feed = Feed(plan, reader, route, writers=writers, progress=progress)
+    layout = Layout()
+    dtypes = {tensor.name: DTYPES[tensor.dtype].torch for tensor in plan.tensors}
 
     def is_source(node):
         function = node._func
@@ -89,24 +114,39 @@ def write_gguf(
             return gguf.quants.Q8_0.quantize_blocks(blocks)
 
     quantizer = functools.cache(lambda: Q8_0(route.device, edge_blocks))  # one set of buffers for every tensor
+    writeback = Writeback() if settings.writeback else None
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+    pieces = GgufFileWrites(descriptor, layout, route.device, edge_blocks, writeback)
+    writes = PositionalWrites(descriptor, writeback=settings.writeback)
+    streamed: list[StreamedTensor] = []
 
     def install(writer) -> None:
-        """Every written tensor taken by a fast path where one gives its bytes; the feed started in writing order."""
+        """Every written tensor taken by a fast path where one gives its bytes (streamed where its values keep their
+        order), and the feed started in writing order."""
         order = []
         for split in writer.tensors:
-            for info in split.values():
+            for tensor_name, info in split.items():
                 recognised = recognise(info.tensor, is_source, gguf) if fast else None
-                if recognised is not None:
-                    device = route.device if recognised.kind == "q8_0" else "cpu"  # nothing to compute for the rest
-                    info.tensor = FastTensor(recognised, info.nbytes, feed.take, device, quantizer, lambda: writes[0])
-                    order.append(recognised.source)
-                    written.fast += 1
-                else:
+                if recognised is None:
                     order += _sources(info.tensor, is_source)
+                    written.tensors += 1
+                    continue
+                stream = None
+                if recognised.streamed:
+                    source = recognised.source
+                    stream = StreamedTensor(tensor_name, recognised.kind, dtypes[source], info.nbytes, pieces)
+                    streamed.append(stream)
+                    order.append((source, stream))
+                else:
+                    order.append(recognised.source)
+                device = route.device if recognised.kind == "q8_0" else "cpu"  # nothing to compute for the rest
+                info.tensor = FastTensor(
+                    recognised, info.nbytes, feed.take, device, quantizer, lambda: writes, stream=stream
+                )
+                written.fast += 1
                 written.tensors += 1
-        feed.expect(order)
+        feed.start(order)
 
-    feed.start([name for name, *_ in converter_order(tensors_of(plan))])  # while the converter sets up
     try:
         with (
             staged(plan.folder, plan.config or {}, card, name) as stage,
@@ -115,29 +155,86 @@ def write_gguf(
             torch.inference_mode(),
         ):
             model = converter_model(stage, tensors_of(plan), feed.take, Path(path), gguf_type)
+            if vocabulary is not None:
+                vocabulary.write_into(model)
             prepare_tensors, writer = model.prepare_tensors, model.gguf_writer
-            write_tensors = writer.write_tensors_to_file
 
             def prepared():
                 with quiet_converter(written.warnings):  # its words on the tensors (a type it falls back from)
                     prepare_tensors()
                 install(writer)
+                profile.mark("GGUF tensors prepared")
 
-            def write_tensors_in_place(progress=False):
-                writes.append(PositionalWrites(writer.fout[0].fileno(), writeback=settings.writeback))
-                try:
-                    write_tensors(progress=False)  # our bar, not its
-                    writes[0].finish()
-                finally:
-                    writes[0].close()
+            def write_tensors_in_place(progress=False):  # our bar, not its
+                _write_tensors(writer, gguf, pieces, descriptor, writes)
+                writes.finish()
+                feed.finish()
+                if not all(stream.complete() for stream in streamed):
+                    raise InternalError(f"{path}: a Q8_0 block was left without all its values")
 
             model.prepare_tensors = prepared
+            writer.write_kv_data_to_file = functools.partial(write_kv_data_to_file, writer)
             writer.write_tensors_to_file = write_tensors_in_place
             model.write()
+    except BaseException:
+        layout.fail()  # the pieces waiting for it stop at once
+        raise
     finally:
         feed.close()
+        writes.close()
+        pieces.close()
+        os.close(descriptor)
+        if writeback is not None:
+            writeback.close()
     written.infinite = feed.infinite
     return written
+
+
+class _At:
+    """A place in the file, for the writer of one tensor (``FastTensor.tofile``: ``tell``, ``seek``)."""
+
+    def __init__(self, position: int):
+        self.position = position
+
+    def tell(self) -> int:
+        return self.position
+
+    def seek(self, position: int) -> None:
+        self.position = position
+
+
+def _write_tensors(writer, gguf, pieces: GgufFileWrites, descriptor: int, writes: PositionalWrites) -> None:
+    """In place of gguf-py's ``write_tensors_to_file``: the tensor infos written and the data's place known (the
+    streamed pieces held meanwhile written, those waiting for it going on), then each tensor made whole converted and
+    handed to the positional writes at its place; the padding between tensors and after the last is a hole of zeros,
+    as gguf-py writes it."""
+    import numpy as np
+
+    writer.write_ti_data_to_file()
+    (out,) = writer.fout  # the converter writes one file here: a split would need its own layout
+    writer.write_padding(out, out.tell())
+    out.flush()
+    offsets, position = {}, out.tell()
+    for split in writer.tensors:
+        for tensor_name, info in split.items():
+            offsets[tensor_name] = position
+            position += writer.ggml_pad(info.nbytes, writer.data_alignment)
+    os.ftruncate(descriptor, position)
+    for at, data in pieces.layout.set(offsets):
+        pieces.pwrite(data, at)
+    profile.mark("GGUF layout written")
+    for split in writer.tensors:
+        for tensor_name, info in split.items():
+            tensor, info.tensor = info.tensor, None  # its graph and what it holds go once written
+            if isinstance(tensor, FastTensor):
+                tensor.tofile(_At(offsets[tensor_name]))
+                continue
+            made = gguf.LazyNumpyTensor.to_eager(tensor) if isinstance(tensor, gguf.LazyBase) else tensor
+            made = np.ascontiguousarray(made)
+            if made.nbytes != info.nbytes:
+                raise InternalError(f"{tensor_name}: {made.nbytes} bytes made for a GGUF tensor of {info.nbytes}")
+            writes.put(offsets[tensor_name], made.reshape(-1).view(np.uint8))
+    writer.state = type(writer.state).WEIGHTS
 
 
 def _sources(lazy, is_source) -> list[str]:
@@ -190,7 +287,12 @@ class GgufFile(Sink):
 
     @classmethod
     def check_ready(cls) -> None:
-        converter()
+        installed()  # read, not imported: its import begins with the command (begin_imports) or where first needed
+
+    @classmethod
+    def begin_imports(cls) -> None:
+        """The converter's import begun on the preload thread, while the command resolves and plans."""
+        start_importing()
 
     @classmethod
     def batch_output(cls, output_root, stem: str, options) -> str:
@@ -201,6 +303,7 @@ class GgufFile(Sink):
         self.type = self.own_type = (
             options.gguf_type or FLOAT_TYPES[plan.dtype.short]
         )  # --dtype's float type by default
+        self._vocabulary = None  # what the check recorded of the converter's vocabulary
 
     def default_output(self, output_dir, stem: str) -> Path:
         return default_output(output_dir, stem, f"{self.type}{GGUF_SUFFIX}")
@@ -210,7 +313,7 @@ class GgufFile(Sink):
         found without reading a weight (``converter.check``)."""
         plan = self.plan
         with staged(plan.folder, plan.config or {}, None, self.model) as stage:
-            check(stage, tensors_of(plan), self.type, plan.folder)
+            self._vocabulary = check(stage, tensors_of(plan), self.type, plan.folder)
 
     def size_bound(self) -> int:
         """At most the bytes of the GGUF: each tensor at the type's size (one-dimensional ones in fp32, as the converter
@@ -244,6 +347,7 @@ class GgufFile(Sink):
             card=card(),
             settings=settings,
             progress=progress,
+            vocabulary=self._vocabulary,
         )
 
     def place(self, staging: Path, output: Path, *, overwrite: bool) -> int:

@@ -277,6 +277,16 @@ def converter_errors(folder: Path):
         ) from None
 
 
+_PASSING: set = set()  # the code of our wrappers that only pass a converter's call on to the converter's own method
+
+
+def passing(function):
+    """``function`` wraps one of the converter's methods and hands the call on: its frame is not counted as ours in
+    ``_raised_by_libraries`` (what the converter's method raises beneath it is the converter's)."""
+    _PASSING.add(function.__code__)
+    return function
+
+
 def _raised_by_libraries(error: BaseException) -> bool:
     """Whether ``error`` came from the converter or a library it calls on the model's files, not from nf4convert's code
     under it (a tensor the converter asked us for, and what our code called to make it): no frame of nf4convert's lies
@@ -289,7 +299,8 @@ def _raised_by_libraries(error: BaseException) -> bool:
     traceback = error.__traceback__
     while traceback is not None:
         name = traceback.tb_frame.f_code.co_filename
-        if not (name.startswith(standard) and "-packages" not in name):
+        passed_on = traceback.tb_frame.f_code in _PASSING
+        if not passed_on and not (name.startswith(standard) and "-packages" not in name):
             files.append(name)
         traceback = traceback.tb_next
     theirs = next((index for index, name in enumerate(files) if not name.startswith(package)), None)
@@ -336,6 +347,7 @@ class Vocabulary:
         vocabulary = cls()
         set_vocab = model.set_vocab
 
+        @passing
         def recording():
             (before,) = [dict(fields) for fields in model.gguf_writer.kv_data]
             set_vocab()

@@ -39,6 +39,7 @@ from .converter import (
     converter_model,
     dense_dtype,
     installed,
+    passing,
     quiet_converter,
     staged,
     start_importing,
@@ -159,6 +160,7 @@ def write_gguf(
                 vocabulary.write_into(model)
             prepare_tensors, writer = model.prepare_tensors, model.gguf_writer
 
+            @passing
             def prepared():
                 with quiet_converter(written.warnings):  # its words on the tensors (a type it falls back from)
                     prepare_tensors()

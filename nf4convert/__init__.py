@@ -1,4 +1,5 @@
-"""nf4convert: turn bitsandbytes 4-bit (NF4/FP4) and 8-bit (LLM.int8) checkpoints back into dense safetensors.
+"""nf4convert: turn quantized checkpoints (bitsandbytes, GPTQ, AWQ, FP8, MXFP4, compressed-tensors) back into dense
+safetensors or GGUF, bit for bit as their reference libraries dequantize them.
 
 Public API (imported lazily: the CLI starts without torch, and importing the package runs next to nothing before the
 console script's first statements, ``entry.py``):

@@ -307,7 +307,7 @@ def converted(
     profile.start("convert called", enabled=settings.profile)
     if _local_folder(source):  # a Hub SOURCE's download imports huggingface_hub's parts: not beside it
         with contextlib.suppress(Nf4ConvertError):  # said where prepare() checks it, in its order
-            getattr(sink_for(options), "begin_imports", lambda: None)()  # the GGUF converter's, on the side
+            sink_for(options).begin_imports()
     chosen_device = pick_device(options.device)
     profile.mark("device picked")
     # The route starts now (a CUDA context takes a while) and the card is written on the side while the tensors are.

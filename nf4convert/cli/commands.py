@@ -23,14 +23,14 @@ from .flags import convert_options, one_adapter, quiet, source_options
 @click.group(cls=DefaultGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="nf4convert")
 def main():
-    """Turn bitsandbytes checkpoints (4-bit NF4/FP4, 8-bit LLM.int8) into dense safetensors checkpoints.
+    """Turn quantized checkpoints (bitsandbytes, GPTQ, AWQ, FP8, MXFP4, compressed-tensors) into dense ones.
 
     \b
     Examples:
       nf4convert unsloth/Llama-3.2-1B-Instruct-bnb-4bit            # -> ./Llama-3.2-1B-Instruct-bf16
       nf4convert ./my-model-bnb-4bit -o my-model-fp16 --dtype fp16
       nf4convert verify my-model-fp16 ./my-model-bnb-4bit
-      nf4convert batch org/a-bnb-4bit org/b-bnb-4bit -o converted/
+      nf4convert batch org/a-bnb-4bit org/b-GPTQ-Int4 -o converted/
     """
 
 

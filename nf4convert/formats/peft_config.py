@@ -16,7 +16,7 @@ from ..strict_json import strict_json
 CONFIG_NAME = "adapter_config.json"
 
 
-# peft.LoraConfig's defaults for the fields the merge reads (importing peft costs ~10 s; tests check these).
+# peft.LoraConfig's defaults for the fields the merge reads (importing peft takes seconds; tests check these).
 CONFIG_DEFAULTS = {
     "r": 8,
     "lora_alpha": 8,

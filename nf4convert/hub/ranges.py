@@ -27,7 +27,9 @@ from .names import commit_of
 # (formats.base.plan_reads: quant states, code tables, nested absmax, 8-bit scales and formats, all small) up to this
 # size each; reading any other bytes of it is an error (safetensors_io.read.TensorReader), never zeros.
 PLAN_TENSOR_BYTES = 1 << 24
-_FIRST_BYTES = 100_000  # a file's first request: the whole header for 97% of the Hub's files (huggingface_hub's figure)
+_FIRST_BYTES = (
+    100_000  # a file's first request: the whole header for most of the Hub's files (huggingface_hub's figure)
+)
 _GAP_BYTES = 1 << 16  # such tensors this close together are fetched in one request
 _RUN_BYTES = 1 << 24  # at most this many bytes per request
 _REQUESTS_AT_ONCE = 8

@@ -1,8 +1,8 @@
-"""SOURCE and ADAPTER, as a user names them, resolved to folders of files: a local folder, a Hub repo (``hub.py``
-downloads only what a conversion reads), or a repo already in the Hub cache; a SOURCE that is itself a peft adapter
-stands for the base its config names. Refused here, as early as can be known: an empty name, an adapter given twice,
-a Hub checkpoint whose config.json says it is not bitsandbytes (before its weights are downloaded). Convert and
-verify both start here."""
+"""SOURCE and ADAPTER, as a user names them, resolved to folders of files: a local folder, a Hub repo (``download.py``
+fetches only what a conversion reads; ``weights.py`` streams its weights), or a repo already in the Hub cache; a SOURCE
+that is itself a peft adapter stands for the base its config names. Refused here, as early as can be known: an empty
+name, an adapter given twice, a Hub checkpoint whose config.json names no format nf4convert reads (before its weights
+are fetched). Convert and verify both start here."""
 
 from __future__ import annotations
 
@@ -87,8 +87,8 @@ def resolve_source(
 ) -> Resolved:
     """SOURCE resolved, and ADAPTER (a :class:`Resolved`), from the Hub as ``hub`` says; a SOURCE that is itself a peft
     adapter (``adapter_config.json``, no ADAPTER given) stands for the base its config names, with it merged (a folder
-    that also holds model weights is a checkpoint). ``hub.revision`` applies to SOURCE only; a Hub checkpoint
-    whose config.json says it is not bitsandbytes is refused before its weights are downloaded; ``progress=False`` hides
+    that also holds model weights is a checkpoint). ``hub.revision`` applies to SOURCE only; a Hub checkpoint whose
+    config.json names no format nf4convert reads is refused before its weights are fetched; ``progress=False`` hides
     download bars; ``headers`` (a ``hub.HeadersOnly``): the checkpoint's weights are not downloaded, its folder is their
     copy for a plan (a ``hub.weights.HubWeights``: streamed as a conversion reads them, or read from the Hub cache)."""
     from ..errors import SourceNotFoundError

@@ -189,7 +189,7 @@ def cast(source: np.ndarray, source_dtype: str, out: np.ndarray, dtype: str) -> 
         target.copy_(torch.from_numpy(source).view(DTYPES[source_dtype].torch))
         if math.isnan(
             float(target.sum())
-        ):  # a NaN makes the sum NaN (so may inf - inf): one pass, 17x cheaper than isnan
+        ):  # a NaN makes the sum NaN (so may inf - inf): one pass, much cheaper than isnan
             nan = target.isnan()
             target.view({2: torch.int16, 4: torch.int32}[target.element_size()])[nan] = CANONICAL_NAN[dtype]
         return

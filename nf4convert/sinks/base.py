@@ -80,6 +80,11 @@ class Sink:
         """DependencyError when a library this output needs is missing: said before anything is downloaded."""
 
     @classmethod
+    def begin_imports(cls) -> None:
+        """The libraries this output needs begun importing on the preload thread (``preload.py``), while the command
+        resolves and plans; none by default."""
+
+    @classmethod
     def batch_output(cls, output_root, stem: str, options: "ConvertOptions") -> str:
         """Where a batch writes ``stem``'s output, ``<dtype>`` standing for a dtype the plan will decide."""
         raise NotImplementedError

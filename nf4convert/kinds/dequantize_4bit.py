@@ -8,15 +8,15 @@ import functools
 from dataclasses import dataclass
 from typing import ClassVar, Iterator
 
-from ..dtypes import DTYPES, DType
+from ..dtypes import DTYPES
 from ..formats import bnb4, bnb4_weights
 from ..pipeline.piece import Piece
-from .base import Planning, Recipe, register
+from .base import Planning, QuantizedWeight, register
 
 
 @register
 @dataclass(frozen=True)
-class Dequantize4bit(Recipe):
+class Dequantize4bit(QuantizedWeight):
     """A bitsandbytes 4-bit weight, dequantized (bitsandbytes' CUDA arithmetic) to the output dtype."""
 
     kind: ClassVar[str] = "dequantize_4bit"
@@ -25,7 +25,6 @@ class Dequantize4bit(Recipe):
     order: ClassVar[int] = 10
     numpy_made: ClassVar[bool] = True
     uses_kernel: ClassVar[bool] = True
-    is_quantized: ClassVar[bool] = True
     weight: bnb4_weights.Weight4bit
 
     @classmethod
@@ -35,13 +34,6 @@ class Dequantize4bit(Recipe):
         found = bnb4_weights.find_weights(planning.tensors, planning.reader)
         planning.claim({weight.packed.name: cls(weight) for weight in found})
         bnb4_weights.unclaimed_packed(planning.tensors, found, planning.quantization)
-
-    @property
-    def sources(self) -> tuple:
-        return self.weight.sources
-
-    def output(self, dtype: DType) -> tuple[str, str, tuple]:
-        return self.weight.name, dtype.code, self.weight.shape
 
     def exceeds_fp16(self) -> bool:
         # A double-quantized block's rebuilt scale (nested code * nested absmax + offset) can exceed its own absmax:

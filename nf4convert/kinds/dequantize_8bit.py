@@ -7,22 +7,21 @@ import functools
 from dataclasses import dataclass
 from typing import ClassVar, Iterator
 
-from ..dtypes import DTYPES, DType
+from ..dtypes import DTYPES
 from ..formats import bnb8
 from ..pipeline.piece import Piece
-from .base import Planning, Recipe, register
+from .base import Planning, QuantizedWeight, register
 
 
 @register
 @dataclass(frozen=True)
-class Dequantize8bit(Recipe):
+class Dequantize8bit(QuantizedWeight):
     """A bitsandbytes 8-bit (LLM.int8) weight: int8 codes times their row's scale over 127, in the output dtype."""
 
     kind: ClassVar[str] = "dequantize_8bit"
     label: ClassVar[str] = "dequantized from 8-bit"
     format: ClassVar[type[bnb8.Bnb8bit]] = bnb8.Bnb8bit
     order: ClassVar[int] = 20
-    is_quantized: ClassVar[bool] = True
     weight: bnb8.Weight8bit
 
     @classmethod
@@ -32,20 +31,6 @@ class Dequantize8bit(Recipe):
         found = bnb8.find_weights(planning.tensors, planning.reader)
         planning.claim({weight.weight.name: cls(weight) for weight in found})
         bnb8.unclaimed_int8(planning.tensors, found, planning.quantization)
-
-    @property
-    def sources(self) -> tuple:
-        return self.weight.sources
-
-    def output(self, dtype: DType) -> tuple[str, str, tuple]:
-        return self.weight.name, dtype.code, self.weight.shape
-
-    def exceeds_fp16(self) -> bool:
-        return True  # fp32 row scales
-
-    @property
-    def source_format(self) -> str:
-        return self.format.name
 
     def produce(self, tensor, reader, route) -> Iterator[Piece]:
         """Pieces of whole rows, each with its rows' scales: a numpy array on the host, a tensor moved to the GPU once

@@ -12,18 +12,18 @@ import functools
 from dataclasses import dataclass
 from typing import ClassVar, Iterator
 
-from ..dtypes import DTYPES, DType
+from ..dtypes import DTYPES
 from ..formats import awq
 from ..formats.packed_int import as_torch, host_array, rows_per_piece
 from ..pipeline.piece import Columns, Piece
-from .base import Planning, Recipe, register
+from .base import Planning, QuantizedWeight, register
 
 WORD = 4  # bytes of a packed int32 word
 
 
 @register
 @dataclass(frozen=True)
-class DequantizeAwq(Recipe):
+class DequantizeAwq(QuantizedWeight):
     """An AWQ weight, dequantized as GPTQModel's ``dequantize_gemm`` does, in the scales' dtype, cast to the
     output's."""
 
@@ -31,7 +31,6 @@ class DequantizeAwq(Recipe):
     label: ClassVar[str] = "dequantized from AWQ"
     format: ClassVar[type[awq.Awq]] = awq.Awq
     order: ClassVar[int] = 31
-    is_quantized: ClassVar[bool] = True
     weight: awq.AwqWeight
 
     @classmethod
@@ -42,13 +41,6 @@ class DequantizeAwq(Recipe):
         model_type = (planning.config or {}).get("model_type")
         found = awq.find_weights(planning.tensors, planning.quantization, model_type)
         planning.claim({weight.qweight.name: cls(weight) for weight in found})
-
-    @property
-    def sources(self) -> tuple:
-        return self.weight.sources
-
-    def output(self, dtype: DType) -> tuple[str, str, tuple]:
-        return self.weight.name, dtype.code, self.weight.shape
 
     def exceeds_fp16(self) -> bool:
         return self.weight.dtype != "F16"

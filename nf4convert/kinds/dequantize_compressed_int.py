@@ -9,16 +9,16 @@ import functools
 from dataclasses import dataclass
 from typing import ClassVar, Iterator
 
-from ..dtypes import DTYPES, DType
+from ..dtypes import DTYPES
 from ..formats import compressed_int
 from ..formats.packed_int import as_torch, host_array, rows_per_piece
 from ..pipeline.piece import Piece
-from .base import Planning, Recipe, register
+from .base import Planning, QuantizedWeight, register
 
 
 @register
 @dataclass(frozen=True)
-class DequantizeCompressedInt(Recipe):
+class DequantizeCompressedInt(QuantizedWeight):
     """A compressed-tensors integer weight, decompressed as compressed-tensors does, in the scales' dtype, cast to
     the output's."""
 
@@ -26,7 +26,6 @@ class DequantizeCompressedInt(Recipe):
     label: ClassVar[str] = "dequantized from compressed-tensors integers"
     format: ClassVar[type[compressed_int.CompressedInt]] = compressed_int.CompressedInt
     order: ClassVar[int] = 32
-    is_quantized: ClassVar[bool] = True
     weight: compressed_int.CompressedIntWeight
 
     @classmethod
@@ -39,13 +38,6 @@ class DequantizeCompressedInt(Recipe):
         found = compressed_int.find_weights(planning.tensors, planning.reader, quantization)
         planning.claim({weight.codes.name: cls(weight) for weight in found})
         planning.consumed.update(compressed_int.activation_keys(found, planning.tensors, quantization))
-
-    @property
-    def sources(self) -> tuple:
-        return self.weight.sources
-
-    def output(self, dtype: DType) -> tuple[str, str, tuple]:
-        return self.weight.name, dtype.code, self.weight.shape
 
     def exceeds_fp16(self) -> bool:
         return self.weight.dtype != "F16"

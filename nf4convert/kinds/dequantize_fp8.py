@@ -10,11 +10,11 @@ import functools
 from dataclasses import dataclass
 from typing import ClassVar, Iterator
 
-from ..dtypes import DTYPES, DType
+from ..dtypes import DTYPES
 from ..errors import CheckpointError
 from ..formats import compressed_float, fp8
 from ..pipeline.piece import Piece
-from .base import Planning, Recipe, register
+from .base import Planning, QuantizedWeight, register
 from .copy import Copy
 
 FP8_FORMATS = (fp8.Fp8Format, compressed_float.CompressedFloatFormat)  # the formats whose weights are FP8 codes
@@ -22,14 +22,13 @@ FP8_FORMATS = (fp8.Fp8Format, compressed_float.CompressedFloatFormat)  # the for
 
 @register
 @dataclass(frozen=True)
-class DequantizeFp8(Recipe):
+class DequantizeFp8(QuantizedWeight):
     """An FP8 weight times its scales, in the output dtype."""
 
     kind: ClassVar[str] = "dequantize_fp8"
     label: ClassVar[str] = "dequantized from FP8"
     format: ClassVar[type[fp8.Fp8Format]] = fp8.Fp8Format
     order: ClassVar[int] = 30
-    is_quantized: ClassVar[bool] = True
     activation_names: ClassVar[tuple[str, ...]] = fp8.ACTIVATION_NAMES  # tensors a dense model has no place for
     weight: fp8.WeightFp8
 
@@ -59,20 +58,6 @@ class DequantizeFp8(Recipe):
     def find_weights(cls, planning: Planning, quantization: dict) -> list[fp8.WeightFp8]:
         """The checkpoint's weights of this kind's format, checked."""
         return fp8.find_weights(planning.tensors, planning.reader, fp8.block_size(quantization))
-
-    @property
-    def sources(self) -> tuple:
-        return self.weight.sources
-
-    def output(self, dtype: DType) -> tuple[str, str, tuple]:
-        return self.weight.name, dtype.code, self.weight.shape
-
-    def exceeds_fp16(self) -> bool:
-        return True  # 448 times a scale of any float dtype
-
-    @property
-    def source_format(self) -> str:
-        return self.format.name
 
     def produce(self, tensor, reader, route) -> Iterator[Piece]:
         """Pieces of whole rows of scale blocks, each with the scale rows it uses: numpy bytes on the host, a tensor

@@ -12,23 +12,22 @@ import functools
 from dataclasses import dataclass
 from typing import ClassVar, Iterator
 
-from ..dtypes import DTYPES, DType
+from ..dtypes import DTYPES
 from ..formats import gptq
 from ..formats.packed_int import as_torch, host_array, rows_per_piece
 from ..pipeline.piece import Columns, Piece
-from .base import Planning, Recipe, register
+from .base import Planning, QuantizedWeight, register
 
 
 @register
 @dataclass(frozen=True)
-class DequantizeGptq(Recipe):
+class DequantizeGptq(QuantizedWeight):
     """A GPTQ weight, dequantized as GPTQModel's torch kernel does, in the scales' dtype, cast to the output's."""
 
     kind: ClassVar[str] = "dequantize_gptq"
     label: ClassVar[str] = "dequantized from GPTQ"
     format: ClassVar[type[gptq.Gptq]] = gptq.Gptq
     order: ClassVar[int] = 30
-    is_quantized: ClassVar[bool] = True
     weight: gptq.GptqWeight
 
     @classmethod
@@ -40,13 +39,6 @@ class DequantizeGptq(Recipe):
         found = gptq.find_weights(planning.tensors, planning.reader, planning.quantization)
         planning.claim({weight.qweight.name: cls(weight) for weight in found})
         planning.consumed.update(gptq.unused_biases(found, planning.tensors, planning.config))
-
-    @property
-    def sources(self) -> tuple:
-        return self.weight.sources
-
-    def output(self, dtype: DType) -> tuple[str, str, tuple]:
-        return self.weight.name, dtype.code, self.weight.shape
 
     def exceeds_fp16(self) -> bool:
         return self.weight.dtype != "F16"

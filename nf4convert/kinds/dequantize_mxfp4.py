@@ -10,42 +10,27 @@ import functools
 from dataclasses import dataclass
 from typing import ClassVar, Iterator
 
-from ..dtypes import DTYPES, DType
+from ..dtypes import DTYPES
 from ..formats import mxfp4
 from ..pipeline.piece import Piece
-from .base import Planning, Recipe, register
+from .base import Planning, QuantizedWeight, register
 
 
 @register
 @dataclass(frozen=True)
-class DequantizeMxfp4(Recipe):
+class DequantizeMxfp4(QuantizedWeight):
     """An MXFP4 expert weight, dense in the output dtype and in the dense model's orientation."""
 
     kind: ClassVar[str] = "dequantize_mxfp4"
     label: ClassVar[str] = "dequantized from MXFP4"
     format: ClassVar[type[mxfp4.Mxfp4Format]] = mxfp4.Mxfp4Format
     order: ClassVar[int] = 40
-    is_quantized: ClassVar[bool] = True
     weight: mxfp4.WeightMxfp4
 
     @classmethod
     def plan_source(cls, planning: Planning) -> None:
         """The checkpoint's MXFP4 weights (their headers checked), by the blocks' name."""
         planning.claim({weight.blocks.name: cls(weight) for weight in mxfp4.find_weights(planning.tensors)})
-
-    @property
-    def sources(self) -> tuple:
-        return self.weight.sources
-
-    def output(self, dtype: DType) -> tuple[str, str, tuple]:
-        return self.weight.name, dtype.code, self.weight.shape
-
-    def exceeds_fp16(self) -> bool:
-        return True  # powers of two up to 2 ** 127
-
-    @property
-    def source_format(self) -> str:
-        return self.format.name
 
     def produce(self, tensor, reader, route) -> Iterator[Piece]:
         """Pieces of whole experts or of whole groups of one expert, each with its scales (read once per run of

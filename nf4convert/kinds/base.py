@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Iterator
 
+from ..dtypes import DTYPES
 from ..errors import CheckpointError
 from ..pipeline.piece import Piece, read_piece
 from ..registry import Registry
@@ -131,6 +132,20 @@ class QuantizedWeight(Recipe):
     @property
     def source_format(self) -> str | None:
         return self.format.name
+
+
+@dataclass(frozen=True)
+class IntegerWeight(QuantizedWeight):
+    """A leaf that dequantizes integer codes times scales kept in the model's dtype (GPTQ, AWQ, compressed-tensors
+    integers; the scales' dtype is ``weight.dtype``): that is the dtype it was quantized from, and the product of an
+    fp16 scale and a small integer code stays within fp16's range."""
+
+    def exceeds_fp16(self) -> bool:
+        return self.weight.dtype != "F16"
+
+    @property
+    def quantized_from(self) -> str | None:
+        return DTYPES[self.weight.dtype].name
 
 
 def all_kinds() -> dict[str, type[Recipe]]:

@@ -16,14 +16,14 @@ from ..dtypes import DTYPES
 from ..formats import awq
 from ..formats.packed_int import as_torch, host_array, rows_per_piece
 from ..pipeline.piece import Columns, Piece
-from .base import Planning, QuantizedWeight, register
+from .base import IntegerWeight, Planning, register
 
 WORD = 4  # bytes of a packed int32 word
 
 
 @register
 @dataclass(frozen=True)
-class DequantizeAwq(QuantizedWeight):
+class DequantizeAwq(IntegerWeight):
     """An AWQ weight, dequantized as GPTQModel's ``dequantize_gemm`` does, in the scales' dtype, cast to the
     output's."""
 
@@ -41,13 +41,6 @@ class DequantizeAwq(QuantizedWeight):
         model_type = (planning.config or {}).get("model_type")
         found = awq.find_weights(planning.tensors, planning.quantization, model_type)
         planning.claim({weight.qweight.name: cls(weight) for weight in found})
-
-    def exceeds_fp16(self) -> bool:
-        return self.weight.dtype != "F16"
-
-    @property
-    def quantized_from(self) -> str | None:
-        return DTYPES[self.weight.dtype].name
 
     @property
     def source_format(self) -> str:

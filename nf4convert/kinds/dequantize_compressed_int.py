@@ -13,12 +13,12 @@ from ..dtypes import DTYPES
 from ..formats import compressed_int
 from ..formats.packed_int import as_torch, host_array, rows_per_piece
 from ..pipeline.piece import Piece
-from .base import Planning, QuantizedWeight, register
+from .base import IntegerWeight, Planning, register
 
 
 @register
 @dataclass(frozen=True)
-class DequantizeCompressedInt(QuantizedWeight):
+class DequantizeCompressedInt(IntegerWeight):
     """A compressed-tensors integer weight, decompressed as compressed-tensors does, in the scales' dtype, cast to
     the output's."""
 
@@ -38,13 +38,6 @@ class DequantizeCompressedInt(QuantizedWeight):
         found = compressed_int.find_weights(planning.tensors, planning.reader, quantization)
         planning.claim({weight.codes.name: cls(weight) for weight in found})
         planning.consumed.update(compressed_int.activation_keys(found, planning.tensors, quantization))
-
-    def exceeds_fp16(self) -> bool:
-        return self.weight.dtype != "F16"
-
-    @property
-    def quantized_from(self) -> str | None:
-        return DTYPES[self.weight.dtype].name
 
     @property
     def source_format(self) -> str:

@@ -16,12 +16,12 @@ from ..dtypes import DTYPES
 from ..formats import gptq
 from ..formats.packed_int import as_torch, host_array, rows_per_piece
 from ..pipeline.piece import Columns, Piece
-from .base import Planning, QuantizedWeight, register
+from .base import IntegerWeight, Planning, register
 
 
 @register
 @dataclass(frozen=True)
-class DequantizeGptq(QuantizedWeight):
+class DequantizeGptq(IntegerWeight):
     """A GPTQ weight, dequantized as GPTQModel's torch kernel does, in the scales' dtype, cast to the output's."""
 
     kind: ClassVar[str] = "dequantize_gptq"
@@ -39,13 +39,6 @@ class DequantizeGptq(QuantizedWeight):
         found = gptq.find_weights(planning.tensors, planning.reader, planning.quantization)
         planning.claim({weight.qweight.name: cls(weight) for weight in found})
         planning.consumed.update(gptq.unused_biases(found, planning.tensors, planning.config))
-
-    def exceeds_fp16(self) -> bool:
-        return self.weight.dtype != "F16"
-
-    @property
-    def quantized_from(self) -> str | None:
-        return DTYPES[self.weight.dtype].name
 
     @property
     def source_format(self) -> str:

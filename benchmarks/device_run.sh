@@ -17,9 +17,14 @@ cd "$root"
   echo "vm.dirty_background_ratio=$(cat /proc/sys/vm/dirty_background_ratio) vm.dirty_ratio=$(cat /proc/sys/vm/dirty_ratio)"
   python3 -c "import torch, triton, transformers, bitsandbytes, peft; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'bnb', bitsandbytes.__version__, 'peft', peft.__version__)"; } 2>&1 | tee "$out/env.log"
 if [[ $stages == *tests* ]]; then
-  # The whole suite: the tests marked gpu run here, and every other test meets CUDA where it picks a device itself.
-  timeout ${TESTS_TIMEOUT:-540} python3 -m pytest ${TEST_FILES:-tests} \
-    -q -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee "$out/gpu_tests.log" | tail -25
+  # The suite, one pytest a test file and TEST_JOBS files at once (TEST_FILES: the files, all by default): the tests
+  # marked gpu run here, and every other test meets CUDA where it picks a device itself. Not pytest-xdist: under it the
+  # GPU tests ran far slower on the H200 than one file a process (docs/performance.md, "Tests on the GPU").
+  mkdir -p "$out/tests"
+  printf '%s\n' ${TEST_FILES:-tests/test_*.py} | PYTEST_ARGS="${PYTEST_ARGS:-}" TESTS_TIMEOUT=${TESTS_TIMEOUT:-540} \
+    xargs -P ${TEST_JOBS:-8} -I{} bash -c 'timeout $TESTS_TIMEOUT python3 -m pytest {} -q -p no:cacheprovider --durations=5 \
+      $PYTEST_ARGS > "$0/$(basename {} .py).log" 2>&1; echo "{} exit $?: $(tail -1 "$0/$(basename {} .py).log")"' "$out/tests" \
+    | sort | tee "$out/gpu_tests.log"
 fi
 if [[ $stages == *convert* ]]; then
   # Warmed (Triton's cache filled by a one-layer run, as after a user's first conversion), and once more on an empty

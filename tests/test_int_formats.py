@@ -168,6 +168,23 @@ def test_every_weight_bit_for_bit(checkpoints, reader, variant):
             assert torch.equal(bits(cast), bits(theirs(module, weight, reader, code))), (weight.name, out_dtype)
 
 
+def test_references_slice_a_quarter_of_the_bytes_on_the_cpu(checkpoints, reader):
+    """On the CPU a verify thread's slice of a packed weight is a quarter of its share of bytes (its temporaries are
+    several times that), whole multiples of the packed words' rows; a GPU's slices are whole."""
+    from nf4convert.verification.reference.base import unpacking_rows
+
+    assert unpacking_rows(1 << 23, 28672 * 2, 32, "cpu") == 32  # a 70B down_proj's rows: 36 fit in 2 MiB
+    assert unpacking_rows(1 << 23, 28672 * 2, 32, torch.device("cuda")) == 128
+    assert unpacking_rows(1 << 23, 10**7, 8, "cpu") == 8  # at least one whole multiple
+    for variant in ("gptq-llama-4bit-g32-v1-sym", "awq-llama-gemm-g32", "ct-llama-w4a16-g32-sym"):
+        for weight in weights_of(checkpoints[variant], reader):
+            tensor = planned(weight, weight.dtype)
+            row_bytes = tensor.nbytes // weight.shape[0]
+            module = reference_module(weight)
+            sizes = [piece.nbytes for piece in module.slices(tensor, reader, "cpu", None, 64 * row_bytes)]
+            assert sum(sizes) == tensor.nbytes and max(sizes) <= 32 * row_bytes, (weight.name, sizes)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_gpu_gives_the_cpu_bytes(checkpoints, reader, variant):

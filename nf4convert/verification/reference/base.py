@@ -104,6 +104,16 @@ def whole(tensor, reader, device, context):
     return made.view(DTYPES[tensor.dtype].torch).reshape(tensor.shape)
 
 
+def unpacking_rows(piece_bytes: int, row_bytes: int, multiple: int, device) -> int:
+    """Output rows a slice of a packed integer weight (GPTQ, AWQ, compressed-tensors) recomputes at once: whole
+    ``multiple`` s of them, at least one. The libraries' arithmetic these references restate makes temporaries of
+    several times the slice's output bytes (shifted words, codes, gathered scales and zeros): in host memory (on the
+    CPU) their slices are a quarter of ``piece_bytes``, so a verify thread holds about what the other references'
+    threads hold; a GPU keeps whole slices."""
+    share = 1 if getattr(device, "type", device) == "cuda" else 4
+    return max(multiple, piece_bytes // share // max(row_bytes, 1) // multiple * multiple)
+
+
 def as_bytes(values):
     """A tensor's bytes, flat uint8 (its own memory, no copy where it is contiguous)."""
     import torch

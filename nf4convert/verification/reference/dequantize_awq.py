@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from ...dtypes import DTYPES
 from ...errors import CheckpointError
-from .base import Slice, as_bytes, whole
+from .base import Slice, as_bytes, unpacking_rows, whole
 
 VERSION = "7.7.0"
 AWQ_REVERSE_ORDER = [0, 4, 1, 5, 2, 6, 3, 7]
@@ -48,7 +48,7 @@ def slices(tensor, reader, device, context, piece_bytes: int):
     )
     group_size = in_features if group_size == -1 else group_size
     row_bytes = in_features * DTYPES[tensor.dtype].itemsize
-    step = max(8, piece_bytes // max(row_bytes, 1) // 8 * 8)
+    step = unpacking_rows(piece_bytes, row_bytes, 8, device)
     for first in range(0, out_features, step):
         count = min(step, out_features - first)
         if gemm:

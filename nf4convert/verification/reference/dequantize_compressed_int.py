@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from ...dtypes import DTYPES
 from ...errors import CheckpointError
-from .base import Library, Slice, as_bytes, whole
+from .base import Library, Slice, as_bytes, unpacking_rows, whole
 
 # The library verify checks for before it starts: (import name, what it recomputes, the package that installs it)
 LIBRARY = Library("compressed_tensors", "compressed-tensors weights (its own decompression)", "compressed-tensors")
@@ -50,7 +50,7 @@ def slices(tensor, reader, device, context, piece_bytes: int):
         out_features, in_features = weight.codes.shape
     bits = scheme.weights.num_bits
     row_bytes = in_features * DTYPES[tensor.dtype].itemsize
-    step = max(32, piece_bytes // max(row_bytes, 1) // 32 * 32)
+    step = unpacking_rows(piece_bytes, row_bytes, 32, device)
     for first in range(0, out_features, step):
         count = min(step, out_features - first)
         rows = {name: value[first : first + count] for name, value in state.items() if name != "weight_zero_point"}

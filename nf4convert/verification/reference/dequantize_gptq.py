@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from ...dtypes import DTYPES
 from ...errors import CheckpointError
-from .base import Slice, as_bytes, whole
+from .base import Slice, as_bytes, unpacking_rows, whole
 
 VERSION = "7.7.0"
 _WIDTH = {"I8": 8, "I16": 16, "I32": 32}
@@ -51,7 +51,7 @@ def slices(tensor, reader, device, context, piece_bytes: int):
     )
     out_features, in_features = qweight.shape[1], g_idx.shape[0]
     row_bytes = in_features * DTYPES[tensor.dtype].itemsize
-    step = max(32, piece_bytes // max(row_bytes, 1) // 32 * 32)
+    step = unpacking_rows(piece_bytes, row_bytes, 32, device)
     for first in range(0, out_features, step):
         count = min(step, out_features - first)
         yield Slice(first * row_bytes, count * row_bytes, _rows(tensor, qweight, qzeros, scales, g_idx, first, count))

@@ -854,9 +854,11 @@ def test_holds_inf_sees_inf_behind_its_extremes():
     assert not pipeline_core.holds_inf(np.zeros(0, dtype=np.uint8))
 
 
-def test_workers_forked_without_torch_are_forked_again_when_the_plan_needs_it():
-    # Each worker would import torch on its own (2.8 GB with 8 workers on the H200 machine, fp16 out): once the plan
-    # needs torch, it is imported here and the workers forked again, sharing its pages, on one torch thread
+@pytest.mark.parametrize("planning_imports_torch", [False, True])
+def test_workers_forked_without_torch_are_forked_again_when_the_plan_needs_it(planning_imports_torch):
+    # Each worker would import torch on its own (gigabytes of memory with eight workers): once the plan needs torch,
+    # it is imported here and the workers forked again, sharing its pages, on one torch thread; also where planning
+    # imported torch after the workers were forked (an FP8 scale's check)
     import subprocess
 
     code = """if True:
@@ -868,6 +870,8 @@ def test_workers_forked_without_torch_are_forked_again_when_the_plan_needs_it():
         route = CpuRoute(processes=2)
         before = [p.pid for p, _ in route._workers._all]
         assert sys.modules.get("torch") is None
+        if PLANNING_IMPORTS_TORCH:
+            import torch
         bf16 = types.SimpleNamespace(recipe=types.SimpleNamespace(numpy_made=False), dtype="BF16")  # torch's work
         route.warm(types.SimpleNamespace(tensors=[bf16]), None)
         after = [p.pid for p, _ in route._workers._all]
@@ -878,6 +882,7 @@ def test_workers_forked_without_torch_are_forked_again_when_the_plan_needs_it():
         print(out.view(np.int64)[0], torch.get_num_threads())  # the workers', and this thread's (it merges)
         route.__exit__(None, None, None)
     """
+    code = code.replace("PLANNING_IMPORTS_TORCH", str(planning_imports_torch))
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     import torch

@@ -56,6 +56,7 @@ class CpuRoute:
         from . import workers as _workers
 
         slots = 2 * (READ_AHEAD + processes + WRITE_AHEAD + 2)  # a read and a made piece for each one in flight
+        self._forked_with_torch = sys.modules.get("torch") is not None
         try:
             self._workers = _workers.Workers(processes, slots, self.piece_bytes)
         except OSError:  # no processes to be had (memory, a limit on their number): threads then
@@ -80,15 +81,16 @@ class CpuRoute:
 
     def warm(self, plan, reader: TensorReader) -> None:
         """Where the plan needs torch (_needs_torch), import it now (the makers and workers then run it on one thread
-        each), and fork the workers again if they were forked without it: each would import it on its own (gigabytes of
-        memory with many workers, and a slower pipeline), where forked now they share this process's pages of it."""
+        each), and fork the workers again if they were forked without it (planning may have imported it since): each
+        would import it on its own (gigabytes of memory with many workers, and a slower pipeline), where forked now
+        they share this process's pages of it."""
         had_torch = sys.modules.get("torch") is not None
         needs_torch = any(_needs_torch(tensor) for tensor in plan.tensors)
         if self._threads is None and (had_torch or needs_torch):  # torch in use: casts take it too (cpu.cast)
             import torch
 
             self._threads = torch.get_num_threads()
-            if self._workers is not None and needs_torch and not had_torch:
+            if self._workers is not None and needs_torch and not self._forked_with_torch:
                 torch.set_num_threads(1)  # this thread's setting, which the workers forked from it take
                 count = self._workers.count
                 self._workers.close()

@@ -237,6 +237,17 @@ def test_merge_matches_peft(kind, dtype, dense, tmp_path):
         assert "base" in targets["model.embed_tokens.weight"].tensors
 
 
+@pytest.mark.parametrize("kind", ["linear", "fan_in_fan_out", "embedding", "rslora"])
+def test_merge_in_runs_of_rows_matches_peft(kind, dense, tmp_path, monkeypatch):
+    """On a CPU the delta is added a run of rows at a time (the run's size from ADD_BYTES); one row a run gives
+    peft's bits too."""
+    monkeypatch.setattr(peft_merge, "ADD_BYTES", 1)
+    adapter = _make_adapter(tmp_path, kind, 104729)
+    base_folder = dense(KINDS[kind][0], "bf16")
+    ours, targets = _ours(base_folder, adapter)
+    _compare(ours, _peft_merged(base_folder, adapter, DTYPES["bf16"]), base_folder, targets)
+
+
 def test_patterns_and_scaling(tmp_path):
     folder = _make_adapter(tmp_path, "linear", 11)
     assert peft_lora.load_adapter(folder).base_model_name_or_path is None

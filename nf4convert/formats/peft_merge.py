@@ -53,6 +53,24 @@ def _transpose(weight, fan_in_fan_out: bool):
     return weight.T if fan_in_fan_out else weight  # peft.utils.other.transpose
 
 
+ADD_BYTES = 1 << 24  # bytes of an fp32 delta added at a time in host memory
+
+
+def _add_into(weight, delta, *, rounded_first: bool = False):
+    """``weight += delta`` in place, ``delta`` cast to ``weight``'s dtype first where ``rounded_first`` (peft's
+    Embedding and ParamWrapper merges), else added in fp32 and rounded once (Linear.merge). In host memory a run of
+    rows at a time: the same elementwise arithmetic, without the whole-tensor copies torch makes on a CPU for an add
+    of two dtypes (the sum in fp32) or for the cast."""
+    if weight.device.type != "cpu" or weight.dim() == 0 or weight.shape[0] == 0:
+        weight += delta.to(weight.dtype) if rounded_first else delta
+        return weight
+    rows = max(1, ADD_BYTES // max(1, 4 * weight[0].numel()))
+    for first in range(0, weight.shape[0], rows):
+        part = delta[first : first + rows]
+        weight[first : first + rows] += part.to(weight.dtype) if rounded_first else part
+    return weight
+
+
 def merge(target: LoraTarget, base_weight, lora: dict, *, inplace: bool = False):
     """The merged tensor for ``target``: bit for bit what peft's ``merge_and_unload`` gives.
 
@@ -60,12 +78,12 @@ def merge(target: LoraTarget, base_weight, lora: dict, *, inplace: bool = False)
     target's adapter tensors as stored (any device, any float dtype; see :func:`read_lora`). With ``inplace`` a
     plain LoRA delta is added into ``base_weight`` itself (saves a copy of a large embedding); otherwise
     ``base_weight`` is left as it was. The result has ``base_weight``'s dtype, shape and device. Peak memory:
-    the weight plus about two fp32 copies of it.
+    the weight plus one fp32 copy of it (the delta), and on a GPU the sum's fp32 copy too.
 
     Where this departs from peft's literal code it is only to save memory, with the same bits: an in-place
     ``mul_`` for ``x * scaling`` (the same elementwise kernel), ``x.mul_(factor)`` for ``factor * x``
-    (IEEE multiplication commutes), and no ``1 * x`` (exact, and its result has ``x``'s strides, so the norm
-    reduces in the same order).
+    (IEEE multiplication commutes), no ``1 * x`` (exact, and its result has ``x``'s strides, so the norm
+    reduces in the same order), and in host memory the delta added a run of rows at a time (``_add_into``).
     """
     import torch
 
@@ -100,17 +118,13 @@ def merge(target: LoraTarget, base_weight, lora: dict, *, inplace: bool = False)
         lora_b = lora_b.reshape(lora_b.shape[0], -1, target.experts)
         equation = "o r e, e r i -> e i o" if target.transposed else "o r e, e r i -> e o i"
         delta = torch.einsum(equation, lora_b, lora_a) * target.scaling
-        merged = writable()
-        merged += delta.to(out_dtype)
-        return merged
+        return _add_into(writable(), delta, rounded_first=True)
 
     if target.kind == "linear":
         fan_in_fan_out = target.fan_in_fan_out
         delta = _transpose(fp32("lora_B") @ fp32("lora_A"), fan_in_fan_out).mul_(target.scaling)
         if not target.use_dora:
-            merged = writable()
-            merged += delta  # Linear.merge: fp32 delta into the low-precision weight, one rounding
-            return merged
+            return _add_into(writable(), delta)  # Linear.merge: fp32 delta into the low-precision weight, one rounding
         # DoraLinearVariant.merge_unsafe; get_weight_norm gets the delta (scaling already in it) with scaling=1
         weight_sum = _transpose(weight, fan_in_fan_out) + _transpose(delta, fan_in_fan_out)
         weight_norm = torch.linalg.norm(weight_sum, dim=1).to(weight_sum.dtype)
@@ -122,9 +136,7 @@ def merge(target: LoraTarget, base_weight, lora: dict, *, inplace: bool = False)
     # embedding: Embedding.get_delta_weight is transpose(B @ A, True) * scaling
     delta = (fp32("lora_embedding_B") @ fp32("lora_embedding_A")).T.mul_(target.scaling)
     if not target.use_dora:
-        merged = writable()
-        merged += delta.to(out_dtype)  # Embedding.merge casts the delta first, unlike Linear.merge
-        return merged
+        return _add_into(writable(), delta, rounded_first=True)  # Embedding.merge casts the delta first, unlike Linear
     # DoraEmbeddingVariant.merge_unsafe: DoraEmbeddingLayer has fan_in_fan_out=True and gets delta.T
     weight_sum = weight.T + delta.T
     weight_norm = torch.linalg.norm(weight_sum, dim=1).to(weight_sum.dtype)

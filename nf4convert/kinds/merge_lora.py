@@ -126,7 +126,7 @@ class MergeLora(Recipe):
     def produce(self, tensor, reader, route) -> Iterator[Piece]:
         """On the GPU route the weight is made whole and merged in device memory, and copied out a piece at a time
         through the route's pinned buffers: host memory holds a few pieces. On the CPU route, host memory holds the
-        merged weight (and about two fp32 copies while merging) for each shard written at once."""
+        merged weight (and its fp32 delta while merging) for each shard written at once."""
         import torch
 
         if "base" in self.target.tensors:  # the adapter's saved weight replaces the base's (it may have more rows)

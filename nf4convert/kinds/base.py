@@ -203,15 +203,32 @@ class PlannedTensor:
 
 def whole(tensor: PlannedTensor, reader: TensorReader, route, device="cpu"):
     """A planned tensor made whole through ``route``, as raw bytes (a uint8 tensor) in ``device``'s memory: what a
-    transpose or a merge needs, and what a sink that takes whole tensors (GGUF) is fed."""
+    transpose or a merge needs (and the GGUF feed, for a tensor it did not make ahead). On the CPU route its pieces
+    are made on as many threads as the route has makers (each into its own bytes), on a GPU one after another."""
     import torch
 
     made = torch.empty(tensor.nbytes, dtype=torch.uint8, device=device)
-    for piece in tensor.recipe.produce(tensor, reader, route):
+
+    def make(piece):
         read = read_piece(reader, piece)
         target = made[piece.offset : piece.offset + piece.nbytes]
         if piece.make is None:
             target.copy_(read)
         else:
             route.make_into(piece, read, target)
+
+    pieces = tensor.recipe.produce(tensor, reader, route)
+    threads = 1 if route.gpu else route.makers
+    if threads <= 1:
+        for piece in pieces:
+            make(piece)
+        return made
+    from concurrent.futures import ThreadPoolExecutor
+
+    pool = ThreadPoolExecutor(threads, thread_name_prefix="nf4convert-whole", initializer=route.maker_started)
+    try:
+        for done in [pool.submit(make, piece) for piece in pieces]:
+            done.result()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)  # after a failure, the pieces not begun are not made
     return made

@@ -19,6 +19,7 @@ from click.testing import CliRunner
 
 from nf4convert.cli.commands import main
 
+from fixtures.cli import one_error_line
 from fixtures.processes import default_stop_signals, package_env
 from fixtures.staging_folders import killed_run_folder
 
@@ -31,12 +32,6 @@ def run(*args, code=0):
     result = CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
     assert result.exit_code == code, result.output
     return result.output
-
-
-def one_error_line(output: str) -> str:
-    lines = [line for line in output.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("Error: ") and "Traceback" not in output, output
-    return lines[0]
 
 
 def test_names_with_newlines_still_give_one_line(tmp_path):

@@ -12,27 +12,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner
-
-from nf4convert.cli.commands import main
 
 from fixtures import float_checkpoints as fc
+from fixtures.cli import cli, one_error_line
 
 pytest.importorskip("peft")
 BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
 FP8_CASES = ["qwen3-fp8-block32-f32", "qwen3-ct-fp8-channel", "qwen3-ct-fp8-block"]
-
-
-def cli(*args, code=0) -> str:
-    result = CliRunner().invoke(main, [str(arg) for arg in args], catch_exceptions=False)
-    assert result.exit_code == code, result.output
-    return result.output
-
-
-def one_error_line(output: str) -> str:
-    lines = [line for line in output.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("Error: ") and "Traceback" not in output, output
-    return lines[0]
 
 
 def reference_load(source: Path, dtype: torch.dtype):

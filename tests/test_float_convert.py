@@ -14,10 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from click.testing import CliRunner
 from safetensors.torch import save_file
 
-from nf4convert.cli.commands import main
 from nf4convert.dtypes import output_dtype
 from nf4convert.pipeline.routes import cpu as cpu_route
 from nf4convert.pipeline.routes.cpu import CpuRoute
@@ -26,6 +24,7 @@ from nf4convert.safetensors_io.read import TensorReader
 from nf4convert.sinks.safetensors import write_shards
 
 from fixtures import float_checkpoints as fc
+from fixtures.cli import cli, one_error_line
 
 needs_compressed_tensors = pytest.mark.skipif(
     importlib.util.find_spec("compressed_tensors") is None,
@@ -38,18 +37,6 @@ VARIANTS = ["gpt-oss", *fc.FP8_VARIANTS, *fc.COMPRESSED_VARIANTS]
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(BITS[a.dtype]), b.view(BITS[b.dtype]))
-
-
-def cli(*args, code=0) -> str:
-    result = CliRunner().invoke(main, [str(arg) for arg in args], catch_exceptions=False)
-    assert result.exit_code == code, result.output
-    return result.output
-
-
-def one_error_line(output: str) -> str:
-    lines = [line for line in output.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("Error: ") and "Traceback" not in output, output
-    return lines[0]
 
 
 def build(folder: Path, variant: str, seed: int = 0) -> Path:

@@ -16,13 +16,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner
 
-from nf4convert.cli.commands import main
 from nf4convert.hub.names import model_stem
 
 from fixtures.adapters import make_adapter
 from fixtures.checkpoints import build
+from fixtures.cli import invoke as cli
 from fixtures.trained_tokenizers import byte_bpe_tokenizer, sentencepiece_tokenizer, with_n_ctx, wordpiece_tokenizer
 
 pytest.importorskip("conversion")  # the "gguf" extra: llama.cpp's converter
@@ -47,12 +46,6 @@ def pre_tokenizer(monkeypatch, name: str | None):
         from conversion.base import TextModel
 
         monkeypatch.setattr(TextModel, "get_vocab_base_pre", lambda self, tokenizer: name)
-
-
-def cli(*args, code=0):
-    result = CliRunner().invoke(main, [str(arg) for arg in args], catch_exceptions=False)
-    assert result.exit_code == code, result.output
-    return result
 
 
 def dense(source: Path, root: Path, dtype: str, *extra) -> Path:

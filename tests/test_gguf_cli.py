@@ -9,23 +9,16 @@ import shutil
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
-from nf4convert.cli.commands import main
 from nf4convert.verification.reference.dequantize_4bit import CPU_REFERENCE
 
 from fixtures.adapters import make_adapter
 from fixtures.checkpoints import build
+from fixtures.cli import invoke as cli
 from fixtures.trained_tokenizers import byte_bpe_tokenizer, sentencepiece_tokenizer, with_n_ctx, wordpiece_tokenizer
 
 pytest.importorskip("conversion")  # the "gguf" extra: llama.cpp's converter
 gguf = pytest.importorskip("gguf")
-
-
-def cli(*args, code=0):
-    result = CliRunner().invoke(main, [str(arg) for arg in args], catch_exceptions=False)
-    assert result.exit_code == code, result.output
-    return result
 
 
 def error_line(result) -> str:

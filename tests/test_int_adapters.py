@@ -9,12 +9,10 @@ import warnings
 
 import pytest
 import torch
-from click.testing import CliRunner
 from safetensors.torch import load_file
 
-from nf4convert.cli.commands import main
-
 from fixtures.adapters import ATTENTION, make_adapter, peft_merged
+from fixtures.cli import cli
 from fixtures.int_checkpoints import build, reference_dense
 from fixtures.weights import bits
 
@@ -28,12 +26,6 @@ ADAPTERS = {  # LoraConfig arguments: LoRA, DoRA and rsLoRA, each on a few of th
     "dora": dict(r=4, lora_alpha=8, use_dora=True, target_modules=["q_proj", "v_proj", "down_proj"]),
     "rslora": dict(r=8, lora_alpha=16, use_rslora=True, target_modules=["k_proj", "o_proj", "up_proj"]),
 }
-
-
-def cli(*args, code=0):
-    result = CliRunner().invoke(main, [str(arg) for arg in args], catch_exceptions=False)
-    assert result.exit_code == code, result.output
-    return result.output
 
 
 @pytest.fixture(scope="module")

@@ -25,6 +25,7 @@ from nf4convert.pipeline.routes.cpu import CpuRoute
 from nf4convert.plan import make_plan
 from nf4convert.safetensors_io.read import read_tensors
 
+from fixtures.cli import cli
 from fixtures.int_checkpoints import VARIANTS, build, reference_state
 from fixtures.processes import package_env
 from fixtures.weights import bits
@@ -41,12 +42,6 @@ ROUTES = ["threads", "processes", pytest.param("cuda", marks=pytest.mark.gpu)]
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("int-sources")
     return {variant: build(root / variant, variant, seed=index) for index, variant in enumerate(VARIANTS)}
-
-
-def cli(*args, code=0):
-    result = CliRunner().invoke(main, [str(arg) for arg in args], catch_exceptions=False)
-    assert result.exit_code == code, result.output
-    return result.output
 
 
 def tensors_of(folder: Path) -> dict[str, torch.Tensor]:

@@ -19,13 +19,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from click.testing import CliRunner
 
-from nf4convert.cli.commands import main
 from nf4convert.formats.packed_int import unpack
 from nf4convert.hub.names import model_stem
 
 from fixtures.adapters import make_adapter
+from fixtures.cli import invoke as cli
 from fixtures.int_checkpoints import build
 from fixtures.trained_tokenizers import sentencepiece_tokenizer
 
@@ -34,12 +33,6 @@ gguf = pytest.importorskip("gguf")
 pytest.importorskip("compressed_tensors")
 
 DENSE_DTYPE = {"f16": "fp16", "bf16": "bf16", "q8_0": "auto"}
-
-
-def cli(*args, code=0):
-    result = CliRunner().invoke(main, [str(arg) for arg in args], catch_exceptions=False)
-    assert result.exit_code == code, result.output
-    return result
 
 
 def converter(folder: Path, outtype: str, out: Path, monkeypatch) -> Path:

@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 from bench_convert import build_adapter, build_source
 
+from nf4convert.adapters import merge as peft_merge
 from nf4convert.dtypes import output_dtype
-from nf4convert.formats import peft_merge
 from nf4convert.kinds.base import whole as _whole
 from nf4convert.kinds.merge_lora import MergeLora
 from nf4convert.pipeline.routes.base import route_for

@@ -11,11 +11,11 @@ from pathlib import Path
 from . import preload, profile
 from .devices import pick_device
 from .errors import CheckpointError, Nf4ConvertError
-from .formats.config import check_present as check_config_present
 from .hub.names import model_name, model_stem
 from .hub.ranges import HeadersOnly
 from .hub.sources import Resolved, as_text, named_sources, resolve_source, reworded
 from .hub.weights import HubWeights
+from .model.config import check_present as check_config_present
 from .options import ConvertOptions
 from .paths import expanded
 from .pipeline.routes.base import route_for
@@ -50,7 +50,7 @@ class ConvertResult:
 def model_card(prepared: "Prepared"):
     """The output's README.md (a ``card.Card``): the base's card made true for the dense (merged) model."""
     preload.settled()  # huggingface_hub, which the card imports, may be importing on the preload thread
-    from .hub.card import card_for_plan
+    from .sinks.card import card_for_plan
 
     return card_for_plan(
         prepared.plan,
@@ -299,7 +299,7 @@ def converted(
     made."""
     from tqdm.auto import tqdm
 
-    from .hub import card as _card  # noqa: F401  (imported here, not first on the side thread: see _side_thread)
+    from .sinks import card as _card  # noqa: F401  (imported here, not first on the side thread: see _side_thread)
 
     source = as_text(source)
     started = time.perf_counter()

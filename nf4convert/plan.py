@@ -14,13 +14,13 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .adapters import lora as peft_lora
 from .dtypes import DTYPES, OUTPUT_DTYPES, DType
 from .errors import CheckpointError
 from .files import TOKENIZER_FILES, carried_files, inside, tokenizer_files
-from .formats import peft_lora
 from .formats.base import all_formats, families
-from .formats.config import dense_config, quantization_config, read_config, resized_config, untied_config
 from .kinds.base import PlannedTensor, Planning, Recipe, all_kinds
+from .model.config import dense_config, quantization_config, read_config, resized_config, untied_config
 from .safetensors_io.read import TensorInfo, TensorReader, read_tensors
 from .sizes import DEFAULT_SHARD_BYTES
 

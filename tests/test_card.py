@@ -9,7 +9,7 @@ import yaml
 from huggingface_hub import ModelCard
 from huggingface_hub.repocard import REGEX_YAML_BLOCK
 
-from nf4convert.hub.card import model_card
+from nf4convert.sinks.card import model_card
 
 CARD = "source model card (README.md)"
 

@@ -134,9 +134,9 @@ def test_convert_verify_and_load(variant, checkpoints, tmp_path):
 
 
 def test_verify_asks_transformers_which_layers_are_conv1d(checkpoints, tmp_path, monkeypatch):
-    # The plan knows GPT-2's Conv1D layers from a table (formats/conv1d.py); verify asks transformers' own model.
+    # The plan knows GPT-2's Conv1D layers from a table (model/conv1d.py); verify asks transformers' own model.
     # With the table emptied, the weights come out as quantized, (out, in), and verify names each one.
-    from nf4convert.formats import conv1d
+    from nf4convert.model import conv1d
 
     source = checkpoints["gpt2-conv1d-nf4-dq"]
     monkeypatch.setattr(conv1d, "MODEL_TYPES", ())

@@ -100,7 +100,7 @@ def test_a_finite_merge_is_untouched(tmp_path, base):
 
 
 def test_only_values_the_base_does_not_hold_count():
-    from nf4convert.formats.peft_finite import made, non_finite
+    from nf4convert.adapters.finite import made, non_finite
 
     generator = torch.Generator().manual_seed(11)
     base = torch.randn(37, 29, generator=generator).to(torch.bfloat16)

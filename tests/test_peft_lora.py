@@ -18,8 +18,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from nf4convert.adapters import checks as peft_checks
+from nf4convert.adapters import config as peft_config
+from nf4convert.adapters import lora as peft_lora
+from nf4convert.adapters import merge as peft_merge
 from nf4convert.errors import CheckpointError
-from nf4convert.formats import peft_checks, peft_config, peft_lora, peft_merge
 from nf4convert.safetensors_io.read import TensorReader
 
 from fixtures.weights import bits

@@ -43,7 +43,7 @@ def safetensors_bytes(tensors: dict[str, tuple[str, list[int]]], rng: random.Ran
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
     """A small converted folder: two shards (several Xet chunks each, odd sizes), index, config, README."""
-    from nf4convert.hub.card import model_card
+    from nf4convert.sinks.card import model_card
 
     rng = random.Random(20240613)
     folder = tmp_path_factory.mktemp("converted") / "tiny-llama-bf16"

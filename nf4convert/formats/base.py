@@ -89,7 +89,7 @@ def quantization_key(tensor_name: str) -> type[SourceFormat] | None:
 def config_reason(config: dict) -> str | None:
     """Why a checkpoint's config.json says it holds nothing any registered format dequantizes (None where it may hold
     something). transformers writes a ``quantization_config`` into config.json when it saves a quantized model."""
-    from .config import quantization_configs
+    from ..model.config import quantization_configs
 
     found = quantization_configs(config)
     if not found:
@@ -106,7 +106,7 @@ def config_reason(config: dict) -> str | None:
 def config_problem(config: dict) -> str | None:
     """Where each ``quantization_config`` of a config.json is read by formats that each find a problem with it (it
     says they hold nothing to dequantize, or what they cannot read), the first such problem; else None."""
-    from .config import quantization_configs
+    from ..model.config import quantization_configs
 
     found = quantization_configs(config)
     problems = [_problem(quantization) for quantization in found]

@@ -179,7 +179,7 @@ def unused_biases(weights: list[GptqWeight], tensors: dict[str, TensorInfo], con
     biases = [name for name in biases if name in tensors]
     if not biases or not isinstance(config, dict):
         return set()
-    from ..skeleton import meta_model
+    from ..model.skeleton import meta_model
 
     _, parameter_shape, unbuilt, _ = meta_model({k: v for k, v in config.items() if k != "quantization_config"})
     absent = {name for name in biases if parameter_shape(name) is None}

@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 from ..errors import ArgumentError, CheckpointError
 from ..formats.base import config_problem, config_reason
-from ..formats.config import read_config
+from ..model.config import read_config
 from ..options import HubOptions
 from ..paths import expanded
 
@@ -91,8 +91,9 @@ def resolve_source(
     config.json names no format nf4convert reads is refused before its weights are fetched; ``progress=False`` hides
     download bars; ``headers`` (a ``hub.HeadersOnly``): the checkpoint's weights are not downloaded, its folder is their
     copy for a plan (a ``hub.weights.HubWeights``: streamed as a conversion reads them, or read from the Hub cache)."""
+    from ..adapters import config as peft_config
+    from ..adapters import lora as peft_lora
     from ..errors import SourceNotFoundError
-    from ..formats import peft_config, peft_lora
     from .download import resolve
 
     source, adapter = as_text(source), as_text(adapter)

@@ -1,5 +1,5 @@
 """Another recipe's tensor with a peft LoRA adapter's change merged in, bit for bit as peft merges it
-(``formats/peft_lora.py`` reads the adapter and reproduces peft's arithmetic). A merge needs the whole base tensor:
+(``adapters/lora.py`` reads the adapter and reproduces peft's arithmetic). A merge needs the whole base tensor:
 it is made whole on the route's device, merged there, and written from memory."""
 
 from __future__ import annotations
@@ -9,10 +9,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar, Iterator
 
+from ..adapters import checks as peft_checks
+from ..adapters import finite as peft_finite
+from ..adapters import lora as peft_lora
+from ..adapters import merge as peft_merge
+from ..adapters import tied as peft_tied
 from ..dtypes import DTYPES, DType
 from ..errors import CheckpointError
-from ..formats import config as model_config
-from ..formats import peft_checks, peft_finite, peft_lora, peft_merge, peft_tied
+from ..model import config as model_config
 from ..pipeline.piece import Piece
 from .base import Planning, Recipe, register, whole
 from .untied import Untied

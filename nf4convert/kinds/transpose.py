@@ -1,5 +1,5 @@
 """A quantized weight of a transformers ``Conv1D`` layer (GPT-2 and its kin): transformers quantized it transposed,
-(out, in), and the dense model holds it (in, out) (``formats/conv1d.py`` says which layers). Made whole as quantized,
+(out, in), and the dense model holds it (in, out) (``model/conv1d.py`` says which layers). Made whole as quantized,
 then written transposed."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import ClassVar, Iterator
 
 from ..dtypes import DTYPES, OUTPUT_DTYPES, DType
-from ..formats import conv1d
+from ..model import conv1d
 from ..pipeline.piece import Piece, pieces_from_memory
 from .base import Planning, Recipe, register, whole
 

@@ -1,5 +1,5 @@
 """A tied base's input embeddings written again under the head's name. Where an adapter makes the head of a tied
-base differ from its input embeddings (``formats/peft_lora.py``: untie_reason), the output holds the head apart:
+base differ from its input embeddings (``adapters/lora.py``: untie_reason), the output holds the head apart:
 this is its starting tensor, the embeddings' bytes made the same way, and a merge wraps it with the head's change."""
 
 from __future__ import annotations

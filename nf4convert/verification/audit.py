@@ -212,7 +212,7 @@ def layout_problems(tensors, context) -> list[str]:
     """Each tensor in the shape transformers' own model loads there (a quant state's recorded shape can contradict
     the model: the output would then not load), and each quantized weight in the orientation of the layer there: a
     Conv1D's (in, out), transposed from how it was quantized, any other's as quantized. The plan decides both from
-    the checkpoint and formats/conv1d.py; this asks transformers."""
+    the checkpoint and model/conv1d.py; this asks transformers."""
     problems = []
     for tensor in tensors:
         layer = context.module_class(tensor.name.rpartition(".")[0])

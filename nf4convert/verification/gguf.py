@@ -20,8 +20,8 @@ from pathlib import Path
 
 from ..dtypes import DTYPES
 from ..errors import ArgumentError, CheckpointError, SourceNotFoundError
-from ..hub.card import card_for_plan
 from ..hub.names import model_stem
+from ..sinks.card import card_for_plan
 from ..sinks.gguf.converter import (
     GGUF_TYPES,
     IMPORTS,

@@ -109,7 +109,7 @@ IMPORTERS = {"bitsandbytes": import_bitsandbytes}
 
 def reference_libraries(adapter: bool) -> tuple[str, ...]:
     """What verify imports to recompute: bitsandbytes first (peft imports it too), peft for an adapter, and the part of
-    transformers its model on the meta device needs (``skeleton.py``)."""
+    transformers its model on the meta device needs (``model/skeleton.py``)."""
     return ("bitsandbytes", *(["peft"] if adapter else []), "transformers.modeling_utils")
 
 

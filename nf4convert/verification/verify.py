@@ -20,12 +20,12 @@ from ..errors import ArgumentError, CheckpointError
 from ..formats.base import quantization_key
 from ..hub.sources import named_sources, resolve_source
 from ..hub.weights import HubWeights
+from ..model.skeleton import meta_model, unloaded_parameters
 from ..options import VerifyOptions
 from ..paths import expanded
 from ..plan import make_plan
 from ..safetensors_io.read import TensorReader, read_tensors
 from ..settings import Settings
-from ..skeleton import meta_model, unloaded_parameters
 from .folder import Folder
 from .gguf import GgufFile
 from .libraries import installed, quiet_loggers, reference_libraries, reference_library, start_importing

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..errors import CheckpointError
-from .peft_lora import HEAD, Adapter, LoraTarget, per_token, shape_of
+from .lora import HEAD, Adapter, LoraTarget, per_token, shape_of
 
 
 def changes_vocabulary(target: LoraTarget) -> bool:

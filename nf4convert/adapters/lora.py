@@ -15,7 +15,7 @@ from ..dtypes import DTYPES
 from ..errors import CheckpointError
 from ..files import ADAPTER_WEIGHTS, inside
 from ..safetensors_io.read import TensorInfo, read_header
-from .peft_config import (
+from .config import (
     CONFIG_NAME,
     indices_for,
     is_embedding,

@@ -14,8 +14,8 @@ import dataclasses
 import math
 
 from ..errors import CheckpointError
-from .peft_config import number, parameter_targets, pattern_value
-from .peft_lora import Adapter, shape_of
+from .config import number, parameter_targets, pattern_value
+from .lora import Adapter, shape_of
 
 
 def resolve(adapter: Adapter, base: dict, module_of) -> None:

@@ -6,9 +6,10 @@ from __future__ import annotations
 import dataclasses
 
 from ..errors import CheckpointError
-from . import conv1d, peft_params
-from .peft_config import all_linear, is_embedding, saved_whole, targeted
-from .peft_lora import Adapter, per_token, shape_of
+from ..model import conv1d
+from . import params as peft_params
+from .config import all_linear, is_embedding, saved_whole, targeted
+from .lora import Adapter, per_token, shape_of
 
 
 def _lazy_model(config: dict | None):
@@ -19,7 +20,7 @@ def _lazy_model(config: dict | None):
     def asked(which: int):
         def answer(module: str):
             if not built:
-                from ..skeleton import meta_model
+                from ..model.skeleton import meta_model
 
                 built.append(meta_model(config))
             return built[0][which](module)

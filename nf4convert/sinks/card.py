@@ -28,9 +28,9 @@ from typing import NamedTuple
 
 from ..dtypes import OUTPUT_DTYPES
 from ..formats.base import all_formats
+from ..hub.errors import first_line as error_line
+from ..hub.names import looks_like_repo_id
 from ..paths import shown
-from .errors import first_line as error_line
-from .names import looks_like_repo_id
 
 # Tags that describe quantized weights, whatever the format (each format adds its own: formats/base.py, card_tags);
 # compared lowercased. Tags about the model itself (unsloth, llama, text-generation, conversational...) are kept.
@@ -63,7 +63,7 @@ def card_for_plan(plan, *, base: str, adapter: str | None, revision: str | None,
     from pathlib import Path
 
     from .. import __version__
-    from .names import commit_of
+    from ..hub.names import commit_of
 
     text = plan.card.read_bytes().decode("utf-8", errors="replace") if plan.card is not None else None
     return model_card(

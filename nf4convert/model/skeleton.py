@@ -9,7 +9,7 @@ import functools
 import logging
 from typing import Callable
 
-from . import preload
+from .. import preload
 
 
 @contextlib.contextmanager
@@ -63,7 +63,7 @@ def meta_model(config: dict | None) -> tuple[Callable, Callable, Callable, Calla
     model transformers builds from ``config`` (on the meta device, no weights), each None where that cannot be built
     or has no such part: the answers to "Linear, Conv1D or Embedding?", "what shape does the model load here?" and
     "which parameters does this module register, in what order, and how are its experts laid out?" from transformers'
-    own model (verify's, and the adapter check's where a name does not tell: formats/peft_lora.py). Built when first
+    own model (verify's, and the adapter check's where a name does not tell: adapters/lora.py). Built when first
     asked."""
 
     failure = []

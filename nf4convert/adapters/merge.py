@@ -41,7 +41,7 @@ so reductions (the matmul, the norm) run in the same order: the merge is bit for
 
 from __future__ import annotations
 
-from .peft_lora import LoraTarget
+from .lora import LoraTarget
 
 
 def read_lora(target: LoraTarget, reader) -> dict:

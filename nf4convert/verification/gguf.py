@@ -15,7 +15,6 @@ source; this runs the converter on the references and compares.
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 
 from ..dtypes import DTYPES
@@ -34,6 +33,7 @@ from ..sinks.gguf.converter import (
     staged,
     tensors_of,
 )
+from ..sinks.scratch import scratch_folder
 from .finite import made_by_merge
 from .reference.base import against
 
@@ -96,16 +96,16 @@ class GgufFile:
             return made.to(DTYPES[tensor.dtype].torch).reshape(tensor.shape)
 
         with (
-            tempfile.TemporaryDirectory(prefix="nf4convert-verify-") as scratch,
+            scratch_folder("verify") as scratch,
             staged(plan.folder, plan.config or {}, card.text, model_stem(source)) as stage,
             converter_errors(plan.folder),
             quiet_converter(),
             torch.inference_mode(),
         ):
-            model = converter_model(stage, tensors_of(plan), reference, Path(scratch) / "expected.gguf", self.gguf_type)
+            model = converter_model(stage, tensors_of(plan), reference, scratch / "expected.gguf", self.gguf_type)
             model.prepare_tensors()
             model.prepare_metadata(vocab_only=False)
-            expected = _read(gguf, _header_file(model.gguf_writer, Path(scratch) / "expected.gguf"))
+            expected = _read(gguf, _header_file(model.gguf_writer, scratch / "expected.gguf"))
             report.problems += _field_problems(expected, actual, report.notes)
             report.problems += _layout_problems(expected, actual)
             found = {tensor.name: tensor for tensor in actual.tensors}

@@ -9,8 +9,8 @@ console script's first statements, ``entry.py``):
     verify(output, source, *, device="auto", ...) -> VerifyReport
     push_to_hub(folder, repo_id, *, private=False, token=None, revision=None, progress=True) -> str
     QuantState4bit, ConvertResult, VerifyReport
-    Nf4ConvertError and its subclasses ArgumentError, SourceNotFoundError, CheckpointError, OutputError, UploadError,
-    DependencyError
+    Nf4ConvertError and its subclasses ArgumentError, SourceNotFoundError (FetchError), CheckpointError
+    (IntegrityError), OutputError, UploadError, DependencyError, WorkerError, InternalError
 """
 
 __version__ = "0.1.0"
@@ -30,6 +30,10 @@ _EXPORTS = {
     "OutputError": ("nf4convert.errors", "OutputError"),
     "UploadError": ("nf4convert.errors", "UploadError"),
     "DependencyError": ("nf4convert.errors", "DependencyError"),
+    "FetchError": ("nf4convert.errors", "FetchError"),
+    "IntegrityError": ("nf4convert.errors", "IntegrityError"),
+    "WorkerError": ("nf4convert.errors", "WorkerError"),
+    "InternalError": ("nf4convert.errors", "InternalError"),
 }
 
 __all__ = ["__version__", *_EXPORTS]

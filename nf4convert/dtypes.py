@@ -33,7 +33,7 @@ class DType:
         return np.dtype(_NUMPY.get(self.name, self.name))
 
 
-_NUMPY = {"bfloat16": "uint16", "float8_e4m3fn": "uint8", "float8_e5m2": "uint8"}
+_NUMPY = {"bfloat16": "uint16", "float8_e4m3fn": "uint8", "float8_e5m2": "uint8", "float8_e8m0fnu": "uint8"}
 
 
 DTYPES = {
@@ -42,6 +42,7 @@ DTYPES = {
         DType("F64", "float64", 8, cast=True), DType("F32", "float32", 4, "fp32", cast=True),
         DType("F16", "float16", 2, "fp16", cast=True), DType("BF16", "bfloat16", 2, "bf16", cast=True),
         DType("F8_E4M3", "float8_e4m3fn", 1), DType("F8_E5M2", "float8_e5m2", 1),
+        DType("F8_E8M0", "float8_e8m0fnu", 1),
         DType("I64", "int64", 8), DType("I32", "int32", 4), DType("I16", "int16", 2), DType("I8", "int8", 1),
         DType("U64", "uint64", 8), DType("U32", "uint32", 4), DType("U16", "uint16", 2), DType("U8", "uint8", 1),
         DType("BOOL", "bool", 1),

@@ -80,3 +80,35 @@ def test_a_batch_run_again_skips_what_is_there_and_verifies_it_when_asked(source
 def test_flags_that_contradict_each_other_are_a_usage_error(sources, tmp_path, flags, says):
     result = batch(sources[0], "-o", "root", *flags, code=2)
     assert result.output.startswith(f"Error: {says}") and not (tmp_path / "root").exists()
+
+
+def test_each_sources_own_warnings_are_said_for_it_in_text_and_json(sources, tmp_path):
+    # two sources with the same overflow in fp16: the second's warning is its own, not the first's said again
+    from safetensors.torch import load_file, save_file
+
+    a, b, c = sources
+    for name in (a, b):
+        shard = next(p for p in sorted((tmp_path / name).glob("*.safetensors")) if "model.norm.weight" in load_file(p))
+        tensors = load_file(shard)
+        tensors["model.norm.weight"] = tensors["model.norm.weight"] * 1e6
+        save_file(tensors, shard, metadata={"format": "pt"})
+    common = ["-q", "--device", "cpu", "--dtype", "fp16"]
+    said = batch(a, b, c, "-o", "text", *common, code=0)
+    warned = [line for line in said.stderr.splitlines() if line.startswith("Warning: ")]
+    assert [line.split(":")[1].strip() for line in warned] == [a, b], said.stderr
+    assert all("model.norm.weight" in line and "holds ±inf in fp16" in line for line in warned)
+    found = rows(batch(a, b, c, "-o", "json", *common, "--json", code=0))
+    for name in (a, b):
+        [warning] = found[f"{name}"]["warnings"]
+        assert "model.norm.weight" in warning and "holds ±inf in fp16" in warning
+    assert found[c]["warnings"] == []
+
+
+def test_a_failed_rows_error_is_shown_in_the_table(sources, tmp_path):
+    a, b, _ = sources
+    (tmp_path / b / "config.json").write_text("{not json")
+    result = batch(a, b, "-o", "root", "-q", "--device", "cpu", code=1)
+    header, *lines = [line for line in result.stdout.splitlines() if line.strip()]
+    assert header.split()[-1] == "error"
+    [failed] = [line for line in lines if line.startswith(b)]
+    assert "failed" in failed and "config.json" in failed, failed

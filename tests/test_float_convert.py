@@ -163,6 +163,7 @@ def reference_model(source: Path, variant: str):
 @pytest.mark.parametrize(
     "variant",
     ["gpt-oss", "qwen3-fp8-block32-f32", "llama-fp8-tensor-static", "deepseek-fp8-block16-whole-f32",
+     "deepseek-fp8-ue8m0-whole-f32",
      "qwen3-ct-fp8-block-whole", "qwen3-ct-fp8-channel", "llama-ct-fp8-tensor", "qwen3-ct-fp8-block"],
 )  # fmt: skip
 def test_the_output_loads_as_the_dense_model_with_the_reference_logits(sources, variant, tmp_path):
@@ -316,9 +317,54 @@ def test_a_malformed_fp8_config(sources, tmp_path):
     source = source_of(sources, "qwen3-fp8-block32-f32")
 
     def edit(state, config):
+        config["quantization_config"]["scale_fmt"] = "ue4m3"
+
+    _refused(source, tmp_path, edit, f"{tmp_path / 'bad'}: scale_fmt 'ue4m3'")
+
+
+def test_ue8m0_scales_that_are_not_powers_of_two(sources, tmp_path):
+    # the F32 scales of a real FP8 release, under a config that says each is a power of two
+    source = source_of(sources, "qwen3-fp8-block32-f32")
+
+    def edit(state, config):
         config["quantization_config"]["scale_fmt"] = "ue8m0"
 
-    _refused(source, tmp_path, edit, f"{tmp_path / 'bad'}: scale_fmt 'ue8m0'")
+    _refused(source, tmp_path, edit, "_scale_inv' holds a scale that is not a power of two", "'ue8m0'")
+
+
+@pytest.mark.parametrize("stored", ["F8_E8M0", "U8"])
+def test_the_e8m0_nan_byte_in_fp8_block_scales(sources, tmp_path, stored):
+    source = source_of(sources, "qwen3-fp8-ue8m0-e8m0-ragged")
+    name = _first(fc.read_state(source), "down_proj.weight_scale_inv")
+
+    def edit(state, config):
+        bytes_ = state[name].view(torch.uint8).clone()
+        bytes_[-1, -1] = 255
+        state[name] = bytes_ if stored == "U8" else bytes_.view(torch.float8_e8m0fnu)
+
+    _refused(source, tmp_path, edit, f"tensor '{name}' holds the E8M0 byte 255 (NaN)")
+
+
+def test_u8_e8m0_scales_convert_as_transformers_views_them(sources, tmp_path):
+    source = source_of(sources, "qwen3-fp8-ue8m0-e8m0-ragged")
+    as_bytes = edited(source, tmp_path / "bytes", _scales_as_u8)
+    cli(source, "-o", tmp_path / "a", "--device", "cpu", "-q")
+    cli(as_bytes, "-o", tmp_path / "b", "--device", "cpu", "-q")
+    first, second = fc.read_state(tmp_path / "a"), fc.read_state(tmp_path / "b")
+    assert first.keys() == second.keys()
+    assert all(same_bits(first[name], second[name]) for name in first)
+
+    def without_ue8m0(state, config):
+        _scales_as_u8(state, config)
+        del config["quantization_config"]["scale_fmt"]
+
+    (tmp_path / "refused").mkdir()
+    _refused(source, tmp_path / "refused", without_ue8m0, "(FP8 scales) is U8, not one of F32, BF16, F16")
+
+
+def _scales_as_u8(state, config) -> None:
+    for name in [k for k in state if k.endswith("_scale_inv")]:
+        state[name] = state[name].view(torch.uint8)
 
 
 def test_activation_scales_are_dropped_and_the_rest_kept(sources, tmp_path):

@@ -57,7 +57,7 @@ def fp8_weights(folder: Path, reader) -> list:
     tensors = read_tensors(folder)
     if config["quant_method"] == "fp8":
         assert fp8.Fp8Format.config_problem(config) is None
-        return fp8.find_weights(tensors, reader, fp8.block_size(config))
+        return fp8.find_weights(tensors, reader, fp8.block_size(config), fp8.ue8m0(config))
     assert compressed_float.CompressedFloatFormat.reads_config(config)
     assert compressed_float.config_problem(config) is None
     return compressed_float.find_weights(tensors, reader, config)
@@ -255,6 +255,37 @@ def test_fp8_random_blocks_against_deepseek_rule_and_compressed_tensors(scale_dt
         assert same_bits(ours, rule)
 
 
+@needs_compressed_tensors
+@pytest.mark.parametrize("flag", list(OUT))
+def test_fp8_e8m0_scales_every_byte_against_compressed_tensors_and_transformers(flag):
+    """scale_fmt "ue8m0" block scales: every E8M0 byte but NaN's (0 is 2 ** -127, a subnormal), as float8_e8m0fnu
+    and as uint8, on ragged blocks; the product is exact but below fp32's normal range."""
+    from compressed_tensors.entrypoints.convert.converters.fp8block_dequantizer import FP8BlockDequantizer
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+    _, out_dtype = OUT[flag]
+    generator = torch.Generator().manual_seed(17)
+    codes = _random_codes(generator, (255, 37))
+    exponents = torch.arange(255, dtype=torch.uint8).view(255, 1)
+    grid = fp8.Grid(255, 37, 255, 1, 37)
+    stored = exponents.view(torch.float8_e8m0fnu)
+    dequantizer = FP8BlockDequantizer(weight_block_size=(1, 37), dtype=out_dtype)
+    reference = dequantizer.process({"m.weight": codes, "m.weight_scale_inv": stored})["m.weight"]
+    for scales in (stored, exponents):
+        ours = torch.cat(
+            [fp8.dequantize(codes[f : f + 40], scales[f : f + 40], grid, f, out_dtype) for f in range(0, 255, 40)]
+        )
+        assert same_bits(ours, reference)
+        # transformers' own reading of uint8 scales (2 ** (byte - 127)) and of float8_e8m0fnu ones
+        assert same_bits(ours, Fp8Dequantize(None)._dequantize_one(codes, scales, output_dtype=out_dtype))
+    blocks = fp8.Grid(255, 37, 255, 16, 16)
+    scales = torch.randint(0, 255, (16, 3), generator=generator, dtype=torch.uint8)
+    ours = fp8.dequantize(codes, scales, blocks, 0, out_dtype)
+    dequantizer = FP8BlockDequantizer(weight_block_size=(16, 16), dtype=out_dtype)
+    reference = dequantizer.process({"m.weight": codes, "m.weight_scale_inv": scales.view(torch.float8_e8m0fnu)})
+    assert same_bits(ours, reference["m.weight"])
+
+
 @pytest.mark.parametrize("flag", list(OUT))
 def test_fp8_transformers_agrees_on_whole_blocks_and_misblocks_ragged_ones(flag):
     from transformers.integrations.finegrained_fp8 import Fp8Dequantize
@@ -396,7 +427,14 @@ def test_fp8_checks_name_file_and_tensor():
     message = _fp8_error({"a.weight": weight, "a.weight_scale": _info("a.weight_scale", "F32", (2, 3))}, block=None)
     assert "one scale" in message
     assert fp8.config_problem({"quant_method": "fp8", "weight_block_size": [128, 0]})
-    assert fp8.config_problem({"quant_method": "fp8", "scale_fmt": "ue8m0"})
+    assert fp8.config_problem({"quant_method": "fp8", "scale_fmt": "ue8m0"}) is None
+    assert fp8.config_problem({"quant_method": "fp8", "scale_fmt": "e4m3"})
+    ue8m0 = {"a.weight": weight, "a.weight_scale_inv": scale}
+    for value in (0.75, 0.0, -2.0, float("inf"), float("nan"), 3.0):
+        with pytest.raises(CheckpointError, match="a.weight_scale_inv' holds a scale that is not a power of two"):
+            fp8.find_weights(ue8m0, _Scales(value), (128, 128), True)
+    for value in (1.0, 2.0**-133, 2.0**127, 0.25):
+        assert fp8.find_weights(ue8m0, _Scales(value), (128, 128), True)
     assert fp8.config_problem({"quant_method": "fp8", "weight_block_size": [128, 128]}) is None
 
 
@@ -547,6 +585,17 @@ def test_cuda_bytes_equal_cpu_and_references():
             whole_blocks = codes[:256, :512].cuda()
             on_gpu = dequantizer.process({"m.weight": whole_blocks, "m.weight_scale_inv": scales[:2, :4].cuda()})
             assert same_bits(gpu[:256, :512], on_gpu["m.weight"])
+    # scale_fmt "ue8m0": one-byte E8M0 scales (every byte but NaN's), as float8_e8m0fnu and as uint8
+    exponents = torch.randint(0, 255, (3, 5), generator=generator, dtype=torch.uint8)
+    exponents[0, :3] = torch.tensor([0, 1, 254], dtype=torch.uint8)
+    for scales in (exponents, exponents.view(torch.float8_e8m0fnu)):
+        for out_dtype in BITS:
+            cpu = fp8.dequantize(codes, scales, grid, 0, out_dtype)
+            assert same_bits(fp8.dequantize(codes.cuda(), scales.cuda(), grid, 0, out_dtype).cpu(), cpu)
+            dequantizer = FP8BlockDequantizer(weight_block_size=(128, 128), dtype=out_dtype)
+            fp32 = exponents.view(torch.float8_e8m0fnu).float()
+            reference = dequantizer.process({"m.weight": codes, "m.weight_scale_inv": fp32})["m.weight"]
+            assert same_bits(cpu, reference)
     blocks = torch.arange(256, dtype=torch.uint8).repeat(256).view(1, 256, 16, 16).cuda()
     scales = torch.arange(256, dtype=torch.uint8).view(1, 256, 1).expand(1, 256, 16).contiguous().cuda()
     for out_dtype in BITS:

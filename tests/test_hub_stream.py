@@ -484,3 +484,28 @@ def test_reads_past_the_end_and_empty_reads(hub):
         remote[name].pread(len(files[name]), bytearray(0))
         with pytest.raises(Exception, match="lie past its end"):
             remote[name].pread(len(files[name]) - 5, bytearray(10))
+
+
+@TRANSPORTS
+def test_a_server_that_cuts_every_answer_short_is_given_up_on_in_one_line(hub, faults, transport):
+    # each answer announces the whole range and brings part of it: bytes arrive every time, so the tries of empty
+    # answers never run out; answers short in a row must end it, quickly, naming what the server does
+    name = "model-00002-of-00002.safetensors"
+    faults.append(Fault("drop", file=name, at=0.5, times=10_000))
+    settings = dataclasses.replace(SETTINGS, short_answers_most=5, transport=transport)
+    started = time.monotonic()
+    with opened(hub, names=[name], settings=settings) as remote:
+        with pytest.raises(FetchError) as raised:
+            read_all(remote[name], 200_001)
+    line = str(raised.value)
+    assert "\n" not in line and name in line and "ends its answers early (5 answers in a row" in line, line
+    assert time.monotonic() - started < 30
+
+
+def test_a_range_retried_past_its_time_bound_ends_the_run(hub, faults):
+    name = "model-00002-of-00002.safetensors"
+    faults.append(Fault("drop", file=name, at=0.5, times=10_000))
+    settings = dataclasses.replace(SETTINGS, range_seconds_most=0.0, transport="http")
+    with opened(hub, names=[name], settings=settings) as remote:
+        with pytest.raises(FetchError, match=r"still not whole after 0 s of tries$"):
+            read_all(remote[name], 200_001)

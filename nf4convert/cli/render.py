@@ -106,8 +106,9 @@ def _source(prepared) -> str:
 
 
 def table(rows) -> list[str]:
-    """A batch's rows (``run.Row``) as an aligned table."""
-    header = ("source", "status", "output", "tensors", "size", "seconds")
+    """A batch's rows (``run.Row``) as an aligned table; where a row failed, its error in a last column."""
+    errors = any(row.error for row in rows)
+    header = ("source", "status", "output", "tensors", "size", "seconds") + (("error",) if errors else ())
     cells = [header] + [
         (
             row.source,
@@ -117,6 +118,7 @@ def table(rows) -> list[str]:
             f"{row.bytes / 1e9:.2f} GB" if row.bytes is not None else "-",
             f"{row.seconds:.1f}" if row.seconds is not None else "-",
         )
+        + ((row.error or "-",) if errors else ())
         for row in rows
     ]
     widths = [max(len(cell[i]) for cell in cells) for i in range(len(header))]

@@ -165,6 +165,7 @@ class Row:
     bytes: int | None = None
     seconds: float | None = None
     existing: bool = False  # its output was there before the batch (skip_existing): skipped, or verified as it is
+    warnings: list[str] = field(default_factory=list)  # this source's own (the shared folder's are said once)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -211,7 +212,8 @@ def batch(
     output is verified once converted ("verified"; a mismatch fails the row, the output kept). Each output is named
     as its sink names a batch's (``<output_root>/<name>-<dtype>``, a GGUF ``<name>-<type>.gguf``).
     ``on_error(row, error)`` sees each failed row as it fails (and may reword its ``error``), ``on_warning(source,
-    warning)`` each conversion's warnings as they come (each text once)."""
+    warning)`` each conversion's warnings as they come: every source's own, and those of the folder the outputs share
+    (its killed runs' leftovers) once."""
     Settings.from_env()  # once, before any source (each would fail alike)
     check_batch_root(output_root, [*sources, options.adapter])
     sink = sink_for(options)
@@ -219,7 +221,7 @@ def batch(
     result = BatchResult()
     said = set()
 
-    def warn(source: str, warning: str) -> None:  # once: the outputs share a folder, and its killed runs' leftovers
+    def warn_once(source: str, warning: str) -> None:  # the outputs share a folder, and its killed runs' leftovers
         if warning not in said:
             said.add(warning)
             on_warning(source, warning)
@@ -247,12 +249,13 @@ def batch(
                 result.needed += prepared.needed
                 result.free = prepared.free_bytes
                 for leftover in prepared.leftovers:
-                    warn(source, leftover.note())
+                    warn_once(source, leftover.note())
             else:
                 made = converted(source, own, on_output=named)
                 row.output, row.status, row.tensors, row.bytes = str(made.output), done, made.tensors, made.bytes
                 for warning in made.warnings:
-                    warn(source, warning)
+                    row.warnings.append(warning)
+                    on_warning(source, warning)
                 if verify:
                     try:
                         _verified(made.output, source, own, made_dtype(made))

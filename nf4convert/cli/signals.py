@@ -28,6 +28,7 @@ class StopSignals:
         self._unraisable_hook = None
 
     def __enter__(self):
+        _probe_tempdir()
         self._previous = {
             number: signal.signal(number, self._on_signal)
             for number in STOP_SIGNALS
@@ -80,3 +81,18 @@ def _unraisable(previous, unraisable) -> None:
     traceback; the command reports the signal (``StopSignals.received``) when it returns."""
     if not isinstance(unraisable.exc_value, (KeyboardInterrupt, Terminated)):
         previous(unraisable)
+
+
+def _probe_tempdir() -> None:
+    """Python's tempfile finds its folder on first use by writing a probe file there and removing it; a stop signal
+    between the two (the process then ends) leaves the probe behind. It is made once here, with the stop signals held
+    back, so that no later use probes."""
+    import tempfile
+
+    if tempfile.tempdir is not None or not hasattr(signal, "pthread_sigmask"):
+        return
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        tempfile.gettempdir()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)

@@ -4,15 +4,17 @@ which tensors they are, their checks, and the arithmetic that makes the dense we
 A linear layer ``X`` of such a checkpoint holds:
 
     X.weight            F8_E4M3 [..., n, k]   the codes
-    X.weight_scale_inv  F32/BF16/F16          what each code is multiplied by (the "inverse" of the quantization
+    X.weight_scale_inv  F32/BF16/F16/F8_E8M0  what each code is multiplied by (the "inverse" of the quantization
                                               scale): [..., ceil(n / bm), ceil(k / bn)] for the config's
                                               ``weight_block_size: [bm, bn]``, one value ([] or [1]) without it
     X.activation_scale / X.input_scale        static activation scales: nothing a dense weight needs (dropped)
 
 DeepSeek V3/R1 write F32 scales, Qwen3-*-FP8 BF16 (some F16). ``weight_scale`` is the name vLLM-style FP8 writers
 give the same multiplier; both names are read (never both for one weight). Modules in ``modules_to_not_convert``
-(alias ``ignored_layers``) are dense and not ours. ``scale_fmt: "ue8m0"`` with one-byte scales and DeepSeek-V4's
-FP4 experts (``expert_dtype: "fp4"``) are refused by :meth:`Fp8Format.config_problem`.
+(alias ``ignored_layers``) are dense and not ours. ``scale_fmt: "ue8m0"`` (DeepSeek-V3.1 and later) says every
+scale is a power of two: stored as F8_E8M0 bytes (or U8, as transformers views them) or as F32/BF16/F16 powers of
+two, each checked (``e8m0.py`` says which releases store which). DeepSeek-V4's FP4 experts
+(``expert_dtype: "fp4"``) are refused by :meth:`Fp8Format.config_problem`.
 
 The arithmetic, as each reference does it:
 
@@ -46,7 +48,8 @@ device ours and the reference's agree bit for bit. No writer makes these codes.
 
 What each ``--dtype`` is, bit for bit:
 
-- fp32: the fp32 product. With BF16/F16 scales it is the exact product (4 + 8 or 4 + 11 significant bits fit fp32's
+- fp32: the fp32 product. With E8M0 (power-of-two) scales it is exact but where it falls below fp32's normal range;
+  with BF16/F16 scales it is the exact product (4 + 8 or 4 + 11 significant bits fit fp32's
   24), so fp32 output loses nothing; with F32 scales it is the fp32 product every reference computes.
 - bf16: that product rounded to bf16: DeepSeek's ``fp8_cast_bf16.py``, compressed-tensors' ``FP8BlockDequantizer``
   and transformers' ``dequantize=True`` in bf16 (on whole-block shapes) give these bytes.
@@ -63,6 +66,7 @@ from typing import TYPE_CHECKING, ClassVar, Iterator
 from ..dtypes import DTYPES, OUTPUT_DTYPES
 from ..errors import ArgumentError, CheckpointError
 from ..safetensors_io.read import TensorInfo
+from . import e8m0
 from .base import SourceFormat, register
 
 if TYPE_CHECKING:
@@ -170,6 +174,11 @@ def block_size(quantization: dict) -> tuple[int, int] | None:
     return int(value[0]), int(value[1])
 
 
+def ue8m0(quantization: dict) -> bool:
+    """Whether the config says each scale is a power of two (``scale_fmt: "ue8m0"``)."""
+    return quantization.get("scale_fmt") == "ue8m0"
+
+
 def config_problem(quantization: dict) -> str | None:
     """What in an ``fp8`` quantization_config cannot be read, or None."""
     value = quantization.get("weight_block_size")
@@ -177,15 +186,15 @@ def config_problem(quantization: dict) -> str | None:
         isinstance(value, (list, tuple)) and len(value) == 2 and all(type(size) is int and size > 0 for size in value)  # noqa: E721  (bool is an int: refused)
     ):
         return f"weight_block_size {value!r} is not two positive integers"
-    if quantization.get("scale_fmt", "float") not in ("float", None):
-        return f"scale_fmt {quantization.get('scale_fmt')!r} (one-byte power-of-two scales) is not read yet"
+    if quantization.get("scale_fmt", "float") not in ("float", "ue8m0", None):
+        return f"scale_fmt {quantization.get('scale_fmt')!r} is not 'float' or 'ue8m0'"
     if quantization.get("expert_dtype", "fp8") not in ("fp8", None):
         return f"expert_dtype {quantization.get('expert_dtype')!r} (FP4-packed experts) is not read yet"
     return None
 
 
 def find_weights(
-    tensors: dict[str, TensorInfo], reader: TensorReader, block: tuple[int, int] | None
+    tensors: dict[str, TensorInfo], reader: TensorReader, block: tuple[int, int] | None, powers: bool = False
 ) -> list[WeightFp8]:
     """Every FP8 weight of a checkpoint whose quantization_config is ``fp8`` with ``block`` (the config's
     ``weight_block_size``, None: one scale per tensor), checked, in name order.
@@ -193,21 +202,26 @@ def find_weights(
     ``tensors`` is the whole checkpoint (a weight and its scale may be in different shards); the scales (one value
     per block) are read through ``reader`` to refuse NaN or infinite ones. CheckpointError, naming the file and
     tensor, for an F8 tensor without its scale, a scale without its weight, both scale names for one weight, a
-    scale of the wrong dtype or shape (the config's blocks do not tile the weight as stored), NaN or inf scales."""
+    scale of the wrong dtype or shape (the config's blocks do not tile the weight as stored), NaN or inf scales.
+    ``powers`` (the config's ``scale_fmt: "ue8m0"``): one-byte E8M0 scales may be U8 too, and every scale must be a
+    power of two (no E8M0 NaN byte)."""
     found = []
-    for prefix, weight, scale in pairs(tensors):
+    for prefix, weight, scale in pairs(tensors, codes=(*SCALE_CODES, *e8m0.BYTE_CODES) if powers else SCALE_CODES):
         name = prefix + "weight"
         grid = _block_grid(weight, scale, block) if block is not None else _tensor_grid(weight, scale)
-        check_finite(scale, reader)
+        if powers or scale.dtype in e8m0.BYTE_CODES:
+            e8m0.check(scale, reader)
+        else:
+            check_finite(scale, reader)
         found.append(WeightFp8(name, weight, scale, grid, "fp8", "block" if block is not None else "tensor"))
     return found
 
 
 def pairs(
-    tensors: dict[str, TensorInfo], names: tuple[str, ...] = SCALE_NAMES
+    tensors: dict[str, TensorInfo], names: tuple[str, ...] = SCALE_NAMES, codes: tuple[str, ...] = SCALE_CODES
 ) -> Iterator[tuple[str, TensorInfo, TensorInfo]]:
-    """(prefix, weight, scale) of each FP8 weight, its scale named one of ``names``; their names and dtypes
-    checked, unpaired ones refused."""
+    """(prefix, weight, scale) of each FP8 weight, its scale named one of ``names`` and of a dtype in ``codes``;
+    their names and dtypes checked, unpaired ones refused."""
     prefixes = {key[: -len(part)] for key in tensors for part in names if key.endswith("." + part)}
     for key, info in tensors.items():
         if info.dtype in FP8_CODES and key.endswith(".weight") and key[: -len("weight")] not in prefixes:
@@ -237,10 +251,9 @@ def pairs(
             raise CheckpointError(
                 f"{at_weight} is an FP8 weight of shape {list(weight.shape)}, [..., out, in] expected"
             )
-        if scale.dtype not in SCALE_CODES:
+        if scale.dtype not in codes:
             raise CheckpointError(
-                f"{scale.path}: tensor '{scale.name}' (FP8 scales) is {scale.dtype}, "
-                f"not one of {', '.join(SCALE_CODES)}"
+                f"{scale.path}: tensor '{scale.name}' (FP8 scales) is {scale.dtype}, not one of {', '.join(codes)}"
             )
         yield prefix, weight, scale
 
@@ -301,11 +314,14 @@ def dequantize(
     """Rows ``[first_row, first_row + len(codes))`` of an FP8 weight, dense in ``out_dtype``.
 
     ``codes`` is those rows ([rows, columns], float8 e4m3/e5m2), ``scales`` the scale rows they use
-    (``grid.scale_span(first_row, rows)``: [scale rows, scale columns], float32/bfloat16/float16, any shape with
-    those elements), on the same device. Bit for bit ``(codes.to(fp32) * scale.to(fp32)).to(out_dtype)`` with each
+    (``grid.scale_span(first_row, rows)``: [scale rows, scale columns], float32/bfloat16/float16, or E8M0 bytes as
+    float8_e8m0fnu/uint8; any shape with those elements), on the same device. Bit for bit
+    ``(codes.to(fp32) * scale.to(fp32)).to(out_dtype)`` with each
     element's own block scale, on CPU and CUDA alike (the module docstring says why)."""
     import torch
 
+    if e8m0.is_bytes(scales):
+        scales = e8m0.values(scales)
     if codes.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2) or scales.dtype not in (
         torch.float32,
         torch.bfloat16,

@@ -48,6 +48,7 @@ import hashlib
 import os
 import re
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -73,6 +74,10 @@ class StreamSettings:
     ahead_blocks: int = 8  # how far a stream prefetches, at most
     streams_per_file: int = 8  # read positions followed in one file (output shards written at once, each its own)
     tries: int = 6  # of one range without a byte received, before the run fails
+    # answers in a row that each brought bytes but ended before their length: a server or proxy that cuts every
+    # answer short makes progress forever, one slow step at a time, unless this ends it
+    short_answers_most: int = 12
+    range_seconds_most: float = 600.0  # retrying one range for longer than this fails the run
     wait_first: float = 1.0  # seconds before the second try; doubled for each next one
     wait_most: float = 16.0
     retry_after_most: float = 300.0  # a longer Retry-After fails the run rather than waiting
@@ -493,7 +498,8 @@ class RemoteFiles:
         """``len(into)`` bytes of ``file`` from byte ``first``, retried from the first byte not received yet."""
         part = Part(first, into)
         settings = self.settings
-        tries = 0
+        tries = short = 0
+        started = time.monotonic()
         while part.received < len(into):
             before = part.received
             wait = None
@@ -511,12 +517,24 @@ class RemoteFiles:
             except Exception as error:  # noqa: BLE001  (the HTTP client's or hf_xet's: a connection, a timeout)
                 reason = hub_error_line(error)
             tries = 1 if part.received > before else tries + 1  # bytes received: the range is making progress
+            short = short + 1 if part.received > before else 0
             with self._lock:
                 self.stats.retries += 1
             last = part.first + len(into) - 1
             where = f"{self.where(file.name)}: bytes {part.first + part.received}-{last}"
             if tries >= settings.tries:
                 raise FetchError(f"{where}: {reason}, after {tries} tries", tries=tries)
+            if short >= settings.short_answers_most:
+                raise FetchError(
+                    f"{where}: the server ends its answers early ({short} answers in a row stopped before the length "
+                    "they announced): a proxy or the storage cuts them short",
+                    tries=short,
+                )
+            if time.monotonic() - started > settings.range_seconds_most:
+                raise FetchError(
+                    f"{where}: {reason}, still not whole after {settings.range_seconds_most:.0f} s of tries",
+                    tries=tries,
+                )
             if wait is not None and wait > settings.retry_after_most:
                 raise FetchError(f"{where}: {reason}, and the Hub asks to wait {wait:.0f} s", tries=tries)
             pause = wait if wait is not None else min(settings.wait_most, settings.wait_first * 2 ** (tries - 1))

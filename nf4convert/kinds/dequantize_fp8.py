@@ -57,7 +57,9 @@ class DequantizeFp8(QuantizedWeight):
     @classmethod
     def find_weights(cls, planning: Planning, quantization: dict) -> list[fp8.WeightFp8]:
         """The checkpoint's weights of this kind's format, checked."""
-        return fp8.find_weights(planning.tensors, planning.reader, fp8.block_size(quantization))
+        return fp8.find_weights(
+            planning.tensors, planning.reader, fp8.block_size(quantization), fp8.ue8m0(quantization)
+        )
 
     def produce(self, tensor, reader, route) -> Iterator[Piece]:
         """Pieces of whole rows of scale blocks, each with the scale rows it uses: numpy bytes on the host, a tensor

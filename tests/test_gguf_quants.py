@@ -1,0 +1,99 @@
+"""Our GGUF quantizers (nf4convert/sinks/gguf/quants) against llama.cpp's own ggml_quantize_chunk, built from the
+pinned sdist (tests/fixtures/llama_cpp.py): the same bytes for every type, with and without an importance matrix,
+on seeded random rows (f16- and bf16-rounded, as the two-step route quantizes) and on the blocks quantizers trip on."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from nf4convert.sinks.gguf.quants import QUANTS, quant_type
+from tests.fixtures.llama_cpp import LlamaCpp
+
+TYPES = sorted(QUANTS.discovered())
+
+
+@pytest.fixture(scope="module")
+def ref():
+    return LlamaCpp.ready()
+
+
+def _bf16(values):
+    bits = values.astype(np.float32).view(np.uint32).astype(np.uint64)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.astype(np.uint32).view(np.float32)
+
+
+def _f16(values):
+    return values.astype(np.float16).astype(np.float32)
+
+
+def _imatrix(rng, n_per_row):
+    """Squared activations as an imatrix holds them, with zeros (dead channels) among them."""
+    weights = (rng.standard_normal(n_per_row) ** 2 * rng.uniform(0.01, 30)).astype(np.float32)
+    weights[rng.random(n_per_row) < 0.05] = 0
+    return weights
+
+
+def _assert_same(kind, rows, imatrix, ref):
+    ours = kind.quantize(rows, imatrix)
+    assert ours.dtype == np.uint8 and ours.shape == (rows.shape[0], kind.row_size(rows.shape[1]))
+    theirs = ref.quantize_chunk(kind.type_id, rows, imatrix).reshape(ours.shape)
+    blocks = ours.reshape(-1, kind.type_size) != theirs.reshape(-1, kind.type_size)
+    bad = np.flatnonzero(blocks.any(axis=1))
+    assert not bad.size, f"{kind.name}: {bad.size} of {blocks.shape[0]} blocks differ, first {bad[0]}"
+
+
+@pytest.mark.parametrize("weighted", [False, True], ids=["plain", "imatrix"])
+@pytest.mark.parametrize("name", TYPES)
+def test_random_rows_match_llama_cpp(name, weighted, ref):
+    kind = quant_type(name)
+    rng = np.random.default_rng([20261207, kind.type_id, weighted])
+    for rounding in (_f16, _bf16):
+        n_rows = int(rng.integers(1, 9))
+        n_per_row = kind.block_size * int(rng.integers(1, max(2, 4096 // kind.block_size)))
+        spread = rng.uniform(1e-3, 3, (n_rows, 1))
+        rows = rounding(rng.standard_normal((n_rows, n_per_row)) * spread + rng.normal(0, 0.01, (n_rows, 1)))
+        _assert_same(kind, rows, _imatrix(rng, n_per_row) if weighted else None, ref)
+
+
+def _edge_blocks(rng, block, count):
+    """``count`` blocks that are all zero, constant, all negative, one huge outlier, tiny values near the
+    subnormals, half zeros, mostly tiny with a few large, or ordinary noise: each kind in turn, in a shuffled
+    order."""
+    makers = [
+        lambda: np.zeros(block),
+        lambda: np.full(block, rng.normal(0, 1)),
+        lambda: -np.abs(rng.standard_normal(block)) * rng.uniform(0.01, 2),
+        lambda: np.abs(rng.standard_normal(block)) * rng.uniform(0.01, 2),
+        lambda: np.where(np.arange(block) == rng.integers(block), rng.choice([-6e4, 6e4]), rng.standard_normal(block)),
+        lambda: rng.standard_normal(block) * 1e-6,
+        lambda: rng.standard_normal(block) * 3e-8,
+        lambda: np.where(rng.random(block) < 0.5, 0, rng.standard_normal(block)),
+        lambda: rng.standard_normal(block) * np.where(rng.random(block) < 0.9, 1e-3, 1.0),
+        lambda: rng.standard_normal(block),
+    ]
+    order = rng.permutation(count) % len(makers)
+    return np.concatenate([makers[int(kind)]() for kind in order])
+
+
+@pytest.mark.parametrize("weighted", [False, True], ids=["plain", "imatrix"])
+@pytest.mark.parametrize("name", TYPES)
+def test_edge_blocks_match_llama_cpp(name, weighted, ref):
+    kind = quant_type(name)
+    rng = np.random.default_rng([7, kind.type_id, weighted])
+    n_rows, per_row = 12, max(1, 1024 // kind.block_size)
+    rows = _f16(_edge_blocks(rng, kind.block_size, n_rows * per_row).reshape(n_rows, -1))
+    imatrix = None
+    if weighted:
+        imatrix = _imatrix(rng, rows.shape[1])
+        imatrix[: kind.block_size] = 0  # a whole block with no importance
+    _assert_same(kind, rows, imatrix, ref)
+
+
+def test_rows_of_the_wrong_width_are_refused():
+    kind = quant_type("q4_k")
+    with pytest.raises(ValueError, match="multiple of 256"):
+        kind.quantize(np.ones((2, 100), dtype=np.float32))
+    with pytest.raises(ValueError, match="importance matrix"):
+        kind.quantize(np.ones((2, 256), dtype=np.float32), np.ones(128, dtype=np.float32))

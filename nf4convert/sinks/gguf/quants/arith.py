@@ -307,3 +307,37 @@ def pack_2bit(levels):
     return (quads[:, :, 0] | (quads[:, :, 1] << 2) | (quads[:, :, 2] << 4) | (quads[:, :, 3] << 6)).reshape(
         levels.shape[0], -1
     )
+
+
+def roundf(values):
+    """C's ``roundf``: to the nearest integer, halves away from zero (the fraction ``v - trunc(v)`` is exact)."""
+    whole = np.trunc(values)
+    return whole + np.where(np.abs(values - whole) >= F32(0.5), np.sign(values), F32(0))
+
+
+def pack_nibbles(levels):
+    """The 32-value blocks' 4-bit packing: byte j holds value j (low) and value j + 16 (high), per 32: (B, n / 2)."""
+    pairs = levels.reshape(levels.shape[0], -1, 2, 16)
+    return (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(levels.shape[0], -1)
+
+
+def fifth_bits(levels):
+    """Q5_0 / Q5_1's ``qh``: bit j of a little-endian uint32 is bit 4 of value j: (B, 4) bytes."""
+    bits = ((levels >> 4) & 1).astype(np.uint32) << np.arange(32, dtype=np.uint32)
+    return np.bitwise_or.reduce(bits, axis=1).astype("<u4").view(np.uint8).reshape(-1, 4)
+
+
+def min_max(x):
+    """``min = FLT_MAX; max = -FLT_MAX; if (v < min) min = v; if (v > max) max = v;``: (min, max)."""
+    low = np.full(x.shape[1:], np.finfo(F32).max, dtype=F32)
+    high = np.full(x.shape[1:], -np.finfo(F32).max, dtype=F32)
+    for value in x:
+        low = np.where(value < low, value, low)
+        high = np.where(value > high, value, high)
+    return low, high
+
+
+def weighted_by_row(weights, mean_square, x):
+    """The legacy types' importance weights: ``qw[j] * sqrtf(sigma2 + x[j] * x[j])`` with sigma2 the row's mean
+    square, for groups of one block each (x (32, B), weights (B, 32), mean_square (B,))."""
+    return np.ascontiguousarray(weights.T) * np.sqrt(mean_square + x * x)

@@ -227,3 +227,45 @@ def test_a_gguf_is_written_whole_then_uploaded_and_committed_with_its_card(hub, 
     assert main["README.md"].decode() == made.card
     assert main["model.safetensors"] == b"the owner's dense weights"  # a GGUF sits beside other weights
     assert len(state.commits) == 1 and not list(work.glob(".*nf4convert-partial*"))
+
+
+def test_verify_checks_each_shard_before_it_is_uploaded(hub, local, tmp_path):
+    endpoint, state = hub
+    result, _ = run_push(endpoint, tmp_path, "--verify")
+    assert result.returncode == 0, result.stderr
+    assert "me/tiny: 39 tensors checked on cpu" in result.stdout and "OK: bit-exact" in result.stdout, result.stdout
+    assert state.repos["me/tiny"]["branches"]["main"] == {".gitattributes": GITATTRIBUTES, **local}
+
+
+# The conversion made wrong: one bit of the third shard's data flipped as it is written.
+FLIPPED = """
+import sys
+from nf4convert.safetensors_io.write import ShardWriter
+from nf4convert.cli.entry import main
+
+written = ShardWriter._pwrite
+def flipped(self, view, position):
+    if self.path.name.startswith("model-00003-") and position >= 8 and not getattr(self, "flipped", False):
+        view = bytearray(view)
+        view[len(view) // 2] ^= 0x10
+        self.flipped = True
+    written(self, view, position)
+ShardWriter._pwrite = flipped
+sys.argv[0] = "nf4convert"
+main()
+"""
+
+
+def test_a_shard_that_fails_verify_is_not_uploaded_and_nothing_is_committed(hub, tmp_path):
+    endpoint, state = hub
+    env = client_env(endpoint, tmp_path / "home", XDG_CACHE_HOME=str(tmp_path / "cache"), HF_HUB_DISABLE_XET="1")
+    command = [sys.executable, "-c", FLIPPED, str(EXAMPLE), "--device", "cpu", "--max-shard-size", str(SHARD), "-q",
+               "--verify", "--push-to-hub", "me/tiny", "--no-local-copy", "--token", WRITE_TOKEN]  # fmt: skip
+    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 1 and len(lines) == 1, result.stderr
+    assert lines[0].startswith("Error: model-00003-of-00010.safetensors: verification failed: "), lines[0]
+    assert lines[0].endswith("; nothing further was uploaded and nothing was committed"), lines[0]
+    assert not state.commits and state.repos["me/tiny"]["branches"]["main"] == {".gitattributes": GITATTRIBUTES}
+    assert len([r for r in state.requests if r.startswith("PUT /lfs-objects/")]) <= 2  # shards 1 and 2 at most
+    assert not list(tmp_path.glob(".*nf4convert-partial*"))

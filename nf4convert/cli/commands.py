@@ -102,8 +102,6 @@ def convert_command(
     """
     if (private or push_branch or no_local_copy) and not push_to:
         fail("--private, --push-branch and --no-local-copy go with --push-to-hub REPO_ID", 2)
-    if no_local_copy and then_verify:
-        fail("--verify checks a finished local output, and --no-local-copy keeps none: give one of them", 2)
     if dry_run and (then_verify or (push_to and not no_local_copy)):
         fail("--dry-run writes nothing, so there is nothing to --verify or --push-to-hub", 2)
     if push_to:

@@ -14,7 +14,7 @@ from .. import preload
 from ..conversion import ConvertResult, Prepared, converted, prepare
 from ..devices import pick_device
 from ..dtypes import BY_NAME
-from ..errors import ArgumentError, Interrupted, Nf4ConvertError, Terminated, UploadError
+from ..errors import Interrupted, Nf4ConvertError, Terminated, UploadError
 from ..options import ConvertOptions, VerifyOptions
 from ..paths import expanded_output
 from ..settings import Settings
@@ -72,33 +72,10 @@ def convert_then(
         from ..verification.libraries import importing, reference_libraries
 
         then_importing = importing(*reference_libraries(options.adapter is not None))
-    pushing = None
     if push_to and no_local_copy:
-        if verify:
-            raise ArgumentError(
-                "--verify checks a finished local output; with --no-local-copy there is none: verify the pushed repo "
-                "with nf4convert verify, or push without --no-local-copy",
-                option="verify",
-            )
-        from ..hub.push import HubPush
-
-        pushing = HubPush(
-            push_to,
-            private=private,
-            token=options.hub.token,
-            branch=push_branch,
-            overwrite=options.overwrite,
-            progress=options.progress,
-            on_disk=Settings.from_env().push_on_disk,
-            again=again,
-        )
-        pushing.open()  # the Hub reachable, the token valid, the repo free to take it: before any work
+        return _pushed_as_made(source, options, verify, push_to, private, push_branch, on_step, again, then_importing)
     with preload.allowed():
-        result: ConvertResult = converted(source, options, then_importing=then_importing, pushing=pushing)
-    if pushing is not None:
-        on_step(result)
-        on_step(Pushed(result.pushed.url))
-        return True
+        result: ConvertResult = converted(source, options, then_importing=then_importing)
     try:
         on_step(result)
         if verify:
@@ -139,6 +116,42 @@ def convert_then(
     except (Interrupted, Terminated) as stop:
         stop.output_complete = stop.output_complete or result.output
         raise
+    return True
+
+
+def _pushed_as_made(source, options, verify, push_to, private, push_branch, on_step, again, then_importing) -> bool:
+    """``convert_then`` with no local copy (``hub/push.py``): the Hub, the token and the repo checked before any
+    work, each shard (verified first, with ``verify``: ``verification/shards.py``) uploaded as it is made, one commit
+    at the end; the results as ``convert_then`` gives them."""
+    import contextlib
+
+    from ..hub.push import HubPush
+
+    pushing = HubPush(
+        push_to,
+        private=private,
+        token=options.hub.token,
+        branch=push_branch,
+        overwrite=options.overwrite,
+        progress=options.progress,
+        on_disk=Settings.from_env().push_on_disk,
+        again=again,
+    )
+    pushing.open()
+    checks = contextlib.nullcontext()
+    if verify:
+        from ..verification.shards import ShardChecks
+
+        checks = ShardChecks(source, VerifyOptions.of(options), shown=push_to)
+    with checks, preload.allowed():
+        if verify:
+            pushing.check = checks.check
+        result: ConvertResult = converted(source, options, then_importing=then_importing, pushing=pushing)
+        report = checks.finish(result.tensors - len(checks.checked)) if verify else None
+    on_step(result)
+    if report is not None:
+        on_step(report)
+    on_step(Pushed(result.pushed.url))
     return True
 
 

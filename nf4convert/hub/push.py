@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import quote
 
-from ..errors import Interrupted, Terminated, UploadError
+from ..errors import Interrupted, Nf4ConvertError, Terminated, UploadError
 from .download import progress_bars
 from .errors import hub_error_line
 from .session import hub_session
@@ -132,6 +132,7 @@ class HubPush:
         self._thread: threading.Thread | None = None
         self.sent = 0  # bytes uploaded so far
         self.inline: dict[str, bytes] = {}  # files the Hub takes inline (not LFS): in the commit itself
+        self.check = None  # ``check(path)`` of each finished file before it is uploaded (verify's), or None
 
     # -- before any work -------------------------------------------------------------------------------------------
     def _session(self):
@@ -209,6 +210,11 @@ class HubPush:
     def finished(self, path: Path) -> None:
         """Hand ``path`` to the uploading thread; wait until at most ``on_disk - 1`` files are on disk besides the one
         the sink writes next. The uploading thread's failure is raised here."""
+        if self.check is not None:
+            try:
+                self.check(path)
+            except Nf4ConvertError as error:  # a mismatch: the same command would meet it again
+                raise type(error)(f"{error}; nothing further was uploaded and nothing was committed") from None
         if self._thread is None:
             self._thread = threading.Thread(target=self._uploading, name="nf4convert-upload", daemon=True)
             self._thread.start()

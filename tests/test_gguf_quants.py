@@ -119,3 +119,63 @@ def test_f16_conversion_matches_ggml_on_every_kind_of_float(ref):
     values = np.concatenate([bits, halfway, np.array([0x7F800000, 0xFF800000, 0x7FC00000, 0xFFC00001, 0x477FF000])])
     rows = values.view(np.float32).reshape(1, -1)
     _assert_same(quant_type("f16"), rows, None, ref)
+
+
+def _best_index_int8_c(table, x):
+    """ggml-quants.c's ``best_index_int8``, line for line, on one float."""
+    if x <= table[0]:
+        return 0
+    if x >= table[-1]:
+        return len(table) - 1
+    low, high = 0, len(table) - 1
+    while high - low > 1:
+        middle = (low + high) // 2
+        if x < table[middle]:
+            high = middle
+        else:
+            low = middle
+    below, above = np.float32(x) - np.float32(table[high - 1]), np.float32(table[high]) - np.float32(x)
+    return high - 1 if below < above else high
+
+
+def test_nearest_table_index_resolves_ties_and_non_finite_values_as_c():
+    from nf4convert.sinks.gguf.quants.arith import best_index_int8
+    from nf4convert.sinks.gguf.quants.iq4_nl import KVALUES
+
+    rng = np.random.default_rng(3)
+    table = [int(v) for v in KVALUES]
+    midpoints = [(a + b) / 2 for a, b in zip(table, table[1:])]
+    specials = [np.nan, np.inf, -np.inf, -127, 113, -128, 114, 1e30, -1e30, -0.0, *table, *midpoints]
+    x = np.concatenate([np.array(specials), rng.uniform(-140, 130, 4000)]).astype(np.float32)
+    with np.errstate(all="ignore"):
+        index, value = best_index_int8(KVALUES, x)
+        expected = np.array([_best_index_int8_c(table, v) for v in x])
+    assert np.array_equal(index, expected)
+    assert np.array_equal(value, KVALUES[expected].astype(np.float32))
+
+
+def test_nearest_int_is_cs_bit_trick_everywhere():
+    """Round half to even where C asserts it applies, and C's bit pattern beyond (release builds skip the assert)."""
+    import struct
+
+    from nf4convert.sinks.gguf.quants.arith import nearest_int
+
+    rng = np.random.default_rng(5)
+    x = np.concatenate([np.arange(-8, 8.5, 0.5), rng.normal(0, 1e3, 2000), rng.normal(0, 1e8, 200), [np.nan, np.inf]])
+    x = x.astype(np.float32)
+    with np.errstate(all="ignore"):
+        ours = nearest_int(x)
+    for value, got in zip(x, ours, strict=True):
+        (bits,) = struct.unpack("<i", struct.pack("<f", np.float32(value) + np.float32(12582912.0)))
+        assert got == (bits & 0x007FFFFF) - 0x00400000
+    small = np.abs(x) <= 4194303
+    assert np.array_equal(ours[small], np.rint(x[small]).astype(np.int32))
+
+
+def test_types_are_found_by_name_and_by_ggml_id():
+    for name in TYPES:
+        kind = quant_type(name.lower())
+        assert kind.name == name and quant_type(kind.type_id) is kind
+        assert kind.row_size(kind.block_size * 3) == 3 * kind.type_size
+    with pytest.raises(KeyError, match="no GGUF quant type"):
+        quant_type("q9_k")

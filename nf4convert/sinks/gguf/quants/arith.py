@@ -254,15 +254,19 @@ def make_qp_quants(x, nmax, weights):
 
 
 def best_index_int8(table, x):
-    """``best_index_int8(n, val, x)``: the index of the table value nearest ``x`` (a sorted int8 table), ties and
-    NaN as C's bisection resolves them."""
+    """``best_index_int8(n, val, x)`` for a sorted table of integers: (index, table value) of the value nearest
+    ``x``, ties, NaN and infinities as C's bisection resolves them. The bisection ends on the pair val[mu - 1] <= x <
+    val[mu] (the first or the last pair beyond the table's ends, which the comparison then resolves as C's end tests
+    do); with integer values that pair depends on floor(x) only, so it is read from a table by floor(x)."""
+    first, last = int(table[0]), int(table[-1])
     values = np.asarray(table, dtype=F32)
-    upper = np.clip(np.searchsorted(values, x, side="right"), 1, len(values) - 1)
-    below = np.take(values, upper - 1)
-    above = np.take(values, upper)
-    index = np.where(x - below < above - x, upper - 1, upper)
-    index = np.where(x >= values[-1], len(values) - 1, index)
-    return np.where(x <= values[0], 0, index)
+    buckets = np.arange(first - 1, last + 2)
+    lower = np.clip(np.searchsorted(np.asarray(table), buckets, side="right"), 1, len(values) - 1) - 1
+    bucket = np.fmax(np.fmin(x, F32(last + 1)), F32(first - 1))  # fmin first: NaN goes to the top pair
+    bucket = np.floor(bucket).astype(np.intp) - (first - 1)
+    below, above = np.take(values[lower], bucket), np.take(values[lower + 1], bucket)
+    nearer_below = x - below < above - x
+    return np.take(lower, bucket) + ~nearer_below, np.where(nearer_below, below, above)
 
 
 def to_groups(blocks, size):

@@ -14,10 +14,13 @@ from .arith import row_mean_squares
 QUANTS = Registry(__package__, "GGUF quant type", "name")
 
 
-def quant_type(name: str) -> type["QuantType"]:
-    """The registered type of llama.cpp's name ``name`` ("Q4_K", case-insensitive)."""
+def quant_type(name: str | int) -> type["QuantType"]:
+    """The registered type of llama.cpp's name ``name`` ("Q4_K", case-insensitive) or of ggml type id ``name``."""
     types = QUANTS.discovered()
-    found = types.get(name.upper())
+    if isinstance(name, int):
+        found = next((kind for kind in types.values() if kind.type_id == name), None)
+    else:
+        found = types.get(name.upper())
     if found is None:
         raise KeyError(f"no GGUF quant type {name!r}; known: {', '.join(sorted(types))}")
     return found
@@ -36,6 +39,8 @@ class QuantType:
     block_size: ClassVar[int]
     type_size: ClassVar[int]
     chunk_blocks: ClassVar[int] = 1024
+    # whether an importance matrix changes anything (Q8_0 and F16 ignore it, as ggml does)
+    uses_imatrix: ClassVar[bool] = True
     # whether the importance-matrix path needs each row's mean square (the legacy types' sigma2)
     uses_row_mean_square: ClassVar[bool] = False
 
@@ -59,7 +64,8 @@ class QuantType:
             imatrix = np.ascontiguousarray(imatrix, dtype=np.float32)
             if imatrix.shape != (n_per_row,):
                 raise ValueError(f"an importance matrix of {imatrix.shape} for rows of {n_per_row} values")
-            weights = imatrix.reshape(per_row, cls.block_size)
+            if cls.uses_imatrix:
+                weights = imatrix.reshape(per_row, cls.block_size)
         blocks = rows.reshape(-1, cls.block_size)
         out = np.empty((blocks.shape[0], cls.type_size), dtype=np.uint8)
         with np.errstate(all="ignore"):

@@ -13,6 +13,7 @@ class F16(QuantType):
     type_id = 1
     block_size = 1
     type_size = 2
+    uses_imatrix = False
     chunk_blocks = 1 << 20
 
     @classmethod

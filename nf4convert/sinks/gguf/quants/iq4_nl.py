@@ -20,11 +20,11 @@ from .base import QUANTS, QuantType
 
 KVALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
 NTRY = 7
-_LEVELS = KVALUES.astype(F32)
 
 
 def nearest_levels(scaled):
-    return best_index_int8(KVALUES, scaled)
+    """The index of the nearest level of each scaled value."""
+    return best_index_int8(KVALUES, scaled)[0]
 
 
 def group_scales(x, weights, sigma2):
@@ -34,7 +34,7 @@ def group_scales(x, weights, sigma2):
     largest, amax = signed_absmax(x)
 
     def sums(inverse):
-        q = _LEVELS[nearest_levels(inverse * x)]
+        q = best_index_int8(KVALUES, inverse * x)[1]
         wq = w * q
         return seqsum(wq * x), seqsum(wq * q)
 

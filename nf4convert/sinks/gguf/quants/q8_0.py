@@ -18,6 +18,7 @@ class Q8_0(QuantType):
     type_id = 8
     block_size = 32
     type_size = 34
+    uses_imatrix = False
 
     @classmethod
     def quantize_blocks(cls, blocks, weights, mean_square):

@@ -45,6 +45,7 @@ class ConvertResult:
     read: object = None  # a Hub SOURCE's weights (``hub.stream.StreamStats``): bytes streamed, and from the Hub cache
     # SOURCE resolved and planned (a verify that follows in this process takes them): not part of the result's value
     prepared: "Prepared | None" = field(default=None, repr=False, compare=False)
+    pushed: object = None  # pushed with no local copy (``hub.push.Pushed``): ``output`` was never made
 
 
 def model_card(prepared: "Prepared"):
@@ -75,11 +76,8 @@ def _infinite_warning(names: list[str]) -> str | None:
     if not names:
         return None
     shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-    return (
-        f"{len(names)} tensor{'s hold' if len(names) != 1 else ' holds'} ±inf in fp16, "
-        "values beyond its range (65504): "
-        f"{shown}; --dtype bf16 or fp32 keeps them finite"
-    )
+    held = f"{len(names)} tensor{'s hold' if len(names) != 1 else ' holds'}"
+    return f"{held} ±inf in fp16, values beyond its range (65504): {shown}; --dtype bf16 or fp32 keeps them finite"
 
 
 def _kept_warning(plan) -> str | None:
@@ -121,6 +119,7 @@ def prepare(
     headers_only=False,
     on_output=None,
     weights=None,
+    placed=True,
 ) -> Prepared:
     """Resolve and plan a conversion and check where it goes, writing nothing (what ``convert`` and a dry run do
     first). A Hub SOURCE's weights are downloaded into the Hub cache, unless ``headers_only`` (a dry run): then the
@@ -129,13 +128,14 @@ def prepare(
     goes as soon as that is known (a batch names it for a source that fails after that). What the output's sink
     refuses of the model (``sinks/``: llama.cpp's converter for a GGUF) is refused here, before any weight is read.
     ``weights`` (a ``hub.weights.HubWeights``, which ``reader`` reads through): a Hub SOURCE's weights are read where
-    they are, streamed or from the Hub cache (else downloaded into it)."""
+    they are, streamed or from the Hub cache (else downloaded into it). ``placed`` False: the output is never put in
+    place (a push with no local copy), so an OUT that exists is no reason to refuse."""
     if not headers_only:
-        return _prepare(source, options, reader=reader, headers=weights, on_output=on_output)
+        return _prepare(source, options, reader=reader, headers=weights, on_output=on_output, placed=placed)
     headers = HeadersOnly()
     try:
         with TensorReader(headers.ranges) as reader:
-            return _prepare(source, options, reader=reader, headers=headers, on_output=on_output)
+            return _prepare(source, options, reader=reader, headers=headers, on_output=on_output, placed=placed)
     except Nf4ConvertError as error:  # named by the repo, not the temporary copy
         renamed = headers.renamed(error)
         if renamed is None:
@@ -145,14 +145,14 @@ def prepare(
         headers.remove()
 
 
-def _prepare(source, options: ConvertOptions, *, reader, headers=None, on_output=None) -> Prepared:
+def _prepare(source, options: ConvertOptions, *, reader, headers=None, on_output=None, placed=True) -> Prepared:
     Settings.from_env()  # a dry run refuses a bad NF4CONVERT_* value as the conversion does
     source, adapter = named_sources(source, options.adapter)
     sink = sink_for(options)
     options = sink.adjusted(options)
     sink.check_ready()  # before any download: a missing library is said first
     output = options.output
-    if output is not None:  # before any download
+    if output is not None and placed:  # before any download
         local, adapter_local = (expanded(name, "source") if name is not None else None for name in (source, adapter))
         if adapter_local is None and (local / "adapter_config.json").is_file():  # an adapter as SOURCE: named so
             local, adapter_local = None, local
@@ -187,7 +187,7 @@ def _prepare(source, options: ConvertOptions, *, reader, headers=None, on_output
         output = made.default_output(options.output_dir, options.stem or output_stem(source))
     if on_output is not None:
         on_output(output)
-    if named:
+    if named and placed:
         lifecycle.check_destination(
             output, overwrite=options.overwrite, file=sink.file, sources=[folder], adapter=adapter_folder
         )
@@ -258,8 +258,7 @@ def convert(
     Raises:
         ArgumentError: a bad ``dtype``, ``device``, ``max_shard_size``, ``stem`` or ``gguf_type``, or ``output`` with
             ``output_dir``.
-        DependencyError: a GGUF output without llama.cpp's converter (the "gguf" extra: ``pip install ".[gguf]"`` in
-            the clone).
+        DependencyError: a GGUF output without llama.cpp's converter (the "gguf" extra).
         SourceNotFoundError: ``source`` cannot be found or fetched (FetchError: its weights' bytes could not be
             fetched, after retrying).
         CheckpointError: the checkpoint is corrupt (IntegrityError: a Hub file's bytes do not match its hash), not
@@ -292,11 +291,17 @@ def convert(
 
 
 def converted(
-    source: str | os.PathLike, options: ConvertOptions, *, on_output=None, then_importing: tuple = ()
+    source: str | os.PathLike,
+    options: ConvertOptions,
+    *,
+    on_output=None,
+    then_importing: tuple = (),
+    pushing=None,
 ) -> ConvertResult:
     """``convert`` with its options parsed: the stages in order. ``then_importing``: what a step after the conversion
     will import (``preload.start``'s arguments), begun on the preload thread once SOURCE is planned and the model card
-    made."""
+    made. ``pushing`` (an opened ``hub.push.HubPush``): the output goes to the Hub as it is made (the sink's
+    ``Delivery``), then is committed; its temporary files are written beside OUT, which is never made."""
     from tqdm.auto import tqdm
 
     from .sinks import card as _card  # noqa: F401  (imported here, not first on the side thread: see _side_thread)
@@ -317,13 +322,18 @@ def converted(
     weights = HubWeights(download=options.hub.download, settings=settings)
     reader = TensorReader(weights.ranges, remote=weights.files)
     with finishing, route_for(chosen_device, settings) as route, weights, reader, _side_thread() as side:
-        prepared = prepare(source, options, reader=reader, on_output=on_output, weights=weights)
+        prepared = prepare(source, options, reader=reader, on_output=on_output, weights=weights, placed=pushing is None)
         reader.front_to_back = weights.streams
         plan, output, sink = prepared.plan, prepared.output, prepared.sink
         profile.mark("planned")
         if then_importing:
             preload.start()  # torch, on this thread (preload.start's ``here``)
-        lifecycle.check_free_space(output, prepared.needed)
+        delivery = {}
+        if pushing is not None:
+            pushing.start(plan, prepared.base, options.hub.revision, weights, prepared.resolved.adapter_folder)
+            delivery = {"delivery": pushing} if sink.delivers else {}
+        needed = prepared.needed if pushing is None else sink.delivered_disk(pushing.on_disk)
+        lifecycle.check_free_space(output, needed)
         card_made = side.submit(_card_then_importing, prepared, then_importing)
         with lifecycle.staging(output) as temporary:
             n_tensors = len(plan.tensors)
@@ -336,7 +346,7 @@ def converted(
                 desc=f"{model_name(source)} -> {sink.label()}",
                 dynamic_ncols=True,
             ) as bar:
-                progress, tensor_done = _bar_updates(bar, n_tensors, weights)
+                progress, tensor_done = _bar_updates(bar, n_tensors, weights, pushing)
                 written = sink.write(
                     temporary,
                     output,
@@ -346,12 +356,23 @@ def converted(
                     settings=settings,
                     progress=progress,
                     tensor_done=tensor_done,
+                    **delivery,
                 )
                 weights.finish()  # every byte read matched the Hub's hash of its file: the output may be placed
+                card = card_made.result()
+                if pushing is not None:
+                    size = plan.tensor_bytes if sink.delivers else (temporary / output.name).stat().st_size
+                    pushing.wait()
+                    bar.set_postfix_str(f"{pushing.status()}, committing", refresh=True)
+                    staged = lifecycle.staged_files(temporary, sink.pushed_card(card.text, output))
+                    pushed = pushing.commit(staged, replace_weights=not sink.file)
+                    bar.set_postfix_str(f"{pushing.status()}, committed", refresh=True)
             profile.mark("tensors written")
-            card = card_made.result()
-            finishing.enter_context(lifecycle.held(output))
-            size = sink.place(temporary, output, overwrite=options.overwrite)
+            if pushing is None:
+                finishing.enter_context(lifecycle.held(output))
+                size = sink.place(temporary, output, overwrite=options.overwrite)
+            else:
+                lifecycle.remove_staging(temporary)
         profile.mark("in place")
         profile.report()
         converter_warnings = [f"llama.cpp's converter: {line}" for line in written.warnings]
@@ -375,21 +396,24 @@ def converted(
             sink.name,
             weights.stats if weights.opened else None,
             prepared,
+            pushed if pushing is not None else None,
         )
     return result
 
 
-def _bar_updates(bar, n_tensors: int, weights: HubWeights):
-    """The conversion bar's updates (bytes written; the tensors done beside them, and the bytes fetched where the
-    source is streamed): (progress, tensor_done) for the sink."""
+def _bar_updates(bar, n_tensors: int, weights: HubWeights, pushing=None):
+    """The conversion bar's updates (bytes written; the tensors done beside them, the bytes fetched where the source
+    is streamed, and those uploaded where the output is pushed as it is made): (progress, tensor_done) for the
+    sink."""
     done = 0
 
     def postfix() -> None:
         fetched = f", {size_text(weights.stats.fetched)} fetched" if weights.streams else ""
-        bar.set_postfix_str(f"{done}/{n_tensors} tensors{fetched}", refresh=False)
+        pushed = f", {pushing.status()}" if pushing is not None else ""
+        bar.set_postfix_str(f"{done}/{n_tensors} tensors{fetched}{pushed}", refresh=False)
 
     def progress(count: int) -> None:
-        if weights.streams:
+        if weights.streams or pushing is not None:
             postfix()
         bar.update(count)
 

@@ -27,6 +27,7 @@ class Settings:
     fast_launch: bool = True  # NF4CONVERT_FAST_LAUNCH: replay a prepared kernel launch (0: Triton's own launcher)
     stream_memory: int = 256  # NF4CONVERT_STREAM_MEMORY: MiB of a Hub repo's bytes held while streamed (fetched ahead)
     stream_requests: int = 8  # NF4CONVERT_STREAM_REQUESTS: range requests in flight per Hub repo streamed
+    push_on_disk: int = 2  # NF4CONVERT_PUSH_ON_DISK: shards on local disk at once in a push with no local copy
 
     @classmethod
     def from_env(cls, environ=None) -> "Settings":
@@ -50,6 +51,7 @@ LEAST = {
     "processes": 0,
     "stream_memory": 16,
     "stream_requests": 1,
+    "push_on_disk": 1,
 }  # the smallest whole number each takes
 VARIABLES = tuple(f"NF4CONVERT_{spec.name.upper()}" for spec in fields(Settings))
 

@@ -741,3 +741,15 @@ def test_a_config_nested_too_deeply_is_one_line(tmp_path, depth):
     line = one_error_line(run(source, "-o", tmp_path / "out", "-q", "--device", "cpu", code=1))
     assert line == f"Error: {source / 'config.json'}: not JSON that can be read (nested too deeply)"
     assert not (tmp_path / "out").exists()
+
+
+def test_a_mistyped_relative_path_is_no_such_folder_not_a_hub_lookup(tmp_path, monkeypatch):
+    # models/llama-bnb-4bit with a models/ folder here is a path mistyped, not a Hub repo to ask for
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models").mkdir()
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # a lookup would be "could not be reached"
+    line = one_error_line(run("models/llama-bnb-4bit", "-q", "--dry-run", code=1))
+    assert line == (
+        "Error: models/llama-bnb-4bit: no such folder in models/ (a Hub repo id is not looked up while a folder "
+        "models/ is here)"
+    )

@@ -51,3 +51,22 @@ def test_the_example_converts_to_a_gguf_and_generates_text(tmp_path):
     assert generated.shape[1] == prompt["input_ids"].shape[1] + 8
     text = tokenizer.decode(generated[0], skip_special_tokens=True)
     assert text.startswith("kalo mine") and len(text) > len("kalo mine"), text
+
+
+def test_make_format_examples_builds_a_checkpoint_of_each_format_it_names(tmp_path):
+    """README's way to try the other formats: each folder a checkpoint that converts and verifies as its format."""
+    pytest.importorskip("compressed_tensors")
+    from nf4convert.formats.base import all_formats
+
+    spec = importlib.util.spec_from_file_location("make_format_examples", EXAMPLES / "make_format_examples.py")
+    made = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(made)
+    made.main(tmp_path)
+    methods = {method for source_format in all_formats().values() for method in source_format.quant_methods}
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(made.EXAMPLES)
+    for folder in tmp_path.iterdir():
+        quantization = json.loads((folder / "config.json").read_text())["quantization_config"]
+        assert quantization["quant_method"] in methods, folder.name
+    runner = CliRunner()
+    result = runner.invoke(main, [str(tmp_path / "gptq-4bit"), "-o", str(tmp_path / "out"), "-q", "--device", "cpu"])
+    assert result.exit_code == 0, result.output

@@ -348,10 +348,38 @@ def test_verify_with_an_adapter_and_a_dtype(llama, tmp_path):
     assert f"recomputed by llama.cpp's converter on {CPU_REFERENCE} and peft)\nOK:" in result.stdout
     result = cli(
         "verify", out, llama, "--adapter", adapter, "-q", "--device", "cpu", code=1
-    )  # made from fp16, not bf16
-    assert "FAILED" in result.stdout
-    result = cli("verify", out, llama, "-q", "--device", "cpu", code=1)  # without the adapter
-    assert "FAILED" in result.stdout
+    )  # made from fp16, not bf16: the note says to pass the --dtype, not the adapter it was given
+    assert "FAILED" in result.stdout and "pass that --dtype to verify" in result.stdout
+    assert "pass that adapter with --adapter" not in result.stdout
+    result = cli("verify", out, llama, "--dtype", "fp16", "-q", "--device", "cpu", code=1)  # without the adapter
+    assert "FAILED" in result.stdout and "looks merged with an adapter" in result.stdout
+    assert "pass that --dtype" not in result.stdout
+
+
+def another_model(source: Path, folder: Path, seed: int) -> Path:
+    """A copy of ``source`` with other values in its norms too (a model of the same shape, trained apart)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source, folder)
+    generator = torch.Generator().manual_seed(seed)
+    for shard in folder.glob("*.safetensors"):
+        tensors = load_file(shard)
+        for name, tensor in tensors.items():
+            if name.endswith("norm.weight"):
+                tensors[name] = (tensor.float() + torch.rand(tensor.shape, generator=generator)).to(tensor.dtype)
+        save_file(tensors, shard, metadata={"format": "pt"})
+    return folder
+
+
+def test_verify_against_another_source_says_the_output_was_not_made_from_it(llama, tmp_path):
+    out = tmp_path / "llama.gguf"
+    cli(llama, "-o", out, "--gguf-type", "q8_0", "-q", "--device", "cpu")
+    other = another_model(build(tmp_path / "b", "llama-nf4-dq", seed=3), tmp_path / "other-bnb-4bit", seed=3)
+    sentencepiece_tokenizer(other)
+    result = cli("verify", out, other, "-q", "--device", "cpu", code=1)
+    assert "FAILED" in result.stdout and "this output was not made from that source" in result.stdout
+    assert "looks merged" not in result.stdout
 
 
 @pytest.mark.parametrize("gguf_type, tensor", [("bf16", "output.weight"), ("q8_0", "token_embd.weight")])

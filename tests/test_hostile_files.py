@@ -189,7 +189,7 @@ def test_a_single_flipped_bit_is_a_mismatch_not_a_merge(tmp_path):
 
 
 def test_differences_look_merged_when_a_good_part_of_a_weight_changed():
-    from nf4convert.verification.audit import looks_merged
+    from nf4convert.verification.hints import looks_merged
 
     def differ(count, total):
         return [f"model.layers.0.mlp.up_proj.weight: {count} of {total} elements differ from bitsandbytes"]

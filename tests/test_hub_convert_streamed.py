@@ -388,3 +388,27 @@ def test_a_repo_on_xet_is_streamed_through_hf_xet(hub, tmp_path):
     assert without_card(files_of(out)) == without_card(files_of(hub.reference(BNB4)))
     assert any(r.startswith("GET /cas/v1/reconstructions/") for r in hub.state.requests[before:])
     assert not cached_blobs(tmp_path / "home") & weight_hashes(hub, BNB4)
+
+
+@pytest.mark.parametrize("route", ["streamed", "downloaded"])
+def test_a_header_byte_flipped_on_the_way_is_the_downloads_fault_not_the_checkpoints(hub, faults, tmp_path, route):
+    # the plan reads the header before any hash is checked: its refusal must not blame the checkpoint, and a
+    # download must not leave the bad bytes in the cache under the file's true name
+    name = shard(hub, BNB4, 1)
+    data = hub.repos[BNB4][name]
+    at = data.index(b'"dtype"') + 3  # inside the header's JSON: a key no header has
+    faults.append(Fault("flip", file=name, offset=at, times=1))
+    extra = ["--download"] if route == "downloaded" else []
+    home = tmp_path / "home"
+    done = run(hub, tmp_path / "out", BNB4, *extra, home=home)
+    lines = error_lines(done)
+    assert done.returncode == 1 and len(lines) == 1, done.stderr
+    assert name in lines[0] and "corrupted" in lines[0] and "run again" in lines[0], lines[0]
+    assert faults[0].hits == 1 and not (tmp_path / "out").exists()
+    if route == "downloaded":
+        for blob in (home / "hub").rglob("blobs/*"):  # no blob holds bytes other than those it is named by
+            if len(blob.name) == 64:
+                assert hashlib.sha256(blob.read_bytes()).hexdigest() == blob.name, blob
+    again = run(hub, tmp_path / "again" / "out", BNB4, *extra, home=home)
+    assert again.returncode == 0, again.stderr
+    assert files_of(tmp_path / "again" / "out") == files_of(hub.reference(BNB4))

@@ -7,6 +7,7 @@ start-up where torch follows), so ``--help`` and argument errors are instant.
 from __future__ import annotations
 
 import json
+import shlex
 import signal
 import sys
 
@@ -65,6 +66,13 @@ def main():
     metavar="BRANCH",
     help="With --push-to-hub: the branch to upload to (created if missing; default main).",
 )
+@click.option(
+    "--no-local-copy",
+    is_flag=True,
+    help="With --push-to-hub: upload each shard as soon as it is made and delete it, committing everything in one "
+    "commit at the end; at most 2 shards on local disk (beside OUT, which is never made). Run the same command again "
+    "after a failure: shards the Hub holds are not made again.",
+)
 def convert_command(
     source,
     output,
@@ -75,6 +83,7 @@ def convert_command(
     push_to,
     private,
     push_branch,
+    no_local_copy,
 ):
     """Convert SOURCE (a Hub repo id, a local folder, or a repo in the Hub cache).
 
@@ -91,9 +100,9 @@ def convert_command(
       nf4convert convert org/model-bnb-4bit --verify --push-to-hub me/model-bf16 --private
       nf4convert convert ./local-bnb-4bit --adapter ./my-qlora-adapter -o model-q8_0.gguf --gguf-type q8_0
     """
-    if (private or push_branch) and not push_to:
-        fail("--private and --push-branch go with --push-to-hub REPO_ID", 2)
-    if dry_run and (then_verify or push_to):
+    if (private or push_branch or no_local_copy) and not push_to:
+        fail("--private, --push-branch and --no-local-copy go with --push-to-hub REPO_ID", 2)
+    if dry_run and (then_verify or (push_to and not no_local_copy)):
         fail("--dry-run writes nothing, so there is nothing to --verify or --push-to-hub", 2)
     if push_to:
         from ..hub.upload import check_target
@@ -105,14 +114,17 @@ def convert_command(
     converted = []  # the output, once complete
 
     def action():
+        from ..settings import Settings
         from . import render, run
 
         options = flags.parse(output=output, progress=not quiet)
         if dry_run:
-            prepared = run.dry_run_plan(source, options)
-            for line in render.plan_lines(prepared):
+            prepared = run.dry_run_plan(source, options, placed=not no_local_copy)
+            on_disk = Settings.from_env().push_on_disk if no_local_copy else None
+            for line in render.plan_lines(prepared, on_disk):
                 say(line)
-            run.check_room(prepared.output, prepared.needed, prepared.free_bytes)
+            needed = prepared.sink.delivered_disk(on_disk) if no_local_copy else prepared.needed
+            run.check_room(prepared.output, needed, prepared.free_bytes)
             return True
 
         def show(result) -> None:
@@ -136,6 +148,8 @@ def convert_command(
             private=private,
             push_branch=push_branch,
             on_step=show,
+            no_local_copy=no_local_copy,
+            again=shlex.join(["nf4convert", *sys.argv[1:]]),
         )
 
     if not run_action(action, kept=lambda: converted[0] if converted else None):

@@ -9,9 +9,22 @@ from ..sizes import counted, size_text
 def summary(result) -> str:
     """A ``ConvertResult`` in one line, its tensors counted by kind as the plan counts them."""
     made = kinds_text(result.kinds) if result.kinds else f"{result.dequantized} dequantized"
+    pushed = result.pushed
     return (
-        f"{result.output}: {counted(result.tensors, 'tensor')} ({made}), "
-        f"{result.bytes / 1e9:.2f} GB {result.made}, {result.seconds:.1f} s" + read_text(result.read)
+        f"{pushed.url if pushed else result.output}: {counted(result.tensors, 'tensor')} ({made}), "
+        f"{result.bytes / 1e9:.2f} GB {result.made}, {result.seconds:.1f} s"
+        + read_text(result.read)
+        + (pushed_text(pushed) if pushed else "")
+    )
+
+
+def pushed_text(pushed) -> str:
+    """What a push with no local copy (``hub.push.Pushed``) sent, and found on the Hub already, as a summary ends."""
+    sent, found = (sum(size for _, size in files) for files in (pushed.uploaded, pushed.found))
+    there = f", {counted(len(pushed.found), 'file')} ({size_text(found)}) on the Hub already" if pushed.found else ""
+    return (
+        f"; no local copy: {counted(len(pushed.uploaded), 'file')} ({size_text(sent)}) uploaded as made{there}, "
+        f"{counted(pushed.committed, 'file')} in one commit"
     )
 
 
@@ -41,9 +54,9 @@ def space_verdict(free: int, needed: int) -> str:
     return f"{size_text(free)} ({verdict})"
 
 
-def plan_lines(prepared) -> list[str]:
+def plan_lines(prepared, on_disk: int | None = None) -> list[str]:
     """A dry run's plan (a ``conversion.Prepared``): source, output, tensors by kind, the output's layout as its sink
-    says it, bytes, free space."""
+    says it, bytes, free space. ``on_disk``: pushed as it is made (no local copy), that many files on disk at once."""
     plan, sink = prepared.plan, prepared.sink
     needed = prepared.needed
     lines = [
@@ -54,9 +67,16 @@ def plan_lines(prepared) -> list[str]:
         *sink.plan_lines(),
     ]
     at_most = "" if sink.exact_size else "at most "
-    lines.append(
-        f"to write: {at_most}{needed / 1e9:.3f} GB; free where it goes: {space_verdict(prepared.free_bytes, needed)}"
-    )
+    if on_disk is None:
+        free = space_verdict(prepared.free_bytes, needed)
+        lines.append(f"to write: {at_most}{needed / 1e9:.3f} GB; free where it goes: {free}")
+    else:
+        disk = sink.delivered_disk(on_disk)
+        how = f"{on_disk} shards at once" if sink.delivers else "the whole file, uploaded once written"
+        lines.append(
+            f"to upload: {at_most}{needed / 1e9:.3f} GB, with no local copy; local disk: at most {disk / 1e9:.3f} GB "
+            f"({how}); free where it goes: {space_verdict(prepared.free_bytes, disk)}"
+        )
     lines += [f"leftover: {leftover.note()}" for leftover in prepared.leftovers]
     lines.append("dry run: nothing was written")
     return lines

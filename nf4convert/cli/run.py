@@ -31,11 +31,12 @@ class Pushed:
     url: str
 
 
-def dry_run_plan(source, options: ConvertOptions, *, on_output=None) -> Prepared:
+def dry_run_plan(source, options: ConvertOptions, *, on_output=None, placed=True) -> Prepared:
     """Plan a conversion without writing anything (a Hub SOURCE's weights are not downloaded): what a conversion would
-    refuse, this refuses too (a ``device`` that is not there, an output that exists)."""
+    refuse, this refuses too (a ``device`` that is not there, an output that exists; ``placed`` False: a push with no
+    local copy, whose OUT is never made)."""
     pick_device(options.device)
-    return prepare(source, options, headers_only=True, on_output=on_output)
+    return prepare(source, options, headers_only=True, on_output=on_output, placed=placed)
 
 
 def check_room(output, needed: int, free: int | None = None) -> None:
@@ -54,10 +55,15 @@ def convert_then(
     private: bool = False,
     push_branch: str | None = None,
     on_step: Callable[[object], None] = lambda result: None,
+    no_local_copy: bool = False,
+    again: str | None = None,
 ) -> bool:
     """Convert, then verify the output (if asked), then push it (if asked and verified); each step's result
     (``ConvertResult``, ``VerifyReport``, :class:`Pushed`) goes to ``on_step`` as it comes. Whether every step passed.
     A stop signal after the output was complete says so (``output_complete``): it is kept.
+
+    ``no_local_copy`` (with ``push_to``): the output goes to the Hub as it is made (``hub/push.py``), the Hub and the
+    repo checked before anything is converted; ``again`` is the command a failed push says finishes the job.
 
     With ``verify``, the reference libraries begin importing on the side as the conversion starts, and verify takes
     SOURCE as the conversion resolved and planned it."""
@@ -66,6 +72,8 @@ def convert_then(
         from ..verification.libraries import importing, reference_libraries
 
         then_importing = importing(*reference_libraries(options.adapter is not None))
+    if push_to and no_local_copy:
+        return _pushed_as_made(source, options, verify, push_to, private, push_branch, on_step, again, then_importing)
     with preload.allowed():
         result: ConvertResult = converted(source, options, then_importing=then_importing)
     try:
@@ -108,6 +116,42 @@ def convert_then(
     except (Interrupted, Terminated) as stop:
         stop.output_complete = stop.output_complete or result.output
         raise
+    return True
+
+
+def _pushed_as_made(source, options, verify, push_to, private, push_branch, on_step, again, then_importing) -> bool:
+    """``convert_then`` with no local copy (``hub/push.py``): the Hub, the token and the repo checked before any
+    work, each shard (verified first, with ``verify``: ``verification/shards.py``) uploaded as it is made, one commit
+    at the end; the results as ``convert_then`` gives them."""
+    import contextlib
+
+    from ..hub.push import HubPush
+
+    pushing = HubPush(
+        push_to,
+        private=private,
+        token=options.hub.token,
+        branch=push_branch,
+        overwrite=options.overwrite,
+        progress=options.progress,
+        on_disk=Settings.from_env().push_on_disk,
+        again=again,
+    )
+    pushing.open()
+    checks = contextlib.nullcontext()
+    if verify:
+        from ..verification.shards import ShardChecks
+
+        checks = ShardChecks(source, VerifyOptions.of(options), shown=push_to)
+    with checks, preload.allowed():
+        if verify:
+            pushing.check = checks.check
+        result: ConvertResult = converted(source, options, then_importing=then_importing, pushing=pushing)
+        report = checks.finish(result.tensors - len(checks.checked)) if verify else None
+    on_step(result)
+    if report is not None:
+        on_step(report)
+    on_step(Pushed(result.pushed.url))
     return True
 
 

@@ -105,6 +105,11 @@ def resolve(
         raise SourceNotFoundError(f"{source}: is a file, not a checkpoint folder")
     if not looks_like_repo_id(source):
         raise SourceNotFoundError(f"{source}: no such folder (and not a Hub repo id like 'org/name')")
+    owner = Path(source.split("/", 1)[0])
+    if not Path(source).is_absolute() and owner.is_dir():  # models/llama beside a models/ folder: a path mistyped
+        raise SourceNotFoundError(
+            f"{source}: no such folder in {owner}/ (a Hub repo id is not looked up while a folder {owner}/ is here)"
+        )
 
     from huggingface_hub import (
         constants,

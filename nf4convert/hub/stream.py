@@ -288,6 +288,13 @@ class RemoteFiles:
                     out[index] = bytes(data[first - start : end - start])
         return out
 
+    def fetch_again(self, name: str, first: int, end: int) -> bytes:
+        """Bytes ``[first, end)`` of a streamed file fetched anew from the Hub, past every block held: what a plan
+        that refused what it read is checked against (were those bytes the Hub's?)."""
+        data = bytearray(end - first)
+        self._fetch(self.files[name], first, memoryview(data))
+        return bytes(data)
+
     def finish(self) -> None:
         """Wait until every file read so far is checked against its hash (its bytes not read yet fetched for the hash
         alone, with every fetch thread).
@@ -1014,12 +1021,33 @@ class CachedFile:
         if self.owner.closing.is_set():
             return
         if position != self.size or hasher.hexdigest() != self.expected.hexdigest:
-            self._error = IntegrityError(
-                f"{self.path}: the Hub cache's copy of {self.name} does not match its {self.expected.shown}: "
-                "corrupted; delete it from the cache and convert again"
-            )
+            self._error = self.corrupt()
         else:
             self.verified = True
+
+    def corrupt(self) -> IntegrityError:
+        """The error for a cache blob whose bytes do not match the hash it is named by, once the blob (and the
+        snapshot's link to it) is removed: the cache must never hold bytes under a name they do not have."""
+        blob = Path(os.path.realpath(self.path))
+        try:
+            blob.unlink()
+            if os.path.islink(self.path):
+                os.unlink(self.path)
+        except OSError as error:
+            return IntegrityError(
+                f"{self.path}: the Hub cache's copy of {self.name} does not match its {self.expected.shown}: "
+                f"corrupted, and it could not be removed ({error.strerror or error}); delete {blob} and run again"
+            )
+        return IntegrityError(
+            f"{self.path}: the Hub cache's copy of {self.name} does not match its {self.expected.shown}: corrupted "
+            "(on the way, or on the disk since); removed from the cache: run again to download it anew"
+        )
+
+    def check_now(self) -> IntegrityError | None:
+        """The file hashed whole, here and now: its error where it does not match (the blob then removed)."""
+        self._start()
+        self._thread.join()
+        return self._error if isinstance(self._error, IntegrityError) else None
 
     def finish(self) -> None:
         self._start()

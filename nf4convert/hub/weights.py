@@ -19,7 +19,7 @@ import os
 import struct
 from pathlib import Path
 
-from ..errors import Nf4ConvertError, SourceNotFoundError
+from ..errors import CheckpointError, FetchError, IntegrityError, Nf4ConvertError, SourceNotFoundError
 from ..formats.base import plan_reads
 from ..safetensors_io.read import HEADER_LIMIT, read_header
 from ..settings import Settings
@@ -55,11 +55,46 @@ class HubWeights(HeadersOnly):
         return self
 
     def __exit__(self, kind, error, trace) -> None:
-        self.close()
+        try:
+            fault = self.read_wrong(error) if isinstance(error, CheckpointError) else None
+        finally:
+            self.close()
+        if fault is not None:
+            raise fault from None
         if isinstance(error, Nf4ConvertError):
             renamed = self.renamed(error)
             if renamed is not None:
                 raise renamed from None
+
+    def read_wrong(self, error: CheckpointError) -> IntegrityError | None:
+        """Whether the files ``error`` names were read as the Hub holds them, asked before the checkpoint is blamed:
+        a byte corrupted on the way into a header or a quant state makes the plan refuse the checkpoint before any
+        hash is checked. A streamed file's bytes the plan read are fetched again and compared; a cached one is hashed
+        whole (and removed from the cache if it does not match). None where what was read is the Hub's."""
+        if isinstance(error, (IntegrityError, FetchError)):
+            return None
+        text = str(error)
+        for path, file in self.files.items():
+            if str(path) not in text and file.name not in text:
+                continue
+            try:
+                if isinstance(file, CachedFile):
+                    fault = file.check_now()
+                    if fault is not None:
+                        return fault
+                    continue
+                for begin, end in self.ranges.get(path, []):
+                    with open(path, "rb") as copy:
+                        copy.seek(begin)
+                        held = copy.read(end - begin)
+                    if held != file.owner.fetch_again(file.name, begin, end):
+                        return IntegrityError(
+                            f"{file.owner.where(file.name)}: bytes {begin}-{end - 1}, which the plan read, differ "
+                            "when fetched again: corrupted on the way (the checkpoint was not at fault); run again"
+                        )
+            except (OSError, Nf4ConvertError):  # the check itself failed: the plan's error stands
+                continue
+        return None
 
     # -- what download.resolve asks ------------------------------------------------------------------------------------
     def for_adapter(self) -> HubWeights:
@@ -170,6 +205,7 @@ class HubWeights(HeadersOnly):
                 path.parent.mkdir(parents=True, exist_ok=True)
                 _write(path, sizes[name], held[name])
                 spans = [(begin, end) for begin, end, _ in held[name]]
+                self.ranges[path] = spans  # what the copy holds so far (read_wrong checks these if the header fails)
                 for info in read_header(path)[0].values():
                     if 0 < info.nbytes <= PLAN_TENSOR_BYTES and reads.search(info.name):
                         if not any(a <= info.begin and info.end <= b for a, b in spans):

@@ -41,6 +41,23 @@ def sink_for(options: "ConvertOptions") -> type["Sink"]:
     return chosen
 
 
+class Delivery:
+    """Where a run that keeps no local copy sends each large file of its output as soon as it is complete (a push
+    straight to the Hub, ``hub/streamed_push.py``): a sink that supports it (``delivers``) makes its files a bounded
+    number at a time, in order, and hands each over (``finished``, which may wait for room and removes the file); a
+    file the destination holds already (``wanted`` False) is not made at all. What is left in the staging folder at
+    the end (side files, a sink's one file) goes with the last step."""
+
+    on_disk = 2  # the output's large files on local disk at once, the one being written included
+
+    def wanted(self, name: str) -> bool:
+        """Whether the file ``name`` (its path in the output) is to be made."""
+        return True
+
+    def finished(self, path: Path) -> None:
+        """``path`` is complete: taken (it may wait until an earlier one is sent, and removes it)."""
+
+
 @dataclass
 class Written:
     """What a sink wrote."""
@@ -59,6 +76,7 @@ class Sink:
     file: ClassVar[bool] = False  # the output is one file (else a folder)
     exact_size: ClassVar[bool] = True  # its size bound is the output's size (else an upper bound)
     own_type: str | None = None  # the output's own type beyond its tensors' dtype, where it has one (a GGUF type)
+    delivers: ClassVar[bool] = False  # hands its large files to a ``Delivery`` one by one as they are complete
 
     @classmethod
     def claims(cls, options: "ConvertOptions") -> bool:
@@ -108,6 +126,11 @@ class Sink:
         """At most the bytes the output takes on disk (what its disk must hold)."""
         raise NotImplementedError
 
+    def delivered_disk(self, on_disk: int) -> int:
+        """At most the bytes on local disk at once when the output is delivered as it is made (``Delivery`` with
+        ``on_disk`` files at once): the whole output where the sink does not deliver file by file."""
+        return self.size_bound()
+
     def what(self, planned: bool = False) -> str:
         """What the output is, as a summary (``planned``: a dry run's plan) says it: "bfloat16", "GGUF q8_0 ..."."""
         raise NotImplementedError
@@ -131,10 +154,12 @@ class Sink:
         settings: "Settings",
         progress: Callable[[int], None],
         tensor_done: Callable[[int], None],
+        delivery: Delivery | None = None,
     ) -> Written:
         """Write the plan's output into the staging folder ``staging`` (as ``output``'s name where it is one file),
         the tensors made through ``route``; ``card()`` gives the model card's text (made meanwhile: asked for only
-        when needed)."""
+        when needed). ``delivery`` (given only to a sink that ``delivers``): each large file handed over as it is
+        complete, those it does not want not made."""
         raise NotImplementedError
 
     def place(self, staging: Path, output: Path, *, overwrite: bool) -> int:

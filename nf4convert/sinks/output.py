@@ -356,6 +356,26 @@ def move_into_place(temporary: Path, output: Path, *, overwrite: bool = False) -
         shutil.rmtree(old, ignore_errors=True)
 
 
+def staged_files(temporary: Path, card: str | None = None) -> dict:
+    """The files of a finished staging folder by their path in the output (its owner file not among them), and a
+    one-file output's ``card`` as README.md: what a push that keeps no local copy commits."""
+    files = {
+        path.relative_to(temporary).as_posix(): path
+        for path in sorted(temporary.rglob("*"))
+        if path.is_file() and path.name != ownership.OWNER_FILE
+    }
+    if card is not None:
+        files["README.md"] = card.encode()
+    return files
+
+
+def remove_staging(temporary: Path) -> None:
+    """This run's finished staging folder removed (its output went elsewhere: pushed to the Hub as it was made)."""
+    _unowned(temporary)
+    with _signals_waiting():
+        shutil.rmtree(temporary, ignore_errors=True)
+
+
 def _unowned(temporary: Path) -> None:
     """The owner file of this run's ``temporary`` folder gone, before the folder (or its file) becomes OUT."""
     owner = _OWNERS.get(temporary)

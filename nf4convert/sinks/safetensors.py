@@ -10,6 +10,9 @@ Every shard's header is written first (the plan fixed every offset), so pieces l
   bytes in order, and bytes read ahead of it are held, or fetched again): then the shards' pieces are taken in the
   order of the source bytes they read, plain tensors in their place.
 
+Delivered as it is made (``Delivery``: a push that keeps no local copy), the shards are written one at a time in
+order, each handed over once closed, and a shard the destination holds already is not made.
+
 Each range written has its writeback started at once (``safetensors_io.write.Writeback``), so the disk works from
 the first byte rather than from when the page cache's dirty threshold is reached.
 """
@@ -27,7 +30,7 @@ from ..safetensors_io.write import ShardWriter, Writeback
 from ..settings import Settings
 from ..sizes import counted
 from . import output as lifecycle
-from .base import Sink, Written, register
+from .base import Delivery, Sink, Written, register
 from .naming import batch_output, default_output
 from .side_files import write_side_files
 
@@ -88,10 +91,12 @@ def write_shards(
     progress: Callable[[int], None],
     tensor_done: Callable[[int], None] = lambda done: None,
     settings: Settings | None = None,
+    delivery: Delivery | None = None,
 ) -> list[str]:
     """Write every shard of ``plan`` into ``folder``, making each tensor by its recipe on ``route``. Returns the names
     of the tensors written as fp16 with ±inf where their source may have held values beyond fp16's range
-    (plan.may_exceed), in plan order."""
+    (plan.may_exceed), in plan order. ``delivery``: shards written one at a time, in order, each handed over once
+    closed (``Delivery.finished`` waits for room on the disk); those it does not want are skipped, counted as done."""
     done = 0
 
     def one_done() -> None:
@@ -106,8 +111,14 @@ def write_shards(
             route.warm(plan, reader)
             writers: list[ShardWriter] = []
             try:
-                for start in range(0, len(plan.shards), settings.shards_at_once):
-                    group = plan.shards[start : start + settings.shards_at_once]
+                at_once = 1 if delivery is not None else settings.shards_at_once
+                for start in range(0, len(plan.shards), at_once):
+                    group = plan.shards[start : start + at_once]
+                    if delivery is not None and not delivery.wanted(group[0].filename):
+                        progress(group[0].nbytes)
+                        for _ in group[0].tensors:
+                            one_done()
+                        continue
                     opened = []
                     for shard in group:
                         opened.append(ShardWriter(folder / shard.filename, shard.tensors, writeback))
@@ -121,6 +132,8 @@ def write_shards(
                     pipeline.drain()
                     for writer in opened:
                         writer.close()
+                    if delivery is not None:
+                        delivery.finished(folder / group[0].filename)
             except BaseException:
                 pipeline.close()  # no write may still be running when its file closes
                 for writer in writers:
@@ -138,6 +151,7 @@ class SafetensorsFolder(Sink):
 
     name = "safetensors"
     default = True
+    delivers = True
 
     @classmethod
     def batch_output(cls, output_root, stem: str, options) -> str:
@@ -148,6 +162,10 @@ class SafetensorsFolder(Sink):
 
     def size_bound(self) -> int:
         return self.plan.output_bytes
+
+    def delivered_disk(self, on_disk: int) -> int:
+        largest = sorted((shard.nbytes for shard in self.plan.shards), reverse=True)[:on_disk]
+        return sum(largest) + self.plan.side_bytes
 
     def what(self, planned: bool = False) -> str:
         return self.plan.dtype.name
@@ -165,9 +183,16 @@ class SafetensorsFolder(Sink):
         lines.append(f"side files: {len(plan.side_files)} ({plan.side_bytes / 1e6:.1f} MB), config.json {config}")
         return lines
 
-    def write(self, staging, output, reader, route, *, card, settings, progress, tensor_done) -> Written:
+    def write(self, staging, output, reader, route, *, card, settings, progress, tensor_done, delivery=None):
         infinite = write_shards(
-            self.plan, staging, reader, route, progress=progress, tensor_done=tensor_done, settings=settings
+            self.plan,
+            staging,
+            reader,
+            route,
+            progress=progress,
+            tensor_done=tensor_done,
+            settings=settings,
+            delivery=delivery,
         )
         write_side_files(self.plan, staging, card())
         return Written(len(self.plan.tensors), infinite)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import fnmatch
 import json
 import os
-import re
 from pathlib import Path
 
 from ..errors import CheckpointError
@@ -159,23 +158,6 @@ def carried_problems(plan, output: Path) -> list[str]:
         elif not _same_bytes(plan.adapter.folder / relative, copy):
             problems.append(f"{relative.as_posix()}: differs from the adapter's")
     return problems
-
-
-MERGED_FRACTION = 10  # a weight with at least 1/10 of its elements changed looks merged
-_DIFFER = re.compile(r"^\S+\.weight: (\d+) of (\d+) elements differ from ")
-
-
-def looks_merged(problems: list[str]) -> bool:
-    """Whether the differences found are those an adapter merge makes: weights of the right dtype and shape with a
-    good part of their values changed (a merge changes most of a weight it targets; a flipped bit or a damaged
-    block, a few), or a head written apart from the embeddings of a tied source (with its config untied)."""
-    for problem in problems:
-        if problem.startswith("lm_head.weight: in the output, not in the source"):
-            return True
-        differ = _DIFFER.match(problem)
-        if differ and int(differ[1]) >= max(2, int(differ[2]) // MERGED_FRACTION):
-            return True
-    return False
 
 
 def metadata_problems(produced: dict[str, TensorInfo]) -> list[str]:

@@ -13,7 +13,7 @@ from pathlib import Path
 from ..dtypes import BY_NAME, DTYPES, OUTPUT_DTYPES
 from ..errors import ArgumentError, CheckpointError, SourceNotFoundError
 from ..safetensors_io.read import TensorInfo, TensorReader, read_tensors
-from . import audit
+from . import audit, hints
 from .compare import Tallies, described
 from .finite import made_by_merge
 from .stream import check_tensors
@@ -98,11 +98,15 @@ class Folder:
                     problem = made_by_merge(expected[name], merged, source_reader, device, context)
                 if problem:
                     report.problems.append(f"{name}: {problem}")
-        if resolved.adapter_folder is None and audit.looks_merged(report.problems):
-            report.notes.append(
-                "the output looks merged with an adapter (weights of the source's dtype and shape, other values, or a "
-                "head the tied source lacks); if it was, pass that adapter with --adapter"
-            )
+        elsewhere = hints.not_from_source(
+            {name: tuple(tensor.shape) for name, tensor in expected.items()},
+            {name: tuple(info.shape) for name, info in produced.items()},
+            report.problems,
+        )
+        if elsewhere is not None:
+            report.notes.append(elsewhere)
+        elif resolved.adapter_folder is None and hints.looks_merged(report.problems):
+            report.notes.append(hints.ADAPTER_HINT)
         if plan.config is None:
             report.notes.append(
                 "config.json: the source has none and the output neither, so transformers cannot load the output as a "

@@ -34,6 +34,7 @@ from ..sinks.gguf.converter import (
     tensors_of,
 )
 from ..sinks.scratch import scratch_folder
+from . import hints
 from .finite import made_by_merge
 from .reference.base import against
 
@@ -61,10 +62,12 @@ class GgufFile:
         self.gguf_module = gguf
         self.actual = _read(self.gguf_module, output)
         self.gguf_type = _gguf_type(self.gguf_module, self.actual, output)
+        self.dtype_given = False  # plan_dtype says
 
     def plan_dtype(self, dtype):
         """The dtype the source is planned in (a ``DType``; None: auto): ``dtype`` as the conversion's ``--dtype``
         (None: as a conversion to this GGUF type chooses)."""
+        self.dtype_given = dtype is not None
         return dense_dtype(dtype, self.gguf_type)
 
     def check(self, report, plan, context, source_reader, device, *, progress: bool, source, revision, resolved):
@@ -127,6 +130,19 @@ class GgufFile:
                     sources = ", ".join(sorted({against(tensor, device) for tensor in recomputed})) or "the reference"
                     report.problems.append(f"{name}: {problem} (llama.cpp's converter on {sources})")
             report.problems += [f"{name}: {problem}" for name, problem in non_finite.items()]
+        elsewhere = hints.not_from_source(
+            {tensor.name: tuple(tensor.shape) for tensor in expected.tensors},
+            {tensor.name: tuple(tensor.shape) for tensor in actual.tensors},
+            report.problems,
+        )
+        if elsewhere is not None:
+            report.notes.append(elsewhere)
+        else:
+            report.notes += hints.gguf_hints(
+                report.problems,
+                adapter_given=resolved.adapter_folder is not None,
+                dtype_given=self.dtype_given,
+            )
 
 
 def _read(gguf, path: Path):

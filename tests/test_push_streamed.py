@@ -7,6 +7,7 @@ under way is kept).
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import threading
@@ -74,7 +75,7 @@ class DiskSampler:
         self._thread.join()
 
 
-def run_push(endpoint, work: Path, *extra, repo="me/tiny", token=WRITE_TOKEN, xet=False, source=EXAMPLE):
+def run_push(endpoint, work: Path, *extra, repo="me/tiny", token=WRITE_TOKEN, xet=False, source=EXAMPLE, shard=SHARD):
     env = client_env(
         endpoint,
         work / "home",
@@ -85,7 +86,7 @@ def run_push(endpoint, work: Path, *extra, repo="me/tiny", token=WRITE_TOKEN, xe
     )
     if not xet:
         env["HF_HUB_DISABLE_XET"] = "1"
-    command = [sys.executable, "-m", "nf4convert", str(source), "--device", "cpu", "--max-shard-size", str(SHARD),
+    command = [sys.executable, "-m", "nf4convert", str(source), "--device", "cpu", "--max-shard-size", str(shard),
                "-q", "--push-to-hub", repo, "--no-local-copy", "--token", token, *extra]  # fmt: skip
     with DiskSampler(work) as disk:
         result = subprocess.run(command, cwd=work, env=env, capture_output=True, text=True, timeout=300)
@@ -269,3 +270,60 @@ def test_a_shard_that_fails_verify_is_not_uploaded_and_nothing_is_committed(hub,
     assert not state.commits and state.repos["me/tiny"]["branches"]["main"] == {".gitattributes": GITATTRIBUTES}
     assert len([r for r in state.requests if r.startswith("PUT /lfs-objects/")]) <= 2  # shards 1 and 2 at most
     assert not list(tmp_path.glob(".*nf4convert-partial*"))
+
+
+@pytest.mark.parametrize("stop", ["SIGINT", "SIGKILL"])
+def test_a_run_stopped_midway_commits_nothing_and_the_same_command_finishes_it(hub, local, tmp_path, stop):
+    import signal
+
+    endpoint, state = hub
+    state.upload_delay = 0.3
+    env = client_env(endpoint, tmp_path / "home", XDG_CACHE_HOME=str(tmp_path / "cache"), HF_HUB_DISABLE_XET="1")
+    command = [sys.executable, "-m", "nf4convert", str(EXAMPLE), "--device", "cpu", "--max-shard-size", str(SHARD),
+               "-q", "--push-to-hub", "me/tiny", "--no-local-copy", "--token", WRITE_TOKEN]  # fmt: skip
+    process = subprocess.Popen(
+        command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    deadline = time.monotonic() + 120
+    while len(state.objects) < 3 and time.monotonic() < deadline and process.poll() is None:
+        time.sleep(0.01)
+    process.send_signal(getattr(signal, stop))
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == (130 if stop == "SIGINT" else -9), stderr
+    if stop == "SIGINT":
+        lines = [line for line in stderr.splitlines() if line.strip()]
+        assert len(lines) == 1 and lines[0].startswith("Error: interrupted; nothing was committed; "), stderr
+    assert not state.commits and state.repos["me/tiny"]["branches"]["main"] == {".gitattributes": GITATTRIBUTES}
+    [record] = (tmp_path / "cache" / "nf4convert" / "pushes").glob("*.json")
+    held = json.loads(record.read_text())["files"]
+    assert len(held) >= 2 and all(state.objects[entry["sha256"]] == local[name] for name, entry in held.items())
+
+    state.upload_delay = 0
+    before = len(state.requests)
+    again, disk = run_push(endpoint, tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert state.repos["me/tiny"]["branches"]["main"] == {".gitattributes": GITATTRIBUTES, **local}
+    assert not disk.seen & set(held)  # what the Hub held was not made again
+    # one the Hub took as the run stopped, before it was recorded, is made again but not sent again
+    assert len([r for r in state.requests[before:] if r.startswith("PUT /lfs-objects/")]) <= 10 - len(held)
+
+
+def test_an_adapter_merged_and_verified_shard_by_shard(hub, tmp_path):
+    pytest.importorskip("peft")
+    from nf4convert import convert
+
+    from fixtures.adapters import make_adapter
+    from fixtures.checkpoints import build
+
+    endpoint, state = hub
+    source = build(tmp_path / "base", "llama-nf4-dq", seed=3)
+    adapter = make_adapter(tmp_path / "adapter", "linear", seed=41, base_model=str(source))
+    out = convert(str(adapter), tmp_path / "local" / "merged", device="cpu", progress=False, max_shard_size="60KB")
+    local = {p.name: p.read_bytes() for p in out.output.iterdir()}
+    work = tmp_path / "work"
+    work.mkdir()
+    result, _ = run_push(endpoint, work, "--verify", "-o", "merged", source=adapter, shard="60KB")
+    assert result.returncode == 0, result.stderr
+    assert "OK: bit-exact with" in result.stdout and "peft" in result.stdout, result.stdout
+    assert sum(name.endswith(".safetensors") for name in local) > 2 and not (work / "merged").exists()
+    assert state.repos["me/tiny"]["branches"]["main"] == {".gitattributes": GITATTRIBUTES, **local}

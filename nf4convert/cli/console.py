@@ -193,7 +193,10 @@ def _stopped(stop: BaseException | None, signum: int, kept=None):
     word = "interrupted" if signum == signal.SIGINT else "terminated"
     complete = getattr(stop, "output_complete", None) or kept
     left = getattr(stop, "left", None)  # a staging folder that could not be removed
-    if complete:
+    note = getattr(stop, "pushed", None)  # a push with no local copy stopped: what it kept on the Hub, how to finish
+    if note and left is None:
+        error_line(f"{word}; {note}")
+    elif complete:
         error_line(f"{word}; {complete} was complete and is kept")
     elif left is not None:
         error_line(f"{word}; {left} is left (it could not be removed): remove it with: rm -rf {shlex.quote(str(left))}")

@@ -143,11 +143,15 @@ def _pushed_as_made(source, options, verify, push_to, private, push_branch, on_s
         from ..verification.shards import ShardChecks
 
         checks = ShardChecks(source, VerifyOptions.of(options), shown=push_to)
-    with checks, preload.allowed():
-        if verify:
-            pushing.check = checks.check
-        result: ConvertResult = converted(source, options, then_importing=then_importing, pushing=pushing)
-        report = checks.finish(result.tensors - len(checks.checked)) if verify else None
+    try:
+        with checks, preload.allowed():
+            if verify:
+                pushing.check = checks.check
+            result: ConvertResult = converted(source, options, then_importing=then_importing, pushing=pushing)
+            report = checks.finish(result.tensors - len(checks.checked)) if verify else None
+    except (Interrupted, Terminated) as stop:
+        stop.pushed = pushing.kept()  # the line a stop ends with: what is on the Hub, and the command that finishes
+        raise
     on_step(result)
     if report is not None:
         on_step(report)

@@ -179,3 +179,22 @@ def test_types_are_found_by_name_and_by_ggml_id():
         assert kind.row_size(kind.block_size * 3) == 3 * kind.type_size
     with pytest.raises(KeyError, match="no GGUF quant type"):
         quant_type("q9_k")
+
+
+@pytest.mark.parametrize("weighted", [False, True], ids=["plain", "imatrix"])
+@pytest.mark.parametrize("name", TYPES)
+def test_non_finite_and_extreme_values_match_llama_cpp(name, weighted, ref):
+    """NaN, infinities, values near float32's largest and subnormals: whatever C makes of them (its float-to-int
+    conversions, its NaN comparisons), the same bytes."""
+    kind = quant_type(name)
+    rng = np.random.default_rng([13, kind.type_id, weighted])
+    rows = rng.standard_normal((8, 1024)).astype(np.float32)
+    rows[0, rng.integers(1024)] = np.nan
+    rows[1, rng.integers(1024)] = np.inf
+    rows[2, rng.integers(1024)] = -np.inf
+    rows[3, :: int(rng.integers(3, 9))] = np.nan
+    rows[4, rng.integers(1024)] = 3e38
+    rows[5, rng.integers(1024)] = -3e38
+    rows[6] = rng.standard_normal(1024) * 1e-38
+    rows[7, 400:460] = rng.standard_normal(60) * 1e-42
+    _assert_same(kind, rows, _imatrix(rng, 1024) if weighted else None, ref)

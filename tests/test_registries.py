@@ -220,13 +220,15 @@ def test_the_registries_hold_what_is_defined_and_nothing_after_a_scratch_test():
         "bnb-8bit",
         "compressed-int",
         "compressed-tensors-fp8",
+        "compressed-tensors-nvfp4",
         "fp8",
         "gptq",
         "mxfp4",
     ]
     assert set(all_kinds()) == {
         "copy", "dequantize_4bit", "dequantize_8bit", "dequantize_gptq", "dequantize_awq", "dequantize_compressed_int",
-        "dequantize_fp8", "dequantize_compressed_fp8", "dequantize_mxfp4", "transpose", "untied", "merge_lora",
+        "dequantize_fp8", "dequantize_compressed_fp8", "dequantize_mxfp4", "dequantize_nvfp4", "transpose", "untied",
+        "merge_lora",
     }  # fmt: skip
     order = [kind.order for kind in all_kinds().values()]
     assert order == sorted(order) and list(all_kinds())[-2:] == ["copy", "merge_lora"]

@@ -175,14 +175,14 @@ def config_problem(quantization: dict) -> str | None:
     return None
 
 
-def _match_name(name: str, target: str) -> bool:
+def match_name(name: str, target: str) -> bool:
     # compressed-tensors' match_name: "re:" targets are regular expressions matched at the start, others exact names
     if target.startswith("re:"):
         return re.match(target[3:], name) is not None
     return target == name
 
 
-def _matched_group(module: str, quantization: dict) -> tuple[str, dict] | None:
+def matched_group(module: str, quantization: dict) -> tuple[str, dict] | None:
     """The config group compressed-tensors gives linear layer ``module`` (``apply_quantization_config``): among the
     targets (a later group's target replacing an earlier one's), exact names first, then regular expressions, each in
     sorted order, then the class name "Linear" (every layer holding quantized codes is a linear layer); None if
@@ -192,10 +192,10 @@ def _matched_group(module: str, quantization: dict) -> tuple[str, dict] | None:
         for target in group.get("targets", []) if isinstance(group, dict) else []:
             table[target] = (name, group)
     ignore = quantization.get("ignore") or []
-    if any(_match_name(module, target) or target == "Linear" for target in ignore):
+    if any(match_name(module, target) or target == "Linear" for target in ignore):
         return None
     ordered = sorted(table, key=lambda target: ("re:" in target, target))
-    matched = [target for target in ordered if _match_name(module, target)]
+    matched = [target for target in ordered if match_name(module, target)]
     matched += [target for target in ordered if target == "Linear" and target not in matched]
     return table[matched[0]] if matched else None
 
@@ -203,7 +203,7 @@ def _matched_group(module: str, quantization: dict) -> tuple[str, dict] | None:
 def scheme_for(module: str, quantization: dict) -> Scheme | None:
     """The integer scheme compressed-tensors gives linear layer ``module``; None if ignored, untargeted, or in a
     group whose weights are not integers in a layout read here."""
-    matched = _matched_group(module, quantization)
+    matched = matched_group(module, quantization)
     if matched is None or matched[0] not in int_groups(quantization):
         return None
     return read_scheme(*matched, quantization)
@@ -227,7 +227,7 @@ def find_weights(tensors: dict[str, TensorInfo], reader: TensorReader, quantizat
             raise CheckpointError(
                 f"{where(g_idx)}: activation-ordered groups are not decompressed by compressed-tensors 0.20"
             )
-        matched = _matched_group(module, quantization)
+        matched = matched_group(module, quantization)
         if matched is not None and matched[0] not in int_groups(quantization):
             continue  # a float group's layer: another format's
         scheme = scheme_for(module, quantization)

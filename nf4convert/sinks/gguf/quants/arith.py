@@ -168,15 +168,23 @@ def make_qkx_quants(x, weights, nmax, rmin, rdelta, nstep, use_mad):
         high = np.where(x[i] > high, x[i], high)
         sum_w += weights[i]
         sum_x += weights[i] * x[i]
+    data_min = low
     low = np.where(low > 0, F32(0), low)
     flat = high == low
     flat_min = low
 
     def levels_at(iscale, low):
-        return np.clip(nearest_int(iscale * (x - low)), 0, nmax)
+        """The clamped levels as float32. Where every scaled value is provably below 2**21 in magnitude (the
+        groups' spans bound it), ``(v + 1.5 * 2**23) - 1.5 * 2**23`` is nearest_int(v) exactly, in two operations;
+        otherwise nearest_int itself."""
+        reach = np.abs(iscale) * np.maximum(np.abs(high - low), np.abs(low - data_min))
+        scaled = iscale * (x - low)
+        if bool(np.all(reach < F32(2**21))):
+            return np.clip((scaled + _ROUNDING_BIAS) - _ROUNDING_BIAS, F32(0), F32(nmax))
+        return as_f32(np.clip(nearest_int(scaled), 0, nmax))
 
-    def error(scale, low, levels):
-        diff = (scale * as_f32(levels) + low) - x
+    def error(scale, low, lf):
+        diff = (scale * lf + low) - x
         diff = np.abs(diff) if use_mad else diff * diff
         return seqsum(weights * diff)
 
@@ -186,8 +194,7 @@ def make_qkx_quants(x, weights, nmax, rmin, rdelta, nstep, use_mad):
     best = error(scale, low, levels)
     for step in range(nstep + 1):
         iscale = (F32(rmin) + F32(rdelta) * F32(step) + F32(nmax)) / (high - low)
-        trial = levels_at(iscale, low)
-        lf = as_f32(trial)
+        lf = levels_at(iscale, low)
         wl = weights * lf
         sum_l, sum_l2, sum_xl = seqsum(wl), seqsum(wl * lf), seqsum(wl * x)
         det = sum_w * sum_l2 - sum_l * sum_l
@@ -196,12 +203,13 @@ def make_qkx_quants(x, weights, nmax, rmin, rdelta, nstep, use_mad):
         clamped = this_min > 0
         this_min = np.where(clamped, F32(0), this_min)
         this_scale = np.where(clamped, sum_xl / sum_l2, this_scale)
-        current = error(this_scale, this_min, trial)
+        current = error(this_scale, this_min, lf)
         better = (det > 0) & (current < best)
-        levels = np.where(better, trial, levels)
+        levels = np.where(better, lf, levels)
         best = np.where(better, current, best)
         scale = np.where(better, this_scale, scale)
         low = np.where(better, this_min, low)
+    levels = levels.astype(np.int32)
     return np.where(flat, F32(0), scale), np.where(flat, -flat_min, -low), np.where(flat, 0, levels)
 
 

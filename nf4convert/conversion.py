@@ -174,6 +174,7 @@ def _prepare(source, options: ConvertOptions, *, reader, headers=None, on_output
             reader=reader,
             adapter=adapter_folder,
             keep_non_finite=options.allow_non_finite,
+            fitted=True,
         )
     except CheckpointError as error:
         better = reworded(error, folder)

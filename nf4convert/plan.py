@@ -21,6 +21,7 @@ from .files import TOKENIZER_FILES, carried_files, inside, tokenizer_files
 from .formats.base import all_formats, families
 from .kinds.base import PlannedTensor, Planning, Recipe, all_kinds
 from .model.config import dense_config, quantization_config, read_config, resized_config, untied_config
+from .model.fits import check_fits
 from .safetensors_io.read import TensorInfo, TensorReader, read_tensors
 from .sizes import DEFAULT_SHARD_BYTES
 
@@ -133,15 +134,19 @@ def make_plan(
     reader: TensorReader | None = None,
     adapter: Path | None = None,
     keep_non_finite: bool = False,
+    fitted: bool = False,
 ) -> Plan:
     """Plan the conversion of the checkpoint in ``folder`` (with the peft LoRA adapter in ``adapter`` merged in): every
     registered kind plans from the headers in its order (``kinds/base.py``), then once the dtype is chosen.
     ``keep_non_finite``: NaN or ±inf values a merge makes are kept (listed on its recipes' ``non_finite``), not
-    refused when the tensor is made.
+    refused when the tensor is made. ``fitted``: a checkpoint whose output does not fit the model of its config.json
+    (a tensor in another shape than transformers' model loads there, a parameter of it missing) is refused (a
+    conversion's plan; verify's names each such tensor instead).
 
     Raises:
         CheckpointError: a file is missing, truncated or corrupt, the checkpoint has no weights of a registered
-            format, or the adapter is not a LoRA adapter that fits the checkpoint.
+            format, the adapter is not a LoRA adapter that fits the checkpoint, or (``fitted``) the output does not
+            fit the model of its config.json.
     ``dtype``: of every floating output tensor (None: auto, the dtype the weights were quantized from); shards of at
     most ``max_shard_size`` bytes (options.py parses both).
     """
@@ -195,6 +200,8 @@ def make_plan(
         config = untied_config(config)
     if config and merged and merged.rows:
         config = resized_config(config, merged.rows)
+    if fitted:
+        check_fits(folder, config, {tensor.name: tuple(tensor.shape) for shard in planned for tensor in shard.tensors})
     return Plan(
         folder,
         chosen,

@@ -135,12 +135,17 @@ def test_convert_verify_and_load(variant, checkpoints, tmp_path):
 
 def test_verify_asks_transformers_which_layers_are_conv1d(checkpoints, tmp_path, monkeypatch):
     # The plan knows GPT-2's Conv1D layers from a table (model/conv1d.py); verify asks transformers' own model.
-    # With the table emptied, the weights come out as quantized, (out, in), and verify names each one.
+    # With the table emptied, the weights come out as quantized, (out, in): convert refuses the first whose shape is
+    # not the model's, and of an output written so all the same (that check off), verify names each one.
+    from nf4convert import plan
     from nf4convert.model import conv1d
 
     source = checkpoints["gpt2-conv1d-nf4-dq"]
     monkeypatch.setattr(conv1d, "MODEL_TYPES", ())
     out = tmp_path / "out"
+    refused = run(source, "-o", out, "-q", code=1).output
+    assert "transformer.h.0.attn.c_attn.weight: [384, 128] from the checkpoint" in refused and not out.exists()
+    monkeypatch.setattr(plan, "check_fits", lambda *args: None)
     run(source, "-o", out, "-q")
     output = run("verify", out, source, code=1)
     assert (

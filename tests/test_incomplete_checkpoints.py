@@ -83,12 +83,25 @@ def _without(source: Path, names: set[str]) -> None:
     (source / INDEX).write_text(json.dumps(index))
 
 
-def test_verify_names_every_parameter_the_model_has_and_the_output_lacks(tmp_path, source):
-    # a whole quantized weight (and the untied head) absent: converted, verified OK, loaded with random values
+def test_convert_refuses_and_verify_names_every_parameter_the_model_has_and_the_output_lacks(
+    tmp_path, source, monkeypatch
+):
+    # a whole quantized weight (and the untied head) absent: once converted, verified OK, loaded with random values
+    from nf4convert import plan
+
     weight = "model.layers.1.mlp.down_proj.weight"
     index = json.loads((source / INDEX).read_text())
     _without(source, {name for name in index["weight_map"] if name.startswith(weight)} | {"lm_head.weight"})
-    run(source, "-o", tmp_path / "out", "-q", "--device", "cpu")
+    for extra in ([], ["--dry-run"]):
+        line = one_error_line(run(source, "-o", tmp_path / "out", "-q", "--device", "cpu", *extra, code=1))
+        assert line.startswith(
+            f"Error: {source}: lm_head.weight: transformers' LlamaForCausalLM has this parameter and the checkpoint "
+            "lacks it"
+        ) and line.endswith("(and 1 more); the checkpoint does not fit the model of its config.json"), line
+    assert not (tmp_path / "out").exists()
+    with monkeypatch.context() as patched:  # an output made so all the same, as before convert checked
+        patched.setattr(plan, "check_fits", lambda *args: None)
+        run(source, "-o", tmp_path / "out", "-q", "--device", "cpu")
     lines = run("verify", tmp_path / "out", source, "-q", "--device", "cpu", code=1).stdout.splitlines()
     lacks = "transformers' LlamaForCausalLM has this parameter, the source and the output lack it"
     assert f"  MISMATCH lm_head.weight: {lacks} (transformers would fill it with random values)" in lines

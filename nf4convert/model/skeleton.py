@@ -103,11 +103,13 @@ def meta_model(config: dict | None) -> tuple[Callable, Callable, Callable, Calla
     return module_class, parameter_shape, lambda: failure[0] if failure else None, module
 
 
-def unloaded_parameters(config: dict | None, tensors: dict[str, tuple]) -> tuple[str, list[str]] | str:
-    """(the model's class name, the parameters it leaves at their random initial values) when
-    transformers loads a checkpoint of ``tensors`` (name -> shape) into the model it builds from ``config``, by its own
-    loading rules: its key renames and conversions, its tied weights, the keys its model may lack. A string saying why
-    that cannot be told where it cannot (no model, or a transformers without those rules)."""
+def loaded(config: dict | None, tensors: dict[str, tuple]):
+    """What transformers makes of a checkpoint of ``tensors`` (name -> shape) loaded into the model it builds from
+    ``config``, by its own loading rules (its key renames and conversions, its tied weights, the keys its model may
+    lack): (the model's class name, the parameters it leaves at their random initial values, the parameters it is
+    given in another shape than its own as (name, given, its own), the conversions that failed as (name, why)). A
+    string saying why that cannot be told where it cannot: ``Unbuilt`` (no model), or a plain string (a transformers
+    without those rules, or rules that changed under us)."""
     preload.settled()  # transformers may be importing on the preload thread
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
@@ -123,7 +125,7 @@ def unloaded_parameters(config: dict | None, tensors: dict[str, tuple]) -> tuple
         try:
             model = _built(config)
         except Exception as error:  # noqa: BLE001  (said by the caller's note, as meta_model's failure)
-            return why_unbuilt(config, error)
+            return Unbuilt(why_unbuilt(config, error))
         try:
             state = {name: torch.empty(shape, device="meta") for name, shape in tensors.items()}
             loading = LoadStateDictConfig(device_map={"": "meta"}, weight_mapping=get_model_conversion_mapping(model))
@@ -133,4 +135,21 @@ def unloaded_parameters(config: dict | None, tensors: dict[str, tuple]) -> tuple
         except Exception as error:  # noqa: BLE001  (transformers' loading rules changed under us: not a finding)
             return f"transformers' loading rules could not be applied ({type(error).__name__}: {error})"[:300]
     buffers = {name for name, _ in model.named_buffers()}  # computed on load (a rotary table), never random
-    return type(model).__name__, sorted(key for key in info.missing_keys if key not in buffers)
+    mismatched = sorted((name, tuple(given), tuple(own)) for name, given, own in info.mismatched_keys)
+    failed = sorted(
+        (name, str(why).splitlines()[0][:200] if str(why) else "") for name, why in info.conversion_errors.items()
+    )
+    missing = sorted(key for key in info.missing_keys if key not in buffers and key not in {m[0] for m in mismatched})
+    return type(model).__name__, missing, mismatched, failed
+
+
+class Unbuilt(str):
+    """Why transformers built no model from a config (``loaded``'s answer where there is none)."""
+
+
+def unloaded_parameters(config: dict | None, tensors: dict[str, tuple]) -> tuple[str, list[str]] | str:
+    """(the model's class name, the parameters it leaves at their random initial values) when transformers loads a
+    checkpoint of ``tensors`` (name -> shape) into the model it builds from ``config`` (``loaded``), or a string
+    saying why that cannot be told."""
+    found = loaded(config, tensors)
+    return found if isinstance(found, str) else found[:2]

@@ -34,7 +34,7 @@ from ..sinks.gguf.converter import (
     tensors_of,
 )
 from ..sinks.scratch import scratch_folder
-from . import hints
+from . import audit, hints
 from .finite import made_by_merge
 from .reference.base import against
 
@@ -110,7 +110,8 @@ class GgufFile:
             model.prepare_metadata(vocab_only=False)
             expected = _read(gguf, _header_file(model.gguf_writer, scratch / "expected.gguf"))
             report.problems += _field_problems(expected, actual, report.notes)
-            report.problems += _layout_problems(expected, actual)
+            report.problems += _layout_problems(expected, actual) + _size_problems(actual, output)
+            report.problems += audit.layout_problems(plan.tensors, context)  # the shapes the model loads
             found = {tensor.name: tensor for tensor in actual.tensors}
             written = [(name, info) for split in model.gguf_writer.tensors for name, info in split.items()]
             for name, info in tqdm(
@@ -232,6 +233,17 @@ def _layout_problems(expected, actual) -> list[str]:
         elif a.data_offset != b.data_offset:
             problems.append(f"{name}: at byte {b.data_offset} of the GGUF, {a.data_offset} from llama.cpp's converter")
     return problems
+
+
+def _size_problems(actual, output: Path) -> list[str]:
+    """The file ends where its layout does: its last tensor's bytes, padded to the alignment (as gguf-py writes it)."""
+    align = actual.alignment
+    end = max((t.data_offset + -(-int(t.n_bytes) // align) * align for t in actual.tensors), default=actual.data_offset)
+    size = output.stat().st_size
+    if size == end:
+        return []
+    which = "more" if size > end else "fewer"
+    return [f"{output.name}: {size} bytes, its layout ends at byte {end} ({abs(size - end)} bytes {which})"]
 
 
 def _data_problem(gguf, info, found) -> str | None:

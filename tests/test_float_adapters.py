@@ -22,20 +22,12 @@ FP8_CASES = ["qwen3-fp8-block32-f32", "qwen3-ct-fp8-channel", "qwen3-ct-fp8-bloc
 
 
 def reference_load(source: Path, dtype: torch.dtype):
-    """The base as transformers dequantizes it (``dequantize=True``) in ``dtype``; but for compressed-tensors in fp32,
-    whose transformers load rounds through the scales' bf16, with the library's exact products in place (what the
-    output of ``--dtype fp32`` holds, docs/format.md says why)."""
+    """The base as transformers dequantizes it (``dequantize=True``) in ``dtype``."""
     from transformers import AutoModelForCausalLM, CompressedTensorsConfig, FineGrainedFP8Config, Mxfp4Config
 
     method = json.loads((source / "config.json").read_text())["quantization_config"]["quant_method"]
     config = {"mxfp4": Mxfp4Config, "fp8": FineGrainedFP8Config}.get(method, CompressedTensorsConfig)(dequantize=True)
-    model = AutoModelForCausalLM.from_pretrained(source, quantization_config=config, dtype=dtype).eval()
-    if method == "compressed-tensors" and dtype == torch.float32:
-        parameters = dict(model.named_parameters())
-        with torch.no_grad():
-            for name, value in fc.reference_weights(source, dtype).items():
-                parameters[name].copy_(value)
-    return model
+    return AutoModelForCausalLM.from_pretrained(source, quantization_config=config, dtype=dtype).eval()
 
 
 def _logits(model) -> torch.Tensor:

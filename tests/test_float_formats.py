@@ -310,8 +310,8 @@ def test_fp8_transformers_agrees_on_whole_blocks_and_misblocks_ragged_ones(flag)
 @needs_compressed_tensors
 @pytest.mark.parametrize("strategy", ["tensor", "channel", "block"])
 def test_compressed_random_values_all_dtypes(strategy):
-    """Every output dtype from bf16 scales against decompress, and the fp16 double rounding transformers' fp16
-    load makes (bf16 first) counted against ours (the exact product rounded once)."""
+    """Every output dtype from bf16 and fp16 scales against decompress then the cast (the product rounded to the
+    scale's dtype first), and the exact product rounded once (the plain FP8 format's arithmetic) counted against it."""
     from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
@@ -320,7 +320,6 @@ def test_compressed_random_values_all_dtypes(strategy):
     codes = torch.randn(rows, columns, generator=generator).mul(30).to(torch.float8_e4m3fn)
     codes.view(torch.uint8).view(-1)[:256] = torch.arange(256, dtype=torch.uint8)
     shape = {"tensor": (1,), "channel": (rows, 1), "block": (-(-rows // 32), -(-columns // 48))}[strategy]
-    scales = (torch.rand(shape, generator=generator) * 0.01 + 1e-4).to(torch.bfloat16)
     args = QuantizationArgs(
         num_bits=8, type="float", strategy=strategy, block_structure=list(block) if strategy == "block" else None
     )
@@ -331,15 +330,18 @@ def test_compressed_random_values_all_dtypes(strategy):
         "channel": fp8.Grid(rows, columns, rows, 1, columns),
         "block": fp8.Grid(rows, columns, rows, *block),
     }[strategy]
-    library = compressor.decompress({"weight": codes, "weight_scale": scales}, scheme)["weight"]
-    exact = compressor.decompress({"weight": codes, "weight_scale": scales.float()}, scheme)["weight"]
-    assert same_bits(fp8.dequantize(codes, scales, grid, 0, torch.bfloat16), library)
-    assert same_bits(fp8.dequantize(codes, scales, grid, 0, torch.float32), exact)
-    ours16 = fp8.dequantize(codes, scales, grid, 0, torch.float16)
-    assert same_bits(ours16, exact.to(torch.float16))
-    finite = ours16.isfinite()
-    twice = library.to(torch.float16)
-    assert (ours16[finite] != twice[finite]).sum().item() > 0  # transformers' fp16 load differs on these
+    for scale_dtype in (torch.bfloat16, torch.float16):
+        scales = (torch.rand(shape, generator=generator) * 0.01 + 1e-4).to(scale_dtype)
+        library = compressor.decompress({"weight": codes, "weight_scale": scales}, scheme)["weight"]
+        exact = compressor.decompress({"weight": codes, "weight_scale": scales.float()}, scheme)["weight"]
+        for out_dtype in BITS:
+            ours = fp8.dequantize(codes, scales, grid, 0, out_dtype, scale_dtype)
+            assert same_bits(ours, library.to(out_dtype)), (scale_dtype, out_dtype)
+            once = fp8.dequantize(codes, scales, grid, 0, out_dtype)
+            assert same_bits(once, exact.to(out_dtype))
+            if out_dtype != scale_dtype:  # rounding twice differs from rounding once on some elements
+                finite = ours.isfinite()
+                assert (ours[finite] != once[finite]).sum().item() > 0, (scale_dtype, out_dtype)
 
 
 def test_mxfp4_every_byte_and_every_scale_against_transformers():

@@ -19,13 +19,10 @@ The reference (compressed-tensors 0.20, ``NaiveQuantizationCompressor.decompress
 Compressor`` is, and what transformers' ``CompressedTensorsConfig(dequantize=True)`` runs for a dense module through
 ``CompressedTensorsDequantize``) computes ``x_q.to(scale.dtype) * scale`` in the *scale's* dtype (block strategy:
 on the weight padded to whole blocks), then transformers casts to the model's dtype. A bf16 (or fp16) multiply is
-the exact product rounded once (an FP8 code times a bf16 scale has at most 12 significant bits, exact in fp32), so:
-
-- bf16 output: the fp32 product rounded to bf16 (``fp8.dequantize``) is bit for bit ``decompress``'s bf16 result;
-- fp32 output: the fp32 product, the exact value for bf16/fp16 scales (``decompress`` with the scale widened to
-  fp32 first, losslessly). transformers' fp32 load instead widens the bf16-rounded value: it lost bits;
-- fp16 output: the exact product rounded to fp16. transformers' fp16 load of a bf16-scaled checkpoint rounds twice
-  (to bf16, then to fp16) and differs from it on some elements (the tests count them).
+the exact product rounded once (an FP8 code times a bf16 scale has at most 12 significant bits, exact in fp32), so
+the output is that product rounded to the scale's dtype, then cast to the output dtype (``fp8.dequantize``'s
+``through``): bit for bit ``decompress`` then the cast, what a model loaded through the library holds, in every
+output dtype (fp32: the bf16 values widened; fp16 from bf16 scales: rounded twice, as transformers' fp16 load).
 
 For F32 scales every path is the fp32 product then one cast, and all agree.
 """
@@ -193,15 +190,8 @@ class CompressedFloatFormat(SourceFormat):
     @classmethod
     def exactness(cls, dtype_flag: str, several: bool) -> str:
         source = " from compressed-tensors FP8" if several else ""
-        if dtype_flag == "fp32":
-            return (
-                f"Every weight dequantized{source} is its e4m3 code times its scale as one fp32 multiply: the exact "
-                "product where the scales are bf16 or fp16, what compressed-tensors' `decompress` gives with the "
-                "scale widened to fp32 (transformers' fp32 load of it goes through bf16 and keeps less)."
-            )
         return (
-            f"Every weight dequantized{source} is its e4m3 code times its scale rounded once to {dtype_flag}: bit "
-            "for bit compressed-tensors' `decompress` in the scale's dtype where that is "
-            f"{dtype_flag} (what transformers' `CompressedTensorsConfig(dequantize=True)` loads), else its exact "
-            "product rounded once."
+            f"Every weight dequantized{source} is its e4m3 code times its scale in the scale's dtype, then cast to "
+            f"{dtype_flag}: bit for bit compressed-tensors' `decompress` of the checkpoint's tensors, then the cast "
+            "(what transformers' `CompressedTensorsConfig(dequantize=True)` loads)."
         )

@@ -196,6 +196,6 @@ class CompressedNvfp4Format(SourceFormat):
         source = " from compressed-tensors NVFP4" if several else ""
         return (
             f"Every weight dequantized{source} is its E2M1 value times its E4M3 group scale divided by the tensor's "
-            f"global scale, in fp32, rounded once to {dtype_flag}: bit for bit compressed-tensors' "
-            "`NVFP4PackedCompressor.decompress` (which writes bf16; its functions in fp16 and fp32 otherwise)."
+            f"global scale, in fp32, rounded to bf16 and cast to {dtype_flag}: bit for bit compressed-tensors' "
+            "`NVFP4PackedCompressor.decompress` (which writes bf16 whatever the model's dtype), then the cast."
         )

@@ -309,7 +309,12 @@ def is_quantization_key(name: str) -> bool:
 
 
 def dequantize(
-    codes: torch.Tensor, scales: torch.Tensor, grid: Grid, first_row: int, out_dtype: torch.dtype
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    grid: Grid,
+    first_row: int,
+    out_dtype: torch.dtype,
+    through: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Rows ``[first_row, first_row + len(codes))`` of an FP8 weight, dense in ``out_dtype``.
 
@@ -317,7 +322,8 @@ def dequantize(
     (``grid.scale_span(first_row, rows)``: [scale rows, scale columns], float32/bfloat16/float16, or E8M0 bytes as
     float8_e8m0fnu/uint8; any shape with those elements), on the same device. Bit for bit
     ``(codes.to(fp32) * scale.to(fp32)).to(out_dtype)`` with each
-    element's own block scale, on CPU and CUDA alike (the module docstring says why)."""
+    element's own block scale, on CPU and CUDA alike (the module docstring says why); with ``through`` (bf16 or
+    fp16: the dtype compressed-tensors multiplies in) the product is rounded to it first, then cast."""
     import torch
 
     if e8m0.is_bytes(scales):
@@ -357,7 +363,9 @@ def dequantize(
         )
     if rest:  # the partial last column of blocks
         values[:, whole * grid.block_columns :].mul_(row_scales[:, whole:])
-    return values if out_dtype == torch.float32 else values.to(out_dtype)
+    if through is not None and through != torch.float32:
+        values = values.to(through)
+    return values if values.dtype == out_dtype else values.to(out_dtype)
 
 
 def host(
@@ -370,6 +378,7 @@ def host(
     grid: Grid,
     first_row: int,
     out_code: str,
+    through_code: str | None = None,
 ) -> None:
     """The CPU route's piece: ``read`` is the piece's codes (uint8 bytes of whole rows from ``first_row``),
     ``scales`` the uint8 bytes of the scale rows they use, ``out`` the piece's output bytes, written in place with
@@ -379,7 +388,8 @@ def host(
     rows = read.size // max(1, grid.columns)
     codes = torch.from_numpy(read).view(DTYPES[code].torch).reshape(rows, grid.columns)
     scale = torch.from_numpy(scales).view(DTYPES[scale_code].torch)
-    dense = dequantize(codes, scale, grid, first_row, DTYPES[out_code].torch)
+    through = DTYPES[through_code].torch if through_code else None
+    dense = dequantize(codes, scale, grid, first_row, DTYPES[out_code].torch, through)
     torch.from_numpy(out).copy_(dense.reshape(-1).view(torch.uint8))
 
 

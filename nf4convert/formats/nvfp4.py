@@ -17,12 +17,13 @@ one: torch promotes to fp32, one IEEE division), ``x_q.to(scale.dtype) * scale``
 to the values' dtype. The global scale *divides* here. So per element, with ``s`` its group's scale, ``g`` the
 tensor's:
 
-    out = round_T( fl32( e2m1 * fl32( fp32(s) / fp32(g) ) ) )
+    out = cast_T( round_bf16( fl32( e2m1 * fl32( fp32(s) / fp32(g) ) ) ) )
 
-decompress itself writes bf16; the same library functions with the output dtype in place of bf16 (what transformers'
-load in that dtype would ask) give fp16 and fp32 by the same formula, the fp32 one being the value decompress rounds.
-CPU and CUDA agree bit for bit: table lookups and integer ops, one IEEE division and one multiply (both correctly
-rounded with gradual underflow on both devices in eager torch, nothing fused), one round-to-nearest-even cast. An
+decompress writes bf16 whatever the model's dtype (``unpack_fp4_from_uint8``'s default, which it does not change):
+an fp16 or fp32 output is that bf16 weight cast, what a model loaded through compressed-tensors holds (fp32: exactly
+the bf16 values; fp16: rounded a second time). CPU and CUDA agree bit for bit: table lookups and integer ops, one
+IEEE division and one multiply (both correctly rounded with gradual underflow on both devices in eager torch, nothing
+fused), round-to-nearest-even casts. An
 E4M3 NaN scale (0x7f, 0xff) would make NaNs whose bits differ by device: it is refused, as a NaN, infinite or zero
 global scale is (compressed-tensors would divide by it).
 """
@@ -123,7 +124,8 @@ def dequantize(
 ) -> torch.Tensor:
     """Rows of an NVFP4 weight, dense in ``out_dtype``: ``packed`` uint8 [rows, in / 2], ``scales`` their scales
     (float8_e4m3fn or its uint8 bytes, [rows, in / 16]), ``global_scale`` the fp32 tensor scale (any shape of one
-    value), all on one device. Bit for bit the module docstring's formula on CPU and CUDA alike."""
+    value), all on one device. Bit for bit the module docstring's formula on CPU and CUDA alike: the library's bf16
+    weight, cast to ``out_dtype``."""
     import torch
 
     if packed.dtype != torch.uint8 or out_dtype not in tuple(dtype.torch for dtype in OUTPUT_DTYPES.values()):
@@ -138,8 +140,8 @@ def dequantize(
     scale = scales.contiguous().view(torch.float8_e4m3fn).reshape(rows, groups).to(torch.float32)
     scale = scale / global_scale.reshape(()).to(device=packed.device, dtype=torch.float32)
     values.mul_(scale[..., None])
-    values = values.view(rows, groups * GROUP)
-    return values if out_dtype == torch.float32 else values.to(out_dtype)
+    values = values.view(rows, groups * GROUP).to(torch.bfloat16)  # what the library's decompress writes
+    return values if out_dtype == torch.bfloat16 else values.to(out_dtype)
 
 
 def host(read: np.ndarray, out: np.ndarray, *, scales: np.ndarray, global_scale: float, out_code: str) -> None:

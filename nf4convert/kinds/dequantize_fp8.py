@@ -61,6 +61,11 @@ class DequantizeFp8(QuantizedWeight):
             planning.tensors, planning.reader, fp8.block_size(quantization), fp8.ue8m0(quantization)
         )
 
+    @property
+    def through(self) -> str | None:
+        """The dtype the product is rounded to before the output's (None: straight to it)."""
+        return None
+
     def produce(self, tensor, reader, route) -> Iterator[Piece]:
         """Pieces of whole rows of scale blocks, each with the scale rows it uses: numpy bytes on the host, a tensor
         moved to the GPU once where the route computes there."""
@@ -78,7 +83,9 @@ class DequantizeFp8(QuantizedWeight):
         for first, count in grid.pieces(route.piece_bytes // max(1, columns * itemsize)):
             begin, rows = grid.scale_span(first, count)
             used = scales[begin * grid.scale_columns : (begin + rows) * grid.scale_columns]
-            arguments = dict(grid=grid, first_row=first, code=weight.weight.dtype, out_code=tensor.dtype)
+            arguments = dict(
+                grid=grid, first_row=first, code=weight.weight.dtype, out_code=tensor.dtype, through_code=self.through
+            )
             if route.gpu:
                 make = route.make(None, functools.partial(dequantize_on_device, scales=used, **arguments))
             else:
@@ -95,12 +102,15 @@ class DequantizeFp8(QuantizedWeight):
             )
 
 
-def dequantize_on_device(codes, out, *, scales, grid: fp8.Grid, first_row: int, code: str, out_code: str):
+def dequantize_on_device(
+    codes, out, *, scales, grid: fp8.Grid, first_row: int, code: str, out_code: str, through_code: str | None = None
+):
     """Whole rows of an FP8 weight (its codes' bytes, a uint8 tensor on the GPU) from ``first_row``, dequantized with
     the scale rows they use (on the GPU) as ``out_code``. Returns the bytes made, a uint8 tensor on the GPU."""
     import torch
 
     rows = codes.numel() // max(1, grid.columns)
     values = codes.view(DTYPES[code].torch).view(rows, grid.columns)
-    made = fp8.dequantize(values, scales, grid, first_row, DTYPES[out_code].torch)
+    through = DTYPES[through_code].torch if through_code else None
+    made = fp8.dequantize(values, scales, grid, first_row, DTYPES[out_code].torch, through)
     return made.reshape(-1).view(torch.uint8)

@@ -9,10 +9,9 @@
 - ``fp8`` checkpoints with one scale per tensor: transformers' ``Fp8Dequantize._dequantize_one`` (what
   ``FineGrainedFP8Config(dequantize=True)`` runs), in the output dtype as transformers loads a model of that dtype.
 - compressed-tensors FP8 (tensor, channel, block strategies; the kind ``dequantize_compressed_fp8``, whose reference
-  module takes this one's): the library's ``FloatQuantizationCompressor.
-  decompress``, which multiplies in the scale's dtype (what ``CompressedTensorsConfig(dequantize=True)`` runs),
-  then the cast; where the output dtype is not the scale's, the scale is widened to fp32 first (losslessly), so the
-  library computes the product once, exactly for bf16/fp16 scales, and the cast rounds it once.
+  module takes this one's): the library's ``FloatQuantizationCompressor.decompress`` on the checkpoint's tensors as
+  stored, which multiplies in the scale's dtype (what ``CompressedTensorsConfig(dequantize=True)`` runs), then the
+  cast to the output dtype.
 
 ``scale_fmt: "ue8m0"`` scales stored as E8M0 bytes are handed over as torch's fp32 value of each byte (what
 transformers' ``FineGrainedFP8Config(scale_fmt="ue8m0")`` loads them as); power-of-two float scales as they are.
@@ -67,7 +66,6 @@ def slices(tensor, reader, device, context, piece_bytes: int):
 
 def _rows(tensor, scales, first: int, count: int, device):
     def make(read, take):
-        import torch
 
         weight = tensor.recipe.weight
         grid = weight.grid
@@ -78,7 +76,7 @@ def _rows(tensor, scales, first: int, count: int, device):
         end = begin + -(-count // grid.block_rows)
         out_dtype = DTYPES[tensor.dtype].torch
         if weight.format == "compressed-tensors":
-            dense = _compressed(weight, codes, scales[begin:end], out_dtype, torch)
+            dense = _compressed(weight, codes, scales[begin:end])
         elif weight.strategy == "block":
             dense = _block(weight, codes, scales[begin:end], out_dtype)
         else:
@@ -97,7 +95,7 @@ def _block(weight, codes, scales, out_dtype):
     return dequantizer.process({"layer.weight": codes, "layer.weight_scale_inv": scales})["layer.weight"]
 
 
-def _compressed(weight, codes, scales, out_dtype, torch):
+def _compressed(weight, codes, scales):
     from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
@@ -105,8 +103,6 @@ def _compressed(weight, codes, scales, out_dtype, torch):
     scheme = QuantizationScheme(targets=["Linear"], weights=args)
     compressor = BaseCompressor.get_value_from_registry("float-quantized")
     scale = scales.reshape(-1) if weight.strategy == "tensor" else scales.reshape(-1, weight.grid.scale_columns)
-    if scale.dtype != out_dtype:
-        scale = scale.to(torch.float32)
     return compressor.decompress({"weight": codes, "weight_scale": scale}, scheme)["weight"]
 
 

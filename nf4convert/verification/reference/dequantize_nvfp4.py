@@ -3,10 +3,8 @@
 compressed-tensors' ``NVFP4PackedCompressor.decompress`` (``compressors/nvfp4/base.py``, 0.20) on each run's rows of
 ``weight_packed``, ``weight_scale`` and ``weight_global_scale``, with the config group's own ``QuantizationArgs``:
 it unpacks to bf16 and dequantizes in bf16 (``forward_helpers._dequantize``: the scale over the global scale, times
-the values, cast). For a bf16 output that is the reference as it is. For fp16 and fp32 the same library functions,
-``unpack_fp4_from_uint8`` and ``quantization.lifecycle.forward.dequantize``, are called as ``decompress`` calls them
-with the output dtype in place of bf16 (the scale cast to it first, as ``_decompress_scale`` does): what the
-library computes for a model of that dtype. Each row depends on its own codes and scales alone.
+the values, cast), whatever the model's dtype; the output is that bf16 weight cast to its dtype, as a model loaded
+through the library holds it. Each row depends on its own codes and scales alone.
 """
 
 from __future__ import annotations
@@ -48,26 +46,14 @@ def slices(tensor, reader, device, context, piece_bytes: int):
 
 def _rows(tensor, weight, state):
     def make(read, take):
-        import torch
         from compressed_tensors.compressors import BaseCompressor
-        from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
         from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
-        from compressed_tensors.quantization.lifecycle.forward import dequantize
 
         args = QuantizationArgs.model_validate(dict(weight.args))
         scheme = QuantizationScheme(targets=["Linear"], weights=args)
         out_dtype = DTYPES[tensor.dtype].torch
-        if out_dtype == torch.bfloat16:
-            compressor = BaseCompressor.get_value_from_registry("nvfp4-pack-quantized")
-            dense = compressor.decompress(dict(state), scheme)["weight"]
-        else:
-            packed = state["weight_packed"]
-            m, n = packed.shape
-            values = unpack_fp4_from_uint8(packed, m, n * 2, dtype=out_dtype)
-            scale = state["weight_scale"].to(out_dtype)
-            dense = dequantize(
-                x_q=values, scale=scale, args=args, global_scale=state["weight_global_scale"], dtype=out_dtype
-            )
+        compressor = BaseCompressor.get_value_from_registry("nvfp4-pack-quantized")
+        dense = compressor.decompress(dict(state), scheme)["weight"]
         return as_bytes(dense.to(out_dtype))
 
     return make

@@ -1,4 +1,4 @@
-"""hub/stream.py against the fake Hub (tests/fixtures/fake_hub.py): a repo's files read by ranges at one commit, the
+"""hub/stream/ against the fake Hub (tests/fixtures/fake_hub.py): a repo's files read by ranges at one commit, the
 bytes equal to the files' for any reads from any threads, every fault survived or reported in one line with its
 tries, a flipped byte caught, a commit pushed mid-run ignored, the blocks held within the budget, the Hub cache's
 blobs checked as they are read."""

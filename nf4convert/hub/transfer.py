@@ -1,13 +1,13 @@
 """One range of a Hub file, fetched once: over HTTP (http.client straight into the caller's buffer for the storage's
 signed links, huggingface_hub's client through a proxy and for the Hub's own files) or through hf_xet's ranged
 streams for a Xet file; each answer checked before its body is taken (a status worth asking again for, an expired
-link renewed, a range not the one asked). ``stream.py`` owns the tries, the blocks and the hashes; a transfer reports
+link renewed, a range not the one asked). ``stream/`` owns the tries, the blocks and the hashes; a transfer reports
 what it received in ``Part.received`` whatever happens, so that the next try starts from there.
 
 A transfer is made for an owner (``stream.RemoteFiles``: ``settings``, ``token``, ``repo_id``, ``where(name)``,
 ``closing``, ``note_request()``, ``note_received(size)``, ``renew_link(file)``) and fetches for a file
 (``stream.RemoteFile``: ``name``, ``size``, ``info``, ``location``), both read by their attributes: this module
-imports nothing of stream.py, which imports it.
+imports nothing of stream/, which imports it.
 """
 
 from __future__ import annotations

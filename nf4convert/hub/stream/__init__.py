@@ -2,17 +2,18 @@
 HTTP range requests (or hf_xet's ranged streams), many in flight, never written to disk, every byte checked against
 the Hub's hash of its file.
 
-Design. A file is cut into blocks (``StreamSettings.block_bytes``, one request each). Reads are watched as streams:
-a read that continues one (the pipeline reads each file roughly front to back, a few files or output shards at once)
-makes that stream prefetch the blocks ahead of it, on a pool of fetch threads, within a memory budget shared by the
-files; a read that continues none (a header, a quant state, a scale read out of order) fetches just the pages it
-covers, in the reading thread. Each range is fetched with its own retries: a dropped connection, a 5xx, a 429 (its
-Retry-After honoured), a stalled read (the download timeout) or a short body is asked again from the first byte not yet
-received, with backoff; a range that fails as often as ``tries`` allows ends the run in one line (:class:`FetchError`)
-saying what failed, after how many tries. A link of the Hub's storage that expires is asked for again at the same
-commit, as is every request: a commit pushed while the run reads cannot mix versions. How one range is fetched is
-transfer.py's: the storage's signed links with http.client straight into the blocks, through a proxy and for files
-the Hub serves itself with huggingface_hub's client, a Xet file with hf_xet's ranged streams.
+Design. A file is cut into blocks (``StreamSettings.block_bytes``, one request each). Reads are watched as streams: a
+read that continues one (the pipeline reads each file roughly front to back, a few files or output shards at once) makes
+that stream prefetch the blocks ahead of it, on a pool of fetch threads, within a memory budget shared by the files; a
+read that continues none (a header, a quant state, a scale read out of order) fetches just the pages it covers, in the
+reading thread, except in a file of one block, fetched whole at its first read. Each range is fetched with its own
+retries: a dropped connection, a 5xx, a 429 (its Retry-After honoured), a stalled read (the download timeout) or a short
+body is asked again from the first byte not yet received, with backoff; a range that fails as often as ``tries`` allows
+ends the run in one line (:class:`FetchError`) saying what failed, after how many tries. A link of the Hub's storage
+that expires is asked for again at the same commit, as is every request: a commit pushed while the run reads cannot mix
+versions. How one range is fetched is transfer.py's: the storage's signed links with http.client straight into the
+blocks, through a proxy and for files the Hub serves itself with huggingface_hub's client, a Xet file with hf_xet's
+ranged streams.
 
 Integrity. The Hub's hash of a file (its LFS sha256, or for a file kept in git its blob id) is a hash of its bytes in
 order, while reads come in any order and some bytes are never read (the header region is read apart, a tensor may be

@@ -63,7 +63,12 @@ class RemoteFile(FileHash):
             owner._tick += 1
             stream = self._continued(offset, count, owner._tick)
             indices = range(offset // block_bytes, (offset + count - 1) // block_bytes + 1)
-            whole = stream.ahead(block_bytes, owner.settings.ahead_blocks) > 0 or count >= block_bytes // 2
+            # a stream, a large read, or a file of one block (its few small reads would each fetch pages again)
+            whole = (
+                stream.ahead(block_bytes, owner.settings.ahead_blocks) > 0
+                or count >= block_bytes // 2
+                or self.size <= block_bytes
+            )
             apart = not whole and not all(index in self.blocks for index in indices)
             if not apart:
                 blocks, mine = self._pin(indices)

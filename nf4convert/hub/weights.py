@@ -145,7 +145,7 @@ class HubWeights(HeadersOnly):
 
     @property
     def stats(self) -> StreamStats:
-        """What the run read, all repos together: fetched (and fetched twice), from the cache, requests, retries."""
+        """What the run read, all repos together: fetched (and fetched twice), from the cache, retries."""
         total = StreamStats()
         for remote in self.opened:
             for key, value in vars(remote.stats).items():

@@ -93,10 +93,6 @@ class Fetching:
             return False
         return True
 
-    def note_request(self) -> None:
-        with self._lock:
-            self.stats.requests += 1
-
     def note_received(self, size: int) -> None:
         with self._lock:
             self.stats.fetched += size

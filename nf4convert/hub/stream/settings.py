@@ -34,10 +34,9 @@ class StreamSettings:
 @dataclass
 class StreamStats:
     """What a run read: bytes fetched from the Hub (all of them, and those fetched a second time), read from the Hub
-    cache, and the requests and retries it took."""
+    cache, and the retries it took."""
 
     fetched: int = 0
     fetched_again: int = 0
     cached: int = 0
-    requests: int = 0
     retries: int = 0

@@ -50,7 +50,6 @@ PACKED, NAIVE, INT = "pack-quantized", "naive-quantized", "int-quantized"
 FORMATS = (PACKED, NAIVE, INT)
 PACKED_BITS = (2, 4, 8)
 SCALE_DTYPES = ("F16", "BF16", "F32")
-PACKED_PARTS = ("weight_packed", "weight_shape", "weight_scale", "weight_zero_point")
 # Tensors of these integer layouts besides the weight itself (verify: leftovers in a dense output).
 QUANTIZATION_KEYS = ("weight_packed", "weight_shape", "weight_scale", "weight_zero_point", "weight_g_idx")
 # (the activation and KV-cache parts below are quantization keys too)

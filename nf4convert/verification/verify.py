@@ -27,12 +27,12 @@ from ..plan import make_plan
 from ..safetensors_io.read import TensorReader, read_tensors
 from ..settings import Settings
 from .folder import Folder
-from .gguf import GgufFile
+from .gguf import GgufCheck
 from .libraries import installed, quiet_loggers, reference_libraries, reference_library, start_importing
 from .reference.base import Context, libraries
 from .report import VerifyReport
 
-OUTPUTS = (GgufFile, Folder)  # the kinds of output verify checks: the first that claims OUT checks it
+OUTPUTS = (GgufCheck, Folder)  # the kinds of output verify checks: the first that claims OUT checks it
 
 
 def _plan_source(folder: Path, output: Path, dtype, reader: TensorReader, adapter: Path | None):

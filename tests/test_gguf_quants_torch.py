@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from nf4convert.sinks.gguf.quants import QUANTS, quant_type
+from nf4convert.sinks.gguf.quants.arith import seqsum
 from nf4convert.sinks.gguf.quants.xp import TORCH
 from tests.test_gguf_quants import _bf16, _edge_blocks, _f16, _imatrix
 
@@ -82,6 +83,18 @@ def test_bf16_tensors_chunk_seams_and_numpy_imatrix(device, monkeypatch):
         assert np.array_equal(ours.cpu().numpy(), expected), name
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q3_K", "IQ4_XS"])
+def test_sums_as_one_kernel_or_one_operation_an_element_give_the_same_bytes(name, monkeypatch):
+    kind = quant_type(name)
+    rng = np.random.default_rng([54, kind.type_id])
+    rows = _bf16(rng.standard_normal((16, 2048)) * 0.02)
+    imatrix = _imatrix(rng, 2048)
+    monkeypatch.setattr(TORCH, "cuda_sums", False)
+    _same_bytes(kind, rows, imatrix, "cuda")
+    _same_bytes(kind, rows, None, "cuda")
+
+
 def test_bad_shapes_are_refused_for_tensors_too():
     kind = quant_type("q4_k")
     with pytest.raises(ValueError, match="multiple of 256"):
@@ -108,9 +121,10 @@ def _same_floats(a, b):
 
 
 @pytest.mark.gpu
-def test_cuda_elementwise_arithmetic_is_ieee_float32_like_numpy():
+def test_cuda_elementwise_arithmetic_is_ieee_float32_like_numpy(monkeypatch):
     """What the shared code relies on, on this GPU: +, -, *, / of two tensors, ``xp.div`` with a scalar side,
-    sqrt, the fp16 conversion, floor and trunc, bit for bit numpy's (NaNs as NaNs) on every kind of float."""
+    sqrt, the fp16 conversion, floor and trunc, the in-order sums (one kernel each or one operation an element), bit
+    for bit numpy's (NaNs as NaNs) on every kind of float."""
     rng = np.random.default_rng(53)
     a, b = _every_kind_of_float(rng, 1 << 20), _every_kind_of_float(rng, 1 << 20)[::-1].copy()
     ta, tb = torch.from_numpy(a).cuda(), torch.from_numpy(b).cuda()
@@ -128,6 +142,14 @@ def test_cuda_elementwise_arithmetic_is_ieee_float32_like_numpy():
         }
         for what, (expected, got) in pairs.items():
             assert _same_floats(expected, got.cpu().numpy()), what
+        terms, times = a.reshape(32, -1), b.reshape(32, -1)
+        for fused in (True, False):
+            monkeypatch.setattr(TORCH, "cuda_sums", fused)
+            for got, expected in (
+                (seqsum(ta.reshape(32, -1), tb.reshape(32, -1)), seqsum(terms, times)),
+                (seqsum(ta.reshape(32, -1)), seqsum(terms)),
+            ):
+                assert _same_floats(expected, got.cpu().numpy()), f"in-order sums, one kernel: {fused}"
         finite = ~np.isnan(a)
         half = a.astype(np.float16).view(np.uint16)[finite]
         assert np.array_equal(half, TORCH.half_bits(ta).cpu().numpy()[finite]), "fp16"

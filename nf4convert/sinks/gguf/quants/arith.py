@@ -51,10 +51,17 @@ def as_f32(ints):
     return namespace(ints).astype(ints, F32)
 
 
-def seqsum(terms, start=None):
-    """``float s = 0; for (i...) s += terms[i];`` for every column of ``terms`` (n, G), in that order."""
+def seqsum(terms, times=None):
+    """``float s = 0; for (i...) s += terms[i];`` (or ``terms[i] * times[i]``, each product rounded first) for every
+    column of ``terms`` (n, G), in that order. On a CUDA GPU one kernel (``cuda_sums``)."""
     xp = namespace(terms)
-    total = xp.zeros(terms.shape[1:], F32, terms) if start is None else xp.copy(start)
+    if xp.fused_sums(terms):
+        from .cuda_sums import seqsum_cuda
+
+        return seqsum_cuda(terms, times)
+    if times is not None:
+        terms = terms * times
+    total = xp.zeros(terms.shape[1:], F32, terms)
     for term in terms:
         total += term
     return total
@@ -117,7 +124,7 @@ def make_qx_quants(x, nmax, weights=None):
     def attempt(iscale):
         q = xp.clip(nearest_int(iscale * x), -nmax, nmax - 1)
         lf = as_f32(q)
-        return q, seqsum(wx * lf), seqsum((w * lf) * lf)
+        return q, seqsum(wx, lf), seqsum(w * lf, lf)
 
     q, sumlx, suml2 = attempt(xp.div(F32(-nmax), largest))
     levels = q + nmax
@@ -143,7 +150,7 @@ def make_q3_quants(x, nmax):
     w = x * x
     wx = w * x
     lf = as_f32(q)
-    sumlx, suml2 = seqsum(wx * lf), seqsum((w * lf) * lf)
+    sumlx, suml2 = seqsum(wx, lf), seqsum(w * lf, lf)
     for _ in range(5):
         changed = xp.zeros(x.shape[1:], bool, x)
         for i in range(x.shape[0]):
@@ -197,7 +204,7 @@ def make_qkx_quants(x, weights, nmax, rmin, rdelta, nstep, use_mad):
     def error(scale, low, lf):
         diff = (scale * lf + low) - x
         diff = xp.abs(diff) if use_mad else diff * diff
-        return seqsum(weights * diff)
+        return seqsum(weights, diff)
 
     iscale = xp.div(F32(nmax), high - low)
     scale = xp.div(F32(1), iscale)
@@ -207,7 +214,7 @@ def make_qkx_quants(x, weights, nmax, rmin, rdelta, nstep, use_mad):
         iscale = xp.div(F32(rmin) + F32(rdelta) * F32(step) + F32(nmax), high - low)
         lf = levels_at(iscale, low)
         wl = weights * lf
-        sum_l, sum_l2, sum_xl = seqsum(wl), seqsum(wl * lf), seqsum(wl * x)
+        sum_l, sum_l2, sum_xl = seqsum(wl), seqsum(wl, lf), seqsum(wl, x)
         det = sum_w * sum_l2 - sum_l * sum_l
         this_scale = (sum_w * sum_xl - sum_x * sum_l) / det
         this_min = (sum_l2 * sum_x - sum_l * sum_xl) / det
@@ -235,7 +242,7 @@ def make_qp_quants(x, nmax, weights):
 
     def mse(scale, q):
         diff = x - scale * as_f32(q)
-        return seqsum((weights * diff) * diff)
+        return seqsum(weights * diff, diff)
 
     iscale = xp.div(F32(nmax), largest)
     best = mse(xp.div(F32(1), iscale), to_uint8(nearest_int(iscale * x)))
@@ -250,7 +257,7 @@ def make_qp_quants(x, nmax, weights):
     q = xp.cap(nearest_int(iscale * x), nmax)
     levels = to_uint8(q)
     lf = as_f32(q)
-    sumlx, suml2 = seqsum(wx * lf), seqsum((weights * lf) * lf)
+    sumlx, suml2 = seqsum(wx, lf), seqsum(weights * lf, lf)
     for _ in range(5):
         changed = xp.zeros(x.shape[1:], bool, x)
         for i in range(x.shape[0]):

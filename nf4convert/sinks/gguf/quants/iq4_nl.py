@@ -38,7 +38,7 @@ def group_scales(x, weights, sigma2):
     def sums(inverse):
         q = best_index_int8(KVALUES, inverse * x)[1]
         wq = w * q
-        return seqsum(wq * x), seqsum(wq * q)
+        return seqsum(wq, x), seqsum(wq, q)
 
     sumqx, sumq2 = sums(xp.div(F32(1), xp.div(-largest, F32(KVALUES[0]))))
     d = xp.where(sumq2 > 0, sumqx / sumq2, F32(0))
@@ -62,7 +62,7 @@ class IQ4_NL(QuantType):
     def quantize_blocks(cls, blocks, weights, mean_square):
         xp = namespace(blocks)
         x = xp.contiguous(blocks.T)
-        sigma2 = seqsum(x * x) * (F32(2) / F32(32))
+        sigma2 = seqsum(x, x) * (F32(2) / F32(32))
         d = group_scales(x, None if weights is None else xp.contiguous(weights.T), sigma2)
         inverse = xp.where(d != 0, xp.div(F32(1), d), F32(0))
         levels = xp.contiguous(nearest_levels(inverse * x).T)

@@ -65,7 +65,7 @@ def scale_min_blocks(blocks, weights, nmax, ref_search, clamp_levels):
     count = blocks.shape[0]
     x = to_groups(blocks, 32)
     if weights is None:
-        av_x = xp.sqrt(xp.div(seqsum(x * x), F32(32)))
+        av_x = xp.sqrt(xp.div(seqsum(x, x), F32(32)))
         w = av_x + xp.abs(x)
         scales, mins, levels = make_qkx_quants(x, w, nmax, *ref_search, use_mad=False)
         scales, mins = scales.reshape(GROUPS, count), mins.reshape(GROUPS, count)

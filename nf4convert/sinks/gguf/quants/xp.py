@@ -124,12 +124,20 @@ class _Numpy:
         return values.sum(axis=-1)
 
     @staticmethod
+    def fused_sums(values) -> bool:
+        return False
+
+    @staticmethod
     def asarray(values, like):
         return np.asarray(values)
 
 
 class _Torch:
     """The same names over torch, on the device of the tensors they are given."""
+
+    # whether CUDA tensors' in-order sums run as one Triton kernel each (``cuda_sums``) rather than one operation per
+    # element: the same bytes either way
+    cuda_sums = True
 
     def __getattr__(self, name):
         import torch
@@ -273,6 +281,9 @@ class _Torch:
     def sum_last(values):
         return values.sum(dim=-1)
 
+    def fused_sums(self, values) -> bool:
+        return self.cuda_sums and values.is_cuda and _triton_found()
+
     @staticmethod
     def asarray(values, like):
         import torch
@@ -298,3 +309,9 @@ class _Torch:
 
 NUMPY = _Numpy()
 TORCH = _Torch()
+
+
+def _triton_found() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None

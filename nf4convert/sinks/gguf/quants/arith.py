@@ -53,10 +53,10 @@ def as_f32(ints):
 
 def seqsum(terms, times=None):
     """``float s = 0; for (i...) s += terms[i];`` (or ``terms[i] * times[i]``, each product rounded first) for every
-    column of ``terms`` (n, G), in that order. On a CUDA GPU one kernel (``cuda_sums``)."""
+    column of ``terms`` (n, G), in that order. On a CUDA GPU one kernel (``kernels/seqsum.py``)."""
     xp = namespace(terms)
     if xp.fused_sums(terms):
-        from .cuda_sums import seqsum_cuda
+        from nf4convert.kernels.seqsum import seqsum_cuda
 
         return seqsum_cuda(terms, times)
     if times is not None:

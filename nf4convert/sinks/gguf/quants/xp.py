@@ -135,8 +135,8 @@ class _Numpy:
 class _Torch:
     """The same names over torch, on the device of the tensors they are given."""
 
-    # whether CUDA tensors' in-order sums run as one Triton kernel each (``cuda_sums``) rather than one operation per
-    # element: the same bytes either way
+    # whether CUDA tensors' in-order sums run as one Triton kernel each rather than one operation per
+    # element (``kernels/seqsum.py``): the same bytes either way
     cuda_sums = True
 
     def __getattr__(self, name):

@@ -1,6 +1,7 @@
-"""``seqsum`` on a CUDA GPU in one kernel: ``float s = 0; for (i...) s += a[i] * b[i];`` for every column, in that
-order, each product rounded before it is added (Triton with ``enable_fp_fusion=False``, so no multiply-add is
-contracted), subnormals kept. The loop it replaces launches one operation per element."""
+"""The GGUF quantizers' ``seqsum`` (sinks/gguf/quants/arith.py) on a CUDA GPU in one kernel: ``float s = 0;
+for (i...) s += a[i] * b[i];`` for every column, in that order, each product rounded before it is added (Triton with
+``enable_fp_fusion=False``, so no multiply-add is contracted), subnormals kept. The loop it replaces launches one
+operation per element."""
 
 from __future__ import annotations
 

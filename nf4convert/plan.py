@@ -201,7 +201,8 @@ def make_plan(
     if config and merged and merged.rows:
         config = resized_config(config, merged.rows)
     if fitted:
-        check_fits(folder, config, {tensor.name: tuple(tensor.shape) for shard in planned for tensor in shard.tensors})
+        made = {tensor.name: tuple(tensor.shape) for shard in planned for tensor in shard.tensors}
+        check_fits(folder, config, made, frozenset(tensors))
     return Plan(
         folder,
         chosen,

@@ -64,9 +64,15 @@ def fp8_weights(folder: Path, reader) -> list:
 
 
 def ours_fp8(weight, reader, out_dtype, max_rows: int, host: bool = False) -> torch.Tensor:
-    """A weight dequantized piece by piece as a kind would, through the torch function or the CPU route's host."""
+    """A weight dequantized piece by piece as its kind would, through the torch function or the CPU route's host."""
     import numpy as np
 
+    from nf4convert.dtypes import DTYPES
+    from nf4convert.kinds.dequantize_compressed_fp8 import DequantizeCompressedFp8
+    from nf4convert.kinds.dequantize_fp8 import DequantizeFp8
+
+    kind = DequantizeCompressedFp8 if weight.format == "compressed-tensors" else DequantizeFp8
+    through = kind(weight).through  # the dtype the kind rounds the product to first, if any
     grid = weight.grid
     scales = reader.tensor(weight.scale).reshape(-1)
     out_code = next(code for code, dtype in OUT.values() if dtype == out_dtype)
@@ -86,11 +92,13 @@ def ours_fp8(weight, reader, out_dtype, max_rows: int, host: bool = False) -> to
                 grid=grid,
                 first_row=first,
                 out_code=out_code,
+                through_code=through,
             )
             parts.append(torch.from_numpy(out).view(out_dtype))
         else:
             codes = codes.view(torch.float8_e4m3fn).reshape(count, grid.columns)
-            parts.append(fp8.dequantize(codes, piece_scales, grid, first, out_dtype).reshape(-1))
+            within = DTYPES[through].torch if through else None
+            parts.append(fp8.dequantize(codes, piece_scales, grid, first, out_dtype, within).reshape(-1))
     return torch.cat(parts).reshape(weight.shape) if parts else torch.empty(weight.shape, dtype=out_dtype)
 
 

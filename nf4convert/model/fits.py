@@ -93,10 +93,11 @@ def _by_parameters(config: dict, shapes: dict[str, tuple]) -> list[str]:
     return problems
 
 
-def check_fits(folder: Path, config: dict | None, shapes: dict[str, tuple]) -> None:
+def check_fits(folder: Path, config: dict | None, shapes: dict[str, tuple], source: frozenset = frozenset()) -> None:
     """CheckpointError naming the first tensor (``shapes``: the output's, name -> shape) that transformers' model for
     ``config`` (the output's config.json) loads in another shape, cannot make from them, or has and is not given (it
-    would fill it with random values). Nothing is checked without a config."""
+    would fill it with random values; ``source``: the checkpoint's tensor names, to say which side lacks it). Nothing
+    is checked without a config."""
     if config is None:
         return
     found = loaded(config, shapes)
@@ -114,9 +115,10 @@ def check_fits(folder: Path, config: dict | None, shapes: dict[str, tuple]) -> N
     problems += [
         f"{name}: transformers' {model} cannot make it from the checkpoint's tensors ({why})" for name, why in failed
     ]
+    lacks = {True: "the checkpoint holds it but the output would lack it", False: "the checkpoint lacks it"}
     problems += [
-        f"{name}: transformers' {model} has this parameter and the checkpoint lacks it (it would be loaded with random "
-        "values)"
+        f"{name}: transformers' {model} has this parameter and {lacks[name in source]} (it would be loaded with "
+        "random values)"
         for name in missing
     ]
     _one_line(folder, problems)

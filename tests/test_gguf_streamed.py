@@ -193,7 +193,8 @@ print(json.dumps({"peak_mb": peak / 1024}))
 
 def _wide_model(folder: Path, vocab: int, hidden: int = 2048, seed: int = 0) -> Path:
     """A Llama of one layer whose embedding and head (``vocab`` x ``hidden``, bf16) are most of it, beside one
-    4-bit weight: random packed bytes and absmax codes, positive nested absmax, bitsandbytes' own tables."""
+    4-bit weight (random packed bytes and absmax codes, positive nested absmax, bitsandbytes' own tables) and the
+    layer's other weights, dense zeros."""
     import numpy as np
     from bitsandbytes.functional import create_dynamic_map
     from safetensors.torch import save_file
@@ -217,6 +218,13 @@ def _wide_model(folder: Path, vocab: int, hidden: int = 2048, seed: int = 0) -> 
         "model.norm.weight": torch.ones(hidden, dtype=torch.bfloat16),
         "lm_head.weight": torch.randn(vocab, hidden, generator=values).to(torch.bfloat16),
     }
+    layer = "model.layers.0"  # the rest of the layer, dense and small beside the embedding: the model whole
+    for part in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        tensors[f"{layer}.self_attn.{part}.weight"] = torch.zeros(hidden, hidden, dtype=torch.bfloat16)
+    tensors[f"{layer}.mlp.gate_proj.weight"] = torch.zeros(rows, hidden, dtype=torch.bfloat16)
+    tensors[f"{layer}.mlp.down_proj.weight"] = torch.zeros(hidden, rows, dtype=torch.bfloat16)
+    for norm in ("input_layernorm", "post_attention_layernorm"):
+        tensors[f"{layer}.{norm}.weight"] = torch.ones(hidden, dtype=torch.bfloat16)
     folder.mkdir(parents=True)
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
     config = {

@@ -53,22 +53,18 @@ def _dimensions(config: dict) -> dict[str, int]:
         "intermediate": number("intermediate_size"),
         "attention": heads * head_dim if heads and head_dim else None,
         "kv": kv * head_dim if kv and head_dim else None,
-        "layers": number("num_hidden_layers"),
     }
     return {key: value for key, value in found.items() if value is not None}
 
 
 def _by_config(config: dict, shapes: dict[str, tuple]) -> list[str]:
-    """Where transformers builds no model: each decoder layer's projections in the shape the config's dimensions give,
-    and no layer beyond its num_hidden_layers."""
+    """Where transformers builds no model: each decoder layer's projections in the shape the config's dimensions give
+    (layers past ``num_hidden_layers`` too: a multi-token-prediction layer is one)."""
     dims = _dimensions(config)
     problems = []
     for name, shape in shapes.items():
         layer = _LAYER.search(name)
         if layer is None:
-            continue
-        if "layers" in dims and int(layer.group(1)) >= dims["layers"]:
-            problems.append(f"{name}: of layer {layer.group(1)}, and config.json has {dims['layers']} layers")
             continue
         wanted = _BY_CONFIG.get(layer.group(2))
         if wanted and all(part in dims for part in wanted):

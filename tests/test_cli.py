@@ -143,7 +143,7 @@ def test_verify_asks_transformers_which_layers_are_conv1d(checkpoints, tmp_path,
     source = checkpoints["gpt2-conv1d-nf4-dq"]
     monkeypatch.setattr(conv1d, "MODEL_TYPES", ())
     out = tmp_path / "out"
-    refused = run(source, "-o", out, "-q", code=1).output
+    refused = run(source, "-o", out, "-q", code=1)
     assert "transformer.h.0.attn.c_attn.weight: [384, 128] from the checkpoint" in refused and not out.exists()
     monkeypatch.setattr(plan, "check_fits", lambda *args: None)
     run(source, "-o", out, "-q")

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, ClassVar
 
+from ..options import DISCOVERIES
 from ..registry import Registry
 
 if TYPE_CHECKING:
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
 
 SINKS = Registry(__package__, "output format", "name")
 register = SINKS.register  # class decorator: the sink joins the registry under its ``name``
+DISCOVERIES.append(SINKS.discovered)  # a sink declares its own options in its module (``options.declare``)
 
 
 def all_sinks() -> list[type["Sink"]]:

@@ -24,6 +24,7 @@ from typing import Callable
 from ... import profile
 from ...dtypes import DTYPES
 from ...errors import ArgumentError, InternalError
+from ...options import declare
 from ...settings import Settings
 from ...sizes import DEFAULT_SHARD_BYTES
 from .. import output as lifecycle
@@ -255,6 +256,20 @@ def _sources(lazy, is_source) -> list[str]:
             else:
                 stack += reversed([*node._args, *node._kwargs.values()])
     return found
+
+
+def _lowered(gguf_type):
+    return gguf_type.lower() if isinstance(gguf_type, str) else gguf_type
+
+
+declare(
+    "gguf_type",
+    "Write one GGUF file of this type, as llama.cpp's converter writes it from the dense output (default with a .gguf "
+    "OUT: the --dtype's own float type).",
+    parse=_lowered,
+    choices=tuple(GGUF_TYPES),
+    after="dtype",
+)  # its values checked by the sink (``check_options``)
 
 
 @register

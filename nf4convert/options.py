@@ -47,6 +47,7 @@ class Option:
     once: bool = False  # given twice on the command line is refused (else the last would win, the first dropped)
     hint: str | None = None  # what an error naming this option adds on the command line (default: "see --flag")
     after: str | None = None  # a module's own option: shown in ``--help`` after this one
+    helps: tuple[tuple[str, str], ...] = ()  # (command, its help) where a command says it otherwise (batch: no OUT)
     name: str = ""  # the API keyword and the field's name: set where it is declared
 
     @property
@@ -65,6 +66,10 @@ class Option:
         if self.hint is not None or self.flag is None:
             return self.hint
         return f"see {self.flag}"
+
+    def help_of(self, command: str) -> str:
+        """What ``command --help`` says of this option."""
+        return dict(self.helps).get(command, self.help)
 
     def parsed(self, value):
         """``value`` as given -> the field's value (None stays None, but for a switch: off)."""
@@ -208,10 +213,21 @@ class ConvertOptions:
         "auto, cpu, cuda or cuda:N (auto: the GPU if there is one).", default="auto", show_default=True
     )  # checked when the device is picked (devices.pick_device): that needs torch
     max_shard_size: int = option(
-        "Largest output shard, like transformers'.", default=DEFAULT_SHARD_SIZE, parse=parse_size, show_default=True
+        "Largest output shard, like transformers': a number of bytes, or of KB, MB, GB, TB (powers of 1000) or KiB, "
+        "MiB, GiB, TiB (powers of 1024).",
+        default=DEFAULT_SHARD_SIZE,
+        parse=parse_size,
+        show_default=True,
     )
     overwrite: bool = option(
         "Replace OUT if it exists (only once the new output is complete).",
+        helps=(
+            (
+                "batch",
+                "Replace a source's output in OUTPUT_ROOT if it exists (only once the new one is complete); the rest "
+                "of OUTPUT_ROOT stays as it is.",
+            ),
+        ),
         default=False,
         switch=True,
         hint="pass --overwrite to replace it",
@@ -280,7 +296,9 @@ class ConvertOptions:
 class VerifyOptions:
     """How an output is checked against its source (``verify``'s parameters, parsed)."""
 
-    device: str = option("Where bitsandbytes dequantizes: auto, cpu, cuda, cuda:N.", default="auto", show_default=True)
+    device: str = option(
+        "Where the reference libraries recompute: auto, cpu, cuda, cuda:N.", default="auto", show_default=True
+    )
     adapter: str | None = option(
         "The LoRA adapter that was merged (peft merges it again for the check).", parse=os.fspath, once=True
     )  # the adapter that was merged, as the user named it

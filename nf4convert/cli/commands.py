@@ -166,11 +166,13 @@ def _show_report(report) -> None:
 @click.argument("source")
 @quiet_option("No progress bars (downloads too).")
 def verify_command(output, source, given, quiet):
-    """Check OUTPUT against SOURCE with bitsandbytes' own dequantization, bit for bit.
+    """Check OUTPUT against SOURCE bit for bit, every weight recomputed by its format's reference library.
 
-    Exits 0 only if every weight matches, every source tensor is there and no quantization
-    key or config remains. A GGUF OUTPUT is checked against llama.cpp's converter run on
-    bitsandbytes' dequantization: every tensor's bytes and every metadata field.
+    The references: bitsandbytes (4-bit and 8-bit), GPTQModel's arithmetic (GPTQ, AWQ), compressed-tensors
+    (its formats, block FP8, NVFP4), transformers' integrations (per-tensor FP8, MXFP4) and peft for an
+    adapter's merge; never nf4convert's own kernels or converter code. Exits 0 only if every weight matches,
+    every source tensor is there and no quantization key or config remains. A GGUF OUTPUT is checked against
+    llama.cpp's converter run on those references: every tensor's bytes and every metadata field.
 
     \b
     Example:

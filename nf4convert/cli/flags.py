@@ -32,9 +32,9 @@ def one_value(ctx, param, values):
 
 
 @functools.cache
-def click_option(spec: Option) -> click.Option:
-    """The command line's option of one declaration."""
-    settings: dict = dict(help=spec.help)
+def click_option(spec: Option, command: str) -> click.Option:
+    """``command``'s option of one declaration."""
+    settings: dict = dict(help=spec.help_of(command))
     if spec.switch:
         settings["is_flag"] = True
     elif spec.choices is not None:
@@ -54,24 +54,24 @@ def click_option(spec: Option) -> click.Option:
     return click.Option([*spec.spellings, spec.name], **settings)
 
 
-def flagged(specs: list[Option]) -> list[click.Option]:
-    return [click_option(spec) for spec in specs if spec.flag is not None]
+def flagged(specs: list[Option], command: str) -> list[click.Option]:
+    return [click_option(spec, command) for spec in specs if spec.flag is not None]
 
 
-def conversion_flags() -> list[click.Option]:
+def conversion_flags(command: str) -> list[click.Option]:
     """A conversion's options (the sinks' among them), the source's first."""
     from ..sinks import base  # noqa: F401  (its registry's modules declare their own options: options.DISCOVERIES)
 
-    return flagged(conversion_options())
+    return flagged(conversion_options(), command)
 
 
-def verify_flags() -> list[click.Option]:
+def verify_flags(command: str) -> list[click.Option]:
     """verify's own options (the source's follow -q)."""
-    return flagged(declared_fields(VerifyOptions, nested=False))
+    return flagged(declared_fields(VerifyOptions, nested=False), command)
 
 
-def hub_flags() -> list[click.Option]:
-    return flagged(declared_fields(HubOptions))
+def hub_flags(command: str) -> list[click.Option]:
+    return flagged(declared_fields(HubOptions), command)
 
 
 class DeclaredCommand(click.Command):
@@ -79,7 +79,7 @@ class DeclaredCommand(click.Command):
     (``declared``: (the parameter it follows, or None for the first place; the options)) in its place among the
     command's own. A command's callback takes them together as ``given`` (a dict)."""
 
-    def __init__(self, *args, declared: list[tuple[str | None, Callable[[], list[click.Option]]]], **kwargs):
+    def __init__(self, *args, declared: list[tuple[str | None, Callable[[str], list[click.Option]]]], **kwargs):
         super().__init__(*args, **kwargs)
         self.declared = declared
 
@@ -88,7 +88,7 @@ class DeclaredCommand(click.Command):
         for after, made in self.declared:
             names = [param.name for param in params]
             at = names.index(after) + 1 if after is not None else 0
-            params[at:at] = made()
+            params[at:at] = made(self.name)
         help_option = self.get_help_option(ctx)
         return [*params, help_option] if help_option is not None else params
 

@@ -168,8 +168,20 @@ def _unloaded(plan, report: VerifyReport) -> list[str]:
             report.notes.append(f"which parameters transformers' model needs was not checked: {found}")
         return []
     model, missing = found
-    return [
+    return [_unloaded_problem(name, model, plan.source_tensors) for name in missing]
+
+
+def _unloaded_problem(name: str, model: str, source_tensors) -> str:
+    """What a parameter the output leaves to random values says: the output lacks it, and the source lacks it too,
+    or holds it under that name (or a model's prefix before it: a base model's names lack the head's) and the
+    conversion left it out."""
+    held = [key for key in source_tensors if key == name or key.endswith("." + name)]
+    if held:
+        return (
+            f"{name}: transformers' {model} has this parameter and the source holds it ('{held[0]}'), but the "
+            "output lacks it (transformers would fill it with random values)"
+        )
+    return (
         f"{name}: transformers' {model} has this parameter, the source and the output lack it (transformers would "
         "fill it with random values)"
-        for name in missing
-    ]
+    )

@@ -129,3 +129,38 @@ def test_an_importance_matrix_of_another_model_is_one_line(models, tmp_path):
     result = cli(source, "-o", tmp_path / "x.gguf", "--imatrix", imatrix, code=2)
     assert "--gguf-type" in one_error_line(result.output)
     assert not (tmp_path / "x.gguf").exists()
+
+
+def _flip(path: Path, offset: int) -> None:
+    with open(path, "r+b") as handle:
+        handle.seek(offset)
+        byte = handle.read(1)[0]
+        handle.seek(offset)
+        handle.write(bytes([byte ^ 0x10]))
+
+
+def test_verify_makes_it_again_with_llama_quantize_and_catches_a_flipped_byte(ref, models, tmp_path, monkeypatch):
+    monkeypatch.setenv("NF4CONVERT_LLAMA_QUANTIZE", str(ref.llama_quantize))
+    source, _, imatrix, _ = models["mixtral"]
+    out = tmp_path / "x.gguf"
+    cli(source, "-o", out, "--gguf-type", "q4_k_m", "--imatrix", imatrix, "-q", "--device", "cpu")
+    result = cli("verify", out, source, "-q", "--device", "cpu")
+    assert "\nOK: bit-exact with llama.cpp's converter and quantizer on " in result.stdout
+    tensor = next(t for t in gguf.GGUFReader(out).tensors if t.name == "blk.1.ffn_down_exps.weight")
+    _flip(out, tensor.data_offset + tensor.n_bytes // 2)
+    result = cli("verify", out, source, "-q", "--device", "cpu", code=1)
+    assert "MISMATCH blk.1.ffn_down_exps.weight: 1 of" in result.stdout and "FAILED: 1 problem" in result.stdout
+
+
+def test_verify_without_llama_cpp_says_how_to_get_it(models, tmp_path, monkeypatch):
+    import sys
+
+    source = models["llama-256"][0]
+    out = tmp_path / "x.gguf"
+    cli(source, "-o", out, "--gguf-type", "q5_k_s", "-q", "--device", "cpu")
+    monkeypatch.delenv("NF4CONVERT_LLAMA_QUANTIZE", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # not importable
+    result = cli("verify", out, source, "-q", "--device", "cpu", code=1)
+    line = one_error_line(result.output)
+    assert "needs llama.cpp's own quantizer" in line and "llama-quantize" in line and "llama-cpp-python" in line

@@ -115,6 +115,7 @@ class GgufFile:
             return made.to(DTYPES[tensor.dtype].torch).reshape(tensor.shape)
 
         if self.quantize is not None:
+            report.requantized = True
             with (
                 scratch_folder("verify") as scratch,
                 staged(plan.folder, plan.config or {}, card.text, model_stem(source)) as stage,

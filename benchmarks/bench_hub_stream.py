@@ -1,4 +1,4 @@
-"""Streaming a repo's weights from a Hub-like server (hub/stream.py) beside downloading them and beside working on a
+"""Streaming a repo's weights from a Hub-like server (hub/stream/) beside downloading them and beside working on a
 local copy: wall time and peak host memory, at a few bandwidths, with per-request latency.
 
     python benchmarks/bench_hub_stream.py [--size-mb 1024] [--files 2] [--bandwidths 100,500,0] [--latency-ms 20]

@@ -62,7 +62,7 @@ def expanded_output(name: str | os.PathLike, option: str) -> Path:
     return path
 
 
-def shown(text: str) -> str:
+def as_utf8(text: str) -> str:
     """``text`` (a message, a card) as a UTF-8 file or a terminal can hold it: each byte of a name that is not UTF-8,
     which Python keeps in a ``str`` as a lone surrogate (``os.fsdecode``), written as ``\\xNN``."""
     try:

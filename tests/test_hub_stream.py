@@ -1,4 +1,4 @@
-"""hub/stream.py against the fake Hub (tests/fixtures/fake_hub.py): a repo's files read by ranges at one commit, the
+"""hub/stream/ against the fake Hub (tests/fixtures/fake_hub.py): a repo's files read by ranges at one commit, the
 bytes equal to the files' for any reads from any threads, every fault survived or reported in one line with its
 tries, a flipped byte caught, a commit pushed mid-run ignored, the blocks held within the budget, the Hub cache's
 blobs checked as they are read."""
@@ -509,3 +509,26 @@ def test_a_range_retried_past_its_time_bound_ends_the_run(hub, faults):
     with opened(hub, names=[name], settings=settings) as remote:
         with pytest.raises(FetchError, match=r"still not whole after 0 s of tries$"):
             read_all(remote[name], 200_001)
+
+
+def test_a_file_of_one_block_read_in_scattered_pieces_is_fetched_once(hub):
+    """A file no larger than a block (a small shard, an adapter) read in small pieces here and there: fetched whole at
+    its first read, in one request, and every later piece served from that copy."""
+    endpoint, state, _, _ = hub
+    data = random.Random(5).randbytes(200_003)
+    assert len(data) <= SETTINGS.block_bytes
+    commit = state.publish("org/one-block", {"model.safetensors": data})
+    rng = random.Random(6)
+    pieces = [(at, at + rng.randrange(1, 3000)) for at in (rng.randrange(len(data) - 3000) for _ in range(40))]
+    pieces += pieces[:10]  # the same bytes asked again
+    before = len(state.downloads)
+    with RemoteFiles.open(
+        "org/one-block", commit, ["model.safetensors"], token=READ_TOKEN, endpoint=endpoint, settings=SETTINGS
+    ) as remote:
+        for first, end in pieces:
+            into = bytearray(end - first)
+            remote["model.safetensors"].pread(first, into)
+            assert into == data[first:end]
+        remote.finish()
+        assert state.downloads[before:] == [("model.safetensors", 0, len(data))]
+        assert (remote.stats.fetched, remote.stats.fetched_again) == (len(data), 0)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import click
 
 from ..errors import ArgumentError, Interrupted, Nf4ConvertError, Terminated
-from ..paths import shown
+from ..paths import as_utf8
 from .signals import StopSignals
 
 # What a library error's ``option`` becomes on the command line.
@@ -171,7 +171,7 @@ def _refuse_mistyped_command(word: str, commands: list[str]) -> None:
 def error_line(text: str) -> None:
     """The one way an error reaches the terminal: ``Error: ...`` on one line, whatever the text holds (a path
     or tensor name with a newline or carriage return in it is shown escaped, a byte that is not UTF-8 as ``\\xNN``)."""
-    one_line = shown(text).replace("\r", "\\r").replace("\n", "\\n")
+    one_line = as_utf8(text).replace("\r", "\\r").replace("\n", "\\n")
     try:
         click.echo(f"Error: {one_line}", err=True)
     except BrokenPipeError:

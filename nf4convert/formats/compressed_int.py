@@ -50,7 +50,6 @@ PACKED, NAIVE, INT = "pack-quantized", "naive-quantized", "int-quantized"
 FORMATS = (PACKED, NAIVE, INT)
 PACKED_BITS = (2, 4, 8)
 SCALE_DTYPES = ("F16", "BF16", "F32")
-PACKED_PARTS = ("weight_packed", "weight_shape", "weight_scale", "weight_zero_point")
 # Tensors of these integer layouts besides the weight itself (verify: leftovers in a dense output).
 QUANTIZATION_KEYS = ("weight_packed", "weight_shape", "weight_scale", "weight_zero_point", "weight_g_idx")
 # (the activation and KV-cache parts below are quantization keys too)
@@ -415,6 +414,10 @@ class CompressedInt(SourceFormat):
         """Its problem with a compressed-tensors config (a config of float groups alone is another format's to
         read: the registry refuses a config only where every format reading it finds a problem)."""
         return config_problem(quantization_config)
+
+    @classmethod
+    def claims_config(cls, quantization_config: dict) -> bool:
+        return super().reads_config(quantization_config) and bool(int_groups(quantization_config))
 
     @classmethod
     def is_quantization_key(cls, tensor_name: str) -> bool:

@@ -160,10 +160,6 @@ class WeightFp8:
     def sources(self) -> tuple[TensorInfo, ...]:
         return self.weight, self.scale
 
-    @property
-    def source_keys(self) -> tuple[str, ...]:
-        return self.weight.name, self.scale.name
-
 
 def block_size(quantization: dict) -> tuple[int, int] | None:
     """The config's ``weight_block_size`` as (rows, columns), None for one scale per tensor (a malformed value is

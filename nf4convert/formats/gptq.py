@@ -173,17 +173,37 @@ def find_weights(tensors: dict[str, TensorInfo], reader: TensorReader, quantizat
 def unused_biases(weights: list[GptqWeight], tensors: dict[str, TensorInfo], config: dict | None) -> set[str]:
     """The ``X.bias`` tensors beside quantized layers whose dense model has no bias there: AutoGPTQ saved a (zero)
     bias for every quantized layer, which transformers' GPTQ layers (made with a bias only where the model has one)
-    never load; a dense checkpoint holding them would load with unexpected keys. Where transformers cannot build the
-    model from config.json, they are kept (nothing says the model lacks them)."""
+    never load; a dense checkpoint holding them would load with unexpected keys. Only a layer the model is seen to
+    have, with no bias, leaves its bias out: where transformers cannot build the model from config.json, or the
+    model has no layer of that name (under its base model's prefix or without it), the bias is kept (nothing says
+    the model lacks it)."""
     biases = [weight.name.removesuffix("weight") + "bias" for weight in weights]
     biases = [name for name in biases if name in tensors]
     if not biases or not isinstance(config, dict):
         return set()
     from ..model.skeleton import meta_model
 
-    _, parameter_shape, unbuilt, _ = meta_model({k: v for k, v in config.items() if k != "quantization_config"})
-    absent = {name for name in biases if parameter_shape(name) is None}
+    _, _, unbuilt, module = meta_model({k: v for k, v in config.items() if k != "quantization_config"})
+    absent = {name for name in biases if _without_bias(module, name.removesuffix(".bias"))}
     return set() if unbuilt() else absent
+
+
+def _without_bias(module, path: str) -> bool:
+    """Whether the model ``module`` (meta_model's: path -> module) has the layer ``path`` and that layer has no bias.
+    A checkpoint names its layers as the model with a head does ("model.layers.0..."); a config.json without
+    ``architectures`` builds the base model, whose names lack the head's prefix ("layers.0...")."""
+    root = module("")
+    prefix = getattr(root, "base_model_prefix", "") or ""
+    candidates = [path]
+    if prefix and path.startswith(prefix + "."):
+        candidates.append(path[len(prefix) + 1 :])
+    elif prefix:
+        candidates.append(f"{prefix}.{path}")
+    for candidate in candidates:
+        layer = module(candidate)
+        if layer is not None:
+            return getattr(layer, "bias", None) is None
+    return False
 
 
 def groups(weight: GptqWeight) -> int:

@@ -93,10 +93,6 @@ class WeightMxfp4:
     def sources(self) -> tuple[TensorInfo, ...]:
         return self.blocks, self.scales
 
-    @property
-    def source_keys(self) -> tuple[str, ...]:
-        return self.blocks.name, self.scales.name
-
     def pieces(self, max_values: int) -> Iterator[tuple[int, int, int, int]]:
         """(first expert, experts, first group, groups) of pieces of about ``max_values`` dense values at most (at
         least one group of one expert): runs of whole experts where one fits, else runs of whole groups (32 dense

@@ -1,13 +1,13 @@
 """One range of a Hub file, fetched once: over HTTP (http.client straight into the caller's buffer for the storage's
 signed links, huggingface_hub's client through a proxy and for the Hub's own files) or through hf_xet's ranged
 streams for a Xet file; each answer checked before its body is taken (a status worth asking again for, an expired
-link renewed, a range not the one asked). ``stream.py`` owns the tries, the blocks and the hashes; a transfer reports
+link renewed, a range not the one asked). ``stream/`` owns the tries, the blocks and the hashes; a transfer reports
 what it received in ``Part.received`` whatever happens, so that the next try starts from there.
 
 A transfer is made for an owner (``stream.RemoteFiles``: ``settings``, ``token``, ``repo_id``, ``where(name)``,
-``closing``, ``note_request()``, ``note_received(size)``, ``renew_link(file)``) and fetches for a file
+``closing``, ``note_received(size)``, ``renew_link(file)``) and fetches for a file
 (``stream.RemoteFile``: ``name``, ``size``, ``info``, ``location``), both read by their attributes: this module
-imports nothing of stream.py, which imports it.
+imports nothing of stream/, which imports it.
 """
 
 from __future__ import annotations
@@ -72,7 +72,6 @@ class Http:
         if origin(location) not in (self.hub, origin(file.info.url)):  # a signed storage link: no token
             headers = {key: value for key, value in headers.items() if key.lower() != "authorization"}
         headers["Range"] = f"bytes={first}-{last}"
-        owner.note_request()
         with get(self.session, location, headers, self.timeout) as (status, answer, body):
             answered(owner, file, location, status, answer, first, last)
             take(owner, part, body, part.first + len(part.into) - first)
@@ -131,7 +130,6 @@ class Direct:
         location = file.location
         url = urlsplit(location)
         connection = self._connection(url.scheme, url.hostname, url.port)
-        owner.note_request()
         try:
             target = url.path + (f"?{url.query}" if url.query else "")
             connection.request("GET", target, headers={**self.headers, "Range": f"bytes={first}-{last}"})
@@ -294,7 +292,6 @@ class Xet:
 
     def attempt(self, file, part: Part) -> None:
         owner = self.owner
-        owner.note_request()
         first, end = part.first + part.received, part.first + len(part.into)
         stream = self._group(file).download_stream(self.file_info(file.info.xet_hash, file.size), start=first, end=end)
         try:

@@ -1,6 +1,6 @@
 """A run's Hub weights, read where they are and checked as they are read.
 
-A Hub repo's weight files are streamed (``stream.py``: HTTP ranges or hf_xet's, many in flight, never written to
+A Hub repo's weight files are streamed (``stream/``: HTTP ranges or hf_xet's, many in flight, never written to
 disk) unless the Hub cache holds them (``--download`` puts them there first, as an earlier download may have): then
 they are read from the cache. Either way every byte is checked against the Hub's hash of its file, and every read is
 pinned to the commit resolved at the start; :meth:`HubWeights.finish` says whether all of them matched, before an
@@ -145,7 +145,7 @@ class HubWeights(HeadersOnly):
 
     @property
     def stats(self) -> StreamStats:
-        """What the run read, all repos together: fetched (and fetched twice), from the cache, requests, retries."""
+        """What the run read, all repos together: fetched (and fetched twice), from the cache, retries."""
         total = StreamStats()
         for remote in self.opened:
             for key, value in vars(remote.stats).items():

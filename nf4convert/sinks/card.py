@@ -30,7 +30,7 @@ from ..dtypes import OUTPUT_DTYPES
 from ..formats.base import all_formats
 from ..hub.errors import first_line as error_line
 from ..hub.names import looks_like_repo_id
-from ..paths import shown
+from ..paths import as_utf8
 
 # Tags that describe quantized weights, whatever the format (each format adds its own: formats/base.py, card_tags);
 # compared lowercased. Tags about the model itself (unsloth, llama, text-generation, conversational...) are kept.
@@ -122,7 +122,7 @@ def model_card(
         >>> (output / "README.md").write_text(card.text, encoding="utf-8")
         >>> if card.warning: print(f"Warning: {card.warning}")
     """
-    title = shown(title) if title is not None else None
+    title = as_utf8(title) if title is not None else None
     fields, body, warning = _split(source_card_text)
     original_base = fields.get("base_model")
     front_matter, yaml_warning = _front_matter(_dense_fields(fields, source_repo=source_repo))
@@ -308,7 +308,7 @@ def _how_made(
     if adapter:
         adapter_repo = looks_like_repo_id(adapter)
         name = adapter if adapter_repo else adapter.rstrip("/\\").replace("\\", "/").rsplit("/", 1)[-1]
-        named = _link(adapter) if adapter_repo else f"`{shown(name)}` (a local folder)"
+        named = _link(adapter) if adapter_repo else f"`{as_utf8(name)}` (a local folder)"
         lines += ["", f"The adapter {named} was then merged into the dequantized weights."]
         if untied:
             # the one departure from peft's own merge of the tied base, which keeps the tie and is not the trained model
@@ -350,7 +350,7 @@ def _local(folder: str) -> str:
 def _shell_word(word: str) -> str:
     """``word`` quoted for a POSIX shell; one holding bytes that are not UTF-8 in bash's ``$'...'``, each such byte as
     ``\\xNN`` (the card is UTF-8 text, the command must still name the same path)."""
-    if shown(word) == word:
+    if as_utf8(word) == word:
         return shlex.quote(word)
     escaped = "".join(
         f"\\x{ord(char) - 0xDC00:02x}" if 0xDC80 <= ord(char) <= 0xDCFF else "\\" + char if char in "\\'" else char

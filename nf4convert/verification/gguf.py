@@ -45,8 +45,8 @@ from .reference.base import against
 HEADER_FIELDS = ("GGUF.version", "GGUF.tensor_count", "GGUF.kv_count")  # the reader's names for the header's words
 
 
-class GgufFile:
-    """A GGUF file, as verify checks it: read (and its type known) before SOURCE is fetched."""
+class GgufCheck:
+    """A GGUF output checked by verify: read (and its type known) before SOURCE is fetched."""
 
     gguf = True
     imports = IMPORTS  # the converter's, begun on the side

@@ -27,12 +27,12 @@ from ..plan import make_plan
 from ..safetensors_io.read import TensorReader, read_tensors
 from ..settings import Settings
 from .folder import Folder
-from .gguf import GgufFile
+from .gguf import GgufCheck
 from .libraries import installed, quiet_loggers, reference_libraries, reference_library, start_importing
 from .reference.base import Context, libraries
 from .report import VerifyReport
 
-OUTPUTS = (GgufFile, Folder)  # the kinds of output verify checks: the first that claims OUT checks it
+OUTPUTS = (GgufCheck, Folder)  # the kinds of output verify checks: the first that claims OUT checks it
 
 
 def _plan_source(folder: Path, output: Path, dtype, reader: TensorReader, adapter: Path | None):
@@ -173,8 +173,20 @@ def _unloaded(plan, report: VerifyReport) -> list[str]:
             report.notes.append(f"which parameters transformers' model needs was not checked: {found}")
         return []
     model, missing = found
-    return [
+    return [_unloaded_problem(name, model, plan.source_tensors) for name in missing]
+
+
+def _unloaded_problem(name: str, model: str, source_tensors) -> str:
+    """What a parameter the output leaves to random values says: the output lacks it, and the source lacks it too,
+    or holds it under that name (or a model's prefix before it: a base model's names lack the head's) and the
+    conversion left it out."""
+    held = [key for key in source_tensors if key == name or key.endswith("." + name)]
+    if held:
+        return (
+            f"{name}: transformers' {model} has this parameter and the source holds it ('{held[0]}'), but the "
+            "output lacks it (transformers would fill it with random values)"
+        )
+    return (
         f"{name}: transformers' {model} has this parameter, the source and the output lack it (transformers would "
         "fill it with random values)"
-        for name in missing
-    ]
+    )

@@ -28,7 +28,7 @@ from pathlib import Path
 from ... import preload
 from ...dtypes import OUTPUT_DTYPES
 from ...errors import ArgumentError, CheckpointError, DependencyError, Nf4ConvertError
-from ...paths import shown
+from ...paths import as_utf8
 from ..scratch import scratch_folder
 from .tokenizer_files import broken_file
 
@@ -202,9 +202,9 @@ def check_tokenizer_files(folder: Path) -> None:
 def staged(folder: Path, config: dict, card: str | None, name: str) -> Iterator[Path]:
     """A folder named ``name`` that the converter reads as the dense checkpoint's, without weights: the source's side
     files linked in, the dense ``config`` and ``card``; removed after the block. A byte of ``name`` that is not UTF-8
-    is named ``\\xNN`` (``paths.shown``): the converter's libraries take paths and names as UTF-8 text."""
+    is named ``\\xNN`` (``paths.as_utf8``): the converter's libraries take paths and names as UTF-8 text."""
     with scratch_folder("gguf") as scratch:
-        stage = scratch / shown(name)
+        stage = scratch / as_utf8(name)
         stage.mkdir()
         for path in sorted(folder.iterdir()):
             if path.name in _NOT_STAGED or path.name.endswith(_NOT_STAGED_SUFFIXES):

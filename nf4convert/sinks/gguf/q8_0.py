@@ -19,11 +19,6 @@ CHUNK_VALUES = 1 << 20  # values quantized per step on a CPU, in buffers reused 
 CUDA_CHUNK_VALUES = 1 << 24  # on a GPU: fewer launches and copies back, for buffers of a few hundred MB
 
 
-def q8_0_bytes(values) -> int:
-    """The Q8_0 size of ``values`` (its element count a multiple of 32)."""
-    return values.numel() // BLOCK * BLOCK_BYTES
-
-
 class Q8_0:
     """Quantizes to Q8_0 on one device, chunk by chunk, in buffers it keeps: on a CPU, a fresh tensor for each step
     of each chunk would cost more in page faults than the arithmetic. ``edge_blocks(blocks)`` quantizes the blocks

@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -371,6 +372,54 @@ def test_a_local_checkpoint_saved_with_fp16_weights_says_why_it_has_nothing_to_c
         assert result.returncode == 1 and len(lines) == 1 and lines[0].startswith(f"Error: {folder}: "), result.stderr
         assert says in lines[0], lines[0]
     assert not (tmp_path / "out").exists()
+
+
+# compressed-tensors FP8 config groups (settings of the weights) that no format reads: each refused in the words of
+# the format whose group it is, locally and before a Hub repo's weights are fetched.
+CT_FP8_UNREAD = {
+    "strategy-group": (
+        {"strategy": "group", "group_size": 32},
+        "quantizes FP8 weights by strategy 'group', not read yet",
+    ),
+    "asymmetric": ({"symmetric": False}, "quantizes FP8 weights asymmetrically (with zero points), not read yet"),
+    "block-structure": ({"block_structure": [32]}, "has block_structure [32], not two positive integers"),
+    "4-bit": ({"num_bits": 4}, "quantizes 4-bit float weights, not read yet"),
+    "strategy-token": ({"strategy": "token"}, "quantizes FP8 weights by strategy 'token', not read yet"),
+}
+
+
+@pytest.fixture(scope="module")
+def ct_fp8(tmp_path_factory):
+    pytest.importorskip("compressed_tensors")
+    from fixtures import float_checkpoints as fc
+
+    return fc.build_compressed(tmp_path_factory.mktemp("ct-fp8") / "ct-fp8", "qwen3-ct-fp8-block")
+
+
+@pytest.mark.parametrize("case", list(CT_FP8_UNREAD))
+def test_a_compressed_tensors_fp8_group_not_read_is_refused_in_its_formats_words(hub, ct_fp8, tmp_path, case):
+    endpoint, _ = hub
+    settings, says = CT_FP8_UNREAD[case]
+    folder = tmp_path / f"ct-fp8-{case}"
+    shutil.copytree(ct_fp8, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"]["config_groups"]["group_0"]["weights"].update(settings)
+    (folder / "config.json").write_text(json.dumps(config))
+    local = cli(folder, "-q", "-o", tmp_path / "out", env={}, cwd=tmp_path)
+    repo = f"test-org/{folder.name}"
+    FakeHub.repos[repo] = {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
+    FakeHub.requested.clear()
+    try:
+        env = {"HF_ENDPOINT": endpoint, "HF_HUB_DISABLE_XET": "1"}
+        remote = cli(repo, "-q", "-o", tmp_path / "out", "--cache-dir", tmp_path / "cache", env=env, cwd=tmp_path)
+    finally:
+        del FakeHub.repos[repo]
+    begins = {"remote": f"Error: {repo}: not a checkpoint nf4convert reads: ", "local": f"Error: {folder}: "}
+    for route, result in (("remote", remote), ("local", local)):
+        lines = error_lines(result)
+        assert result.returncode == 1 and len(lines) == 1 and lines[0].startswith(begins[route]), result.stderr
+        assert f"config group 'group_0' {says}" in lines[0], (route, lines[0])
+    assert downloaded(repo) == ["config.json"] and not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("route", ["streamed", "--download"])

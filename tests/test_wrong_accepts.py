@@ -155,6 +155,11 @@ def _float4_group(quantization):
     }
 
 
+def _int_as_float_group(quantization):
+    _float4_group(quantization)
+    quantization["config_groups"]["group_1"]["weights"]["type"] = "int"
+
+
 # name -> (variant, change(folder), what the error line says)
 CASES = {
     # compressed-tensors settings that say the weights are no compressed ones, for every source
@@ -195,7 +200,9 @@ CASES = {
                              "sparsity_config is 'x'"),
     # a group whose weights no format reads
     "ct-float4-group": (CT_INT4, lambda f: edit_quantization(f, _float4_group),
-                        "config group 'group_1' stores 4-bit 'float' weights as 'float-quantized'"),
+                        "config group 'group_1' quantizes 4-bit float weights, not read yet"),
+    "ct-int-as-float-group": (CT_INT4, lambda f: edit_quantization(f, _int_as_float_group),
+                              "config group 'group_1' stores 4-bit 'int' weights as 'float-quantized'"),
 }  # fmt: skip
 ROUTES = ["convert", "dry-run", "gguf"]
 

@@ -42,6 +42,13 @@ class SourceFormat:
         return None
 
     @classmethod
+    def claims_config(cls, quantization_config: dict) -> bool:
+        """Whether a ``quantization_config`` it reads names weights of this format in particular (a compressed-tensors
+        config group stored its way), not only a quant_method that other formats read too: where every reader finds
+        a problem, the claiming one's is the refusal."""
+        return cls.reads_config(quantization_config)
+
+    @classmethod
     def is_quantization_key(cls, tensor_name: str) -> bool:
         """Whether a tensor so named is one only its quantized checkpoints hold (a quant state, a scale)."""
         raise NotImplementedError
@@ -105,7 +112,8 @@ def config_reason(config: dict) -> str | None:
 
 def config_problem(config: dict) -> str | None:
     """Where each ``quantization_config`` of a config.json is read by formats that each find a problem with it (it
-    says they hold nothing to dequantize, or what they cannot read), the first such problem; else None."""
+    says they hold nothing to dequantize, or what they cannot read), the first such problem, as the format that
+    claims it words it (``claims_config``); else None."""
     from ..model.config import quantization_configs
 
     found = quantization_configs(config)
@@ -115,5 +123,8 @@ def config_problem(config: dict) -> str | None:
 
 def _problem(quantization: dict) -> str | None:
     readers = [f for f in all_formats().values() if f.reads_config(quantization)]
-    problems = [f.config_problem(quantization) for f in readers]
-    return problems[0] if readers and all(problems) else None
+    problems = {f: f.config_problem(quantization) for f in readers}
+    if not readers or not all(problems.values()):
+        return None
+    claiming = [f for f in readers if f.claims_config(quantization)]
+    return problems[(claiming or readers)[0]]

@@ -53,31 +53,40 @@ QUANTIZATION_NAMES = ("weight_scale", "weight_zero_point", *ACTIVATION_NAMES)
 PLAN_READS = re.compile(r"\.weight_scale$")
 
 
-def fp8_groups(quantization: dict) -> dict[str, dict]:
-    """The config groups whose weights are 8-bit floats in a float-quantized format, by group name."""
+def float_groups(quantization: dict) -> dict[str, dict]:
+    """The config groups whose weights are floats in a float-quantized format, of any width, by group name: this
+    format's to read, or to refuse."""
     groups = {}
     if compressed_config.shape_problem(quantization):
         return groups
     for name, group in (quantization.get("config_groups") or {}).items():
         weights = (group or {}).get("weights") or {}
         stored = group.get("format") or quantization.get("format")
-        if weights.get("type") == "float" and weights.get("num_bits") == 8 and stored in FP8_FORMATS:
+        if weights.get("type") == "float" and stored in FP8_FORMATS:
             groups[name] = group
     return groups
 
 
+def fp8_groups(quantization: dict) -> dict[str, dict]:
+    """The config groups whose weights are 8-bit floats in a float-quantized format, by group name."""
+    return {name: group for name, group in float_groups(quantization).items() if group["weights"].get("num_bits") == 8}
+
+
 def config_problem(quantization: dict) -> str | None:
-    """What in a compressed-tensors config's FP8 groups cannot be read, or None."""
+    """What in a compressed-tensors config's float-quantized groups cannot be read, or None."""
     problem = compressed_config.problem(quantization)
     if problem:
         return problem
-    groups = fp8_groups(quantization)
+    groups = float_groups(quantization)
     if not groups:
         if quantization.get("format") == "dense" or quantization.get("quantization_status") == "frozen":
             return "its weights are stored dense (format 'dense'): there is nothing to dequantize"
         return "it has no 8-bit float ('float-quantized') weights"
     for name, group in groups.items():
         weights = group["weights"]
+        bits = weights.get("num_bits")
+        if bits != 8:
+            return f"config group '{name}' quantizes {bits!r}-bit float weights, not read yet (FP8 is 8-bit)"
         strategy = weights.get("strategy")
         if strategy not in STRATEGIES:
             return f"config group '{name}' quantizes FP8 weights by strategy {strategy!r}, not read yet"
@@ -185,7 +194,7 @@ class CompressedFloatFormat(SourceFormat):
 
     @classmethod
     def reads_config(cls, quantization_config: dict) -> bool:
-        return super().reads_config(quantization_config) and bool(fp8_groups(quantization_config))
+        return super().reads_config(quantization_config) and bool(float_groups(quantization_config))
 
     @classmethod
     def config_problem(cls, quantization_config: dict) -> str | None:

@@ -415,6 +415,10 @@ class CompressedInt(SourceFormat):
         return config_problem(quantization_config)
 
     @classmethod
+    def claims_config(cls, quantization_config: dict) -> bool:
+        return super().reads_config(quantization_config) and bool(int_groups(quantization_config))
+
+    @classmethod
     def is_quantization_key(cls, tensor_name: str) -> bool:
         return tensor_name.rsplit(".", 1)[-1] in (*QUANTIZATION_KEYS, *ACTIVATION_PARTS, *KV_CACHE_PARTS)
 

@@ -73,7 +73,7 @@ def config_problem(quantization: dict) -> str | None:
 def check_groups(quantization: dict, tensors: dict[str, TensorInfo]) -> None:
     """CheckpointError for a compressed-tensors config of a shape compressed-tensors does not write, or whose settings
     say its weights are not compressed ones (``compressed_config``), or whose groups are not each one format's: a
-    group stored in a format no registered format reads, or weights no format reads in it (4-bit floats as
+    group stored in a format no registered format reads, or weights no format reads in it (integers as
     ``float-quantized``; its layers would be copied as codes), two groups naming the same target
     (compressed-tensors would silently take the later one), a layer two groups' regexes both match (which group it
     is in would depend on the regexes' sort order), or a group whose targets, all regexes, match no layer."""
@@ -81,7 +81,7 @@ def check_groups(quantization: dict, tensors: dict[str, TensorInfo]) -> None:
     if problem:
         raise CheckpointError(problem)
     groups = quantization.get("config_groups") or {}
-    read = {*compressed_int.int_groups(quantization), *compressed_float.fp8_groups(quantization)}
+    read = {*compressed_int.int_groups(quantization), *compressed_float.float_groups(quantization)}
     read |= set(nvfp4_groups(quantization))
     owner: dict[str, str] = {}
     for name, group in groups.items():

@@ -28,6 +28,7 @@ from pathlib import Path
 from ... import preload
 from ...dtypes import OUTPUT_DTYPES
 from ...errors import ArgumentError, CheckpointError, DependencyError, Nf4ConvertError
+from ...files import DROPPED_FILES
 from ...paths import as_utf8
 from ..scratch import scratch_folder
 from .tokenizer_files import broken_file
@@ -75,7 +76,15 @@ FLOAT_TYPES = {"fp32": "f32", "fp16": "f16", "bf16": "bf16"}
 TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "vocab.json", "vocab.txt", "tekken.json")
 # a dense checkpoint's weights and index, and the files staged apart: the converter must not see the source's
 _NOT_STAGED_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
-_NOT_STAGED = {"model.safetensors.index.json", "pytorch_model.bin.index.json", "config.json", "README.md"}
+# weights and their indexes, what is written anew, and ModelOpt's quantization config (the converter would read the
+# source's quantization from it)
+_NOT_STAGED = {
+    "model.safetensors.index.json",
+    "pytorch_model.bin.index.json",
+    "config.json",
+    "README.md",
+    *DROPPED_FILES,
+}
 
 # fields the converter derives from the folder's (and so the model's) name, not from the weights or config
 NAME_FIELDS = ("general.name", "general.basename", "general.finetune", "general.version", "general.size_label")

@@ -42,6 +42,7 @@ class Option:
     flags: tuple[str, ...] | None = None  # the command line's spellings (None: --<name, '_' as '-'>; (): the API's)
     metavar: str | None = None
     folder: bool = False  # its value names a folder
+    file: bool = False  # its value names a file
     envvar: str | None = None  # the environment variable the command line reads where the flag is not given
     show_default: bool = False
     once: bool = False  # given twice on the command line is refused (else the last would win, the first dropped)

@@ -22,7 +22,7 @@ from .flags import DeclaredCommand, conversion_flags, hub_flags, quiet_option, v
 @click.group(cls=DefaultGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="nf4convert")
 def main():
-    """Turn quantized checkpoints (bitsandbytes, GPTQ, AWQ, FP8, MXFP4, compressed-tensors) into dense ones.
+    """Turn quantized checkpoints (bitsandbytes, GPTQ, AWQ, FP8, MXFP4, compressed-tensors, ModelOpt) into dense ones.
 
     \b
     Examples:

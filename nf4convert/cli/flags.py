@@ -41,6 +41,8 @@ def click_option(spec: Option, command: str) -> click.Option:
         settings["type"] = click.Choice(spec.choices, case_sensitive=False)
     elif spec.folder:
         settings["type"] = click.Path(file_okay=False)
+    elif spec.file:
+        settings["type"] = click.Path(dir_okay=False)
     if spec.default is not None and not spec.switch:
         settings["default"] = spec.default
     if spec.show_default:

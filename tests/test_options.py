@@ -126,3 +126,44 @@ def test_verify_streams_a_hub_source_with_the_settings_a_conversion_takes(monkey
     with pytest.raises(_Seen):
         verify(tmp_path / "out", EXAMPLE, device="cpu")
     assert made == [StreamSettings(memory_bytes=64 << 20, requests_at_once=3)]
+
+
+def test_to_chooses_the_output_format_where_out_does_not_say_it(tmp_path):
+    from nf4convert.dtypes import output_dtype
+    from nf4convert.sinks.base import sink_for
+    from nf4convert.sinks.gguf.sink import GgufFile
+    from nf4convert.verification.gguf import GgufCheck
+
+    for given, chosen in [
+        (dict(to="gguf"), "gguf"),
+        (dict(to="GGUF", output="model"), "gguf"),
+        (dict(to="safetensors", output="dense"), "safetensors"),
+        (dict(output="model"), "safetensors"),
+        (dict(to="gguf", output="m.gguf", gguf_type="q8_0"), "gguf"),
+    ]:
+        assert sink_for(ConvertOptions.parse(**given)).name == chosen, given
+    for given, refused in [
+        (dict(to="pdf"), "to 'pdf' is not one of gguf, safetensors"),
+        (dict(to="safetensors", output="m.gguf"), "to='safetensors' asks for a safetensors output, but the output's"),
+        (dict(to="safetensors", gguf_type="q8_0"), "to='safetensors' asks for a safetensors output"),
+    ]:
+        with pytest.raises(ArgumentError, match=refused) as error:
+            sink_for(ConvertOptions.parse(**given))
+        assert error.value.option == "to"
+    auto, fp16 = ConvertOptions.parse(to="gguf"), ConvertOptions.parse(to="gguf", dtype="fp16")
+    assert GgufFile.batch_output(tmp_path, "m", auto) == str(tmp_path / "m-<dtype>.gguf")  # the plan decides
+    assert GgufFile.batch_output(tmp_path, "m", fp16) == str(tmp_path / "m-f16.gguf")
+    assert fp16.dtype == output_dtype("fp16")
+    (tmp_path / "plain").write_bytes(b"GGUF\x03\x00\x00\x00")
+    (tmp_path / "other").write_bytes(b"PK\x03\x04")
+    assert GgufCheck.claims(str(tmp_path / "plain")) and GgufCheck.claims("x.GGUF")
+    assert not GgufCheck.claims(str(tmp_path / "other")) and not GgufCheck.claims(str(tmp_path))
+
+
+def test_a_gguf_named_freely_with_to_converts_and_verifies(tmp_path):
+    pytest.importorskip("conversion")  # the "gguf" extra: llama.cpp's converter
+    out = tmp_path / "plain-name"
+    made = cli(EXAMPLE, "-o", out, "--to", "gguf", "--device", "cpu", "-q")
+    assert "GGUF bf16" in made and out.read_bytes()[:4] == b"GGUF"
+    shown = cli("verify", out, EXAMPLE, "--device", "cpu", "-q")
+    assert "OK: bit-exact with llama.cpp's converter" in shown

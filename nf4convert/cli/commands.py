@@ -170,9 +170,10 @@ def verify_command(output, source, given, quiet):
 
     The references: bitsandbytes (4-bit and 8-bit), GPTQModel's arithmetic (GPTQ, AWQ), compressed-tensors
     (its formats, block FP8, NVFP4), transformers' integrations (per-tensor FP8, MXFP4), ModelOpt's arithmetic
-    (its FP8 and NVFP4) and peft for an adapter's merge; never nf4convert's own kernels or converter code. Exits 0 only if every weight matches,
-    every source tensor is there and no quantization key or config remains. A GGUF OUTPUT is checked against
-    llama.cpp's converter run on those references: every tensor's bytes and every metadata field.
+    (its FP8 and NVFP4) and peft for an adapter's merge; never nf4convert's own kernels or converter code.
+    Exits 0 only if every weight matches, every source tensor is there and no quantization key or config
+    remains. A GGUF OUTPUT is checked against llama.cpp's converter run on those references: every tensor's
+    bytes and every metadata field.
 
     \b
     Example:

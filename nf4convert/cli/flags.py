@@ -5,7 +5,6 @@ line gave them, parsed where the command runs (a bad value is then one line, as 
 
 from __future__ import annotations
 
-import functools
 import sys
 from typing import Callable
 
@@ -31,14 +30,13 @@ def one_value(ctx, param, values):
     return values[0] if values else None
 
 
-@functools.cache
 def click_option(spec: Option, command: str) -> click.Option:
     """``command``'s option of one declaration."""
     settings: dict = dict(help=spec.help_of(command))
     if spec.switch:
         settings["is_flag"] = True
     elif spec.choices is not None:
-        settings["type"] = click.Choice(spec.choices, case_sensitive=False)
+        settings["type"] = click.Choice(spec.choices_now(), case_sensitive=False)
     elif spec.folder:
         settings["type"] = click.Path(file_okay=False)
     elif spec.file:

@@ -100,7 +100,8 @@ def declare(name: str, help: str, **declared) -> Option:
     ``convert`` and ``batch``, a keyword of the API's ``convert`` and an attribute of ``ConvertOptions``."""
     spec = Option(help, name=name, **declared)
     known = DECLARED.get(name)
-    if (known is not None and known != spec) or name in {f.name for f in dataclasses.fields(ConvertOptions)}:
+    again = known is not None and (known.help, known.after) == (spec.help, spec.after)  # its module imported again
+    if (known is not None and not again) or name in {f.name for f in dataclasses.fields(ConvertOptions)}:
         raise ValueError(f"option {name!r} is declared twice")
     DECLARED[name] = spec
     return spec

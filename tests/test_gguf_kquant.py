@@ -214,3 +214,14 @@ def test_on_the_gpu_route_the_file_is_llama_quantizes(ref, models, tmp_path):
         ours, theirs = tmp_path / f"{kind}.gguf", tmp_path / f"{kind}-ref.gguf"
         cli(source, "-o", ours, "--gguf-type", gguf_type, "--imatrix", imatrix, "-q", "--device", "cuda")
         _same_file(ours, ref.quantize_file(base, theirs, gguf_type, imatrix))
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "fp32"])
+def test_from_f16_and_f32_values_the_file_is_llama_quantizes(ref, models, tmp_path, dtype):
+    source, _, imatrix, _ = models["llama-ragged"]
+    base = tmp_path / "in.gguf"
+    cli(source, "-o", base, "--dtype", dtype, "-q", "--device", "cpu")  # the f16 (f32) file llama-quantize reads
+    for gguf_type in ("q4_k_m", "iq4_xs"):
+        ours = tmp_path / f"{gguf_type}.gguf"
+        cli(source, "-o", ours, "--dtype", dtype, "--gguf-type", gguf_type, "--imatrix", imatrix, "-q")
+        _same_file(ours, ref.quantize_file(base, tmp_path / f"{gguf_type}-ref.gguf", gguf_type, imatrix))

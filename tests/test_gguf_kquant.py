@@ -164,6 +164,9 @@ def test_verify_without_llama_cpp_says_how_to_get_it(models, tmp_path, monkeypat
     result = cli("verify", out, source, "-q", "--device", "cpu", code=1)
     line = one_error_line(result.output)
     assert "needs llama.cpp's own quantizer" in line and "llama-quantize" in line and "llama-cpp-python" in line
+    again = tmp_path / "again.gguf"  # --verify says so before anything is converted
+    result = cli(source, "-o", again, "--gguf-type", "q5_k_s", "--verify", "-q", "--device", "cpu", code=1)
+    assert one_error_line(result.output) == line and not again.exists()
 
 
 def test_with_an_adapter_and_in_a_batch_the_files_are_llama_quantizes(ref, models, tmp_path):
@@ -214,3 +217,14 @@ def test_on_the_gpu_route_the_file_is_llama_quantizes(ref, models, tmp_path):
         ours, theirs = tmp_path / f"{kind}.gguf", tmp_path / f"{kind}-ref.gguf"
         cli(source, "-o", ours, "--gguf-type", gguf_type, "--imatrix", imatrix, "-q", "--device", "cuda")
         _same_file(ours, ref.quantize_file(base, theirs, gguf_type, imatrix))
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "fp32"])
+def test_from_f16_and_f32_values_the_file_is_llama_quantizes(ref, models, tmp_path, dtype):
+    source, _, imatrix, _ = models["llama-ragged"]
+    base = tmp_path / "in.gguf"
+    cli(source, "-o", base, "--dtype", dtype, "-q", "--device", "cpu")  # the f16 (f32) file llama-quantize reads
+    for gguf_type in ("q4_k_m", "iq4_xs"):
+        ours = tmp_path / f"{gguf_type}.gguf"
+        cli(source, "-o", ours, "--dtype", dtype, "--gguf-type", gguf_type, "--imatrix", imatrix, "-q")
+        _same_file(ours, ref.quantize_file(base, tmp_path / f"{gguf_type}-ref.gguf", gguf_type, imatrix))

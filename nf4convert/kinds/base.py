@@ -32,8 +32,9 @@ class Recipe:
     A kind plans itself: the planner calls every registered kind's ``plan_source`` in ``order`` (claim the
     checkpoint's weights of a format, wrap some, copy the rest), then, once the output dtype is chosen, every kind's
     ``plan_output`` (merge an adapter), then ``plan_files`` and ``plan_config``: what it changes beside the tensors
-    (a merge's tokenizer and vocabulary), its record of which is its own (``Planning.merged``). A kind brings its compute: ``produce`` cuts its tensor into pieces and gives
-    each the route's ``make`` of its own module-level functions (``pipeline/routes/``)."""
+    (a merge's tokenizer and vocabulary), its record of which is its own (``Planning.merged``). A kind brings its
+    compute: ``produce`` cuts its tensor into pieces and gives each the route's ``make`` of its own module-level
+    functions (``pipeline/routes/``)."""
 
     kind: ClassVar[str]  # the registry's key, and the name of the kind's module here and in verification/reference/
     label: ClassVar[str]  # how a plan and a summary name what was done ("dequantized from 4-bit")

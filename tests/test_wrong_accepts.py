@@ -331,3 +331,45 @@ def test_from_the_hub_each_is_refused_streamed_and_in_a_dry_run(planted_all, tmp
             assert not (tmp_path / "root").exists() or not list((tmp_path / "root").iterdir())
     finally:
         server.shutdown()
+
+
+@pytest.mark.parametrize("plant", ["nan-weight", "raw-codes"])
+def test_verify_fails_on_a_planted_wrong_output(built, tmp_path, plant):
+    """An output whose weight holds a NaN, or the source's raw codes in its place, fails verify, naming it."""
+    source = built(CT_NAIVE_SYM)
+    out = tmp_path / "out"
+    cli(source, "-o", out, "-q", "--device", "cpu")
+    codes = load_file(source / "model.safetensors")[Q + "weight"]
+
+    def change(tensors):
+        if plant == "raw-codes":
+            tensors[Q + "weight"] = codes
+        else:
+            tensors[Q + "weight"] = tensors[Q + "weight"].clone()
+            tensors[Q + "weight"][3, 5] = math.nan
+
+    edit_tensors(out, change)
+    report = cli("verify", out, source, "--device", "cpu", "-q", code=1)
+    assert f"{Q}weight" in report and "FAILED" in report, report
+
+
+def _nan_code(byte: int):
+    def change(tensors):
+        weight = tensors[Q + "weight"].clone()
+        weight.view(torch.uint8)[1, 2] = byte
+        tensors[Q + "weight"] = weight
+
+    return change
+
+
+@pytest.mark.parametrize("processes", ["0", "2"], ids=["threads", "processes"])
+@pytest.mark.parametrize("variant, byte", [("fp8", 0x7F), ("ct-fp8", 0xFF)])
+def test_fp8_nan_codes_are_refused_as_the_weight_is_made(built, tmp_path, monkeypatch, variant, byte, processes):
+    """E4M3's NaN code in an FP8 weight: refused in one line naming the tensor as its codes are read (a plan reads
+    no codes), nothing written, on threads and worker processes."""
+    monkeypatch.setenv("NF4CONVERT_PROCESSES", processes)
+    source = copy_of(built, variant, tmp_path / "source")
+    edit_tensors(source, _nan_code(byte))
+    line = one_error_line(cli(source, "-o", tmp_path / "out", "-q", "--device", "cpu", code=1))
+    assert f"tensor '{Q}weight' holds 1 F8_E4M3 NaN or infinite codes" in line, line
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["source"]

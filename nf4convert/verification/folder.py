@@ -16,18 +16,16 @@ from ..safetensors_io.read import TensorInfo, TensorReader, read_tensors
 from . import audit, hints
 from .compare import Tallies, described
 from .finite import made_by_merge
+from .outputs import Output, register
 from .stream import check_tensors
 
 
-class Folder:
-    """A converted checkpoint's folder, as verify checks it."""
+@register
+class Folder(Output):
+    """A converted checkpoint's folder, as verify checks it: whatever OUT is not another kind's."""
 
-    gguf = False
-    imports = ()  # beyond the reference libraries
-
-    @staticmethod
-    def claims(output: str) -> bool:
-        return True  # whatever is not another kind's
+    name = "folder"
+    default = True
 
     def __init__(self, output: Path):
         if not output.is_dir():
@@ -91,7 +89,7 @@ class Folder:
                     report.compared_against[name] = tally.against
                     if not expected[name].recipe.plain:
                         report.dequantized += 1
-                        report.merged += expected[name].recipe.kind == "merge_lora"
+                        report.merged += expected[name].recipe.merges_adapter
                 problem = retyped[name] or (tally.problem() if tally is not None else None)
                 if not problem and tally is not None and tally.non_finite:
                     merged = context.recompute(expected[name], source_reader, device)

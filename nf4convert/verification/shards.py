@@ -70,7 +70,7 @@ class ShardChecks:
         require(libraries(plan.tensors), resolved.adapter_folder is not None)
         preload.settled()
         self.planned = {tensor.name: tensor for tensor in plan.tensors}
-        self.context = Context(self.planned, *meta_model(plan.config), plan.tied or ())
+        self.context = Context(self.planned, *meta_model(plan.config), (plan.merged and plan.merged.tied) or ())
 
     def check(self, path: Path) -> None:
         """Compare every tensor of the shard ``path`` with its reference; ShardMismatch naming the first problem."""
@@ -96,7 +96,7 @@ class ShardChecks:
                 report.compared_against[name] = tally.against
                 if not expected[name].recipe.plain:
                     report.dequantized += 1
-                    report.merged += expected[name].recipe.kind == "merge_lora"
+                    report.merged += expected[name].recipe.merges_adapter
             problem = retyped[name] or (tally.problem() if tally is not None else None)
             if not problem and tally is not None and tally.non_finite:
                 merged = self.context.recompute(expected[name], self.reader, self.device)

@@ -26,13 +26,10 @@ from ..paths import expanded
 from ..plan import make_plan
 from ..safetensors_io.read import TensorReader, read_tensors
 from ..settings import Settings
-from .folder import Folder
-from .gguf import GgufCheck
 from .libraries import installed, quiet_loggers, reference_libraries, require, start_importing
+from .outputs import output_for
 from .reference.base import Context, libraries
 from .report import VerifyReport
-
-OUTPUTS = (GgufCheck, Folder)  # the kinds of output verify checks: the first that claims OUT checks it
 
 
 def _plan_source(folder: Path, output: Path, dtype, reader: TensorReader, adapter: Path | None):
@@ -112,7 +109,7 @@ def verified(output: str | Path, source: str, options: VerifyOptions, *, resolve
     if not named.strip():
         raise ArgumentError("output is empty; give the converted checkpoint's folder", option="output")
     output = expanded(named, "output")
-    checked = next(kind for kind in OUTPUTS if kind.claims(named))(output)  # its own checks, before SOURCE is fetched
+    checked = output_for(named)(output)  # its own checks, before SOURCE is fetched
     chosen = pick_device(options.device, kernel=False)  # bitsandbytes recomputes: no Triton needed
     report = VerifyReport(output, device=str(chosen), gguf=checked.gguf)
     hub, progress = options.hub, options.progress
@@ -137,7 +134,7 @@ def verified(output: str | Path, source: str, options: VerifyOptions, *, resolve
         preload.settled()  # from here this thread imports transformers' and the converter's parts itself
         profile.mark("reference libraries imported")
         planned = {tensor.name: tensor for tensor in plan.tensors}
-        context = Context(planned, *meta_model(plan.config), plan.tied or ())
+        context = Context(planned, *meta_model(plan.config), (plan.merged and plan.merged.tied) or ())
         checked.check(
             report,
             plan,

@@ -17,9 +17,9 @@ from ..dtypes import BY_NAME
 from ..errors import Interrupted, Nf4ConvertError, Terminated, UploadError
 from ..options import ConvertOptions, VerifyOptions
 from ..paths import expanded_output
-from ..settings import Settings
 from ..sinks import output as lifecycle
 from ..sinks.base import SINKS, sink_for
+from ..sinks.gguf.converter import is_quantized
 from ..sinks.naming import batch_stems, check_batch_root
 from ..verification.report import VerifyReport
 
@@ -68,6 +68,10 @@ def convert_then(
     With ``verify``, the reference libraries begin importing on the side as the conversion starts, and verify takes
     SOURCE as the conversion resolved and planned it."""
     then_importing = ()
+    if verify and is_quantized(options.gguf_type):  # llama.cpp's quantizer is there, before anything is converted
+        from ..verification.llama_quantize import find
+
+        find(options.gguf_type, options.imatrix is not None)
     if verify:
         from ..verification.libraries import importing, reference_libraries
 
@@ -138,7 +142,7 @@ def _pushed_as_made(source, options, verify, push_to, private, push_branch, on_s
         branch=push_branch,
         overwrite=options.overwrite,
         progress=options.progress,
-        on_disk=Settings.from_env().push_on_disk,
+        on_disk=options.settings.push_on_disk,
         again=again,
     )
     pushing.open()
@@ -235,7 +239,6 @@ def batch(
     ``on_error(row, error)`` sees each failed row as it fails (and may reword its ``error``), ``on_warning(source,
     warning)`` each conversion's warnings as they come: every source's own, and those of the folder the outputs share
     (its killed runs' leftovers) once."""
-    Settings.from_env()  # once, before any source (each would fail alike)
     check_batch_root(output_root, [*sources, options.adapter])
     sink = sink_for(options)
     planned = [(stem, sink.batch_output(output_root, stem, options)) for stem in batch_stems(sources)]

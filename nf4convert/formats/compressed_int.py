@@ -38,8 +38,9 @@ from typing import TYPE_CHECKING, ClassVar
 
 from ..errors import CheckpointError
 from ..safetensors_io.read import TensorInfo
+from . import compressed_config
 from .base import SourceFormat, register
-from .packed_int import CONFIG, check_dtype, check_matrix, check_shape, scaled, unpack, where
+from .packed_int import CONFIG, check_dtype, check_finite_scales, check_matrix, check_shape, scaled, unpack, where
 
 if TYPE_CHECKING:
     import torch
@@ -58,8 +59,9 @@ ACTIVATION_PARTS = ("input_scale", "input_zero_point", "output_scale", "output_z
 KV_CACHE_PARTS = ("k_scale", "v_scale", "q_scale", "k_zero_point", "v_zero_point", "q_zero_point")
 # Pieces start at a multiple of this: whole words of packed zero points for every packed bit width.
 PIECE_ALIGN = 32
-# What a plan reads: each packed weight's shape (two integers).
-PLAN_READS = re.compile(r"\.weight_shape$")
+# What a plan reads: each packed weight's shape (two integers), and each weight's scales (one value per group), to
+# refuse non-finite ones.
+PLAN_READS = re.compile(r"\.(?:weight_shape|weight_scale)$")
 
 
 @dataclass(frozen=True)
@@ -117,9 +119,9 @@ def _format_of(quantization: dict, group: dict) -> str:
 
 def int_groups(quantization: dict) -> dict[str, dict]:
     """The config groups whose weights are integers in a layout read here (float groups belong to another format)."""
+    if compressed_config.shape_problem(quantization):
+        return {}
     groups = quantization.get("config_groups") or {}
-    if not isinstance(groups, dict):
-        raise CheckpointError(f"{CONFIG}: quantization_config config_groups is not a mapping")
     return {
         name: group
         for name, group in groups.items()
@@ -155,14 +157,9 @@ def read_scheme(name: str, group: dict, quantization: dict) -> Scheme:
 
 def config_problem(quantization: dict) -> str | None:
     """Why a compressed-tensors config holds no integer weights read here, or a setting that cannot be read."""
-    status = quantization.get("quantization_status", "compressed")
-    if status != "compressed":
-        return f"{CONFIG}: quantization_status is {status!r}: the weights were never compressed to integer codes"
-    sparsity = quantization.get("sparsity_config") or {}
-    if sparsity and sparsity.get("format", "dense") != "dense":
-        return f"{CONFIG}: sparsity_config format {sparsity.get('format')!r} (sparse weights) is not read"
-    if quantization.get("transform_config"):
-        return f"{CONFIG}: transform_config (online rotations) has no place in a dense model"
+    problem = compressed_config.problem(quantization)
+    if problem:
+        return problem
     groups = int_groups(quantization)
     if not groups:
         return f"{CONFIG}: no config group has integer weights in {', '.join(FORMATS)}"
@@ -185,10 +182,13 @@ def matched_group(module: str, quantization: dict) -> tuple[str, dict] | None:
     """The config group compressed-tensors gives linear layer ``module`` (``apply_quantization_config``): among the
     targets (a later group's target replacing an earlier one's), exact names first, then regular expressions, each in
     sorted order, then the class name "Linear" (every layer holding quantized codes is a linear layer); None if
-    ignored or untargeted. The group may be another format's (float weights)."""
+    ignored or untargeted (or the config is of no shape compressed-tensors writes). The group may be another format's
+    (float weights)."""
+    if compressed_config.shape_problem(quantization):
+        return None
     table = {}
     for name, group in (quantization.get("config_groups") or {}).items():
-        for target in group.get("targets", []) if isinstance(group, dict) else []:
+        for target in (group.get("targets") or []) if isinstance(group, dict) else []:
             table[target] = (name, group)
     ignore = quantization.get("ignore") or []
     if any(match_name(module, target) or target == "Linear" for target in ignore):
@@ -210,8 +210,9 @@ def scheme_for(module: str, quantization: dict) -> Scheme | None:
 
 def find_weights(tensors: dict[str, TensorInfo], reader: TensorReader, quantization: dict) -> list[CompressedIntWeight]:
     """Every compressed-tensors integer weight of a checkpoint, checked, in name order (``tensors``: the whole
-    checkpoint; each ``weight_shape`` is read, two integers). Raises ``CheckpointError`` naming the file and tensor for
-    anything compressed-tensors could not decompress the same way."""
+    checkpoint; each ``weight_shape`` is read, two integers, and each scale, to refuse a NaN or infinite one).
+    Raises ``CheckpointError`` naming the file and tensor for anything compressed-tensors could not decompress the
+    same way."""
     modules = {key[: -len(".weight_packed")] for key in tensors if key.endswith(".weight_packed")}
     modules |= {
         key[: -len(".weight_scale")]
@@ -237,7 +238,7 @@ def find_weights(tensors: dict[str, TensorInfo], reader: TensorReader, quantizat
         found.append(
             _packed(module, scheme, tensors, reader, quantization)
             if scheme.format == PACKED
-            else _naive(module, scheme, tensors, quantization)
+            else _naive(module, scheme, tensors, reader, quantization)
         )
     return found
 
@@ -308,6 +309,7 @@ def _packed(
     columns = _scale_columns(scale, scheme, in_features)
     check_dtype(scale, SCALE_DTYPES, "scales")
     check_shape(scale, (out_features, columns), f"one scale per row and {scheme.strategy}")
+    check_finite_scales(reader, scale, "scales")
     if zero_point is not None:
         check_dtype(zero_point, ("I32",), f"{bits}-bit zero points packed along the rows")
         check_shape(
@@ -327,7 +329,7 @@ def _packed(
     )
 
 
-def _naive(module: str, scheme: Scheme, tensors: dict, quantization: dict) -> CompressedIntWeight:
+def _naive(module: str, scheme: Scheme, tensors: dict, reader: TensorReader, quantization: dict) -> CompressedIntWeight:
     codes = tensors[module + ".weight"]
     scale = _part(tensors, module, "weight_scale", codes)
     zero_point = _zero_point(tensors, module, scheme, codes)
@@ -336,6 +338,7 @@ def _naive(module: str, scheme: Scheme, tensors: dict, quantization: dict) -> Co
     columns = _scale_columns(scale, scheme, in_features)
     check_dtype(scale, SCALE_DTYPES, "scales")
     check_shape(scale, (out_features, columns), f"one scale per row and {scheme.strategy}")
+    check_finite_scales(reader, scale, "scales")
     if zero_point is not None:
         check_dtype(zero_point, ("I8",), "zero points")
         check_shape(zero_point, (out_features, columns), "one zero point per scale")

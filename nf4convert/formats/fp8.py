@@ -13,8 +13,9 @@ DeepSeek V3/R1 write F32 scales, Qwen3-*-FP8 BF16 (some F16). ``weight_scale`` i
 give the same multiplier; both names are read (never both for one weight). Modules in ``modules_to_not_convert``
 (alias ``ignored_layers``) are dense and not ours. ``scale_fmt: "ue8m0"`` (DeepSeek-V3.1 and later) says every
 scale is a power of two: stored as F8_E8M0 bytes (or U8, as transformers views them) or as F32/BF16/F16 powers of
-two, each checked (``e8m0.py`` says which releases store which). DeepSeek-V4's FP4 experts
-(``expert_dtype: "fp4"``) are refused by :meth:`Fp8Format.config_problem`.
+two, each checked (``e8m0.py`` says which releases store which). DeepSeek-V4 names each scale ``X.scale`` (F8_E8M0),
+read here where ``X.weight`` is F8; its FP4 experts (an I8 ``X.weight`` beside its ``X.scale``) are
+``deepseek_fp4.py``'s.
 
 The arithmetic, as each reference does it:
 
@@ -49,8 +50,8 @@ device ours and the reference's agree bit for bit. No writer makes these codes.
 What each ``--dtype`` is, bit for bit:
 
 - fp32: the fp32 product. With E8M0 (power-of-two) scales it is exact but where it falls below fp32's normal range;
-  with BF16/F16 scales it is the exact product (4 + 8 or 4 + 11 significant bits fit fp32's
-  24), so fp32 output loses nothing; with F32 scales it is the fp32 product every reference computes.
+  with BF16/F16 scales the exact product (4 + 8 or 4 + 11 significant bits fit fp32's 24); with F32 scales the fp32
+  product every reference computes. (compressed-tensors FP8 rounds it to a BF16/F16 scale's dtype first.)
 - bf16: that product rounded to bf16: DeepSeek's ``fp8_cast_bf16.py``, compressed-tensors' ``FP8BlockDequantizer``
   and transformers' ``dequantize=True`` in bf16 (on whole-block shapes) give these bytes.
 - fp16: that product rounded to fp16 (transformers with ``dtype=torch.float16``; inf beyond 65504).
@@ -78,9 +79,10 @@ if TYPE_CHECKING:
 FP8_CODES = ("F8_E4M3", "F8_E5M2")
 SCALE_CODES = ("F32", "BF16", "F16")
 SCALE_NAMES = ("weight_scale_inv", "weight_scale")
+BARE_SCALE = "scale"  # DeepSeek-V4's name for an FP8 weight's scale (read where the weight beside it is F8)
 # Static activation and KV-cache scales: a dense model does not need them, and no output keeps them.
 ACTIVATION_NAMES = ("activation_scale", "input_scale", "k_scale", "v_scale")
-PLAN_READS = re.compile(r"\.(?:weight_scale_inv|weight_scale)$")
+PLAN_READS = re.compile(r"\.(?:weight_scale_inv|weight_scale|scale)$")
 
 
 @dataclass(frozen=True)
@@ -184,8 +186,8 @@ def config_problem(quantization: dict) -> str | None:
         return f"weight_block_size {value!r} is not two positive integers"
     if quantization.get("scale_fmt", "float") not in ("float", "ue8m0", None):
         return f"scale_fmt {quantization.get('scale_fmt')!r} is not 'float' or 'ue8m0'"
-    if quantization.get("expert_dtype", "fp8") not in ("fp8", None):
-        return f"expert_dtype {quantization.get('expert_dtype')!r} (FP4-packed experts) is not read yet"
+    if quantization.get("expert_dtype", "fp8") not in ("fp8", "fp4", None):
+        return f"expert_dtype {quantization.get('expert_dtype')!r} is not read (FP8 or FP4 experts are)"
     return None
 
 
@@ -202,7 +204,8 @@ def find_weights(
     ``powers`` (the config's ``scale_fmt: "ue8m0"``): one-byte E8M0 scales may be U8 too, and every scale must be a
     power of two (no E8M0 NaN byte)."""
     found = []
-    for prefix, weight, scale in pairs(tensors, codes=(*SCALE_CODES, *e8m0.BYTE_CODES) if powers else SCALE_CODES):
+    codes = (*SCALE_CODES, *e8m0.BYTE_CODES) if powers else SCALE_CODES
+    for prefix, weight, scale in pairs(tensors, (*SCALE_NAMES, BARE_SCALE), codes):
         name = prefix + "weight"
         grid = _block_grid(weight, scale, block) if block is not None else _tensor_grid(weight, scale)
         if powers or scale.dtype in e8m0.BYTE_CODES:
@@ -218,7 +221,12 @@ def pairs(
 ) -> Iterator[tuple[str, TensorInfo, TensorInfo]]:
     """(prefix, weight, scale) of each FP8 weight, its scale named one of ``names`` and of a dtype in ``codes``;
     their names and dtypes checked, unpaired ones refused."""
-    prefixes = {key[: -len(part)] for key in tensors for part in names if key.endswith("." + part)}
+    prefixes = {
+        key[: -len(part)]
+        for key in tensors
+        for part in names
+        if key.endswith("." + part) and (part != BARE_SCALE or _codes_beside(tensors, key[: -len(part)]))
+    }
     for key, info in tensors.items():
         if info.dtype in FP8_CODES and key.endswith(".weight") and key[: -len("weight")] not in prefixes:
             raise CheckpointError(
@@ -252,6 +260,12 @@ def pairs(
                 f"{scale.path}: tensor '{scale.name}' (FP8 scales) is {scale.dtype}, not one of {', '.join(codes)}"
             )
         yield prefix, weight, scale
+
+
+def _codes_beside(tensors: dict[str, TensorInfo], prefix: str) -> bool:
+    """Whether ``prefix + "weight"`` is an F8 weight (a bare ``scale`` beside it is its FP8 scale)."""
+    weight = tensors.get(prefix + "weight")
+    return weight is not None and weight.dtype in FP8_CODES
 
 
 def _block_grid(weight: TensorInfo, scale: TensorInfo, block: tuple[int, int]) -> Grid:
@@ -305,21 +319,15 @@ def is_quantization_key(name: str) -> bool:
 
 
 def dequantize(
-    codes: torch.Tensor,
-    scales: torch.Tensor,
-    grid: Grid,
-    first_row: int,
-    out_dtype: torch.dtype,
-    through: torch.dtype | None = None,
+    codes: torch.Tensor, scales: torch.Tensor, grid: Grid, first_row: int, out_dtype: torch.dtype, through=None
 ) -> torch.Tensor:
     """Rows ``[first_row, first_row + len(codes))`` of an FP8 weight, dense in ``out_dtype``.
 
     ``codes`` is those rows ([rows, columns], float8 e4m3/e5m2), ``scales`` the scale rows they use
     (``grid.scale_span(first_row, rows)``: [scale rows, scale columns], float32/bfloat16/float16, or E8M0 bytes as
-    float8_e8m0fnu/uint8; any shape with those elements), on the same device. Bit for bit
-    ``(codes.to(fp32) * scale.to(fp32)).to(out_dtype)`` with each
-    element's own block scale, on CPU and CUDA alike (the module docstring says why); with ``through`` (bf16 or
-    fp16: the dtype compressed-tensors multiplies in) the product is rounded to it first, then cast."""
+    float8_e8m0fnu/uint8; any shape with those elements), on the same device. Bit for bit ``(codes.to(fp32) *
+    scale.to(fp32)).to(out_dtype)`` with each element's own block scale, on CPU and CUDA alike (the module docstring
+    says why); ``through`` (bf16 or fp16, the dtype compressed-tensors multiplies in): rounded to it first."""
     import torch
 
     if e8m0.is_bytes(scales):
@@ -359,9 +367,24 @@ def dequantize(
         )
     if rest:  # the partial last column of blocks
         values[:, whole * grid.block_columns :].mul_(row_scales[:, whole:])
-    if through is not None and through != torch.float32:
-        values = values.to(through)
-    return values if values.dtype == out_dtype else values.to(out_dtype)
+    return (values.to(through) if through not in (None, torch.float32) else values).to(out_dtype)  # no copy if same
+
+
+# The codes no writer stores, as (mask, value) of the byte: E4M3's NaN (0x7f, 0xff), E5M2's infinities and NaNs.
+NOT_FINITE = {"F8_E4M3": (0x7F, 0x7F), "F8_E5M2": (0x7C, 0x7C)}
+
+
+def check_codes(codes, code: str, name: str) -> None:
+    """CheckpointError if an FP8 weight's codes (bytes: a numpy or torch uint8 array, on any device) hold a NaN or
+    infinite code: no writer stores one, and its NaN bits differ by device. Checked as each piece is made (a plan
+    reads no codes, so a dry run does not see it)."""
+    mask, value = NOT_FINITE[code]
+    found = (codes & mask) == value
+    if bool(found.any()):
+        raise CheckpointError(
+            f"tensor '{name}' holds {int(found.sum())} {code} NaN or infinite codes (byte 0x{value:02x} or "
+            f"0x{value | 0x80:02x}); an FP8 writer stores none, and the dense weight would hold NaN there"
+        )
 
 
 def host(
@@ -374,18 +397,18 @@ def host(
     grid: Grid,
     first_row: int,
     out_code: str,
-    through_code: str | None = None,
+    name: str = "",
+    through_code=None,
 ) -> None:
-    """The CPU route's piece: ``read`` is the piece's codes (uint8 bytes of whole rows from ``first_row``),
-    ``scales`` the uint8 bytes of the scale rows they use, ``out`` the piece's output bytes, written in place with
-    :func:`dequantize`'s bytes (the same torch ops on the CPU)."""
+    """The CPU route's piece: ``read`` its codes (uint8 bytes of whole rows from ``first_row``), ``scales`` the uint8
+    bytes of the scale rows they use, ``out`` its output bytes, written with :func:`dequantize`'s (the same ops)."""
     import torch
 
+    check_codes(read, code, name)
     rows = read.size // max(1, grid.columns)
     codes = torch.from_numpy(read).view(DTYPES[code].torch).reshape(rows, grid.columns)
-    scale = torch.from_numpy(scales).view(DTYPES[scale_code].torch)
-    through = DTYPES[through_code].torch if through_code else None
-    dense = dequantize(codes, scale, grid, first_row, DTYPES[out_code].torch, through)
+    scale, through = torch.from_numpy(scales).view(DTYPES[scale_code].torch), through_code and DTYPES[through_code]
+    dense = dequantize(codes, scale, grid, first_row, DTYPES[out_code].torch, through and through.torch)
     torch.from_numpy(out).copy_(dense.reshape(-1).view(torch.uint8))
 
 

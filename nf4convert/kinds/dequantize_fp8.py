@@ -90,7 +90,12 @@ class DequantizeFp8(QuantizedWeight):
             begin, rows = grid.scale_span(first, count)
             used = scales[begin * grid.scale_columns : (begin + rows) * grid.scale_columns]
             arguments = dict(
-                grid=grid, first_row=first, code=weight.weight.dtype, out_code=tensor.dtype, through_code=self.through
+                grid=grid,
+                first_row=first,
+                code=weight.weight.dtype,
+                out_code=tensor.dtype,
+                name=tensor.name,
+                through_code=self.through,
             )
             if route.gpu:
                 make = route.make(None, functools.partial(dequantize_on_device, scales=used, **arguments))
@@ -109,12 +114,22 @@ class DequantizeFp8(QuantizedWeight):
 
 
 def dequantize_on_device(
-    codes, out, *, scales, grid: fp8.Grid, first_row: int, code: str, out_code: str, through_code: str | None = None
+    codes,
+    out,
+    *,
+    scales,
+    grid: fp8.Grid,
+    first_row: int,
+    code: str,
+    out_code: str,
+    name: str = "",
+    through_code: str | None = None,
 ):
     """Whole rows of an FP8 weight (its codes' bytes, a uint8 tensor on the GPU) from ``first_row``, dequantized with
     the scale rows they use (on the GPU) as ``out_code``. Returns the bytes made, a uint8 tensor on the GPU."""
     import torch
 
+    fp8.check_codes(codes, code, name)
     rows = codes.numel() // max(1, grid.columns)
     values = codes.view(DTYPES[code].torch).view(rows, grid.columns)
     through = DTYPES[through_code].torch if through_code else None

@@ -13,16 +13,19 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from .adapters import lora as peft_lora
 from .dtypes import DTYPES, OUTPUT_DTYPES, DType
 from .errors import CheckpointError
-from .files import TOKENIZER_FILES, carried_files, inside, tokenizer_files
+from .files import carried_files, inside
 from .formats.base import all_formats, families
-from .kinds.base import PlannedTensor, Planning, Recipe, all_kinds
-from .model.config import dense_config, quantization_config, read_config, resized_config, untied_config
+from .kinds.base import Added, PlannedTensor, Planning, Recipe, SideFiles, all_kinds
+from .model.config import dense_config, quantization_config, read_config
 from .safetensors_io.read import TensorInfo, TensorReader, read_tensors
 from .sizes import DEFAULT_SHARD_BYTES
+
+if TYPE_CHECKING:
+    from .kinds.merge_lora import Merged
 
 # Every kind's and every format's module, imported with the planner on the thread that imports it: the CPU route's
 # worker processes, forked before a plan is made, unpickle the kinds' computations without importing anything, and the
@@ -57,12 +60,9 @@ class Plan:
     side_files: list[Path]  # carried over unchanged, relative to ``folder``
     config: dict | None  # config.json as the output has it
     card: Path | None  # the source's model card (README.md), which the output's is written from
-    adapter: peft_lora.Adapter | None = None  # merged into the output
+    merged: Merged | None = None  # what merging an adapter did beyond the tensors, if one was merged
     side_bytes: int = 0  # the side files' and the card's bytes, when planned
-    untied: str | None = None  # why the tied base's head is written apart from its input embeddings
-    tied: tuple | None = None  # (input embeddings, head) of a tied base an adapter was merged into
-    rows: int | None = None  # the vocabulary an adapter resized the model to
-    adapter_files: list[Path] = field(default_factory=list)  # the adapter's tokenizer files, relative to its folder
+    added_files: dict[Path, Added] = field(default_factory=dict)  # files a kind adds, relative to the output
 
     @property
     def tensors(self) -> list[PlannedTensor]:
@@ -164,7 +164,7 @@ def make_plan(
     planning.keep_non_finite = keep_non_finite
     for kind in kinds:
         kind.plan_output(planning)
-    recipes, merged = planning.recipes.values(), planning.merged
+    recipes = planning.recipes.values()
 
     shards: list[list[tuple]] = [[]]
     shard_bytes = 0
@@ -183,30 +183,24 @@ def make_plan(
     card = folder / "README.md"
     if card.is_file():
         inside(folder, "README.md")
-    carried = carried_files(folder)
-    from_adapter = tokenizer_files(merged.adapter.folder) if merged and merged.rows else []
-    if from_adapter:  # a resized vocabulary's tokenizer is the adapter's, in place of the base's as a set
-        carried = [path for path in carried if path.as_posix() not in TOKENIZER_FILES]
+    files = SideFiles(carried_files(folder))
+    for kind in kinds:
+        files = kind.plan_files(planning, files)
     card = card if card.is_file() else None
-    side_bytes = sum((folder / path).stat().st_size for path in carried) + (card.stat().st_size if card else 0)
-    side_bytes += sum((merged.adapter.folder / path).stat().st_size for path in from_adapter)
+    side_bytes = sum((folder / path).stat().st_size for path in files.carried) + (card.stat().st_size if card else 0)
+    side_bytes += sum(added.path.stat().st_size for added in files.added.values())
     config = config and dense_config(config, chosen)
-    if config and merged and merged.untied:
-        config = untied_config(config)
-    if config and merged and merged.rows:
-        config = resized_config(config, merged.rows)
+    for kind in kinds if config else ():
+        config = kind.plan_config(planning, config)
     return Plan(
         folder,
         chosen,
         planned,
         tensors,
-        carried,
+        files.carried,
         config,
         card,
-        merged and merged.adapter,
+        planning.merged,
         side_bytes,
-        merged and merged.untied,
-        merged and merged.tied,
-        merged and merged.rows,
-        from_adapter,
+        files.added,
     )

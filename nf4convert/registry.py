@@ -15,10 +15,11 @@ class Registry(dict):
     """Name -> class, filled by ``register`` (a class decorator at the definition site); ``discovered()`` imports every
     module of ``package`` (subpackages too) once, which registers what they define."""
 
-    def __init__(self, package: str, what: str, key: str):
-        """``what``: how an error names one ("source format"); ``key``: the class attribute that is its name."""
+    def __init__(self, package: str, what: str, key: str, *, nested: bool = True):
+        """``what``: how an error names one ("source format"); ``key``: the class attribute that is its name;
+        ``nested``: its subpackages' modules are imported too."""
         super().__init__()
-        self.package, self.what, self.key = package, what, key
+        self.package, self.what, self.key, self.nested = package, what, key, nested
         self._discovered = False
 
     def register(self, cls: Registered) -> Registered:
@@ -32,7 +33,8 @@ class Registry(dict):
     def discovered(self) -> "Registry":
         if not self._discovered:
             package = importlib.import_module(self.package)
-            for module in pkgutil.walk_packages(package.__path__, f"{self.package}."):
+            walk = pkgutil.walk_packages if self.nested else pkgutil.iter_modules
+            for module in walk(package.__path__, f"{self.package}."):
                 importlib.import_module(module.name)
             self._discovered = True
         return self

@@ -164,6 +164,9 @@ def test_verify_without_llama_cpp_says_how_to_get_it(models, tmp_path, monkeypat
     result = cli("verify", out, source, "-q", "--device", "cpu", code=1)
     line = one_error_line(result.output)
     assert "needs llama.cpp's own quantizer" in line and "llama-quantize" in line and "llama-cpp-python" in line
+    again = tmp_path / "again.gguf"  # --verify says so before anything is converted
+    result = cli(source, "-o", again, "--gguf-type", "q5_k_s", "--verify", "-q", "--device", "cpu", code=1)
+    assert one_error_line(result.output) == line and not again.exists()
 
 
 def test_with_an_adapter_and_in_a_batch_the_files_are_llama_quantizes(ref, models, tmp_path):

@@ -213,6 +213,100 @@ def test_a_weight_two_formats_claim_is_refused_naming_both(tmp_path, scratch):
     )
 
 
+def test_a_wrapping_kind_defined_in_a_test_alone_changes_the_outputs_config_and_files(tmp_path, scratch):
+    """What a kind changes beside the tensors (config.json, the files carried or added) is its own hooks' to say: the
+    plan, the folder's side files and verify's audit take them in without naming the kind."""
+    from nf4convert.sinks.side_files import write_side_files
+    from nf4convert.verification import audit
+
+    _scaled_checkpoint(tmp_path / "src", seed=5)
+    (tmp_path / "src" / "config.json").write_text(
+        json.dumps({"model_type": "scratch", "quantization_config": {"quant_method": "scratch"}})
+    )
+    (tmp_path / "src" / "tokenizer.json").write_text("{}")
+    notice = tmp_path / "notes" / "NOTICE.txt"
+    notice.parent.mkdir()
+    notice.write_text("scratch notes\n")
+
+    @kinds_base.register
+    @dataclass(frozen=True)
+    class Noted(Recipe):
+        kind: ClassVar[str] = "scratch_noted"
+        label: ClassVar[str] = "noted"
+        order: ClassVar[int] = 150
+        base: Recipe
+
+        @classmethod
+        def plan_output(cls, planning: Planning) -> None:
+            planning.recipes = {
+                anchor: cls(recipe) if recipe.kind == scratch.kind else recipe
+                for anchor, recipe in planning.recipes.items()
+            }
+
+        @classmethod
+        def plan_config(cls, planning: Planning, config: dict) -> dict:
+            return {**config, "noted": planning.dtype.short}
+
+        @classmethod
+        def plan_files(cls, planning: Planning, files: kinds_base.SideFiles) -> kinds_base.SideFiles:
+            added = {Path("NOTICE.txt"): kinds_base.Added(notice, "the notes' file", "the notes'")}
+            return kinds_base.SideFiles([], {**files.added, **added})  # the source's tokenizer not carried
+
+        @property
+        def sources(self) -> tuple:
+            return self.base.sources
+
+        def output(self, dtype):
+            return self.base.output(dtype)
+
+    plan = make_plan(tmp_path / "src", dtype=output_dtype("fp32"))
+    assert sorted({tensor.recipe.kind for tensor in plan.tensors}) == ["copy", "scratch_noted"]
+    assert plan.config["noted"] == "fp32" and "quantization_config" not in plan.config
+    assert plan.side_files == [] and list(plan.added_files) == [Path("NOTICE.txt")]
+    assert plan.side_bytes == len("scratch notes\n") and plan.merged is None
+    out = tmp_path / "out"
+    out.mkdir()
+    write_side_files(plan, out)
+    assert (out / "NOTICE.txt").read_text() == "scratch notes\n" and json.loads((out / "config.json").read_text()) == {
+        **plan.config
+    }
+    assert audit.carried_problems(plan, out) == [] and audit.unexpected_files(plan, out, {}) == []
+    (out / "NOTICE.txt").write_text("other notes\n")
+    (out / "tokenizer.json").write_text("{}")
+    assert audit.carried_problems(plan, out) == ["NOTICE.txt: differs from the notes'"]
+    assert [line.split(":")[0] for line in audit.unexpected_files(plan, out, {})] == ["tokenizer.json"]
+    (out / "NOTICE.txt").unlink()
+    assert audit.carried_problems(plan, out) == ["NOTICE.txt: the notes' file, missing from the output"]
+
+
+def test_a_kind_of_output_defined_in_a_test_alone_is_the_one_verify_checks(tmp_path):
+    from nf4convert.errors import ArgumentError
+    from nf4convert.verification import outputs
+    from nf4convert.verification.verify import verify
+
+    saved = dict(outputs.OUTPUTS.discovered())
+    try:
+
+        @outputs.register
+        class Scratch(outputs.Output):
+            name = "scratch"
+
+            @staticmethod
+            def claims(output: str) -> bool:
+                return output.endswith(".scratch")
+
+            def __init__(self, output: Path):
+                raise ArgumentError(f"{output}: a scratch output, checked by its own kind")
+
+        assert outputs.output_for("model.gguf").name == "gguf" and outputs.output_for("model").name == "folder"
+        with pytest.raises(ArgumentError, match=r"x\.scratch: a scratch output, checked by its own kind"):
+            verify(tmp_path / "x.scratch", str(tmp_path / "source"))
+    finally:
+        outputs.OUTPUTS.clear()
+        outputs.OUTPUTS.update(saved)
+    assert set(outputs.OUTPUTS.discovered()) == {"folder", "gguf"}
+
+
 def test_the_registries_hold_what_is_defined_and_nothing_after_a_scratch_test():
     assert list(all_formats()) == [
         "awq",

@@ -6,6 +6,7 @@ in one way in a test's own folder."""
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -145,6 +146,33 @@ def test_verify_names_a_bias_the_output_lacks_that_the_source_holds(built, tmp_p
 # --- refused in one line, nothing written, on every route ----------------------------------------------------------
 
 CT_INT4, CT_NAIVE = "ct-llama-w4a16-g32-sym", "ct-llama-naive-w8-g32-asym"
+CT_NAIVE_SYM, GPTQ = "ct-llama-naive-w8-channel-sym", "gptq-llama-4bit-g32-v1-sym"
+Q = "model.layers.0.self_attn.q_proj."
+AWQ_GEMM, AWQ_GEMV = "awq-llama-gemm-g32", "awq-llama-gemv-g32"
+
+
+def _fp8_instead_of_gptq(tensors):
+    for part in ("qweight", "qzeros", "scales", "g_idx"):
+        tensors.pop(Q + part)
+    tensors[Q + "weight"] = torch.randn(128, 128).to(torch.float8_e4m3fn)
+
+
+def _poison(tensors, name, value):
+    """One scale made ``value``, in the first row's first group (the GEMV layout's padding is past its groups)."""
+    tensors[name] = tensors[name].clone()
+    tensors[name][0, 0] = value
+
+
+def _recoded(tensors, dtype):
+    tensors[Q + "weight"] = (tensors[Q + "weight"].to(torch.int16) + 128).to(dtype)
+
+
+def _gptq_layer(tensors):
+    prefix = "model.layers.0.mlp.extra."
+    tensors.update({prefix + "qweight": torch.zeros(4, 32, dtype=torch.int32),
+                    prefix + "qzeros": torch.zeros(1, 4, dtype=torch.int32),
+                    prefix + "scales": torch.ones(1, 32, dtype=torch.float16),
+                    prefix + "g_idx": torch.zeros(32, dtype=torch.int32)})  # fmt: skip
 
 
 def _float4_group(quantization):
@@ -203,6 +231,35 @@ CASES = {
                         "config group 'group_1' quantizes 4-bit float weights, not read yet"),
     "ct-int-as-float-group": (CT_INT4, lambda f: edit_quantization(f, _int_as_float_group),
                               "config group 'group_1' stores 4-bit 'int' weights as 'float-quantized'"),
+    # quantized codes with no scale, copied raw as a dense weight
+    "ct-naive-scale-missing": (CT_NAIVE_SYM, lambda f: edit_tensors(f, lambda t: t.pop(Q + "weight_scale")),
+                               f"tensor '{Q}weight' is I8: quantized codes"),
+    "gptq-fp8-weight-no-scale": (GPTQ, lambda f: edit_tensors(f, _fp8_instead_of_gptq),
+                                 f"tensor '{Q}weight' is F8_E4M3: quantized codes"),
+    # quantization tensors no reader claimed
+    "ct-packed-missing": (CT_INT4, lambda f: edit_tensors(f, lambda t: t.pop(Q + "weight_packed")),
+                          "is compressed-tensors quantization data that no quantized weight"),
+    "ct-naive-as-uint8": (CT_NAIVE_SYM, lambda f: edit_tensors(f, lambda t: _recoded(t, torch.uint8)), f"'{Q}weight"),
+    "ct-naive-as-int16": (CT_NAIVE_SYM, lambda f: edit_tensors(f, lambda t: _recoded(t, torch.int16)), f"'{Q}weight"),
+    "gptq-layer-in-ct": (CT_INT4, lambda f: edit_tensors(f, _gptq_layer),
+                         "tensor 'model.layers.0.mlp.extra.g_idx' is GPTQ quantization data"),
+    # a layer stored dense beside its quantized codes
+    "gptq-dense-beside": (GPTQ, lambda f: edit_tensors(
+        f, lambda t: t.__setitem__(Q + "weight", torch.zeros(128, 128, dtype=torch.float16))),
+        f"tensor '{Q}weight' and tensor '{Q}qweight' (a quantized weight) both make '{Q}weight'"),
+    # non-finite scales
+    "gptq-nan-scale": (GPTQ, lambda f: edit_tensors(f, lambda t: _poison(t, Q + "scales", math.nan)),
+                       f"tensor '{Q}scales' (GPTQ scales) holds a NaN or infinite scale"),
+    "gptq-bf16-inf-scale": (QWEN2_GPTQ, lambda f: edit_tensors(f, lambda t: _poison(t, Q + "scales", -math.inf)),
+                            f"tensor '{Q}scales' (GPTQ scales) holds a NaN or infinite scale"),
+    "awq-gemm-nan-scale": (AWQ_GEMM, lambda f: edit_tensors(f, lambda t: _poison(t, Q + "scales", math.nan)),
+                           f"tensor '{Q}scales' (AWQ scales) holds a NaN or infinite scale"),
+    "awq-gemv-inf-scale": (AWQ_GEMV, lambda f: edit_tensors(f, lambda t: _poison(t, Q + "scales", math.inf)),
+                           f"tensor '{Q}scales' (AWQ scales) holds a NaN or infinite scale"),
+    "ct-packed-nan-scale": (CT_INT4, lambda f: edit_tensors(f, lambda t: _poison(t, Q + "weight_scale", math.nan)),
+                            f"tensor '{Q}weight_scale' (scales) holds a NaN or infinite scale"),
+    "ct-naive-inf-scale": (CT_NAIVE, lambda f: edit_tensors(f, lambda t: _poison(t, Q + "weight_scale", math.inf)),
+                           f"tensor '{Q}weight_scale' (scales) holds a NaN or infinite scale"),
 }  # fmt: skip
 ROUTES = ["convert", "dry-run", "gguf"]
 
@@ -274,3 +331,85 @@ def test_from_the_hub_each_is_refused_streamed_and_in_a_dry_run(planted_all, tmp
             assert not (tmp_path / "root").exists() or not list((tmp_path / "root").iterdir())
     finally:
         server.shutdown()
+
+
+@pytest.mark.parametrize("plant", ["nan-weight", "raw-codes"])
+def test_verify_fails_on_a_planted_wrong_output(built, tmp_path, plant):
+    """An output whose weight holds a NaN, or the source's raw codes in its place, fails verify, naming it."""
+    source = built(CT_NAIVE_SYM)
+    out = tmp_path / "out"
+    cli(source, "-o", out, "-q", "--device", "cpu")
+    codes = load_file(source / "model.safetensors")[Q + "weight"]
+
+    def change(tensors):
+        if plant == "raw-codes":
+            tensors[Q + "weight"] = codes
+        else:
+            tensors[Q + "weight"] = tensors[Q + "weight"].clone()
+            tensors[Q + "weight"][3, 5] = math.nan
+
+    edit_tensors(out, change)
+    report = cli("verify", out, source, "--device", "cpu", "-q", code=1)
+    assert f"{Q}weight" in report and "FAILED" in report, report
+
+
+def _nan_code(byte: int):
+    def change(tensors):
+        weight = tensors[Q + "weight"].clone()
+        weight.view(torch.uint8)[1, 2] = byte
+        tensors[Q + "weight"] = weight
+
+    return change
+
+
+@pytest.mark.parametrize("processes", ["0", "2"], ids=["threads", "processes"])
+@pytest.mark.parametrize("variant, byte", [("fp8", 0x7F), ("ct-fp8", 0xFF)])
+def test_fp8_nan_codes_are_refused_as_the_weight_is_made(built, tmp_path, monkeypatch, variant, byte, processes):
+    """E4M3's NaN code in an FP8 weight: refused in one line naming the tensor as its codes are read (a plan reads
+    no codes), nothing written, on threads and worker processes."""
+    monkeypatch.setenv("NF4CONVERT_PROCESSES", processes)
+    source = copy_of(built, variant, tmp_path / "source")
+    edit_tensors(source, _nan_code(byte))
+    line = one_error_line(cli(source, "-o", tmp_path / "out", "-q", "--device", "cpu", code=1))
+    assert f"tensor '{Q}weight' holds 1 F8_E4M3 NaN or infinite codes" in line, line
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["source"]
+
+
+MX = "model.layers.0.mlp.experts.gate_up_proj"
+
+
+def _mx_group(scale: int):
+    """The first group of expert 0's first row: scale byte ``scale``, every value 6 (code 7 in both nibbles)."""
+
+    def change(tensors):
+        scales, blocks = tensors[MX + "_scales"].clone(), tensors[MX + "_blocks"].clone()
+        scales[0, 0, 0], blocks[0, 0, 0] = scale, 0x77
+        tensors[MX + "_scales"], tensors[MX + "_blocks"] = scales, blocks
+
+    return change
+
+
+@pytest.mark.parametrize("processes", ["0", "2"], ids=["threads", "processes"])
+@pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
+def test_mxfp4_values_beyond_every_dtype_are_refused(built, tmp_path, monkeypatch, dtype, processes):
+    """Scale byte 254 times 6 is past fp32's (and bf16's) range: refused in one line naming the tensor, whatever the
+    output dtype, nothing written."""
+    monkeypatch.setenv("NF4CONVERT_PROCESSES", processes)
+    source = copy_of(built, "mxfp4", tmp_path / "source")
+    edit_tensors(source, _mx_group(254))
+    out = tmp_path / "out"
+    line = one_error_line(cli(source, "-o", out, "-q", "--device", "cpu", "--dtype", dtype, code=1))
+    assert f"tensor '{MX}' holds 32 values beyond every output dtype's range" in line, line
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["source"]
+
+
+def test_mxfp4_values_beyond_fp16_alone_are_the_fp16_warning_and_bf16_keeps_them(built, tmp_path):
+    """Scale byte 143 times 6 (393216) is past fp16's range only: fp16 warns, naming the tensor, with advice that
+    holds (bf16 keeps the values finite, as its output shows)."""
+    source = copy_of(built, "mxfp4", tmp_path / "source")
+    edit_tensors(source, _mx_group(143))
+    said = cli(source, "-o", tmp_path / "fp16", "-q", "--device", "cpu", "--dtype", "fp16")
+    assert MX in said and "--dtype bf16 or fp32 keeps them finite" in said, said
+    cli(source, "-o", tmp_path / "bf16", "-q", "--device", "cpu", "--dtype", "bf16")
+    made = load_file(tmp_path / "bf16" / "model.safetensors")
+    assert bool(torch.isfinite(made[MX].float()).all()) and float(made[MX].float().abs().max()) == 6 * 2**16

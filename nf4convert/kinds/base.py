@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Iterator
+from typing import TYPE_CHECKING, Any, ClassVar, Iterator, NamedTuple
 
 from ..dtypes import DTYPES
 from ..errors import CheckpointError
@@ -31,8 +31,10 @@ class Recipe:
 
     A kind plans itself: the planner calls every registered kind's ``plan_source`` in ``order`` (claim the
     checkpoint's weights of a format, wrap some, copy the rest), then, once the output dtype is chosen, every kind's
-    ``plan_output`` (merge an adapter). A kind brings its compute: ``produce`` cuts its tensor into pieces and gives
-    each the route's ``make`` of its own module-level functions (``pipeline/routes/``)."""
+    ``plan_output`` (merge an adapter), then ``plan_files`` and ``plan_config``: what it changes beside the tensors
+    (a merge's tokenizer and vocabulary), its record of which is its own (``Planning.merged``). A kind brings its
+    compute: ``produce`` cuts its tensor into pieces and gives each the route's ``make`` of its own module-level
+    functions (``pipeline/routes/``)."""
 
     kind: ClassVar[str]  # the registry's key, and the name of the kind's module here and in verification/reference/
     label: ClassVar[str]  # how a plan and a summary name what was done ("dequantized from 4-bit")
@@ -42,6 +44,7 @@ class Recipe:
     numpy_made: ClassVar[bool] = False  # the CPU route makes it without torch (numpy alone)
     uses_kernel: ClassVar[bool] = False  # made by the fused 4-bit kernel (the CUDA route warms it up first)
     is_quantized: ClassVar[bool] = False  # a leaf that dequantizes a quantized weight (as quantized: (out, in))
+    merges_adapter: ClassVar[bool] = False  # adds an adapter's change to its base (verify counts it, checks its ±inf)
 
     @classmethod
     def plan_source(cls, planning: "Planning") -> None:
@@ -50,6 +53,16 @@ class Recipe:
     @classmethod
     def plan_output(cls, planning: "Planning") -> None:
         """Plan once the output dtype is chosen (``planning.dtype``): wrap recipes that depend on it."""
+
+    @classmethod
+    def plan_config(cls, planning: "Planning", config: dict) -> dict:
+        """The output's config.json (dense already) as what this kind planned changes it: unchanged by default."""
+        return config
+
+    @classmethod
+    def plan_files(cls, planning: "Planning", files: "SideFiles") -> "SideFiles":
+        """The output's files beside its weights as what this kind planned changes them: unchanged by default."""
+        return files
 
     @property
     def sources(self) -> tuple:
@@ -186,6 +199,24 @@ class Planning:
             )
         self.recipes.update(claimed)
         self.consumed.update(source.name for recipe in claimed.values() for source in recipe.sources)
+
+
+class Added(NamedTuple):
+    """A file an output holds that is not the source's: copied from ``path``, named in verify's findings as
+    ``named`` ("the adapter's tokenizer file"), compared with ``owner``'s ("the adapter's")."""
+
+    path: Path
+    named: str
+    owner: str
+
+
+@dataclass(frozen=True)
+class SideFiles:
+    """The files an output holds beside its weights: ``carried`` from the source (relative to its folder), and
+    ``added`` by a kind (relative to the output -> what it is copied from)."""
+
+    carried: list[Path]
+    added: dict[Path, Added] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -16,9 +16,10 @@ from ..adapters import merge as peft_merge
 from ..adapters import tied as peft_tied
 from ..dtypes import DTYPES, DType
 from ..errors import CheckpointError
+from ..files import TOKENIZER_FILES, tokenizer_files
 from ..model import config as model_config
 from ..pipeline.piece import Piece
-from .base import Planning, Recipe, register, whole
+from .base import Added, Planning, Recipe, SideFiles, register, whole
 from .untied import Untied
 
 
@@ -30,6 +31,7 @@ class MergeLora(Recipe):
     kind: ClassVar[str] = "merge_lora"
     label: ClassVar[str] = "merged with the adapter"
     order: ClassVar[int] = 200  # wraps whatever every other kind made
+    merges_adapter: ClassVar[bool] = True
     base: Recipe
     target: peft_lora.LoraTarget
     adapter: peft_lora.Adapter = field(compare=False, repr=False)  # the whole adapter (verify rebuilds its module)
@@ -44,6 +46,31 @@ class MergeLora(Recipe):
             planning.recipes, planning.merged = cls.wrap(
                 planning.recipes, planning.adapter, planning.dtype, planning.config, planning.keep_non_finite
             )
+
+    @classmethod
+    def plan_files(cls, planning: Planning, files: SideFiles) -> SideFiles:
+        """A resized vocabulary's tokenizer is the adapter's, in place of the base's as a set (the merge's record
+        lists its files)."""
+        merged = planning.merged
+        found = tokenizer_files(merged.adapter.folder) if merged and merged.rows else []
+        if not found:
+            return files
+        planning.merged = dataclasses.replace(merged, files=found)
+        carried = [path for path in files.carried if path.as_posix() not in TOKENIZER_FILES]
+        added = {
+            path: Added(merged.adapter.folder / path, "the adapter's tokenizer file", "the adapter's") for path in found
+        }
+        return SideFiles(carried, {**files.added, **added})
+
+    @classmethod
+    def plan_config(cls, planning: Planning, config: dict) -> dict:
+        """A head untied from the input embeddings, a vocabulary resized: as the merged model's config says."""
+        merged = planning.merged
+        if merged and merged.untied:
+            config = model_config.untied_config(config)
+        if merged and merged.rows:
+            config = model_config.resized_config(config, merged.rows)
+        return config
 
     @classmethod
     def wrap(
@@ -149,11 +176,12 @@ class MergeLora(Recipe):
         yield from route.pieces_of(merged.contiguous().view(-1).view(torch.uint8), self.sources[0])
 
 
-@dataclass
+@dataclass(frozen=True)
 class Merged:
-    """What merging an adapter did beyond the tensors: the plan's record of it."""
+    """What merging an adapter did beyond the tensors: the plan's record of it (``Plan.merged``)."""
 
     adapter: peft_lora.Adapter
     untied: str | None  # why the tied base's head is written apart from its input embeddings
     tied: tuple | None  # (input embeddings, head) of a tied base
     rows: int | None  # the vocabulary the adapter resized the model to
+    files: list[Path] = field(default_factory=list)  # the adapter's tokenizer files the output holds, relative to it

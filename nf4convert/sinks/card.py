@@ -66,6 +66,7 @@ def card_for_plan(plan, *, base: str, adapter: str | None, revision: str | None,
     from ..hub.names import commit_of
 
     text = plan.card.read_bytes().decode("utf-8", errors="replace") if plan.card is not None else None
+    merged = plan.merged
     return model_card(
         text,
         source_repo=base if looks_like_repo_id(base) and not Path(base).exists() else None,
@@ -75,9 +76,9 @@ def card_for_plan(plan, *, base: str, adapter: str | None, revision: str | None,
         adapter=adapter,
         revision=revision,
         commit=commit_of(plan.folder),
-        untied=plan.untied,
-        vocabulary=plan.rows,
-        tokenizer=bool(plan.adapter_files),
+        untied=merged.untied if merged else None,
+        vocabulary=merged.rows if merged else None,
+        tokenizer=bool(merged and merged.files),
         title=title,
         source_name=base,
         has_config=plan.config is not None,
@@ -109,7 +110,7 @@ def model_card(
     ``"bnb-4bit fp4"``, ``"bnb-8bit"``, or several joined by ", "); ``adapter`` the adapter merged into the
     weights (a repo id or a folder), if any; ``revision`` the source repo's revision as given (None: its default
     branch) and ``commit`` the commit it resolved to, when known; ``untied`` why the tied base's head was written
-    apart from its input embeddings (plan.untied), if it was; ``vocabulary`` the token count the adapter resized the
+    apart from its input embeddings, if it was; ``vocabulary`` the token count the adapter resized the
     model to, if it did, and ``tokenizer`` whether the tokenizer files came from the adapter; ``title`` the output's
     model name (the card's heading); ``source_name`` the source as the user named it (the command that made the
     weights shows it where it is no Hub repo); ``has_config`` False for an output without config.json (its source had

@@ -22,8 +22,8 @@ def write_side_files(plan, folder: Path, card: str | None = None) -> None:
         target = folder / relative
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(plan.folder / relative, target)
-    for relative in plan.adapter_files:  # the tokenizer of a resized vocabulary, in place of the base's
-        shutil.copy2(plan.adapter.folder / relative, folder / relative)
+    for relative, added in plan.added_files.items():  # a kind's, in place of the source's (the adapter's tokenizer)
+        shutil.copy2(added.path, folder / relative)
     if plan.config is not None:
         (folder / "config.json").write_text(json.dumps(plan.config, indent=2) + "\n")
     if card is not None:

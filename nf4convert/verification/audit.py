@@ -111,7 +111,7 @@ def unexpected_files(plan, output: Path, produced: dict[str, TensorInfo]) -> lis
     beside the converted weights (a generation_config.json, a chat template, remote code, an adapter, other weights)
     or, a link, would change with what it points to. Weight files and indexes at the root are weight_file_problems'."""
     written = {info.path.name for info in produced.values()} | {INDEX_NAME, *WRITTEN_ANEW}
-    written |= {relative.as_posix() for relative in (*plan.side_files, *plan.adapter_files)}
+    written |= {relative.as_posix() for relative in (*plan.side_files, *plan.added_files)}
     theirs = ("*.safetensors",) if (output / INDEX_NAME).is_file() else ("*.safetensors", "*.safetensors.index.json")
     problems = []
     for folder, dirs, files in os.walk(output):
@@ -151,12 +151,12 @@ def carried_problems(plan, output: Path) -> list[str]:
             problems.append(f"{name}: carried over from the source, missing from the output")
         elif not _same_bytes(plan.folder / relative, copy):
             problems.append(f"{name}: differs from the source's")
-    for relative in plan.adapter_files:  # a resized vocabulary's tokenizer comes from the adapter
+    for relative, added in plan.added_files.items():  # a kind's (a resized vocabulary's tokenizer: the adapter's)
         copy = output / relative
         if not copy.is_file():
-            problems.append(f"{relative.as_posix()}: the adapter's tokenizer file, missing from the output")
-        elif not _same_bytes(plan.adapter.folder / relative, copy):
-            problems.append(f"{relative.as_posix()}: differs from the adapter's")
+            problems.append(f"{relative.as_posix()}: {added.named}, missing from the output")
+        elif not _same_bytes(added.path, copy):
+            problems.append(f"{relative.as_posix()}: differs from {added.owner}")
     return problems
 
 

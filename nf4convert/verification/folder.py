@@ -10,24 +10,22 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
-from ..dtypes import BY_NAME, DTYPES, OUTPUT_DTYPES
+from ..dtypes import DTYPES, OUTPUT_DTYPES, DType
 from ..errors import ArgumentError, CheckpointError, SourceNotFoundError
 from ..safetensors_io.read import TensorInfo, TensorReader, read_tensors
 from . import audit, hints
 from .compare import Tallies, described
 from .finite import made_by_merge
+from .outputs import Output, register
 from .stream import check_tensors
 
 
-class Folder:
-    """A converted checkpoint's folder, as verify checks it."""
+@register
+class Folder(Output):
+    """A converted checkpoint's folder, as verify checks it: whatever OUT is not another kind's."""
 
-    gguf = False
-    imports = ()  # beyond the reference libraries
-
-    @staticmethod
-    def claims(output: str) -> bool:
-        return True  # whatever is not another kind's
+    name = "folder"
+    default = True
 
     def __init__(self, output: Path):
         if not output.is_dir():
@@ -39,7 +37,7 @@ class Folder:
         """The dtype the source is planned in (a ``DType``): the output's own, from its headers. ``dtype`` is a GGUF's
         option (its tensors' dtype before the GGUF type): given for a folder, it must be the folder's own."""
         self.produced = read_tensors(self.output)
-        own = BY_NAME[_output_dtype(self.output, self.produced)]
+        own = tensors_dtype(self.output, self.produced)
         if dtype is not None and dtype != own:
             raise ArgumentError(
                 f"{self.output}: its tensors are {own.name}, not {dtype.name} (dtype is a GGUF's: the dtype its "
@@ -91,7 +89,7 @@ class Folder:
                     report.compared_against[name] = tally.against
                     if not expected[name].recipe.plain:
                         report.dequantized += 1
-                        report.merged += expected[name].recipe.kind == "merge_lora"
+                        report.merged += expected[name].recipe.merges_adapter
                 problem = retyped[name] or (tally.problem() if tally is not None else None)
                 if not problem and tally is not None and tally.non_finite:
                     merged = context.recompute(expected[name], source_reader, device)
@@ -119,10 +117,10 @@ class Folder:
             )
 
 
-def _output_dtype(output: Path, produced: dict[str, TensorInfo]) -> str:
+def tensors_dtype(output: Path, produced: dict[str, TensorInfo]) -> DType:
     """The output's dtype: that of most of its floating tensors (those of another are named one by one)."""
     codes = {dtype.code for dtype in OUTPUT_DTYPES.values()}
     counts = Counter(info.dtype for info in produced.values() if info.dtype in codes)
     if not counts:
         raise CheckpointError(f"{output}: no fp16, bf16 or fp32 tensors, so not a converted checkpoint")
-    return DTYPES[counts.most_common(1)[0][0]].name
+    return DTYPES[counts.most_common(1)[0][0]]

@@ -40,20 +40,33 @@ from ..sinks.gguf.typeplan import FILE_TYPES
 from ..sinks.scratch import scratch_folder
 from . import hints, llama_quantize
 from .finite import made_by_merge
+from .outputs import Output, register
 from .reference.base import against
 
 HEADER_FIELDS = ("GGUF.version", "GGUF.tensor_count", "GGUF.kv_count")  # the reader's names for the header's words
 
 
-class GgufCheck:
+@register
+class GgufCheck(Output):
     """A GGUF output checked by verify: read (and its type known) before SOURCE is fetched."""
 
+    name = "gguf"
     gguf = True
     imports = IMPORTS  # the converter's, begun on the side
 
     @staticmethod
     def claims(output: str) -> bool:
-        return output.lower().endswith(".gguf")
+        """An OUT named ``.gguf``, or a regular file that begins as a GGUF does (``--to gguf`` names it freely)."""
+        if output.lower().endswith(".gguf"):
+            return True
+        path = os.path.expanduser(output)
+        try:
+            if not os.path.isfile(path):
+                return False
+            with open(path, "rb") as file:
+                return file.read(4) == b"GGUF"
+        except OSError:
+            return False
 
     def __init__(self, output: Path):
         if not output.is_file():
@@ -108,7 +121,7 @@ class GgufCheck:
             tensor = planned[name]
             recomputed.append(tensor)
             made = context.recompute(tensor, source_reader, device).to("cpu")
-            if tensor.recipe.kind == "merge_lora" and name not in non_finite:
+            if tensor.recipe.merges_adapter and name not in non_finite:
                 problem = made_by_merge(tensor, made, source_reader, device, context)
                 if problem:
                     non_finite[name] = problem
@@ -126,7 +139,7 @@ class GgufCheck:
                 expected = self._requantized(plan, stage, reference, scratch, report)
             for tensor in recomputed:
                 report.dequantized += not tensor.recipe.plain
-                report.merged += tensor.recipe.kind == "merge_lora"
+                report.merged += tensor.recipe.merges_adapter
                 report.compared_against[tensor.name] = against(tensor, device)
             report.problems += [f"{name}: {problem}" for name, problem in non_finite.items()]
             report.notes += hints.gguf_hints(
@@ -159,7 +172,7 @@ class GgufCheck:
                 info.tensor = None  # the converter's graph for it, and the reference it holds, go
                 for tensor in recomputed:
                     report.dequantized += not tensor.recipe.plain
-                    report.merged += tensor.recipe.kind == "merge_lora"
+                    report.merged += tensor.recipe.merges_adapter
                     report.compared_against[tensor.name] = against(tensor, device)
                 if problem:
                     sources = ", ".join(sorted({against(tensor, device) for tensor in recomputed})) or "the reference"

@@ -24,7 +24,7 @@ from ..plan import make_plan
 from ..safetensors_io.read import TensorReader, read_header
 from .compare import Tallies, described
 from .finite import made_by_merge
-from .folder import _output_dtype
+from .folder import tensors_dtype
 from .libraries import installed, quiet_loggers, reference_libraries, require, start_importing
 from .reference.base import Context, libraries
 from .report import VerifyReport
@@ -50,7 +50,9 @@ class ShardChecks:
         self._stack = contextlib.ExitStack()
 
     def __enter__(self) -> "ShardChecks":
-        self.weights = self._stack.enter_context(HubWeights(download=self.options.hub.download))
+        self.weights = self._stack.enter_context(
+            HubWeights(download=self.options.hub.download, settings=self.options.settings)
+        )
         self._stack.enter_context(quiet_loggers())
         self.reader = self._stack.enter_context(TensorReader(self.weights.ranges, remote=self.weights.files))
         return self
@@ -65,14 +67,12 @@ class ShardChecks:
         if resolved.adapter_folder is not None:
             installed("peft")
         start_importing(*reference_libraries(resolved.adapter_folder is not None))
-        dtype = _output_dtype(path, produced)
-        from ..dtypes import BY_NAME
-
-        plan = make_plan(resolved.folder, dtype=BY_NAME[dtype], reader=self.reader, adapter=resolved.adapter_folder)
+        dtype = tensors_dtype(path, produced)
+        plan = make_plan(resolved.folder, dtype=dtype, reader=self.reader, adapter=resolved.adapter_folder)
         require(libraries(plan.tensors), resolved.adapter_folder is not None)
         preload.settled()
         self.planned = {tensor.name: tensor for tensor in plan.tensors}
-        self.context = Context(self.planned, *meta_model(plan.config), plan.tied or ())
+        self.context = Context(self.planned, *meta_model(plan.config), (plan.merged and plan.merged.tied) or ())
 
     def check(self, path: Path) -> None:
         """Compare every tensor of the shard ``path`` with its reference; ShardMismatch naming the first problem."""
@@ -98,7 +98,7 @@ class ShardChecks:
                 report.compared_against[name] = tally.against
                 if not expected[name].recipe.plain:
                     report.dequantized += 1
-                    report.merged += expected[name].recipe.kind == "merge_lora"
+                    report.merged += expected[name].recipe.merges_adapter
             problem = retyped[name] or (tally.problem() if tally is not None else None)
             if not problem and tally is not None and tally.non_finite:
                 merged = self.context.recompute(expected[name], self.reader, self.device)

@@ -133,7 +133,7 @@ def check_tensors(pairs, source_reader, output_reader, device, context, tallies:
             if stop.is_set():
                 break
             itemsize = DTYPES[tensor.dtype].itemsize
-            merged = DTYPES[tensor.dtype].torch if tensor.recipe.kind == "merge_lora" else None
+            merged = DTYPES[tensor.dtype].torch if tensor.recipe.merges_adapter else None
             tallies.start(tensor.name, tensor.nbytes, itemsize, against(tensor, device))
             queued = 0
             try:

@@ -69,7 +69,7 @@ class ShardChecks:
         dtype = _output_dtype(path, produced)
         from ..dtypes import BY_NAME
 
-        plan = make_plan(resolved.folder, dtype=BY_NAME[dtype], reader=self.reader, adapter=resolved.adapter_folder)
+        plan = make_plan(resolved.folder, dtype=BY_NAME[dtype], reader=self.reader, adapter=resolved.loaded_adapter)
         reference_library("bitsandbytes")
         if resolved.adapter_folder is not None:
             reference_library("peft")

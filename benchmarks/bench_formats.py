@@ -3,6 +3,7 @@ on each route and verified, beside ``dd`` of the same output bytes.
 
     python benchmarks/bench_formats.py --format mxfp4 [--layers 24] [--experts 32] [--steps ...] [--workdir DIR]
     python benchmarks/bench_formats.py --format fp8 --layers 4 [--experts 256] [--steps ...] [--workdir DIR]
+    python benchmarks/bench_formats.py --format nvfp4 --layers 12 [--experts 128] [--steps ...] [--workdir DIR]
 
 Checkpoints (synthesized, not quantized: random valid packed data, so building takes seconds; built once into
 ``--workdir`` and reused while a folder of the same shapes is there; ``--build-only`` builds and stops):
@@ -18,6 +19,11 @@ Checkpoints (synthesized, not quantized: random valid packed data, so building t
          NaN) with F32 ``weight_scale_inv`` per 128 x 128 block (ragged where DeepSeek's are: ``kv_a_proj_with_mqa``
          [576, 7168]), ``quant_method: "fp8"``. A MoE layer is 11.5 GB in and 23 GB of bf16 out: ``--layers 4`` (3
          dense and 1 MoE) is 17 GB in and 30 GB out.
+  nvfp4  Qwen3-30B-A3B as compressed-tensors ``nvfp4-pack-quantized`` (llm-compressor's NVFP4 recipe): hidden 2048,
+         48 layers of 128 experts (intermediate 768), 32 heads of 128, 4 KV heads, vocab 151936; every linear weight
+         ``weight_packed`` (random bytes), ``weight_scale`` (positive E4M3 codes) and an F32 ``weight_global_scale``,
+         the router, the head and the rest BF16. A layer is 0.34 GB in and 1.2 GB of bf16 out: ``--layers 12`` (the
+         default) is 4.7 GB in and 16 GB out; all 48 are 17 GB in and 61 GB out.
 
 Steps (``--steps``, comma-separated, in order, each in a fresh process after the previous output is removed and a
 ``sync``): ``dd`` (the dense output's bytes), ``cuda`` / ``cpu`` (nf4convert SOURCE -o OUT --device ...),
@@ -53,6 +59,9 @@ GPT_OSS_20B = dict(
 DEEPSEEK_V3 = dict(
     hidden=7168, intermediate=18432, moe_intermediate=2048, experts=256, shared=1, heads=128, q_lora=1536, kv_lora=512,
     nope=128, rope=64, v_head=128, vocab=129280, dense_layers=3, layers=61,
+)  # fmt: skip
+QWEN3_30B_A3B = dict(
+    hidden=2048, moe_intermediate=768, experts=128, layers=48, heads=32, kv_heads=4, head_dim=128, vocab=151936,
 )  # fmt: skip
 BLOCK = 128
 ROOT = Path(__file__).resolve().parents[1]
@@ -124,6 +133,38 @@ def _shapes_fp8(sizes: dict):
     yield "lm_head.weight", "bf16", (sizes["vocab"], hidden)
 
 
+def _linear_nvfp4(name: str, rows: int, columns: int):
+    yield name + ".weight_packed", "nvfp4", (rows, columns // 2)
+    yield name + ".weight_scale", "nvfp4-scale", (rows, columns // 16)
+    yield name + ".weight_global_scale", "global-scale", (1,)
+
+
+def _shapes_nvfp4(sizes: dict):
+    """(name, kind, shape) of a Qwen3-30B-A3B-shaped compressed-tensors NVFP4 checkpoint: every linear layer NVFP4
+    but the router and the head, as llm-compressor's NVFP4 recipe leaves them."""
+    hidden, heads, kv, head_dim = sizes["hidden"], sizes["heads"], sizes["kv_heads"], sizes["head_dim"]
+    yield "model.embed_tokens.weight", "bf16", (sizes["vocab"], hidden)
+    for layer in range(sizes["layers"]):
+        prefix = f"model.layers.{layer}"
+        yield f"{prefix}.input_layernorm.weight", "bf16", (hidden,)
+        yield f"{prefix}.post_attention_layernorm.weight", "bf16", (hidden,)
+        attention = f"{prefix}.self_attn"
+        yield from _linear_nvfp4(f"{attention}.q_proj", heads * head_dim, hidden)
+        yield from _linear_nvfp4(f"{attention}.k_proj", kv * head_dim, hidden)
+        yield from _linear_nvfp4(f"{attention}.v_proj", kv * head_dim, hidden)
+        yield from _linear_nvfp4(f"{attention}.o_proj", hidden, heads * head_dim)
+        yield f"{attention}.q_norm.weight", "bf16", (head_dim,)
+        yield f"{attention}.k_norm.weight", "bf16", (head_dim,)
+        yield f"{prefix}.mlp.gate.weight", "bf16", (sizes["experts"], hidden)
+        for expert in range(sizes["experts"]):
+            mlp = f"{prefix}.mlp.experts.{expert}"
+            yield from _linear_nvfp4(f"{mlp}.gate_proj", sizes["moe_intermediate"], hidden)
+            yield from _linear_nvfp4(f"{mlp}.up_proj", sizes["moe_intermediate"], hidden)
+            yield from _linear_nvfp4(f"{mlp}.down_proj", hidden, sizes["moe_intermediate"])
+    yield "model.norm.weight", "bf16", (hidden,)
+    yield "lm_head.weight", "bf16", (sizes["vocab"], hidden)
+
+
 def _tensor(kind: str, shape: tuple, generator, device):
     """Random valid data of ``kind``: bf16 weights of a trained model's size, any byte for MXFP4 blocks, E8M0 scale
     bytes of a trained model's range, FP8 codes but the NaN ones, positive finite F32 block scales."""
@@ -141,6 +182,13 @@ def _tensor(kind: str, shape: tuple, generator, device):
         codes = torch.randint(0, 256, shape, dtype=torch.uint8, device=device, generator=generator)
         codes[(codes & 0x7F) == 0x7F] -= 1  # 0x7f/0xff are e4m3's NaN: no writer makes them
         return codes.view(torch.float8_e4m3fn).cpu()
+    if kind == "nvfp4":  # any byte: every nibble is an E2M1 value
+        return torch.randint(0, 256, shape, dtype=torch.uint8, device=device, generator=generator).cpu()
+    if kind == "nvfp4-scale":  # positive normal E4M3 codes of a trained model's range
+        codes = torch.randint(0x30, 0x58, shape, dtype=torch.uint8, device=device, generator=generator)
+        return codes.view(torch.float8_e4m3fn).cpu()
+    if kind == "global-scale":  # 448 * 6 / amax of the layer's weights, as compressed-tensors computes it
+        return (torch.rand(shape, device=device, generator=generator) * 1e4 + 1e4).cpu()
     return (torch.rand(shape, device=device, generator=generator) * 1e-3 + 1e-5).cpu()  # "scale"
 
 
@@ -148,7 +196,7 @@ def _dense_bytes(shapes) -> int:
     """Bytes of the bf16 output: blocks become [E, G * 32, R], codes a bf16 weight of their shape; scales vanish."""
     total = 0
     for _, kind, shape in shapes:
-        if kind == "blocks":
+        if kind in ("blocks", "nvfp4"):
             total += 2 * math.prod(shape) * 2  # two values a byte
         elif kind in ("bf16", "fp8"):
             total += 2 * math.prod(shape)
@@ -163,7 +211,7 @@ def build(folder: Path, fmt: str, sizes: dict) -> int:
     import torch
     from safetensors.torch import save_file
 
-    shapes = list(_shapes_mxfp4(sizes) if fmt == "mxfp4" else _shapes_fp8(sizes))
+    shapes = list({"mxfp4": _shapes_mxfp4, "fp8": _shapes_fp8, "nvfp4": _shapes_nvfp4}[fmt](sizes))
     device = "cuda" if torch.cuda.is_available() else "cpu"  # random bytes at GPU speed where there is one
     generator = torch.Generator(device).manual_seed(0)
     folder.mkdir(parents=True, exist_ok=True)
@@ -224,6 +272,33 @@ def _config(fmt: str, sizes: dict) -> dict:
             "quant_method": "mxfp4",
         }
         config["architectures"] = ["GptOssForCausalLM"]
+    elif fmt == "nvfp4":
+        from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
+        from transformers import Qwen3MoeConfig
+
+        config = Qwen3MoeConfig(
+            num_hidden_layers=sizes["layers"],
+            num_experts=sizes["experts"],
+            num_experts_per_tok=min(8, sizes["experts"]),
+            moe_intermediate_size=sizes["moe_intermediate"],
+            hidden_size=sizes["hidden"],
+            num_attention_heads=sizes["heads"],
+            num_key_value_heads=sizes["kv_heads"],
+            head_dim=sizes["head_dim"],
+            vocab_size=sizes["vocab"],
+            tie_word_embeddings=False,
+        ).to_dict()
+        weights = QuantizationArgs(
+            num_bits=4, type="float", strategy="tensor_group", group_size=16, symmetric=True, dynamic=False
+        )
+        scheme = QuantizationScheme(targets=["Linear"], weights=weights, format="nvfp4-pack-quantized")
+        config["quantization_config"] = QuantizationConfig(
+            config_groups={"group_0": scheme},
+            format="nvfp4-pack-quantized",
+            quantization_status="compressed",
+            ignore=["lm_head", "re:.*mlp.gate$"],
+        ).model_dump(mode="json")
+        config["architectures"] = ["Qwen3MoeForCausalLM"]
     else:
         from transformers import DeepseekV3Config
 
@@ -266,7 +341,7 @@ def shard_digests(folder: Path) -> dict[str, str]:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--format", choices=["mxfp4", "fp8"], required=True)
+    parser.add_argument("--format", choices=["mxfp4", "fp8", "nvfp4"], required=True)
     parser.add_argument("--layers", type=int, default=None, help="default: gpt-oss-20b's 24; fp8: 4 (3 dense + 1 MoE)")
     parser.add_argument("--experts", type=int, default=None, help="default: gpt-oss-20b's 32, DeepSeek-V3's 256")
     parser.add_argument("--vocab", type=int, default=None, help="default: the model's")
@@ -278,8 +353,8 @@ def main():
     import torch
     import transformers
 
-    sizes = dict(GPT_OSS_20B if options.format == "mxfp4" else DEEPSEEK_V3)
-    sizes["layers"] = options.layers or (GPT_OSS_20B["layers"] if options.format == "mxfp4" else 4)
+    sizes = dict({"mxfp4": GPT_OSS_20B, "fp8": DEEPSEEK_V3, "nvfp4": QWEN3_30B_A3B}[options.format])
+    sizes["layers"] = options.layers or {"mxfp4": GPT_OSS_20B["layers"], "fp8": 4, "nvfp4": 12}[options.format]
     sizes["experts"] = options.experts or sizes["experts"]
     sizes["vocab"] = options.vocab or sizes["vocab"]
     workdir = options.workdir or Path(tempfile.mkdtemp(prefix="nf4convert-bench-formats-"))

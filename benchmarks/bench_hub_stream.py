@@ -85,6 +85,7 @@ def serve(args) -> None:
     with fake_hub(lifetime=24 * 3600) as (endpoint, hub):
         commit = hub.publish(REPO, files, xet=args.xet)
         hub.bandwidth = args.bandwidth * 1e6 if args.bandwidth else None
+        hub.upload_bandwidth = args.upload_bandwidth * 1e6 if args.upload_bandwidth else None
         hub.latency = args.latency_ms / 1000
         print(json.dumps({"endpoint": endpoint, "commit": commit}), flush=True)
         sys.stdin.read()  # until the benchmark closes it
@@ -435,6 +436,7 @@ def main() -> None:
     parser.add_argument("--folder", help=argparse.SUPPRESS)
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--bandwidth", type=float, default=0.0, help=argparse.SUPPRESS)
+    parser.add_argument("--upload-bandwidth", type=float, default=0.0, help=argparse.SUPPRESS)
     parser.add_argument("--step", help=argparse.SUPPRESS)
     parser.add_argument("--endpoint", help=argparse.SUPPRESS)
     parser.add_argument("--commit", help=argparse.SUPPRESS)

@@ -3,7 +3,7 @@
 # the float formats at real shapes.
 # Expects bitsandbytes unpacked under .carry/site, peft 0.21 under .carry/peft and Unsloth's kernel copy under
 # .carry/peers (docs/performance.md, "How to run them"). STAGES picks parts
-# (tests,convert,gguf,verify,int,formats,dequant,compile,kernels); logs go to $OUT.
+# (tests,convert,gguf,verify,int,formats,dequant,compile,kernels,push); logs go to $OUT.
 set -o pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 carry=$(cd "$root/.." && pwd)  # .carry when run from .carry/perf
@@ -77,4 +77,11 @@ if [[ $stages == *formats* ]]; then
     timeout ${FORMATS_TIMEOUT:-560} python3 benchmarks/bench_formats.py --format "$format" --workdir /tmp/bench-formats \
       --json "$out/formats-$format.json" ${FORMATS_ARGS:-} 2>&1 | tee "$out/formats-$format.log" | grep -v '^{'
   done
+fi
+if [[ $stages == *push* ]]; then
+  # Hub to Hub with no local copy (bench_push.py) against a fake Hub whose links run at PUSH_BANDWIDTHS MB/s each way,
+  # beside download, convert and upload alone and today's download-convert-upload; PUSH_ARGS adds options.
+  timeout ${PUSH_TIMEOUT:-560} python3 benchmarks/bench_push.py --layers ${PUSH_LAYERS:-4} --device ${PUSH_DEVICE:-cuda} \
+    --bandwidths ${PUSH_BANDWIDTHS:-100,500,0} --workdir /tmp/bench-push --json "$out/push.json" ${PUSH_ARGS:-} 2>&1 \
+    | tee "$out/push.log" | grep -v '^[0-9.]* MB/s'
 fi

@@ -1,5 +1,5 @@
-"""nf4convert: turn quantized checkpoints (bitsandbytes, GPTQ, AWQ, FP8, MXFP4, compressed-tensors) back into dense
-safetensors or GGUF, bit for bit as their reference libraries dequantize them.
+"""nf4convert: turn quantized checkpoints (bitsandbytes, GPTQ, AWQ, FP8, MXFP4, compressed-tensors, ModelOpt) back
+into dense safetensors or GGUF, bit for bit as their reference libraries dequantize them.
 
 Public API (imported lazily: the CLI starts without torch, and importing the package runs next to nothing before the
 console script's first statements, ``entry.py``):

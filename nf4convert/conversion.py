@@ -226,6 +226,7 @@ def convert(
     allow_no_config: bool = False,
     gguf_type: str | None = None,
     allow_non_finite: bool = False,
+    imatrix: str | os.PathLike | None = None,
 ) -> ConvertResult:
     """Convert a quantized checkpoint into a dense safetensors checkpoint, or into one GGUF file.
 
@@ -249,6 +250,9 @@ def convert(
     An ``output`` ending in ``.gguf`` (or a ``gguf_type``, then named ``<stem>-<type>.gguf``) is one GGUF file, the one
     llama.cpp's converter (the "gguf" extra) writes from the dense output: of type ``gguf_type`` (f32, f16, bf16,
     q8_0), by default ``dtype``'s own float type; with ``dtype`` "auto", a float ``gguf_type`` sets the dtype too.
+    One of llama-quantize's types (q4_k_m, q4_k_s, q5_k_m, q5_k_s, q6_k, q3_k_s, q3_k_m, q3_k_l, q2_k, q4_0, q4_1, q5_0,
+    q5_1, iq4_nl, iq4_xs) is the file ``llama-quantize`` writes from that GGUF in ``dtype``'s own float type, with
+    ``imatrix`` (a GGUF or legacy .dat file) as its ``--imatrix``.
 
     Raises:
         ArgumentError: a bad ``dtype``, ``device``, ``max_shard_size``, ``stem`` or ``gguf_type``, or ``output`` with
@@ -278,6 +282,7 @@ def convert(
         allow_no_config=allow_no_config,
         allow_non_finite=allow_non_finite,
         gguf_type=gguf_type,
+        imatrix=imatrix,
         progress=progress,
         output_dir=output_dir,
         stem=stem,

@@ -130,6 +130,8 @@ SKIPPED_DIRS = {".cache", ".git", ".huggingface", "__pycache__"}
 
 # Files the conversion writes anew instead of carrying over (sinks/side_files.py): the dense config, the model card.
 WRITTEN_ANEW = ("config.json", "README.md")
+# Files not carried over: ModelOpt's quantization config, which the dense config.json replaces (model/config.py).
+DROPPED_FILES = ("hf_quant_config.json",)
 
 
 def carried_files(folder: Path) -> list[Path]:
@@ -147,7 +149,9 @@ def carried_files(folder: Path) -> list[Path]:
         for name in files:
             path = Path(root) / name
             relative = path.relative_to(folder)
-            if relative.as_posix() in WRITTEN_ANEW or any(fnmatch.fnmatch(name, p) for p in SKIPPED_FILES):
+            if relative.as_posix() in (*WRITTEN_ANEW, *DROPPED_FILES) or any(
+                fnmatch.fnmatch(name, p) for p in SKIPPED_FILES
+            ):
                 continue
             inside(folder, relative.as_posix())  # a link out of the folder is never copied into the output
             if not path.is_file():  # found now: a file missing from the output would go unnoticed (verify too)

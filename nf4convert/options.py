@@ -51,6 +51,7 @@ class ConvertOptions:
     allow_no_config: bool = False
     allow_non_finite: bool = False  # keep the NaN or ±inf values an adapter merge makes (refused otherwise)
     gguf_type: str | None = None  # checked by the GGUF sink, whose values they are
+    imatrix: str | None = None  # llama-quantize's importance matrix, as the user named it (the GGUF sink's)
     progress: bool = True
     output: Path | None = None  # OUT as given (None: named for the user, in output_dir or here)
     output_dir: Path | None = None
@@ -73,6 +74,7 @@ class ConvertOptions:
         allow_no_config=False,
         allow_non_finite=False,
         gguf_type=None,
+        imatrix=None,
         progress=True,
         output_dir=None,
         stem=None,
@@ -97,6 +99,7 @@ class ConvertOptions:
             allow_no_config=bool(allow_no_config),
             allow_non_finite=bool(allow_non_finite),
             gguf_type=gguf_type.lower() if isinstance(gguf_type, str) else gguf_type,
+            imatrix=os.fspath(imatrix) if imatrix is not None else None,
             progress=bool(progress),
             output=expanded_output(output, "output") if output is not None else None,
             output_dir=expanded(output_dir, "output_dir") if output_dir is not None else None,

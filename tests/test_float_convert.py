@@ -25,6 +25,7 @@ from nf4convert.sinks.safetensors import write_shards
 
 from fixtures import float_checkpoints as fc
 from fixtures.cli import cli, one_error_line
+from fixtures.no_triton import VERIFIED_WITHOUT, run_without
 
 needs_compressed_tensors = pytest.mark.skipif(
     importlib.util.find_spec("compressed_tensors") is None,
@@ -455,6 +456,17 @@ def test_a_batch_of_each_format(sources, tmp_path):
         want = fc.reference_weights(sources[variant], torch.bfloat16)
         got = fc.read_state(folder)
         assert all(same_bits(got[name], value) for name, value in want.items())
+
+
+def test_verify_of_an_fp8_output_needs_no_bitsandbytes(sources, tmp_path):
+    """bitsandbytes is the reference of its own checkpoints' weights only: an FP8 output verifies without it."""
+    source = source_of(sources, "qwen3-fp8-block32-f32")
+    cli(source, "-o", tmp_path / "out", "--device", "cpu", "-q")
+    result = run_without(("bitsandbytes",), ["-c", VERIFIED_WITHOUT, str(tmp_path / "out"), str(source),
+                                             "bitsandbytes"], timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    verdict, _, dequantized = result.stdout.split()
+    assert verdict == "ok" and int(dequantized) > 0, result.stdout
 
 
 def test_verify_in_slices_smaller_than_an_expert_or_a_block_row(sources, tmp_path, monkeypatch, small_pieces):

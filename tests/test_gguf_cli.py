@@ -488,7 +488,7 @@ def test_a_failed_push_gives_a_command_that_pushes_the_file_and_its_card(llama, 
     import subprocess
     import sys
 
-    from fixtures.fake_hub import READ_TOKEN, WRITE_TOKEN, client_env, serve
+    from fixtures.fake_hub import WRITE_TOKEN, Fault, client_env, serve
 
     with serve() as (endpoint, state):
         env = client_env(endpoint, tmp_path / "home", HF_HUB_DISABLE_XET="1", NF4CONVERT_PYTHON=sys.executable)
@@ -500,7 +500,10 @@ def test_a_failed_push_gives_a_command_that_pushes_the_file_and_its_card(llama, 
         assert done.returncode == 0, done.stderr
         pushed = state.repos["me/pushed"]["branches"][branch or "main"]
         out.unlink()
-        failed = subprocess.run([*command, "--token", READ_TOKEN], env=env, capture_output=True, text=True)
+        state.repos.clear()  # the same content again would be no change for the Hub, so no commit to refuse
+        state.upload_faults = [Fault("status", file="commit", status=403, times=99)]  # refused once the file is made
+        failed = subprocess.run([*command, "--token", WRITE_TOKEN], env=env, capture_output=True, text=True)
+        state.upload_faults = []
         lines = failed.stderr.strip().splitlines()
         assert failed.returncode == 1 and len(lines) == 1 and "me/pushed: upload failed: HTTP 403" in lines[0], lines
         kept = out.with_name("llama q8.README.md")

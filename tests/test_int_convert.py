@@ -30,6 +30,7 @@ from nf4convert.verification.reference import dequantize_gptq as reference_gptq
 
 from fixtures.cli import cli
 from fixtures.int_checkpoints import VARIANTS, build, reference_state
+from fixtures.no_triton import VERIFIED_WITHOUT, run_without
 from fixtures.processes import package_env
 from fixtures.weights import bits
 
@@ -351,6 +352,16 @@ def test_verify_without_compressed_tensors_says_what_to_install(checkpoints, tmp
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert result.returncode != 0 and len(lines) == 1, result.stderr
     assert "compressed_tensors, which cannot be imported" in lines[0] and "pip install compressed-tensors" in lines[0]
+
+
+def test_verify_of_a_gptq_output_needs_no_bitsandbytes(checkpoints, tmp_path):
+    """bitsandbytes is the reference of its own checkpoints' weights only, as compressed-tensors is of its own."""
+    built = checkpoints["gptq-llama-4bit-g32-v1-asym-descact"]
+    cli(built.folder, "-o", tmp_path / "out", "-q", "--device", "cpu")
+    result = run_without(("bitsandbytes",), ["-c", VERIFIED_WITHOUT, str(tmp_path / "out"), str(built.folder),
+                                             "bitsandbytes"], timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split()[:1] == ["ok"] and int(result.stdout.split()[2]) == len(built.expected), result.stdout
 
 
 # --- names, dry runs, batches, the card ---------------------------------------------------------------------------

@@ -172,7 +172,7 @@ def test_a_format_and_kind_defined_in_a_test_alone_are_planned_and_converted(tmp
 
 
 def test_what_is_asked_of_all_formats_takes_in_a_format_defined_in_a_test(tmp_path, scratch):
-    assert formats_base.families() == "AWQ, bitsandbytes, compressed-tensors, FP8, GPTQ, MXFP4 or scratch"
+    assert formats_base.families() == "AWQ, bitsandbytes, compressed-tensors, FP8, GPTQ, ModelOpt, MXFP4 or scratch"
     assert formats_base.config_reason({"quantization_config": {"quant_method": "scratch"}}) is None
     assert formats_base.quantization_key("layers.0.qscale") is Scaled
     assert formats_base.plan_reads().search("layers.0.qscale")
@@ -184,7 +184,7 @@ def test_what_is_asked_of_all_formats_takes_in_a_format_defined_in_a_test(tmp_pa
         make_plan(folder)
     assert str(refused.value) == (
         f"{folder}: no quantized weights of a format nf4convert reads (AWQ, bitsandbytes, compressed-tensors, FP8, "
-        "GPTQ, MXFP4 or scratch): nothing to convert"
+        "GPTQ, ModelOpt, MXFP4 or scratch): nothing to convert"
     )
 
 
@@ -317,12 +317,14 @@ def test_the_registries_hold_what_is_defined_and_nothing_after_a_scratch_test():
         "compressed-tensors-nvfp4",
         "fp8",
         "gptq",
+        "modelopt-fp8",
+        "modelopt-nvfp4",
         "mxfp4",
     ]
     assert set(all_kinds()) == {
         "copy", "dequantize_4bit", "dequantize_8bit", "dequantize_gptq", "dequantize_awq", "dequantize_compressed_int",
         "dequantize_fp8", "dequantize_compressed_fp8", "dequantize_mxfp4", "dequantize_nvfp4", "transpose", "untied",
-        "merge_lora",
+        "merge_lora", "dequantize_modelopt_nvfp4", "dequantize_modelopt_fp8",
     }  # fmt: skip
     order = [kind.order for kind in all_kinds().values()]
     assert order == sorted(order) and list(all_kinds())[-2:] == ["copy", "merge_lora"]
@@ -411,7 +413,7 @@ def test_the_cpu_route_makes_a_host_computation_here_or_in_a_worker():
         (
             {"quantization_config": {"quant_method": "hqq", "nbits": 4}},
             "config.json's quantization_config has quant_method 'hqq', which nf4convert does not read (it reads "
-            "AWQ, bitsandbytes, compressed-tensors, FP8, GPTQ or MXFP4)",
+            "AWQ, bitsandbytes, compressed-tensors, FP8, GPTQ, ModelOpt or MXFP4)",
         ),
         (
             {"quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 128, "checkpoint_format": "x"}},

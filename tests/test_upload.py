@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from fixtures.fake_hub import GITATTRIBUTES, READ_TOKEN, WRITE_TOKEN, client_env, closed_port, serve
+from fixtures.fake_hub import GITATTRIBUTES, READ_TOKEN, WRITE_TOKEN, Fault, client_env, closed_port, serve
 
 
 @pytest.fixture
@@ -222,6 +222,31 @@ def test_push_errors_are_one_line_with_their_cause(hub, converted, tmp_path, cas
     assert not state.commits and not state.objects
 
 
+@pytest.mark.parametrize("case", ["401", "read-only", "refused"])
+def test_a_push_the_hub_would_refuse_is_said_before_anything_is_converted(hub, tmp_path, case):
+    # a bad token, a read-only one or a Hub out of reach was found only once the whole model was converted
+    endpoint, state = hub
+    token = {"401": "hf_not_a_token", "read-only": READ_TOKEN}.get(case, WRITE_TOKEN)
+    expected = {"401": "HTTP 401", "read-only": "the token is read-only; nothing was converted"}
+    if case == "refused":
+        port = closed_port()
+        endpoint, expected[case] = f"http://127.0.0.1:{port}", f"connection refused by 127.0.0.1:{port}"
+    example = Path(__file__).resolve().parents[1] / "examples" / "tiny-llama-bnb-4bit"
+    out = tmp_path / "out"
+    result = subprocess.run(
+        [sys.executable, "-m", "nf4convert", str(example), "-o", str(out), "--device", "cpu", "-q"]
+        + ["--push-to-hub", "me/tiny", "--token", token],
+        capture_output=True,
+        text=True,
+        env=client_env(endpoint, tmp_path / "home", HF_HUB_DISABLE_XET="1"),
+        timeout=300,
+    )
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 1 and len(lines) == 1 and lines[0].startswith("Error: me/tiny: "), result.stderr
+    assert expected[case] in lines[0], lines[0]
+    assert not out.exists() and not state.repos.get("me/tiny")
+
+
 def test_push_refuses_a_missing_or_empty_folder_without_asking_the_hub(hub, tmp_path):
     from nf4convert.errors import UploadError
     from nf4convert.hub.upload import push_to_hub
@@ -340,22 +365,24 @@ def test_a_failed_push_says_the_output_is_kept_and_how_to_push_it_again(hub, tmp
     out = tmp_path / "my out"
     env = client_env(endpoint, tmp_path / "home", HF_HUB_DISABLE_XET="1")
     options = ["--push-branch", branch] if branch else []
+    state.upload_faults = [Fault("status", file="commit", status=403, times=99)]  # refused once the output is made
     result = subprocess.run(
         [sys.executable, "-m", "nf4convert", str(example), "-o", str(out), "--device", "cpu", "-q"]
-        + ["--push-to-hub", "me/tiny", "--private", "--token", READ_TOKEN, *options],
+        + ["--push-to-hub", "me/tiny", "--private", "--token", WRITE_TOKEN, *options],
         capture_output=True,
         text=True,
         env=env,
         timeout=300,
     )
+    state.upload_faults = []
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert result.returncode == 1 and len(lines) == 1 and "me/tiny: upload failed: HTTP 403" in lines[0], lines
     again = f"hf upload me/tiny '{out}' ." + (f" --revision {branch}" if branch else "") + " --private"
     assert lines[0].endswith(f"; {out} is complete and kept; push it again with: {again}"), lines[0]
-    assert (out / "model.safetensors").is_file() and "me/tiny" not in state.repos
+    assert (out / "model.safetensors").is_file() and not state.commits
 
 
-def test_a_push_refused_for_a_public_repo_suggests_no_command_that_would_fill_it(hub, tmp_path):
+def test_a_private_push_to_a_public_repo_is_refused_before_any_work(hub, tmp_path):
     # hf upload --private leaves an existing public repo public: it is no way to push again there
     endpoint, state = hub
     state.add_repo("me/public", private=False)
@@ -372,9 +399,10 @@ def test_a_push_refused_for_a_public_repo_suggests_no_command_that_would_fill_it
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert result.returncode == 1 and len(lines) == 1, lines
     assert lines[0] == (
-        "Error: me/public: the repository exists and is public; nothing was uploaded (make it private on the Hub "
-        f"first, or push without --private); {out} is complete and kept"
+        "Error: me/public: the repository exists and is public; nothing was converted (make it private on the Hub "
+        "first, or push without --private)"
     )
+    assert not out.exists()  # found before any work
 
 
 @pytest.fixture(scope="module")

@@ -13,12 +13,28 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from fixtures.cli import cli
+from fixtures.cli import cli, invoke, one_error_line
 from fixtures.int_checkpoints import build
 
 pytest.importorskip("compressed_tensors")
 
 QWEN2_GPTQ = "gptq-qwen2-4bit-g64-v2-bf16"
+
+
+FLOAT_BUILDS = {"fp8": "llama-fp8-block-small-f16", "ct-fp8": "qwen3-ct-fp8-block"}
+
+
+def _build(folder: Path, variant: str) -> Path:
+    """``variant``: one of int_checkpoints' variants, "fp8" or "ct-fp8" (float_checkpoints') or "mxfp4"."""
+    from fixtures import float_checkpoints
+
+    if variant == "mxfp4":
+        return float_checkpoints.build_mxfp4(folder)
+    if variant == "fp8":
+        return float_checkpoints.build_fp8(folder, FLOAT_BUILDS[variant])
+    if variant == "ct-fp8":
+        return float_checkpoints.build_compressed(folder, FLOAT_BUILDS[variant])
+    return build(folder, variant).folder
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +44,7 @@ def built(tmp_path_factory):
 
     def folder(variant: str) -> Path:
         if variant not in folders:
-            folders[variant] = build(root / variant, variant).folder
+            folders[variant] = _build(root / variant, variant)
         return folders[variant]
 
     return folder
@@ -46,10 +62,27 @@ def edit_config(folder: Path, change) -> None:
     (folder / "config.json").write_text(json.dumps(config))
 
 
+def edit_quantization(folder: Path, change) -> None:
+    edit_config(folder, lambda config: change(config["quantization_config"]))
+
+
 def edit_tensors(folder: Path, change) -> None:
-    tensors = load_file(folder / "model.safetensors")
+    """``change`` (of a dict name -> tensor: every shard's) applied to the checkpoint: each tensor stays in its
+    shard, a new one goes in the first, the index follows."""
+    files = sorted(folder.glob("*.safetensors"))
+    shard_of, tensors = {}, {}
+    for file in files:
+        for name, value in load_file(file).items():
+            shard_of[name], tensors[name] = file, value
     change(tensors)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, folder / "model.safetensors", metadata={"format": "pt"})
+    for file in files:
+        kept = {k: v.contiguous() for k, v in tensors.items() if shard_of.get(k, files[0]) == file}
+        save_file(kept, file, metadata={"format": "pt"})
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        data = json.loads(index.read_text())
+        data["weight_map"] = {name: shard_of.get(name, files[0]).name for name in tensors}
+        index.write_text(json.dumps(data))
 
 
 # --- GPTQ biases -------------------------------------------------------------------------------------------------
@@ -107,3 +140,137 @@ def test_verify_names_a_bias_the_output_lacks_that_the_source_holds(built, tmp_p
         "holds it ('model.layers.0.self_attn.q_proj.bias'), but the output lacks it" in report
     ), report
     assert "the source and the output lack" not in report
+
+
+# --- refused in one line, nothing written, on every route ----------------------------------------------------------
+
+CT_INT4, CT_NAIVE = "ct-llama-w4a16-g32-sym", "ct-llama-naive-w8-g32-asym"
+
+
+def _float4_group(quantization):
+    quantization["config_groups"]["group_1"] = {
+        "targets": ["re:.*mlp.*"],
+        "weights": {"num_bits": 4, "type": "float", "strategy": "group", "group_size": 16, "symmetric": True},
+        "format": "float-quantized",
+    }
+
+
+def _int_as_float_group(quantization):
+    _float4_group(quantization)
+    quantization["config_groups"]["group_1"]["weights"]["type"] = "int"
+
+
+# name -> (variant, change(folder), what the error line says)
+CASES = {
+    # compressed-tensors settings that say the weights are no compressed ones, for every source
+    "ct-int-frozen": (CT_INT4, lambda f: edit_quantization(f, lambda q: q.update(quantization_status="frozen")),
+                      "quantization_status is 'frozen'"),
+    "ct-fp8-frozen": ("ct-fp8", lambda f: edit_quantization(f, lambda q: q.update(quantization_status="frozen")),
+                      "quantization_status is 'frozen'"),
+    "ct-int-sparse": (CT_INT4, lambda f: edit_quantization(
+        f, lambda q: q.update(sparsity_config={"format": "sparse-24-bitmask", "targets": ["Linear"]})),
+        "sparsity_config format 'sparse-24-bitmask'"),
+    "ct-fp8-transform": ("ct-fp8", lambda f: edit_quantization(
+        f, lambda q: q.update(transform_config={"config_groups": {"u": {"type": "hadamard"}}})),
+        "transform_config (online rotations)"),
+    "ct-naive-transform": (CT_NAIVE, lambda f: edit_quantization(
+        f, lambda q: q.update(transform_config={"config_groups": {"u": {"type": "hadamard"}}})),
+        "transform_config (online rotations)"),
+    # config shapes compressed-tensors never writes
+    "ct-groups-a-list": (CT_INT4, lambda f: edit_quantization(
+        f, lambda q: q.update(config_groups=list(q["config_groups"].values()))), "config_groups is [{"),
+    "ct-fp8-groups-a-list": ("ct-fp8", lambda f: edit_quantization(
+        f, lambda q: q.update(config_groups=list(q["config_groups"].values()))), "config_groups is [{"),
+    "ct-group-a-string": (CT_INT4, lambda f: edit_quantization(f, lambda q: q["config_groups"].update(group_0="x")),
+                          "config group 'group_0' is 'x', not a mapping"),
+    "ct-targets-a-number": (CT_INT4, lambda f: edit_quantization(
+        f, lambda q: q["config_groups"]["group_0"].update(targets=3)), "targets is 3, not a list"),
+    "ct-target-a-bad-regex": (CT_INT4, lambda f: edit_quantization(
+        f, lambda q: q["config_groups"]["group_0"].update(targets=["re:("])), "not a valid regular expression"),
+    "ct-weights-a-string": (CT_INT4, lambda f: edit_quantization(
+        f, lambda q: q["config_groups"]["group_0"].update(weights="w4a16")), "weights is 'w4a16', not a dict"),
+    "ct-group-size-a-string": (CT_INT4, lambda f: edit_quantization(
+        f, lambda q: q["config_groups"]["group_0"]["weights"].update(group_size="32")),
+        "weights group_size is '32', not a int"),
+    "ct-ignore-a-number": (CT_INT4, lambda f: edit_quantization(f, lambda q: q.update(ignore=3)),
+                           "ignore is 3, not a list"),
+    "ct-ignore-of-numbers": (CT_INT4, lambda f: edit_quantization(f, lambda q: q.update(ignore=[1])),
+                             "ignore holds 1"),
+    "ct-sparsity-a-string": (CT_INT4, lambda f: edit_quantization(f, lambda q: q.update(sparsity_config="x")),
+                             "sparsity_config is 'x'"),
+    # a group whose weights no format reads
+    "ct-float4-group": (CT_INT4, lambda f: edit_quantization(f, _float4_group),
+                        "config group 'group_1' quantizes 4-bit float weights, not read yet"),
+    "ct-int-as-float-group": (CT_INT4, lambda f: edit_quantization(f, _int_as_float_group),
+                              "config group 'group_1' stores 4-bit 'int' weights as 'float-quantized'"),
+}  # fmt: skip
+ROUTES = ["convert", "dry-run", "gguf"]
+
+
+def planted(built, case: str, folder: Path) -> Path:
+    variant, change, _ = CASES[case]
+    change(copy_of(built, variant, folder))
+    return folder
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("case", list(CASES))
+def test_refused_in_one_line_naming_it_and_nothing_written(built, tmp_path, case, route):
+    source = planted(built, case, tmp_path / "source")
+    out = tmp_path / ("out.gguf" if route == "gguf" else "out")
+    line = one_error_line(cli(source, "-o", out, "-q", "--device", "cpu", *(["--dry-run"] * (route == "dry-run")),
+                              code=1))  # fmt: skip
+    assert CASES[case][2] in line, line
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["source"]
+
+
+def _rows(output: str) -> dict[str, dict]:
+    return {Path(row["source"]).name: row for row in map(json.loads, output.splitlines())}
+
+
+@pytest.fixture(scope="module")
+def planted_all(built, tmp_path_factory):
+    """Every case's checkpoint, each in a folder of its name."""
+    root = tmp_path_factory.mktemp("planted")
+    return {case: planted(built, case, root / case) for case in CASES}
+
+
+def test_a_batch_refuses_each_in_its_row(planted_all, tmp_path):
+    for dry_run in ([], ["--dry-run"]):
+        result = invoke("batch", *planted_all.values(), "-o", tmp_path / "root", "-q", "--device", "cpu", "--json",
+                        *dry_run, code=1)  # fmt: skip
+        rows = _rows(result.stdout)
+        for case, (_, _, says) in CASES.items():
+            assert rows[case]["status"] == "failed" and says in rows[case]["error"], (case, rows[case])
+        assert not (tmp_path / "root").exists() or not list((tmp_path / "root").iterdir())
+
+
+def test_from_the_hub_each_is_refused_streamed_and_in_a_dry_run(planted_all, tmp_path):
+    import threading
+    from http.server import ThreadingHTTPServer
+
+    from test_hub import FakeHub
+    from test_hub import cli as hub_cli
+
+    class PlantedHub(FakeHub):
+        repos = {
+            f"test-org/{case}": {path.name: path.read_bytes() for path in folder.iterdir() if path.is_file()}
+            for case, folder in planted_all.items()
+        }
+        requested, ranges = [], []
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), PlantedHub)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        env = {"HF_ENDPOINT": f"http://127.0.0.1:{server.server_address[1]}", "HF_HUB_DISABLE_XET": "1"}
+        for dry_run in ([], ["--dry-run"]):
+            result = hub_cli("batch", *(f"test-org/{case}" for case in CASES), "-o", tmp_path / "root", "-q",
+                             "--device", "cpu", "--json", "--cache-dir", tmp_path / "cache", *dry_run, env=env,
+                             cwd=tmp_path)  # fmt: skip
+            assert result.returncode == 1, result.stderr
+            rows = _rows(result.stdout)
+            for case, (_, _, says) in CASES.items():
+                assert rows[case]["status"] == "failed" and says in rows[case]["error"], (case, rows[case])
+            assert not (tmp_path / "root").exists() or not list((tmp_path / "root").iterdir())
+    finally:
+        server.shutdown()

@@ -24,7 +24,7 @@ from .flags import convert_options, one_adapter, quiet, source_options
 @click.group(cls=DefaultGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="nf4convert")
 def main():
-    """Turn quantized checkpoints (bitsandbytes, GPTQ, AWQ, FP8, MXFP4, compressed-tensors) into dense ones.
+    """Turn quantized checkpoints (bitsandbytes, GPTQ, AWQ, FP8, MXFP4, compressed-tensors, ModelOpt) into dense ones.
 
     \b
     Examples:

@@ -30,6 +30,7 @@ HINTS = {
     "allow_no_config": "or pass --allow-no-config to write the dense tensors alone",
     "allow_non_finite": "--allow-non-finite writes them anyway",
     "gguf_type": "see --gguf-type",
+    "imatrix": "see --imatrix",
 }
 
 

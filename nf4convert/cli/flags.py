@@ -13,7 +13,7 @@ import click
 
 from ..dtypes import OUTPUT_CHOICES
 from ..options import ConvertOptions
-from ..sinks.gguf.converter import GGUF_TYPES
+from ..sinks.gguf.converter import ALL_TYPES
 from ..sizes import DEFAULT_SHARD_SIZE
 
 
@@ -67,6 +67,7 @@ class ConvertFlags:
     adapter: str | None
     dtype: str
     gguf_type: str | None
+    imatrix: str | None
     device: str
     max_shard_size: str
     overwrite: bool
@@ -92,6 +93,7 @@ class ConvertFlags:
             allow_no_config=self.allow_no_config,
             allow_non_finite=self.allow_non_finite,
             gguf_type=self.gguf_type,
+            imatrix=self.imatrix,
             progress=progress,
         )
 
@@ -117,9 +119,15 @@ def convert_options(command):
             ),
             click.option(
                 "--gguf-type",
-                type=click.Choice(GGUF_TYPES, case_sensitive=False),
+                type=click.Choice(ALL_TYPES, case_sensitive=False),
                 help="Write one GGUF file of this type, as llama.cpp's converter writes it from the dense output "
-                "(default with a .gguf OUT: the --dtype's own float type).",
+                "(default with a .gguf OUT: the --dtype's own float type); q4_k_m and llama-quantize's other types: "
+                "the file llama-quantize makes of that one, byte for byte.",
+            ),
+            click.option(
+                "--imatrix",
+                type=click.Path(dir_okay=False),
+                help="Importance matrix for a llama-quantize type (GGUF or legacy .dat), as llama-quantize takes it.",
             ),
             click.option(
                 "--device",

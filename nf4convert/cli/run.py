@@ -74,6 +74,10 @@ def convert_then(
         then_importing = importing(*reference_libraries(options.adapter is not None))
     if push_to and no_local_copy:
         return _pushed_as_made(source, options, verify, push_to, private, push_branch, on_step, again, then_importing)
+    if push_to:
+        from ..hub.upload import check_ready
+
+        check_ready(push_to, token=options.hub.token, private=private, progress=options.progress)
     with preload.allowed():
         result: ConvertResult = converted(source, options, then_importing=then_importing)
     try:

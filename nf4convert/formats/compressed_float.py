@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 from ..errors import CheckpointError
 from ..safetensors_io.read import TensorInfo
-from . import fp8
+from . import compressed_config, fp8
 from .base import SourceFormat, register
 
 if TYPE_CHECKING:
@@ -57,6 +57,8 @@ def float_groups(quantization: dict) -> dict[str, dict]:
     """The config groups whose weights are floats in a float-quantized format, of any width, by group name: this
     format's to read, or to refuse."""
     groups = {}
+    if compressed_config.shape_problem(quantization):
+        return groups
     for name, group in (quantization.get("config_groups") or {}).items():
         weights = (group or {}).get("weights") or {}
         stored = group.get("format") or quantization.get("format")
@@ -72,6 +74,9 @@ def fp8_groups(quantization: dict) -> dict[str, dict]:
 
 def config_problem(quantization: dict) -> str | None:
     """What in a compressed-tensors config's float-quantized groups cannot be read, or None."""
+    problem = compressed_config.problem(quantization)
+    if problem:
+        return problem
     groups = float_groups(quantization)
     if not groups:
         if quantization.get("format") == "dense" or quantization.get("quantization_status") == "frozen":

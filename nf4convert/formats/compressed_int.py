@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 from ..errors import CheckpointError
 from ..safetensors_io.read import TensorInfo
+from . import compressed_config
 from .base import SourceFormat, register
 from .packed_int import CONFIG, check_dtype, check_matrix, check_shape, scaled, unpack, where
 
@@ -117,9 +118,9 @@ def _format_of(quantization: dict, group: dict) -> str:
 
 def int_groups(quantization: dict) -> dict[str, dict]:
     """The config groups whose weights are integers in a layout read here (float groups belong to another format)."""
+    if compressed_config.shape_problem(quantization):
+        return {}
     groups = quantization.get("config_groups") or {}
-    if not isinstance(groups, dict):
-        raise CheckpointError(f"{CONFIG}: quantization_config config_groups is not a mapping")
     return {
         name: group
         for name, group in groups.items()
@@ -155,14 +156,9 @@ def read_scheme(name: str, group: dict, quantization: dict) -> Scheme:
 
 def config_problem(quantization: dict) -> str | None:
     """Why a compressed-tensors config holds no integer weights read here, or a setting that cannot be read."""
-    status = quantization.get("quantization_status", "compressed")
-    if status != "compressed":
-        return f"{CONFIG}: quantization_status is {status!r}: the weights were never compressed to integer codes"
-    sparsity = quantization.get("sparsity_config") or {}
-    if sparsity and sparsity.get("format", "dense") != "dense":
-        return f"{CONFIG}: sparsity_config format {sparsity.get('format')!r} (sparse weights) is not read"
-    if quantization.get("transform_config"):
-        return f"{CONFIG}: transform_config (online rotations) has no place in a dense model"
+    problem = compressed_config.problem(quantization)
+    if problem:
+        return problem
     groups = int_groups(quantization)
     if not groups:
         return f"{CONFIG}: no config group has integer weights in {', '.join(FORMATS)}"
@@ -185,10 +181,13 @@ def matched_group(module: str, quantization: dict) -> tuple[str, dict] | None:
     """The config group compressed-tensors gives linear layer ``module`` (``apply_quantization_config``): among the
     targets (a later group's target replacing an earlier one's), exact names first, then regular expressions, each in
     sorted order, then the class name "Linear" (every layer holding quantized codes is a linear layer); None if
-    ignored or untargeted. The group may be another format's (float weights)."""
+    ignored or untargeted (or the config is of no shape compressed-tensors writes). The group may be another format's
+    (float weights)."""
+    if compressed_config.shape_problem(quantization):
+        return None
     table = {}
     for name, group in (quantization.get("config_groups") or {}).items():
-        for target in group.get("targets", []) if isinstance(group, dict) else []:
+        for target in (group.get("targets") or []) if isinstance(group, dict) else []:
             table[target] = (name, group)
     ignore = quantization.get("ignore") or []
     if any(match_name(module, target) or target == "Linear" for target in ignore):

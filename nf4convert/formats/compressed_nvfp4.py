@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 from ..errors import CheckpointError
 from ..safetensors_io.read import TensorInfo
-from . import compressed_float, compressed_int, nvfp4
+from . import compressed_config, compressed_float, compressed_int, nvfp4
 from .base import SourceFormat, register
 from .packed_int import CONFIG
 
@@ -40,9 +40,9 @@ def _format_of(quantization: dict, group: dict) -> str:
 
 def nvfp4_groups(quantization: dict) -> dict[str, dict]:
     """The config groups stored as ``nvfp4-pack-quantized``, by name."""
-    groups = quantization.get("config_groups") or {}
-    if not isinstance(groups, dict):
+    if compressed_config.shape_problem(quantization):
         return {}
+    groups = quantization.get("config_groups") or {}
     return {
         name: group
         for name, group in groups.items()
@@ -54,6 +54,9 @@ def nvfp4_groups(quantization: dict) -> dict[str, dict]:
 
 def config_problem(quantization: dict) -> str | None:
     """What in a compressed-tensors config's NVFP4 groups cannot be read, or None."""
+    problem = compressed_config.problem(quantization)
+    if problem:
+        return problem
     groups = nvfp4_groups(quantization)
     if not groups:
         return f"{CONFIG}: no config group is {FORMAT}"
@@ -68,13 +71,18 @@ def config_problem(quantization: dict) -> str | None:
 
 
 def check_groups(quantization: dict, tensors: dict[str, TensorInfo]) -> None:
-    """CheckpointError for a compressed-tensors config whose groups are not each one format's: a group stored in a
-    format no registered format reads (its layers would be copied as codes), two groups naming the same target
+    """CheckpointError for a compressed-tensors config of a shape compressed-tensors does not write, or whose settings
+    say its weights are not compressed ones (``compressed_config``), or whose groups are not each one format's: a
+    group stored in a format no registered format reads, or weights no format reads in it (integers as
+    ``float-quantized``; its layers would be copied as codes), two groups naming the same target
     (compressed-tensors would silently take the later one), a layer two groups' regexes both match (which group it
     is in would depend on the regexes' sort order), or a group whose targets, all regexes, match no layer."""
+    problem = compressed_config.problem(quantization)
+    if problem:
+        raise CheckpointError(problem)
     groups = quantization.get("config_groups") or {}
-    if not isinstance(groups, dict):
-        raise CheckpointError(f"{CONFIG}: quantization_config config_groups is not a mapping")
+    read = {*compressed_int.int_groups(quantization), *compressed_float.float_groups(quantization)}
+    read |= set(nvfp4_groups(quantization))
     owner: dict[str, str] = {}
     for name, group in groups.items():
         if not isinstance(group, dict):
@@ -84,6 +92,12 @@ def check_groups(quantization: dict, tensors: dict[str, TensorInfo]) -> None:
             raise CheckpointError(
                 f"{CONFIG}: quantization_config config group '{name}' stores its weights as {stored!r}, which "
                 f"nf4convert does not read (it reads {', '.join(READ_FORMATS)})"
+            )
+        if group.get("weights") and stored != "dense" and name not in read:
+            weights = group["weights"]
+            raise CheckpointError(
+                f"{CONFIG}: quantization_config config group '{name}' stores {weights.get('num_bits')!r}-bit "
+                f"{weights.get('type', 'int')!r} weights as {stored!r}, which no format nf4convert reads"
             )
         for target in group.get("targets") or []:
             if target in owner and owner[target] != name:

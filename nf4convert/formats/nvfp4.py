@@ -1,6 +1,7 @@
 """NVFP4 weights (two E2M1 values a byte, one E4M3 scale per 16 values, one fp32 scale per tensor): the record of
 one weight and the arithmetic that makes its dense rows, in pieces, shared by the formats that store them
-(compressed-tensors ``nvfp4-pack-quantized``, ``compressed_nvfp4.py``). Not a format of its own.
+(compressed-tensors ``nvfp4-pack-quantized``, ``compressed_nvfp4.py``; ModelOpt's NVFP4, ``modelopt.py``). Not a format
+of its own.
 
 A weight ``X`` [out, in] is stored as
 
@@ -25,6 +26,17 @@ CPU and CUDA agree bit for bit: table lookups and integer ops, one IEEE division
 rounded with gradual underflow on both devices in eager torch, nothing fused), one round-to-nearest-even cast. An
 E4M3 NaN scale (0x7f, 0xff) would make NaNs whose bits differ by device: it is refused, as a NaN, infinite or zero
 global scale is (compressed-tensors would divide by it).
+
+ModelOpt (``modelopt/torch/quantization/qtensor/nvfp4_tensor.py: NVFP4QTensor.dequantize``, 0.47.0, its non-fast
+path) stores the same codes and scales as ``weight`` / ``weight_scale`` and the tensor scale as ``weight_scale_2 =
+amax / (6 * 448)``, the reciprocal of compressed-tensors' (whose ModelOpt converter writes ``1 / weight_scale_2``):
+it *multiplies*. Its table (``e2m1_values``, fp32) holds +0.0 for nibble 8, not -0.0. It computes
+``per_block_scale = scale.to(fp32) * weight_scale_2`` (one fp32 multiply), the values (fp32, looked up) times that,
+then ``.to(dtype)``:
+
+    out = round_T( fl32( e2m1' * fl32( fp32(s) * fp32(g2) ) ) )     (e2m1' with +0.0 at nibble 8)
+
+Both formulas run here by the same ops, ``multiply`` choosing ModelOpt's.
 """
 
 from __future__ import annotations
@@ -44,6 +56,7 @@ if TYPE_CHECKING:
 
 GROUP = 16  # values per E4M3 scale
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)  # index: the nibble
+MODELOPT_E2M1 = (*E2M1[:8], 0.0, *E2M1[9:])  # ModelOpt's table: nibble 8 is +0.0
 NAN_SCALES = (0x7F, 0xFF)  # the E4M3 NaN bytes
 
 
@@ -56,9 +69,14 @@ class WeightNvfp4:
     packed: TensorInfo  # U8 [out, in / 2]
     scale: TensorInfo  # F8_E4M3 [out, in / 16]
     global_scale: TensorInfo  # F32, one value
-    format: str  # the format that found it ("compressed-tensors")
+    format: str  # the format that found it ("compressed-tensors", "modelopt")
     args: tuple = ()  # compressed-tensors: the group's weights QuantizationArgs as sorted (key, value) pairs
-    group: str = ""  # compressed-tensors: the config group's name
+    group: str = ""  # compressed-tensors: the config group's name; ModelOpt: the layer's quant_algo
+
+    @property
+    def multiplies(self) -> bool:
+        """Whether the global scale multiplies (ModelOpt's ``weight_scale_2``) rather than divides."""
+        return self.format == "modelopt"
 
     @property
     def shape(self) -> tuple:
@@ -73,10 +91,16 @@ class WeightNvfp4:
         return self.shape[1] // GROUP
 
 
-def check_tensors(packed: TensorInfo, scale: TensorInfo, global_scale: TensorInfo, reader: TensorReader) -> None:
+def check_tensors(
+    packed: TensorInfo,
+    scale: TensorInfo,
+    global_scale: TensorInfo,
+    reader: TensorReader,
+    global_shapes: tuple[list, ...] = ([1],),
+) -> None:
     """CheckpointError naming the tensor for a packed weight that is not U8 [out, in / 2] of whole groups, a scale
-    that is not F8_E4M3 [out, in / 16], a global scale that is not F32 [1], or one that is NaN, infinite or
-    zero (read here: one value)."""
+    that is not F8_E4M3 [out, in / 16], a global scale that is not F32 of one of ``global_shapes``, or one that is
+    NaN, infinite or zero (read here: one value)."""
     import torch
 
     if packed.dtype != "U8" or len(packed.shape) != 2:
@@ -88,18 +112,19 @@ def check_tensors(packed: TensorInfo, scale: TensorInfo, global_scale: TensorInf
     if columns % GROUP:
         raise CheckpointError(
             f"{packed.path}: tensor '{packed.name}' {list(packed.shape)} holds {columns} values a row, not whole "
-            f"groups of {GROUP}; compressed-tensors decompresses whole groups only"
+            f"groups of {GROUP}; NVFP4 weights are read in whole groups only"
         )
     if scale.dtype != "F8_E4M3" or list(scale.shape) != [rows, columns // GROUP]:
         raise CheckpointError(
             f"{scale.path}: tensor '{scale.name}' is {scale.dtype} {list(scale.shape)}, but '{packed.name}' "
             f"{list(packed.shape)} takes F8_E4M3 [{rows}, {columns // GROUP}] (one scale per {GROUP} values)"
         )
-    if global_scale.dtype != "F32" or list(global_scale.shape) != [1]:
-        # [1], as compressed-tensors writes it: a 0-dim one would keep the library's division in the values' dtype
+    if global_scale.dtype != "F32" or list(global_scale.shape) not in global_shapes:
+        # compressed-tensors: [1], as it writes it (a 0-dim one would keep its division in the values' dtype)
+        shapes = " or ".join(f"F32 {shape}" for shape in global_shapes)
         raise CheckpointError(
             f"{global_scale.path}: tensor '{global_scale.name}' is {global_scale.dtype} "
-            f"{list(global_scale.shape)}, not F32 [1] (the tensor's global scale)"
+            f"{list(global_scale.shape)}, not {shapes} (the tensor's global scale)"
         )
     value = reader.tensor(global_scale).reshape(-1).to(torch.float32)
     if not bool(value.isfinite().all()) or bool((value == 0).any()):
@@ -119,11 +144,16 @@ def check_scales(scale: TensorInfo, stored) -> None:
 
 
 def dequantize(
-    packed: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor, out_dtype: torch.dtype
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    global_scale: torch.Tensor,
+    out_dtype: torch.dtype,
+    multiply: bool = False,
 ) -> torch.Tensor:
     """Rows of an NVFP4 weight, dense in ``out_dtype``: ``packed`` uint8 [rows, in / 2], ``scales`` their scales
     (float8_e4m3fn or its uint8 bytes, [rows, in / 16]), ``global_scale`` the fp32 tensor scale (any shape of one
-    value), all on one device. Bit for bit the module docstring's formula on CPU and CUDA alike."""
+    value), all on one device; ``multiply``: ModelOpt's formula (the global scale multiplies, nibble 8 is +0.0), else
+    compressed-tensors'. Bit for bit the module docstring's formulas on CPU and CUDA alike."""
     import torch
 
     if packed.dtype != torch.uint8 or out_dtype not in tuple(dtype.torch for dtype in OUTPUT_DTYPES.values()):
@@ -132,22 +162,27 @@ def dequantize(
     groups = half * 2 // GROUP
     if scales.numel() != rows * groups or packed.device != scales.device:
         raise ArgumentError(f"NVFP4 dequantize: codes {list(packed.shape)} and scales {list(scales.shape)} differ")
-    table = torch.tensor(E2M1, dtype=torch.float32, device=packed.device)
+    table = torch.tensor(MODELOPT_E2M1 if multiply else E2M1, dtype=torch.float32, device=packed.device)
     nibbles = torch.stack((packed & 0x0F, packed >> 4), dim=-1).reshape(-1).to(torch.int32)
     values = table.index_select(0, nibbles).view(rows, groups, GROUP)
     scale = scales.contiguous().view(torch.float8_e4m3fn).reshape(rows, groups).to(torch.float32)
-    scale = scale / global_scale.reshape(()).to(device=packed.device, dtype=torch.float32)
+    tensor_scale = global_scale.reshape(()).to(device=packed.device, dtype=torch.float32)
+    scale = scale * tensor_scale if multiply else scale / tensor_scale
     values.mul_(scale[..., None])
     values = values.view(rows, groups * GROUP)
     return values if out_dtype == torch.float32 else values.to(out_dtype)
 
 
-def host(read: np.ndarray, out: np.ndarray, *, scales: np.ndarray, global_scale: float, out_code: str) -> None:
+def host(
+    read: np.ndarray, out: np.ndarray, *, scales: np.ndarray, global_scale: float, out_code: str, multiply: bool = False
+) -> None:
     """The CPU route's piece: ``read`` its rows' packed bytes, ``scales`` their scale bytes [rows, groups] (numpy
     uint8), ``out`` the piece's output bytes, written in place with :func:`dequantize`'s bytes."""
     import torch
 
     rows = scales.shape[0]
     packed = torch.from_numpy(read).view(rows, -1)
-    dense = dequantize(packed, torch.from_numpy(scales), torch.tensor(global_scale), DTYPES[out_code].torch)
+    dense = dequantize(
+        packed, torch.from_numpy(scales), torch.tensor(global_scale), DTYPES[out_code].torch, multiply=multiply
+    )
     torch.from_numpy(out).copy_(dense.reshape(-1).view(torch.uint8))

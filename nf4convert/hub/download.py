@@ -44,7 +44,7 @@ ALLOW_PATTERNS = [
 ]
 # Fetched first when the caller checks a repo before its weights (``precheck``): enough to tell a checkpoint that is
 # not one nf4convert reads, or an adapter, without downloading gigabytes.
-CONFIG_FILES = ["config.json", "adapter_config.json"]
+CONFIG_FILES = ["config.json", "adapter_config.json", "hf_quant_config.json"]
 
 
 @contextlib.contextmanager

@@ -34,7 +34,7 @@ from ..errors import Interrupted, Nf4ConvertError, Terminated, UploadError
 from .download import progress_bars
 from .errors import hub_error_line
 from .session import hub_session
-from .upload import DEFAULT_COMMIT_MESSAGE, REPLACED_FILES, check_target
+from .upload import DEFAULT_COMMIT_MESSAGE, REPLACED_FILES, check_target, check_writable
 
 ATTEMPTS = 4  # a preupload or a commit tried this many times (huggingface_hub retries each LFS part within each)
 FIRST_WAIT = 1.0  # seconds before the first retry, doubled for each next one
@@ -146,7 +146,7 @@ class HubPush:
 
         self.api = HfApi(token=self.token)
         with self._failing("cannot be pushed to"), self._session():
-            self.api.whoami()
+            check_writable(self.api.whoami(), self.repo_id)
             try:
                 info = self.api.repo_info(self.repo_id)
             except RepositoryNotFoundError:

@@ -69,6 +69,44 @@ def check_target(repo_id: str, revision: str | None) -> None:
         )
 
 
+def check_writable(whoami: dict, repo_id: str) -> None:
+    """UploadError when the token ``whoami`` (``HfApi.whoami``'s answer) describes is read-only."""
+    if (((whoami or {}).get("auth") or {}).get("accessToken") or {}).get("role") == "read":
+        raise UploadError(
+            f"{repo_id}: the token is read-only; nothing was converted (give a token with write access: --token, "
+            "HF_TOKEN or `hf auth login`)",
+            option="token",
+        )
+
+
+def check_ready(repo_id: str, *, token: str | None = None, private: bool = False, progress: bool = True) -> None:
+    """UploadError, before any work, unless the Hub answers, ``token`` (or the saved login) is valid and not a
+    read-only token, and a ``private`` push does not go to a repo that exists and is public: what ``push_to_hub`` would
+    otherwise find only once the conversion is done."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import RepositoryNotFoundError
+
+    api = HfApi(token=token)
+    try:
+        with progress_bars(progress), hub_session(quiet=not progress):
+            check_writable(api.whoami(), repo_id)
+            if private:
+                try:
+                    public = not api.repo_info(repo_id).private
+                except RepositoryNotFoundError:
+                    public = False
+                if public:
+                    raise UploadError(
+                        f"{repo_id}: the repository exists and is public; nothing was converted (make it private "
+                        "on the Hub first, or push without --private)",
+                        option="private",
+                    )
+    except UploadError:
+        raise
+    except Exception as error:  # noqa: BLE001  (whatever the Hub or the network raise: one line, the cause)
+        raise UploadError(f"{repo_id}: cannot be pushed to: {hub_error_line(error)}; nothing was converted") from error
+
+
 def push_to_hub(
     folder: Path | str,
     repo_id: str,

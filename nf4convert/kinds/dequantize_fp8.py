@@ -12,12 +12,13 @@ from typing import ClassVar, Iterator
 
 from ..dtypes import DTYPES
 from ..errors import CheckpointError
-from ..formats import compressed_float, fp8
+from ..formats import compressed_float, fp8, modelopt_fp8
 from ..pipeline.piece import Piece
 from .base import Planning, QuantizedWeight, register
 from .copy import Copy
 
-FP8_FORMATS = (fp8.Fp8Format, compressed_float.CompressedFloatFormat)  # the formats whose weights are FP8 codes
+# the formats whose weights are FP8 codes
+FP8_FORMATS = (fp8.Fp8Format, compressed_float.CompressedFloatFormat, modelopt_fp8.ModeloptFp8Format)
 
 
 @register
@@ -61,6 +62,10 @@ class DequantizeFp8(QuantizedWeight):
             planning.tensors, planning.reader, fp8.block_size(quantization), fp8.ue8m0(quantization)
         )
 
+    def scale_values(self, reader, out_code: str):
+        """(the scales as the multiply takes them, their safetensors dtype): as stored."""
+        return reader.tensor(self.weight.scale), self.weight.scale.dtype
+
     def produce(self, tensor, reader, route) -> Iterator[Piece]:
         """Pieces of whole rows of scale blocks, each with the scale rows it uses: numpy bytes on the host, a tensor
         moved to the GPU once where the route computes there."""
@@ -69,11 +74,12 @@ class DequantizeFp8(QuantizedWeight):
         weight = self.weight
         grid = weight.grid
         itemsize = DTYPES[tensor.dtype].itemsize
-        scales = reader.tensor(weight.scale).contiguous().reshape(-1)
+        scales, scale_code = self.scale_values(reader, tensor.dtype)
+        scales = scales.contiguous().reshape(-1)
         if route.gpu:
             scales = scales.to(route.device)
         else:
-            scales = scales.view(torch.uint8).numpy().reshape(-1, DTYPES[weight.scale.dtype].itemsize)
+            scales = scales.view(torch.uint8).numpy().reshape(-1, DTYPES[scale_code].itemsize)
         columns = grid.columns
         for first, count in grid.pieces(route.piece_bytes // max(1, columns * itemsize)):
             begin, rows = grid.scale_span(first, count)
@@ -82,7 +88,7 @@ class DequantizeFp8(QuantizedWeight):
             if route.gpu:
                 make = route.make(None, functools.partial(dequantize_on_device, scales=used, **arguments))
             else:
-                host = functools.partial(fp8.host, scales=used.reshape(-1), scale_code=weight.scale.dtype, **arguments)
+                host = functools.partial(fp8.host, scales=used.reshape(-1), scale_code=scale_code, **arguments)
                 make = route.make(host)
             yield Piece(
                 first * columns * itemsize,

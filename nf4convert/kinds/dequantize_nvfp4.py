@@ -65,6 +65,7 @@ class DequantizeNvfp4(QuantizedWeight):
         scales = host_array(reader, weight.scale).reshape(rows, weight.groups)
         nvfp4.check_scales(weight.scale, scales)
         global_scale = float(reader.tensor(weight.global_scale).reshape(-1)[0])
+        arguments = dict(global_scale=global_scale, multiply=weight.multiplies)
         if route.gpu:
             scales = torch.from_numpy(scales).to(route.device)
         step = max(1, route.piece_bytes // max(1, columns * itemsize))
@@ -75,14 +76,10 @@ class DequantizeNvfp4(QuantizedWeight):
             if route.gpu:
                 make = route.make(
                     None,
-                    functools.partial(
-                        dequantize_on_device, scales=used, global_scale=global_scale, out_code=tensor.dtype
-                    ),
+                    functools.partial(dequantize_on_device, scales=used, out_code=tensor.dtype, **arguments),
                 )
             else:
-                make = route.make(
-                    functools.partial(nvfp4.host, scales=used.copy(), global_scale=global_scale, out_code=tensor.dtype)
-                )
+                make = route.make(functools.partial(nvfp4.host, scales=used.copy(), out_code=tensor.dtype, **arguments))
             yield Piece(
                 first * columns * itemsize,
                 count * columns * itemsize,
@@ -94,11 +91,12 @@ class DequantizeNvfp4(QuantizedWeight):
             )
 
 
-def dequantize_on_device(read, out, *, scales, global_scale: float, out_code: str):
+def dequantize_on_device(read, out, *, scales, global_scale: float, out_code: str, multiply: bool = False):
     """Whole rows of an NVFP4 weight (their packed bytes, a uint8 tensor on the GPU) dequantized with their scales
     (uint8, on the GPU). Returns the bytes made, a uint8 tensor on the GPU."""
     import torch
 
     packed = read.view(scales.shape[0], -1)
     scale = torch.tensor(global_scale, dtype=torch.float32, device=read.device)
-    return nvfp4.dequantize(packed, scales, scale, DTYPES[out_code].torch).reshape(-1).view(torch.uint8)
+    dense = nvfp4.dequantize(packed, scales, scale, DTYPES[out_code].torch, multiply=multiply)
+    return dense.reshape(-1).view(torch.uint8)

@@ -10,12 +10,32 @@ from ..errors import CheckpointError
 from ..files import inside, read_regular
 from ..strict_json import strict_json
 
+# ModelOpt's quantization config beside config.json (its older exports write only this): read into the config as its
+# ``quantization_config`` where config.json has none; the dense output has neither.
+MODELOPT_CONFIG = "hf_quant_config.json"
+
 
 def read_config(folder: Path) -> dict | None:
-    path = folder / "config.json"
+    """config.json, read strictly; where it has no quantization_config and ModelOpt's ``hf_quant_config.json`` lies
+    beside it, that file's ``quantization`` as one (``quant_method: "modelopt"``, as ModelOpt's newer exports write
+    it into config.json)."""
+    config = _read_object(folder, "config.json")
+    if config is None or quantization_config(config) is not None:
+        return config
+    side = _read_object(folder, MODELOPT_CONFIG)
+    if side is None:
+        return config
+    details = side.get("quantization")
+    if not isinstance(details, dict):
+        raise CheckpointError(f"{folder / MODELOPT_CONFIG}: has no 'quantization' object")
+    return {**config, "quantization_config": {**details, "quant_method": "modelopt"}}
+
+
+def _read_object(folder: Path, name: str) -> dict | None:
+    path = folder / name
     if not path.exists() and not path.is_symlink():  # a dangling link is a config that cannot be read, not none
         return None
-    inside(folder, "config.json")
+    inside(folder, name)
     try:
         raw = read_regular(path)
     except FileNotFoundError as error:  # a dangling link

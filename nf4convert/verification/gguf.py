@@ -22,19 +22,23 @@ from ..errors import ArgumentError, CheckpointError, SourceNotFoundError
 from ..hub.names import model_stem
 from ..sinks.card import card_for_plan
 from ..sinks.gguf.converter import (
+    FLOAT_TYPES,
     GGUF_TYPES,
     IMPORTS,
     NAME_FIELDS,
+    QUANT_TYPES,
     converter_errors,
     converter_model,
     dense_dtype,
     installed,
+    is_quantized,
     quiet_converter,
     staged,
     tensors_of,
 )
+from ..sinks.gguf.typeplan import FILE_TYPES
 from ..sinks.scratch import scratch_folder
-from . import hints
+from . import hints, llama_quantize
 from .finite import made_by_merge
 from .outputs import Output, register
 from .reference.base import against
@@ -66,6 +70,18 @@ class GgufCheck(Output):
         self.actual = _read(self.gguf_module, output)
         self.gguf_type = _gguf_type(self.gguf_module, self.actual, output)
         self.dtype_given = False  # plan_dtype says
+        self.imatrix = None  # the importance matrix a file of llama-quantize's types records it was made with
+        self.quantize = None  # and llama.cpp's quantizer, to make it again
+        if is_quantized(self.gguf_type):
+            field = self.actual.fields.get("quantize.imatrix.file")
+            if field is not None:
+                self.imatrix = os.fsdecode(bytes(field.parts[field.data[0]]))
+                if not os.path.isfile(self.imatrix):
+                    raise ArgumentError(
+                        f"{output} was made with the importance matrix {self.imatrix} (its quantize.imatrix.file), "
+                        "which is not here: verify reads it from there"
+                    )
+            self.quantize = llama_quantize.find(self.gguf_type, self.imatrix is not None)
 
     def plan_dtype(self, dtype):
         """The dtype the source is planned in (a ``DType``; None: auto): ``dtype`` as the conversion's ``--dtype``
@@ -101,6 +117,25 @@ class GgufCheck(Output):
                     non_finite[name] = problem
             return made.to(DTYPES[tensor.dtype].torch).reshape(tensor.shape)
 
+        if self.quantize is not None:
+            report.requantized = True
+            with (
+                scratch_folder("verify") as scratch,
+                staged(plan.folder, plan.config or {}, card.text, model_stem(source)) as stage,
+                converter_errors(plan.folder),
+                quiet_converter(),
+                torch.inference_mode(),
+            ):
+                expected = self._requantized(plan, stage, reference, scratch, report)
+            for tensor in recomputed:
+                report.dequantized += not tensor.recipe.plain
+                report.merged += tensor.recipe.kind == "merge_lora"
+                report.compared_against[tensor.name] = against(tensor, device)
+            report.problems += [f"{name}: {problem}" for name, problem in non_finite.items()]
+            report.notes += hints.gguf_hints(
+                report.problems, adapter_given=resolved.adapter_folder is not None, dtype_given=self.dtype_given
+            )
+            return
         with (
             scratch_folder("verify") as scratch,
             staged(plan.folder, plan.config or {}, card.text, model_stem(source)) as stage,
@@ -147,6 +182,41 @@ class GgufCheck(Output):
                 dtype_given=self.dtype_given,
             )
 
+    def _requantized(self, plan, stage: Path, reference, scratch: Path, report):
+        """llama.cpp's converter on the references writes llama-quantize's input in the dense dtype's float type;
+        llama.cpp's own quantizer makes the file of it; that file is compared with the GGUF, field by field and
+        tensor by tensor."""
+        gguf, actual = self.gguf_module, self.actual
+        source = scratch / "input.gguf"
+        model = converter_model(stage, tensors_of(plan), reference, source, FLOAT_TYPES[plan.dtype.short])
+        model.prepare_tensors()
+        model.prepare_metadata(vocab_only=False)
+        writer = model.gguf_writer
+        writer.write_header_to_file(path=source)
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file(progress=False)
+        writer.close()
+        made = scratch / "expected.gguf"
+        try:
+            self.quantize(source, made, self.imatrix)
+        except llama_quantize.QuantizeFailed as error:
+            report.problems.append(f"llama.cpp's quantizer could not make the file again: {error}")
+            return None
+        source.unlink()
+        expected = _read(gguf, made)
+        report.problems += _field_problems(expected, actual, report.notes)
+        report.problems += _layout_problems(expected, actual)
+        found = {tensor.name: tensor for tensor in actual.tensors}
+        for tensor in expected.tensors:
+            if tensor.name not in found:
+                continue
+            report.checked += 1
+            want, got = (bytes(memoryview(item.data).cast("B")) for item in (tensor, found[tensor.name]))
+            if want != got:
+                differ = sum(a != b for a, b in zip(want, got)) + abs(len(want) - len(got))
+                report.problems.append(f"{tensor.name}: {differ} of {len(want)} bytes differ (llama-quantize's)")
+        return expected
+
 
 def _read(gguf, path: Path):
     try:
@@ -160,13 +230,14 @@ def _gguf_type(gguf, reader, output: Path) -> str:
     """The --gguf-type a GGUF was written as (from its general.file_type)."""
     field = reader.fields.get("general.file_type")
     value = int(field.contents()) if field is not None else None
-    names = {gguf.LlamaFileType[name]: gguf_type for gguf_type, name in GGUF_TYPES.items()}
-    try:
-        return names[gguf.LlamaFileType(value)]
-    except (ValueError, KeyError):
+    names = {int(gguf.LlamaFileType[name]): gguf_type for gguf_type, name in GGUF_TYPES.items()}
+    names |= {FILE_TYPES[name][0]: gguf_type for gguf_type, name in QUANT_TYPES.items()}
+    if value not in names:
         raise ArgumentError(
-            f"{output}: general.file_type {value} is not a type nf4convert writes ({', '.join(GGUF_TYPES)})"
-        ) from None
+            f"{output}: general.file_type {value} is not a type nf4convert writes "
+            f"({', '.join((*GGUF_TYPES, *QUANT_TYPES))})"
+        )
+    return names[value]
 
 
 def _header_file(writer, path: Path) -> Path:

@@ -108,8 +108,9 @@ IMPORTERS = {"bitsandbytes": import_bitsandbytes}
 
 
 def reference_libraries(adapter: bool) -> tuple[str, ...]:
-    """What verify imports to recompute: bitsandbytes first (peft imports it too), peft for an adapter, and the part of
-    transformers its model on the meta device needs (``model/skeleton.py``)."""
+    """What verify begins importing before SOURCE is planned: bitsandbytes first (the reference of its checkpoints'
+    weights, and peft imports it too; where it is not installed, nothing is said until a reference needs it), peft for
+    an adapter, and the part of transformers its model on the meta device needs (``model/skeleton.py``)."""
     return ("bitsandbytes", *(["peft"] if adapter else []), "transformers.modeling_utils")
 
 
@@ -140,6 +141,20 @@ def reference_library(name: str, what: str | None = None, package: str | None = 
             f"verify recomputes {what} with {name}, which cannot be imported ({type(error).__name__}: "
             f"{str(error).splitlines()[0] if str(error) else ''}); install it: pip install {package or name}"
         ) from None
+
+
+def require(needed, adapter: bool) -> None:
+    """DependencyError unless each reference library verify recomputes with imports (``needed``: the references'
+    ``Library`` records): bitsandbytes first where the weights are its (peft imports it too), then peft for an adapter,
+    then the others."""
+    first = [library for library in needed if library.name == "bitsandbytes"]
+    for library in first:
+        reference_library(library.name, library.recomputes, library.package)
+    if adapter:
+        reference_library("peft")
+    for library in needed:
+        if library not in first:
+            reference_library(library.name, library.recomputes, library.package)
 
 
 def installed(name: str) -> None:

@@ -21,6 +21,7 @@ class VerifyReport:
     notes: list[str] = field(default_factory=list)  # checks that could not run (not problems: the weights may be right)
     compared_against: dict[str, str] = field(default_factory=dict)  # tensor -> what it was compared against
     gguf: bool = False  # a GGUF file, checked against llama.cpp's converter run on the reference
+    requantized: bool = False  # and that file made again by llama.cpp's own quantizer (llama-quantize's types)
 
     @property
     def ok(self) -> bool:
@@ -41,6 +42,8 @@ class VerifyReport:
                 if part != "the source tensor" and part not in names:
                     names.append(part)
         together = " and ".join(names) or "the source tensors"
+        if self.requantized:
+            return f"llama.cpp's converter and quantizer on {together}"
         return f"llama.cpp's converter on {together}" if self.gguf else together
 
 

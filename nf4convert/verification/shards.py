@@ -25,7 +25,7 @@ from ..safetensors_io.read import TensorReader, read_header
 from .compare import Tallies, described
 from .finite import made_by_merge
 from .folder import _output_dtype
-from .libraries import installed, quiet_loggers, reference_libraries, reference_library, start_importing
+from .libraries import installed, quiet_loggers, reference_libraries, require, start_importing
 from .reference.base import Context, libraries
 from .report import VerifyReport
 from .stream import check_tensors
@@ -60,7 +60,6 @@ class ShardChecks:
 
     def _ready(self, produced: dict, path: Path) -> None:
         """SOURCE resolved and planned in the dtype of the shards, the reference libraries imported."""
-        installed("bitsandbytes")
         resolved = resolve_source(self.source, self.adapter, self.options.hub, progress=False, headers=self.weights)
         self.resolved = resolved
         if resolved.adapter_folder is not None:
@@ -70,11 +69,7 @@ class ShardChecks:
         from ..dtypes import BY_NAME
 
         plan = make_plan(resolved.folder, dtype=BY_NAME[dtype], reader=self.reader, adapter=resolved.loaded_adapter)
-        reference_library("bitsandbytes")
-        if resolved.adapter_folder is not None:
-            reference_library("peft")
-        for library in libraries(plan.tensors):
-            reference_library(library.name, library.recomputes, library.package)
+        require(libraries(plan.tensors), resolved.adapter_folder is not None)
         preload.settled()
         self.planned = {tensor.name: tensor for tensor in plan.tensors}
         self.context = Context(self.planned, *meta_model(plan.config), (plan.merged and plan.merged.tied) or ())

@@ -2,10 +2,10 @@
 front door.
 
 verify is the conversion's sibling: it resolves and re-plans the source as the conversion does, then hands over to the
-check of the output's kind: a folder (``folder.py``: the folder audited, every tensor recomputed by bitsandbytes and
-peft, ``reference/``, never our kernels or merge code, and compared) or a GGUF file (``gguf.py``: llama.cpp's converter
-run on those references, its file compared). Both are checked against the same plan and reference ``Context``, made
-here. The 4-bit reference on the CPU is ``reference/cuda_arithmetic.py``: bitsandbytes' CUDA arithmetic from
+check of the output's kind: a folder (``folder.py``: the folder audited, every tensor recomputed by its kind's reference
+library, ``reference/``, never our kernels or merge code, and compared) or a GGUF file (``gguf.py``: llama.cpp's
+converter run on those references, its file compared). Both are checked against the same plan and reference ``Context``,
+made here. The 4-bit reference on the CPU is ``reference/cuda_arithmetic.py``: bitsandbytes' CUDA arithmetic from
 bitsandbytes' own parts, because its native CPU op differs from its CUDA kernels on some CPUs.
 """
 
@@ -26,7 +26,7 @@ from ..paths import expanded
 from ..plan import make_plan
 from ..safetensors_io.read import TensorReader, read_tensors
 from ..settings import Settings
-from .libraries import installed, quiet_loggers, reference_libraries, reference_library, start_importing
+from .libraries import installed, quiet_loggers, reference_libraries, require, start_importing
 from .outputs import output_for
 from .reference.base import Context, libraries
 from .report import VerifyReport
@@ -72,8 +72,8 @@ def verify(
             given the wrong way round, or a GGUF of a type nf4convert does not write.
         SourceNotFoundError: ``output`` is not a folder (a GGUF: not a file), or ``source`` cannot be found or fetched.
         CheckpointError: a file of ``output`` or ``source`` is corrupt, or ``source`` is not convertible.
-        DependencyError: bitsandbytes (or, with an adapter, peft; for a GGUF, llama.cpp's converter) cannot be
-            imported.
+        DependencyError: a reference library the source's weights need (bitsandbytes for its checkpoints, with an
+            adapter peft, for a GGUF llama.cpp's converter) cannot be imported.
 
     Example:
         >>> report = verify("llama-1b-bf16", "unsloth/Llama-3.2-1B-Instruct-bnb-4bit")
@@ -115,7 +115,6 @@ def verified(output: str | Path, source: str, options: VerifyOptions, *, resolve
     hub, progress = options.hub, options.progress
     weights = HubWeights(download=hub.download)  # a Hub SOURCE read as a conversion reads it: streamed, checked
     with quiet_loggers(), weights, TensorReader(weights.ranges, remote=weights.files) as source_reader:
-        installed("bitsandbytes")
         if resolved is None:
             resolved = resolve_source(source, adapter, hub, progress=progress, headers=weights)
         if resolved.adapter_folder is not None:
@@ -131,11 +130,7 @@ def verified(output: str | Path, source: str, options: VerifyOptions, *, resolve
         if plan is None or plan.folder != resolved.folder or planned_in not in (None, plan.dtype):
             plan = _plan_source(resolved.folder, output, planned_in, source_reader, resolved.loaded_adapter)
         profile.mark("verify planned")
-        reference_library("bitsandbytes")
-        if resolved.adapter_folder is not None:
-            reference_library("peft")
-        for library in libraries(plan.tensors):  # the leaf kinds' reference libraries beyond bitsandbytes
-            reference_library(library.name, library.recomputes, library.package)
+        require(libraries(plan.tensors), resolved.adapter_folder is not None)  # those the plan's references name
         preload.settled()  # from here this thread imports transformers' and the converter's parts itself
         profile.mark("reference libraries imported")
         planned = {tensor.name: tensor for tensor in plan.tensors}

@@ -28,6 +28,7 @@ from pathlib import Path
 from ... import preload
 from ...dtypes import OUTPUT_DTYPES
 from ...errors import ArgumentError, CheckpointError, DependencyError, Nf4ConvertError
+from ...files import DROPPED_FILES
 from ...paths import as_utf8
 from ..scratch import scratch_folder
 from .tokenizer_files import broken_file
@@ -38,6 +39,36 @@ CONVERTER_VERSION = "0.1.1"  # the pin of the "gguf" extra; the tests compare ag
 # --gguf-type -> the converter's LlamaFileType: the types it writes without an importance matrix. Its ternary types
 # (tq1_0, tq2_0) are left out: they keep only -1/0/+1 per weight, meaningful for BitNet models alone.
 GGUF_TYPES = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16", "q8_0": "MOSTLY_Q8_0"}
+# --gguf-type -> llama-quantize's file type name: the types people run; what llama-quantize writes without an
+# importance matrix (the lowest-bit IQ types need one, and are left out)
+QUANT_TYPES = {
+    name: name.upper()
+    for name in (
+        "q4_k_m",
+        "q4_k_s",
+        "q5_k_m",
+        "q5_k_s",
+        "q6_k",
+        "q3_k_s",
+        "q3_k_m",
+        "q3_k_l",
+        "q2_k",
+        "q4_0",
+        "q4_1",
+        "q5_0",
+        "q5_1",
+        "iq4_nl",
+        "iq4_xs",
+    )
+}
+
+
+def is_quantized(gguf_type: str | None) -> bool:
+    """Whether ``gguf_type`` (a --gguf-type name) is one of llama-quantize's, made by its step after the converter."""
+    return gguf_type in QUANT_TYPES
+
+
+ALL_TYPES = (*GGUF_TYPES, *QUANT_TYPES)  # what --gguf-type takes
 # our dense dtype (dtypes.DType.short) -> the GGUF float type of the same values
 FLOAT_TYPES = {"fp32": "f32", "fp16": "f16", "bf16": "bf16"}
 
@@ -45,7 +76,15 @@ FLOAT_TYPES = {"fp32": "f32", "fp16": "f16", "bf16": "bf16"}
 TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "vocab.json", "vocab.txt", "tekken.json")
 # a dense checkpoint's weights and index, and the files staged apart: the converter must not see the source's
 _NOT_STAGED_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
-_NOT_STAGED = {"model.safetensors.index.json", "pytorch_model.bin.index.json", "config.json", "README.md"}
+# weights and their indexes, what is written anew, and ModelOpt's quantization config (the converter would read the
+# source's quantization from it)
+_NOT_STAGED = {
+    "model.safetensors.index.json",
+    "pytorch_model.bin.index.json",
+    "config.json",
+    "README.md",
+    *DROPPED_FILES,
+}
 
 # fields the converter derives from the folder's (and so the model's) name, not from the weights or config
 NAME_FIELDS = ("general.name", "general.basename", "general.finetune", "general.version", "general.size_label")
@@ -315,12 +354,13 @@ def _never(name):
     raise _WeightNeeded(name)
 
 
-def check(stage: Path, tensors, gguf_type: str, folder: Path) -> "Vocabulary | None":
+def check(stage: Path, tensors, gguf_type: str, folder: Path, inspect=None) -> "Vocabulary | None":
     """Everything the converter decides before it reads a weight, run on the staged folder without reading one: the
     architecture, each tensor's name and type, the hyperparameters, the tokenizer (a BPE pre-tokenizer it does not
     know). CheckpointError naming ``folder`` for what it refuses. A class that reads weights to decide is checked as far
     as it gets without them (the conversion then finds the rest). Returns the vocabulary the converter wrote (None where
-    it got no further), for the conversion to write again without reading the tokenizer again."""
+    it got no further), for the conversion to write again without reading the tokenizer again. ``inspect(model)``, if
+    given, is called once the converter's tensors and metadata are prepared (not where it needed a weight first)."""
     check_tokenizer_files(folder)
     with converter_errors(folder), quiet_converter():
         model = converter_model(stage, tensors, _never, stage.parent / "check.gguf", gguf_type)
@@ -330,6 +370,8 @@ def check(stage: Path, tensors, gguf_type: str, folder: Path) -> "Vocabulary | N
             model.prepare_metadata(vocab_only=False)
         except _WeightNeeded:
             return None
+        if inspect is not None:
+            inspect(model)
     return vocabulary if vocabulary.fields is not None else None
 
 

@@ -25,6 +25,7 @@ from typing import Callable
 from .q8_0 import quiet_bf16
 
 SAME_CHUNK_VALUES = 1 << 22  # values handed to the writing threads at once, for a type written as it is made
+REQUANT_CHUNK_VALUES = 1 << 18  # values each writing thread quantizes at once for llama-quantize's types
 
 # tensor methods that only move values (or view them): replaying them on bf16 instead of fp32 moves the same bits
 LAYOUT = frozenset(
@@ -169,9 +170,17 @@ class FastTensor:
     past them. ``quantizer()``: the ``q8_0.Q8_0`` to quantize with."""
 
     def __init__(
-        self, recognised: Recognised, nbytes: int, take: Callable, device, quantizer: Callable, writes, stream=None
+        self,
+        recognised: Recognised,
+        nbytes: int,
+        take: Callable,
+        device,
+        quantizer: Callable,
+        writes,
+        stream=None,
+        retyped=None,
     ):
-        self.recognised, self.nbytes, self.stream = recognised, nbytes, stream
+        self.recognised, self.nbytes, self.stream, self.retyped = recognised, nbytes, stream, retyped
         self._take, self._device, self._quantizer, self._writes = take, device, quantizer, writes
 
     def tofile(self, out) -> None:
@@ -189,6 +198,12 @@ class FastTensor:
             tensor = step(tensor)
         values = tensor.contiguous().view(-1)
         del tensor
+        if self.retyped is not None:  # the "same" bytes are llama-quantize's input: quantized on the writing threads
+            raw = values.view(torch.uint8).cpu().numpy()
+            quiet = values.dtype == torch.bfloat16
+            put_requantized(writes, start, raw, self.retyped, quiet)
+            out.seek(start + self.nbytes)
+            return
         quantize = self._quantizer() if self.recognised.kind == "q8_0" else None
         step = quantize.chunk_values if quantize is not None else SAME_CHUNK_VALUES
         written = 0
@@ -214,3 +229,22 @@ def _quiet_bf16_bytes(raw):
     import torch
 
     return quiet_bf16(torch.from_numpy(raw).view(torch.int16)).view(torch.uint8).numpy()
+
+
+def put_requantized(writes, start: int, raw, retyped, quiet: bool = False) -> None:
+    """IN's bytes of a whole tensor (uint8, ``retyped.source``'s values; ``quiet``: bf16 whose NaNs get their quiet bit
+    first, as gguf-py writes them) handed to ``writes`` from ``start`` as OUT's, a run of rows at a time, each run
+    quantized on the writing thread that writes it."""
+    from ...errors import InternalError
+
+    width = retyped.source_row_bytes
+    if raw.size != retyped.n_rows * width:
+        raise InternalError(f"{retyped.name}: {raw.size} bytes made for {retyped.n_rows} rows of {width}")
+    step = max(1, REQUANT_CHUNK_VALUES // retyped.row_values)
+    for row in range(0, retyped.n_rows, step):
+        part = raw[row * width : (row + step) * width]
+        writes.put(start + row * retyped.row_bytes, part, functools.partial(_requantize, retyped, row, quiet))
+
+
+def _requantize(retyped, row: int, quiet: bool, raw):
+    return retyped.quantize(_quiet_bf16_bytes(raw) if quiet else raw, row)

@@ -9,252 +9,40 @@ from the tensor made whole. The converter still decides everything else: names, 
 tokenizer.
 
 Which GGUF type: ``--gguf-type``, or the dense dtype's own float type (bf16 -> bf16, fp16 -> f16, fp32 -> f32); with
-``--dtype auto`` a float ``--gguf-type`` makes the dense tensors in that type, so they need no conversion.
+``--dtype auto`` a float ``--gguf-type`` makes the dense tensors in that type, so they need no conversion. One of
+llama-quantize's types (q4_k_m...) is the file ``llama-quantize`` writes from the converter's file in the dense
+dtype's own float type, made in the same pass (``requant.py``), with ``--imatrix`` its importance matrix.
 """
 
 from __future__ import annotations
 
-import functools
 import math
-import os
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
-from ... import profile
-from ...dtypes import DTYPES
-from ...errors import ArgumentError, InternalError
-from ...settings import Settings
+from ...errors import ArgumentError
 from ...sizes import DEFAULT_SHARD_BYTES
 from .. import output as lifecycle
 from ..base import Sink, Written, register
 from ..naming import default_output
 from .converter import (
+    ALL_TYPES,
     FLOAT_TYPES,
-    GGUF_TYPES,
-    Vocabulary,
+    QUANT_TYPES,
     check,
     converter,
-    converter_errors,
-    converter_model,
     dense_dtype,
     installed,
-    passing,
-    quiet_converter,
+    is_quantized,
     staged,
     start_importing,
     tensors_of,
 )
-from .fast import FastTensor, recognise
-from .feed import Feed
-from .metadata import write_kv_data_to_file
-from .q8_0 import Q8_0
-from .streamed import GgufFileWrites, Layout, StreamedTensor
-from .writes import PositionalWrites
+from .filewrite import GgufWritten, write_gguf
+from .requant import Requantization, file_size
+
+__all__ = ["GgufFile", "GgufWritten", "write_gguf"]
 
 GGUF_SUFFIX = ".gguf"
-
-
-@dataclass
-class GgufWritten(Written):
-    fast: int = 0  # of the tensors, those a fast path wrote
-
-
-def write_gguf(
-    plan,
-    path: Path,
-    reader,
-    route,
-    *,
-    gguf_type: str,
-    name: str,
-    card: str | None,
-    settings: Settings | None = None,
-    progress: Callable[[int], None] = lambda nbytes: None,
-    fast: bool = True,
-    vocabulary: Vocabulary | None = None,
-) -> GgufWritten:
-    """Write the GGUF that llama.cpp's converter makes from the dense checkpoint of ``plan`` into ``path``, reading the
-    source through ``reader`` and making tensors on ``route``. ``name``: the model's name, as the converter would read
-    it from the dense folder's name; ``card``: the dense model card. ``progress(bytes)`` as dense tensors are made.
-    ``fast``: take the fast paths (off: the converter's own graph for every tensor). ``vocabulary``: the one the
-    check of the same staged folder recorded (``converter.check``), written instead of reading the tokenizer again.
-
-    The converter runs as its ``write()`` runs, with two of its steps taken over: once its tensors are prepared (their
-    lazy graphs, types and sizes: the file's layout but for where the data begins), the feed starts making them in the
-    file's order, streamed tensors' pieces waiting for the layout while the converter writes the metadata (the
-    tokenizer's vocabulary, the card's fields); then the tensors' bytes are written at their places, the tensors made
-    whole converted on this thread (``_write_tensors``).
-
-    Raises:
-        DependencyError: the converter (the "gguf" extra) is missing or not the pinned one.
-        CheckpointError: the converter cannot convert the model (architecture, tokenizer, config).
-    """
-    import numpy as np
-    import torch
-
-    from ...devices import cpu_cores
-    from ...safetensors_io.write import Writeback
-
-    settings = settings or Settings()
-    gguf, _ = converter()
-    written = GgufWritten(0)
-    writers = settings.writers
-    if gguf_type == "q8_0" and not route.gpu:  # the writing threads quantize: the CPU's cores are the work's
-        writers = max(writers, cpu_cores() // 2)
-    feed = Feed(plan, reader, route, writers=writers, progress=progress)
-    layout = Layout()
-    dtypes = {tensor.name: DTYPES[tensor.dtype].torch for tensor in plan.tensors}
-
-    def is_source(node):
-        function = node._func
-        return node._args[0] if getattr(function, "__self__", None) is feed else None
-
-    def edge_blocks(blocks):
-        with np.errstate(all="ignore"):  # NaN and overflow are what these blocks hold: gguf-py's answer, unsaid
-            return gguf.quants.Q8_0.quantize_blocks(blocks)
-
-    quantizer = functools.cache(lambda: Q8_0(route.device, edge_blocks))  # one set of buffers for every tensor
-    writeback = Writeback() if settings.writeback else None
-    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
-    pieces = GgufFileWrites(descriptor, layout, route.device, edge_blocks, writeback)
-    writes = PositionalWrites(descriptor, writeback=settings.writeback)
-    streamed: list[StreamedTensor] = []
-
-    def install(writer) -> None:
-        """Every written tensor taken by a fast path where one gives its bytes (streamed where its values keep their
-        order), and the feed started in writing order."""
-        order = []
-        for split in writer.tensors:
-            for tensor_name, info in split.items():
-                recognised = recognise(info.tensor, is_source, gguf) if fast else None
-                if recognised is None:
-                    order += _sources(info.tensor, is_source)
-                    written.tensors += 1
-                    continue
-                stream = None
-                if recognised.streamed:
-                    source = recognised.source
-                    stream = StreamedTensor(tensor_name, recognised.kind, dtypes[source], info.nbytes, pieces)
-                    streamed.append(stream)
-                    order.append((source, stream))
-                else:
-                    order.append(recognised.source)
-                device = route.device if recognised.kind == "q8_0" else "cpu"  # nothing to compute for the rest
-                info.tensor = FastTensor(
-                    recognised, info.nbytes, feed.take, device, quantizer, lambda: writes, stream=stream
-                )
-                written.fast += 1
-                written.tensors += 1
-        feed.start(order)
-
-    try:
-        with (
-            staged(plan.folder, plan.config or {}, card, name) as stage,
-            converter_errors(plan.folder),
-            quiet_converter(),
-            torch.inference_mode(),
-        ):
-            model = converter_model(stage, tensors_of(plan), feed.take, Path(path), gguf_type)
-            if vocabulary is not None:
-                vocabulary.write_into(model)
-            prepare_tensors, writer = model.prepare_tensors, model.gguf_writer
-
-            @passing
-            def prepared():
-                with quiet_converter(written.warnings):  # its words on the tensors (a type it falls back from)
-                    prepare_tensors()
-                install(writer)
-                profile.mark("GGUF tensors prepared")
-
-            def write_tensors_in_place(progress=False):  # our bar, not its
-                _write_tensors(writer, gguf, pieces, descriptor, writes)
-                writes.finish()
-                feed.finish()
-                if not all(stream.complete() for stream in streamed):
-                    raise InternalError(f"{path}: a Q8_0 block was left without all its values")
-
-            model.prepare_tensors = prepared
-            writer.write_kv_data_to_file = functools.partial(write_kv_data_to_file, writer)
-            writer.write_tensors_to_file = write_tensors_in_place
-            model.write()
-    except BaseException:
-        layout.fail()  # the pieces waiting for it stop at once
-        raise
-    finally:
-        feed.close()
-        writes.close()
-        pieces.close()
-        os.close(descriptor)
-        if writeback is not None:
-            writeback.close()
-    written.infinite = feed.infinite
-    return written
-
-
-class _At:
-    """A place in the file, for the writer of one tensor (``FastTensor.tofile``: ``tell``, ``seek``)."""
-
-    def __init__(self, position: int):
-        self.position = position
-
-    def tell(self) -> int:
-        return self.position
-
-    def seek(self, position: int) -> None:
-        self.position = position
-
-
-def _write_tensors(writer, gguf, pieces: GgufFileWrites, descriptor: int, writes: PositionalWrites) -> None:
-    """In place of gguf-py's ``write_tensors_to_file``: the tensor infos written and the data's place known (the
-    streamed pieces held meanwhile written, those waiting for it going on), then each tensor made whole converted and
-    handed to the positional writes at its place; the padding between tensors and after the last is a hole of zeros,
-    as gguf-py writes it."""
-    import numpy as np
-
-    writer.write_ti_data_to_file()
-    (out,) = writer.fout  # the converter writes one file here: a split would need its own layout
-    writer.write_padding(out, out.tell())
-    out.flush()
-    offsets, position = {}, out.tell()
-    for split in writer.tensors:
-        for tensor_name, info in split.items():
-            offsets[tensor_name] = position
-            position += writer.ggml_pad(info.nbytes, writer.data_alignment)
-    os.ftruncate(descriptor, position)
-    for at, data in pieces.layout.set(offsets):
-        pieces.pwrite(data, at)
-    profile.mark("GGUF layout written")
-    for split in writer.tensors:
-        for tensor_name, info in split.items():
-            tensor, info.tensor = info.tensor, None  # its graph and what it holds go once written
-            if isinstance(tensor, FastTensor):
-                tensor.tofile(_At(offsets[tensor_name]))
-                continue
-            made = gguf.LazyNumpyTensor.to_eager(tensor) if isinstance(tensor, gguf.LazyBase) else tensor
-            made = np.ascontiguousarray(made)
-            if made.nbytes != info.nbytes:
-                raise InternalError(f"{tensor_name}: {made.nbytes} bytes made for a GGUF tensor of {info.nbytes}")
-            writes.put(offsets[tensor_name], made.reshape(-1).view(np.uint8))
-    writer.state = type(writer.state).WEIGHTS
-
-
-def _sources(lazy, is_source) -> list[str]:
-    """The names of our tensors a lazy graph reads, depth first."""
-    from gguf.lazy import LazyBase
-
-    found, stack = [], [lazy]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, (list, tuple)):
-            stack += reversed(node)
-        elif isinstance(node, LazyBase):
-            name = is_source(node)
-            if name is not None:
-                found.append(name)
-            else:
-                stack += reversed([*node._args, *node._kwargs.values()])
-    return found
 
 
 @register
@@ -274,11 +62,16 @@ class GgufFile(Sink):
     @classmethod
     def check_options(cls, options, *, claimed: bool) -> None:
         gguf_type = options.gguf_type
-        if gguf_type is not None and gguf_type not in GGUF_TYPES:
-            raise ArgumentError(f"GGUF type {gguf_type!r} is not one of {', '.join(GGUF_TYPES)}", option="gguf_type")
+        if gguf_type is not None and gguf_type not in ALL_TYPES:
+            raise ArgumentError(f"GGUF type {gguf_type!r} is not one of {', '.join(ALL_TYPES)}", option="gguf_type")
         if gguf_type is not None and not claimed:
             raise ArgumentError(
                 f"gguf_type {gguf_type!r} writes one GGUF file: give an output ending in .gguf", option="gguf_type"
+            )
+        imatrix = getattr(options, "imatrix", None)
+        if imatrix is not None and not is_quantized(gguf_type):
+            raise ArgumentError(
+                f"imatrix is llama-quantize's: give it with a --gguf-type of {', '.join(QUANT_TYPES)}", option="imatrix"
             )
 
     @classmethod
@@ -305,7 +98,23 @@ class GgufFile(Sink):
         self.type = self.own_type = (
             options.gguf_type or FLOAT_TYPES[plan.dtype.short]
         )  # --dtype's float type by default
+        # what the converter writes: for llama-quantize's types, its input (the dense dtype's own float type)
+        self.converter_type = FLOAT_TYPES[plan.dtype.short] if is_quantized(self.type) else self.type
         self._vocabulary = None  # what the check recorded of the converter's vocabulary
+        self._imatrix = None
+        self._retyped = None  # what the check planned of llama-quantize's step: name -> requant.Retyped
+        self._file_size = None  # and the file's size, so
+
+    def requantization(self) -> Requantization | None:
+        """llama-quantize's step after the converter, for llama-quantize's types (the importance matrix read once)."""
+        if not is_quantized(self.type):
+            return None
+        path = getattr(self.options, "imatrix", None)
+        if path is not None and self._imatrix is None:
+            from .imatrix import Imatrix
+
+            self._imatrix = Imatrix.read(path)
+        return Requantization(self.type, self._imatrix)
 
     def default_output(self, output_dir, stem: str) -> Path:
         return default_output(output_dir, stem, f"{self.type}{GGUF_SUFFIX}")
@@ -314,14 +123,25 @@ class GgufFile(Sink):
         """What llama.cpp's converter refuses of this plan (architecture, tensor names, config fields, tokenizer),
         found without reading a weight (``converter.check``)."""
         plan = self.plan
+        requant = self.requantization()
+
+        def planned(model):
+            gguf, _ = converter()
+            self._retyped = requant.apply(model.gguf_writer, gguf)
+            self._file_size = file_size(model.gguf_writer)
+
+        inspect = planned if requant is not None else None
         with staged(plan.folder, plan.config or {}, None, self.model) as stage:
-            self._vocabulary = check(stage, tensors_of(plan), self.type, plan.folder)
+            self._vocabulary = check(stage, tensors_of(plan), self.converter_type, plan.folder, inspect)
 
     def size_bound(self) -> int:
         """At most the bytes of the GGUF: each tensor at the type's size (one-dimensional ones in fp32, as the converter
         writes them), padding, and the side files' bytes again for the metadata (the vocabulary)."""
         plan = self.plan
-        per_value = {"f32": 4, "f16": 2, "bf16": 2, "q8_0": 34 / 32}[self.type]
+        if self._retyped is not None:  # planned: the tensors' sizes are known
+            values = sum(tensor.nbytes for tensor in self._retyped.values())
+            return values + 32 * len(self._retyped) + plan.side_bytes + (1 << 20)
+        per_value = {"f32": 4, "f16": 2, "bf16": 2, "q8_0": 34 / 32}[self.converter_type]
         values = sum(math.prod(tensor.shape) * (4 if len(tensor.shape) <= 1 else per_value) for tensor in plan.tensors)
         return int(values) + 32 * len(plan.tensors) + plan.side_bytes + (1 << 20)
 
@@ -336,7 +156,21 @@ class GgufFile(Sink):
     def plan_lines(self) -> list[str]:
         architecture = (self.plan.config or {}).get("architectures", ["?"])[0]
         converter = f"llama.cpp's converter: takes {architecture}, its tensors and its tokenizer"
-        return [f"{converter} (model name {self.model!r})"]
+        lines = [f"{converter} (model name {self.model!r})"]
+        if not is_quantized(self.type):
+            return lines
+        step = f"then llama-quantize's {self.type.upper()} of its {self.converter_type} file"
+        if self._imatrix is not None:
+            step += f", with the importance matrix {self._imatrix.path}"
+        lines.append(step)
+        if self._retyped is None:
+            return [*lines, "  (each tensor's type is known once the converter has read the weights it decides by)"]
+        width = max(len(name) for name in self._retyped)
+        for tensor in self._retyped.values():
+            shape = ", ".join(str(size) for size in tensor.ne[: max(1, _n_dims(tensor.ne))])
+            lines.append(f"  {tensor.name:<{width}}  [{shape}]  {tensor.source} -> {tensor.target}")
+        lines.append(f"GGUF file: {self._file_size} bytes ({self._file_size / (1 << 20):.2f} MiB)")
+        return lines
 
     def write(self, staging, output, reader, route, *, card, settings, progress, tensor_done) -> Written:
         return write_gguf(
@@ -344,7 +178,8 @@ class GgufFile(Sink):
             staging / output.name,
             reader,
             route,
-            gguf_type=self.type,
+            gguf_type=self.converter_type,
+            requant=self.requantization(),
             name=self.model,
             card=card(),
             settings=settings,
@@ -402,6 +237,10 @@ class GgufFile(Sink):
             return f"push it again with: {file} (its model card could not be kept: {error.strerror or error})"
         readme = upload_command(repo_id, kept, "README.md", private=private, branch=branch)
         return f"its model card is kept as {kept}; push both again with: {file} && {readme}"
+
+
+def _n_dims(ne) -> int:
+    return next((index + 1 for index in range(len(ne) - 1, 0, -1) if ne[index] > 1), 1)
 
 
 def _write_new(path: Path, data: bytes) -> None:

@@ -131,12 +131,14 @@ class GgufFileWrites:
 class StreamedTensor:
     """One GGUF tensor written as its pieces are made: the pipeline's writer for it (``write(name, data, offset)``,
     from any number of threads). ``name``: its GGUF name; ``kind``: "same" or "q8_0"; ``dtype``: our tensor's torch
-    dtype; ``nbytes``: its GGUF bytes."""
+    dtype; ``nbytes``: its GGUF bytes. ``retyped`` (a ``requant.Retyped``): the "same" bytes are llama-quantize's
+    input, quantized a run of whole rows at a time (a row a piece's edge cuts gathered from its pieces)."""
 
-    def __init__(self, name: str, kind: str, dtype, nbytes: int, file: GgufFileWrites):
+    def __init__(self, name: str, kind: str, dtype, nbytes: int, file: GgufFileWrites, retyped=None):
         self.name, self.kind, self.dtype, self.nbytes, self._file = name, kind, dtype, nbytes, file
+        self.retyped = retyped
         self._itemsize = dtype.itemsize
-        self._seams: dict[int, list] = {}  # Q8_0 blocks cut by a piece's edge: block -> [values, missing count]
+        self._seams: dict[int, list] = {}  # blocks (rows) cut by a piece's edge: index -> [values, missing count]
         self._lock = threading.Lock()
 
     def write(self, source: str, data, offset: int) -> None:
@@ -155,6 +157,9 @@ class StreamedTensor:
                 owned, raw = not np.may_share_memory(quieted, raw), quieted
             else:
                 owned = False  # the pipeline's buffer, reused once this returns
+            if self.retyped is not None:
+                self._requantized(raw, offset)
+                return
             if offset + raw.size > self.nbytes:
                 raise InternalError(f"{source}: bytes up to {offset + raw.size} of a GGUF tensor of {self.nbytes}")
             self._file.put(self.name, offset, raw, owned)
@@ -205,6 +210,38 @@ class StreamedTensor:
                 return
             del self._seams[block]
         self._quantized(gathered[0], block * BLOCK_BYTES)
+
+    def _requantized(self, raw, offset: int) -> None:
+        """IN's bytes ``[offset, offset + n)`` of this tensor: its whole rows quantized where they stand, the rest
+        gathered."""
+        width = self.retyped.source_row_bytes
+        first, last = offset, offset + raw.size
+        begin, end = -(-first // width) * width, last // width * width  # the whole rows the piece holds
+        if begin < end:
+            self._rows(raw[begin - first : end - first], begin // width)
+        for low, high in ((first, min(begin, last)), (max(end, begin), last)):
+            if low < high:
+                self._row_seam(raw[low - first : high - first], low)
+
+    def _rows(self, raw, row: int) -> None:
+        made = self.retyped.quantize(raw, row)
+        self._file.put(self.name, row * self.retyped.row_bytes, made, owned=True)
+
+    def _row_seam(self, raw, first: int) -> None:
+        import numpy as np
+
+        width = self.retyped.source_row_bytes
+        row = first // width
+        with self._lock:
+            gathered = self._seams.get(row)
+            if gathered is None:
+                gathered = self._seams[row] = [np.empty(width, dtype=np.uint8), width]
+            gathered[0][first - row * width : first - row * width + raw.size] = raw
+            gathered[1] -= raw.size
+            if gathered[1]:
+                return
+            del self._seams[row]
+        self._rows(gathered[0], row)
 
     def complete(self) -> bool:
         """Whether no block waits for the rest of its values (every piece written, this must hold)."""

@@ -40,7 +40,8 @@ class PositionalWrites:
 
     def put(self, offset: int, data, prepare=None) -> None:
         """Write ``data`` (a contiguous array or CPU tensor, kept until written) at ``offset``; ``prepare(bytes) ->
-        bytes of the same size``, if given, runs first, on the writing thread (work taken off the caller's)."""
+        bytes`` (a contiguous array), if given, runs first, on the writing thread (work taken off the caller's), and
+        its bytes are written instead."""
         data = as_array(data).reshape(-1).view("uint8")
         with self._changed:
             while not self._stop and self._error is None and self._waiting and self._waiting + data.size > self._limit:
@@ -60,11 +61,11 @@ class PositionalWrites:
                 offset, data, prepare = self._queue.popleft()
             try:
                 made = prepare(data) if prepare is not None else data
-                view, done = memoryview(made), 0
-                while done < data.size:
+                view, done = memoryview(made).cast("B"), 0
+                while done < len(view):
                     done += os.pwrite(self._descriptor, view[done:], offset + done)
                 if self._writeback is not None:
-                    self._writeback.request(self._flush, offset, data.size)
+                    self._writeback.request(self._flush, offset, len(view))
             except BaseException as error:  # noqa: BLE001  (raised on the writer's thread, at its next put or finish)
                 with self._changed:
                     self._error = self._error or error

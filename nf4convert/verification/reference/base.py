@@ -63,11 +63,14 @@ def against(tensor, device) -> str:
 
 
 class Library(NamedTuple):
-    """A reference library beyond bitsandbytes and peft that a reference computes with."""
+    """A reference library a reference computes with (peft, for an adapter's merge, is asked for apart)."""
 
     name: str  # its import name
     recomputes: str  # what verify recomputes with it, as a message says ("FP8 weights (compressed-tensors' ...)")
     package: str  # what pip installs it by
+
+
+BITSANDBYTES = Library("bitsandbytes", "the weights (bitsandbytes' dequantization)", "bitsandbytes")
 
 
 def libraries(tensors) -> list[Library]:

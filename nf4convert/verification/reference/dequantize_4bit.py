@@ -10,13 +10,17 @@ the whole weight.
 from __future__ import annotations
 
 from ...dtypes import DTYPES
-from .base import Slice, as_bytes, whole
+from .base import BITSANDBYTES, Library, Slice, as_bytes, whole
 
 CPU_REFERENCE = "the CPU reference of bitsandbytes' CUDA arithmetic"
 
 
 def against(tensor, device) -> str:
     return "bitsandbytes" if getattr(device, "type", device) == "cuda" else CPU_REFERENCE
+
+
+def libraries(recipe) -> tuple[Library, ...]:
+    return (BITSANDBYTES,)  # its quant state, on either device
 
 
 def slices(tensor, reader, device, context, piece_bytes: int):

@@ -4,11 +4,15 @@ then the cast, in runs of whole rows (each row has its own scale)."""
 from __future__ import annotations
 
 from ...dtypes import DTYPES
-from .base import Slice, as_bytes, whole
+from .base import BITSANDBYTES, Library, Slice, as_bytes, whole
 
 
 def against(tensor, device) -> str:
     return "bitsandbytes"
+
+
+def libraries(recipe) -> tuple[Library, ...]:
+    return (BITSANDBYTES,)
 
 
 def slices(tensor, reader, device, context, piece_bytes: int):

@@ -17,6 +17,7 @@ from .arith import (
     signed_absmax,
 )
 from .base import QUANTS, QuantType
+from .xp import namespace
 
 KVALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
 NTRY = 7
@@ -30,23 +31,24 @@ def nearest_levels(scaled):
 def group_scales(x, weights, sigma2):
     """Each 32-value group's scale (G,), 0 where the group is all (near) zero. ``x``: (32, G); ``weights``: the
     importance weights (32, G) or None; ``sigma2``: the block's ``2 * sum(x^2) / block`` per group (G,)."""
-    w = x * x if weights is None else weights * np.sqrt(sigma2 + x * x)
+    xp = namespace(x)
+    w = x * x if weights is None else weights * xp.sqrt(sigma2 + x * x)
     largest, amax = signed_absmax(x)
 
     def sums(inverse):
         q = best_index_int8(KVALUES, inverse * x)[1]
         wq = w * q
-        return seqsum(wq * x), seqsum(wq * q)
+        return seqsum(wq, x), seqsum(wq, q)
 
-    sumqx, sumq2 = sums(F32(1) / (-largest / F32(KVALUES[0])))
-    d = np.where(sumq2 > 0, sumqx / sumq2, F32(0))
+    sumqx, sumq2 = sums(xp.div(F32(1), xp.div(-largest, F32(KVALUES[0]))))
+    d = xp.where(sumq2 > 0, sumqx / sumq2, F32(0))
     best = d * sumqx
     for itry in range(-NTRY, NTRY + 1):
-        sumqx, sumq2 = sums(F32(itry + int(KVALUES[0])) / largest)
+        sumqx, sumq2 = sums(xp.div(F32(itry + int(KVALUES[0])), largest))
         better = (sumq2 > 0) & (sumqx * sumqx > best * sumq2)
-        d = np.where(better, sumqx / sumq2, d)
-        best = np.where(better, d * sumqx, best)
-    return np.where(amax < GROUP_MAX_EPS, F32(0), d)
+        d = xp.where(better, sumqx / sumq2, d)
+        best = xp.where(better, d * sumqx, best)
+    return xp.where(amax < GROUP_MAX_EPS, F32(0), d)
 
 
 @QUANTS.register
@@ -58,12 +60,13 @@ class IQ4_NL(QuantType):
 
     @classmethod
     def quantize_blocks(cls, blocks, weights, mean_square):
-        x = np.ascontiguousarray(blocks.T)
-        sigma2 = seqsum(x * x) * (F32(2) / F32(32))
-        d = group_scales(x, None if weights is None else np.ascontiguousarray(weights.T), sigma2)
-        inverse = np.where(d != 0, F32(1) / d, F32(0))
-        levels = np.ascontiguousarray(nearest_levels(inverse * x).T)
-        out = np.empty((blocks.shape[0], cls.type_size), dtype=np.uint8)
+        xp = namespace(blocks)
+        x = xp.contiguous(blocks.T)
+        sigma2 = seqsum(x, x) * (F32(2) / F32(32))
+        d = group_scales(x, None if weights is None else xp.contiguous(weights.T), sigma2)
+        inverse = xp.where(d != 0, xp.div(F32(1), d), F32(0))
+        levels = xp.contiguous(nearest_levels(inverse * x).T)
+        out = xp.empty((blocks.shape[0], cls.type_size), np.uint8, blocks)
         out[:, :2] = half_bytes(fp16_bits(d))
         out[:, 2:] = pack_nibbles(levels)
         return out

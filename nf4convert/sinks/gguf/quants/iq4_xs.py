@@ -19,6 +19,7 @@ from .arith import (
 )
 from .base import QUANTS, QuantType
 from .iq4_nl import group_scales, nearest_levels
+from .xp import namespace
 
 GROUPS = 8  # of 32 values in a 256-value block
 
@@ -33,27 +34,28 @@ class IQ4_XS(QuantType):
 
     @classmethod
     def quantize_blocks(cls, blocks, weights, mean_square):
+        xp = namespace(blocks)
         count = blocks.shape[0]
         x = to_groups(blocks, 32)
         sigma2 = block_sum_squares(x, count) * (F32(2) / F32(256))
-        scales = group_scales(x, None if weights is None else to_groups(weights, 32), np.tile(sigma2, GROUPS))
+        scales = group_scales(x, None if weights is None else to_groups(weights, 32), xp.tile(sigma2, GROUPS))
         max_scale = signed_absmax(scales.reshape(GROUPS, count))[0]
-        d = -max_scale / F32(32)
-        inverse = np.where(d != 0, F32(1) / d, F32(0))
-        scale_levels = np.clip(nearest_int(inverse * scales.reshape(GROUPS, count)), -32, 31)
-        group_d = (d * scale_levels.astype(F32)).reshape(-1)
-        group_inverse = np.where(group_d != 0, F32(1) / group_d, F32(0))
+        d = xp.div(-max_scale, F32(32))
+        inverse = xp.where(d != 0, xp.div(F32(1), d), F32(0))
+        scale_levels = xp.clip(nearest_int(inverse * scales.reshape(GROUPS, count)), -32, 31)
+        group_d = (d * xp.astype(scale_levels, F32)).reshape(-1)
+        group_inverse = xp.where(group_d != 0, xp.div(F32(1), group_d), F32(0))
         levels = from_groups(nearest_levels(group_inverse * x), count)
 
         scale_levels = scale_levels + 32
         low = scale_levels & 0xF
         scales_l = (low[0::2] | (low[1::2] << 4)).T
-        scales_h = np.zeros(count, dtype=np.int64)
+        scales_h = xp.zeros(count, np.int64, blocks)
         for ib in range(GROUPS):
-            scales_h |= (scale_levels[ib] >> 4).astype(np.int64) << (2 * ib)
-        out = np.empty((count, cls.type_size), dtype=np.uint8)
+            scales_h |= xp.astype(scale_levels[ib] >> 4, np.int64) << (2 * ib)
+        out = xp.empty((count, cls.type_size), np.uint8, blocks)
         out[:, :2] = half_bytes(fp16_bits(d))
-        out[:, 2:4] = half_bytes(scales_h.astype(np.uint16))
+        out[:, 2:4] = half_bytes(scales_h)
         out[:, 4:8] = scales_l
         out[:, 8:] = pack_nibbles(levels)
         return out

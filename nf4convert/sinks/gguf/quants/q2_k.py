@@ -24,6 +24,7 @@ from .arith import (
     to_uint8,
 )
 from .base import QUANTS, QuantType
+from .xp import namespace
 
 GROUPS = 16  # of 16 values in a 256-value block
 
@@ -38,22 +39,23 @@ class Q2_K(QuantType):
 
     @classmethod
     def quantize_blocks(cls, blocks, weights, mean_square):
+        xp = namespace(blocks)
         count = blocks.shape[0]
         x = to_groups(blocks, 16)
-        zero_half = fp16_bits(F32(0))
+        zero_half = 0  # the bits of +0.0
         if weights is None:
-            scales, mins, levels = make_qkx_quants(x, np.abs(x), 3, -0.5, 0.1, 15, use_mad=True)
+            scales, mins, levels = make_qkx_quants(x, xp.abs(x), 3, -0.5, 0.1, 15, use_mad=True)
             scales, mins = scales.reshape(GROUPS, count), mins.reshape(GROUPS, count)
             max_scale, max_min = running_max(scales), running_max(mins)
-            scale_levels = to_uint8(nearest_int((F32(15) / max_scale) * scales))
-            scale_bytes = np.where(max_scale > 0, scale_levels, 0)
-            min_levels = to_uint8(scale_bytes | (nearest_int((F32(15) / max_min) * mins) << 4))
-            scale_bytes = np.where(max_min > 0, min_levels, scale_bytes)
-            d = np.where(max_scale > 0, fp16_bits(max_scale / F32(15)), zero_half)
-            dmin = np.where(max_min > 0, fp16_bits(max_min / F32(15)), zero_half)
+            scale_levels = to_uint8(nearest_int(xp.div(F32(15), max_scale) * scales))
+            scale_bytes = xp.where(max_scale > 0, scale_levels, 0)
+            min_levels = to_uint8(scale_bytes | (nearest_int(xp.div(F32(15), max_min) * mins) << 4))
+            scale_bytes = xp.where(max_min > 0, min_levels, scale_bytes)
+            d = xp.where(max_scale > 0, fp16_bits(xp.div(max_scale, F32(15))), zero_half)
+            dmin = xp.where(max_min > 0, fp16_bits(xp.div(max_min, F32(15))), zero_half)
         else:
-            sigma2 = block_sum_squares(x, count) / F32(256)
-            w = to_groups(weights, 16) * np.sqrt(np.tile(sigma2, GROUPS) + x * x)
+            sigma2 = xp.div(block_sum_squares(x, count), F32(256))
+            w = to_groups(weights, 16) * xp.sqrt(xp.tile(sigma2, GROUPS) + x * x)
             sw = seqsum(w).reshape(GROUPS, count)
             scales, mins, levels = make_qkx_quants(x, w, 3, -0.9, 0.05, 36, use_mad=False)
             d_block, scale_levels = make_qp_quants(scales.reshape(GROUPS, count), 15, sw)
@@ -62,9 +64,9 @@ class Q2_K(QuantType):
             d, dmin = fp16_bits(d_block), fp16_bits(m_block)
         group_d = (from_fp16(d) * as_f32(scale_bytes & 0xF)).reshape(-1)
         group_dm = (from_fp16(dmin) * as_f32(scale_bytes >> 4)).reshape(-1)
-        requantized = np.clip(nearest_int((x + group_dm) / group_d), 0, 3)
-        levels = from_groups(np.where(group_d == 0, levels, requantized), count)
-        out = np.empty((count, cls.type_size), dtype=np.uint8)
+        requantized = xp.clip(nearest_int((x + group_dm) / group_d), 0, 3)
+        levels = from_groups(xp.where(group_d == 0, levels, requantized), count)
+        out = xp.empty((count, cls.type_size), np.uint8, blocks)
         out[:, :16] = scale_bytes.T
         out[:, 16:80] = pack_2bit(levels)
         out[:, 80:82] = half_bytes(d)

@@ -25,15 +25,17 @@ from .arith import (
     to_int8,
 )
 from .base import QUANTS, QuantType
+from .xp import namespace
 
 GROUPS = 16  # of 16 values in a 256-value block
 
 
 def pack_scales(levels):
     """Sixteen 6-bit scale levels (16, B): low nibbles in bytes 0-7, top bit pairs in bytes 8-11: (12, B)."""
-    packed = np.zeros((12, levels.shape[1]), dtype=np.int64)
+    xp = namespace(levels)
+    packed = xp.zeros((12, levels.shape[1]), np.int64, levels)
     for j in range(GROUPS):
-        level = levels[j].astype(np.int64)
+        level = xp.astype(levels[j], np.int64)
         if j < 8:
             packed[j] = level & 0xF
         else:
@@ -44,7 +46,8 @@ def pack_scales(levels):
 
 def unpack_scales(packed):
     """The signed scales C reads back from the 12 bytes: (16, B)."""
-    scales = np.empty((GROUPS, packed.shape[1]), dtype=np.int64)
+    xp = namespace(packed)
+    scales = xp.empty((GROUPS, packed.shape[1]), np.int64, packed)
     for j in range(GROUPS):
         low = packed[j] & 0xF if j < 8 else packed[j - 8] >> 4
         scales[j] = to_int8((low | (((packed[8 + j % 4] >> (2 * (j // 4))) & 3) << 4)) - 32)
@@ -61,35 +64,36 @@ class Q3_K(QuantType):
 
     @classmethod
     def quantize_blocks(cls, blocks, weights, mean_square):
+        xp = namespace(blocks)
         count = blocks.shape[0]
         x = to_groups(blocks, 16)
         if weights is None:
             scales, levels = make_q3_quants(x, 4)
             max_scale = signed_absmax(scales.reshape(GROUPS, count))[0]
-            iscale = F32(-32) / max_scale
-            scale_levels = np.clip(to_int8(nearest_int(iscale * scales.reshape(GROUPS, count))), -32, 31) + 32
-            scale_levels = np.where(max_scale != 0, scale_levels, 0)
-            d = np.where(max_scale != 0, fp16_bits(F32(1) / iscale), fp16_bits(F32(0)))
+            iscale = xp.div(F32(-32), max_scale)
+            scale_levels = xp.clip(to_int8(nearest_int(iscale * scales.reshape(GROUPS, count))), -32, 31) + 32
+            scale_levels = xp.where(max_scale != 0, scale_levels, 0)
+            d = xp.where(max_scale != 0, fp16_bits(xp.div(F32(1), iscale)), 0)  # 0: the bits of +0.0
         else:
-            sigma2 = F32(2) * block_sum_squares(x, count) / F32(256)
-            w = to_groups(weights, 16) * np.sqrt(np.tile(sigma2, GROUPS) + x * x)
+            sigma2 = xp.div(F32(2) * block_sum_squares(x, count), F32(256))
+            w = to_groups(weights, 16) * xp.sqrt(xp.tile(sigma2, GROUPS) + x * x)
             scales, levels = make_qx_quants(x, 4, w)
             d_block, scale_levels = make_qx_quants(scales.reshape(GROUPS, count), 32, seqsum(w).reshape(GROUPS, count))
             d = fp16_bits(d_block)
         packed = pack_scales(scale_levels)
         if weights is None:
-            packed = np.where(max_scale != 0, packed, 0)
+            packed = xp.where(max_scale != 0, packed, 0)
         group_d = (from_fp16(d) * as_f32(unpack_scales(packed))).reshape(-1)
-        requantized = np.clip(nearest_int(x / group_d), -4, 3) + 4
-        levels = from_groups(np.where(group_d == 0, levels, requantized), count)
+        requantized = xp.clip(nearest_int(x / group_d), -4, 3) + 4
+        levels = from_groups(xp.where(group_d == 0, levels, requantized), count)
 
         planes = levels.reshape(count, 8, 32)
         high = planes > 3
-        hmask = np.zeros((count, 32), dtype=np.int32)
+        hmask = xp.zeros((count, 32), np.int32, blocks)
         for k in range(8):
-            hmask |= high[:, k].astype(np.int32) << k
-        levels = np.where(high, planes - 4, planes).reshape(count, 256)
-        out = np.empty((count, cls.type_size), dtype=np.uint8)
+            hmask |= xp.astype(high[:, k], np.int32) << k
+        levels = xp.where(high, planes - 4, planes).reshape(count, 256)
+        out = xp.empty((count, cls.type_size), np.uint8, blocks)
         out[:, :32] = hmask
         out[:, 32:96] = pack_2bit(levels)
         out[:, 96:108] = packed.T

@@ -19,12 +19,14 @@ from .arith import (
     weighted_by_row,
 )
 from .base import QUANTS, QuantType
+from .xp import namespace
 
 
 def scaled_levels(x, d, offset, top):
     """The legacy reference's ``MIN(top, (int8_t)(x * id + offset))`` as the byte C stores: (32, B)."""
-    inverse = np.where(d != 0, F32(1) / d, F32(0))
-    return to_uint8(np.minimum(top, to_int8(trunc_to_int(x * inverse + F32(offset)))))
+    xp = namespace(x)
+    inverse = xp.where(d != 0, xp.div(F32(1), d), F32(0))
+    return to_uint8(xp.cap(to_int8(trunc_to_int(x * inverse + F32(offset))), top))
 
 
 @QUANTS.register
@@ -37,13 +39,14 @@ class Q4_0(QuantType):
 
     @classmethod
     def quantize_blocks(cls, blocks, weights, mean_square):
-        x = np.ascontiguousarray(blocks.T)
+        xp = namespace(blocks)
+        x = xp.contiguous(blocks.T)
         if weights is None:
-            d = signed_absmax(x)[0] / F32(-8)
+            d = xp.div(signed_absmax(x)[0], F32(-8))
             levels = scaled_levels(x, d, 8.5, 15)
         else:
             d, levels = make_qx_quants(x, 8, weighted_by_row(weights, mean_square, x))
-        out = np.empty((blocks.shape[0], cls.type_size), dtype=np.uint8)
+        out = xp.empty((blocks.shape[0], cls.type_size), np.uint8, blocks)
         out[:, :2] = half_bytes(fp16_bits(d))
-        out[:, 2:] = pack_nibbles(np.ascontiguousarray(levels.T))
+        out[:, 2:] = pack_nibbles(xp.contiguous(levels.T))
         return out

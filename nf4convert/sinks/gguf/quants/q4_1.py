@@ -9,21 +9,23 @@ import numpy as np
 from .arith import F32, fp16_bits, half_bytes, make_qkx_quants, min_max, pack_nibbles, weighted_by_row
 from .base import QUANTS, QuantType
 from .q4_0 import scaled_levels
+from .xp import namespace
 
 
 def min_scaled(blocks, weights, mean_square, nmax):
     """(d, m, levels (B, 32)) of Q4_1 (nmax 15) and Q5_1 (nmax 31)."""
-    x = np.ascontiguousarray(blocks.T)
+    xp = namespace(blocks)
+    x = xp.contiguous(blocks.T)
     if weights is None:
         low, high = min_max(x)
-        d = (high - low) / F32(nmax)
+        d = xp.div(high - low, F32(nmax))
         # the reference clamps Q4_1's levels at 15 and leaves Q5_1's as they fall
         levels = scaled_levels(x - low, d, 0.5, 15 if nmax == 15 else 255)
         m = low
     else:
         d, the_min, levels = make_qkx_quants(x, weighted_by_row(weights, mean_square, x), nmax, -0.9, 0.05, 36, False)
         m = -the_min
-    return d, m, np.ascontiguousarray(levels.T)
+    return d, m, xp.contiguous(levels.T)
 
 
 @QUANTS.register
@@ -37,7 +39,7 @@ class Q4_1(QuantType):
     @classmethod
     def quantize_blocks(cls, blocks, weights, mean_square):
         d, m, levels = min_scaled(blocks, weights, mean_square, 15)
-        out = np.empty((blocks.shape[0], cls.type_size), dtype=np.uint8)
+        out = namespace(blocks).empty((blocks.shape[0], cls.type_size), np.uint8, blocks)
         out[:, :2] = half_bytes(fp16_bits(d))
         out[:, 2:4] = half_bytes(fp16_bits(m))
         out[:, 4:] = pack_nibbles(levels)

@@ -9,6 +9,7 @@ import numpy as np
 from .arith import half_bytes
 from .base import QUANTS, QuantType
 from .k_scale_min import scale_min_blocks
+from .xp import namespace
 
 
 @QUANTS.register
@@ -22,7 +23,7 @@ class Q4_K(QuantType):
     @classmethod
     def quantize_blocks(cls, blocks, weights, mean_square):
         d, dmin, scales, levels = scale_min_blocks(blocks, weights, 15, (-1.0, 0.1, 20), clamp_levels=False)
-        out = np.empty((blocks.shape[0], cls.type_size), dtype=np.uint8)
+        out = namespace(blocks).empty((blocks.shape[0], cls.type_size), np.uint8, blocks)
         out[:, 0:2] = half_bytes(d)
         out[:, 2:4] = half_bytes(dmin)
         out[:, 4:16] = scales

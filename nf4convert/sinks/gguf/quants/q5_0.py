@@ -9,6 +9,7 @@ import numpy as np
 from .arith import F32, fifth_bits, fp16_bits, half_bytes, make_qx_quants, pack_nibbles, signed_absmax, weighted_by_row
 from .base import QUANTS, QuantType
 from .q4_0 import scaled_levels
+from .xp import namespace
 
 
 @QUANTS.register
@@ -21,14 +22,15 @@ class Q5_0(QuantType):
 
     @classmethod
     def quantize_blocks(cls, blocks, weights, mean_square):
-        x = np.ascontiguousarray(blocks.T)
+        xp = namespace(blocks)
+        x = xp.contiguous(blocks.T)
         if weights is None:
-            d = signed_absmax(x)[0] / F32(-16)
+            d = xp.div(signed_absmax(x)[0], F32(-16))
             levels = scaled_levels(x, d, 16.5, 31)
         else:
             d, levels = make_qx_quants(x, 16, weighted_by_row(weights, mean_square, x))
-        levels = np.ascontiguousarray(levels.T)
-        out = np.empty((blocks.shape[0], cls.type_size), dtype=np.uint8)
+        levels = xp.contiguous(levels.T)
+        out = xp.empty((blocks.shape[0], cls.type_size), np.uint8, blocks)
         out[:, :2] = half_bytes(fp16_bits(d))
         out[:, 2:6] = fifth_bits(levels)
         out[:, 6:] = pack_nibbles(levels & 0xF)

@@ -9,6 +9,7 @@ import numpy as np
 from .arith import fifth_bits, fp16_bits, half_bytes, pack_nibbles
 from .base import QUANTS, QuantType
 from .q4_1 import min_scaled
+from .xp import namespace
 
 
 @QUANTS.register
@@ -22,7 +23,7 @@ class Q5_1(QuantType):
     @classmethod
     def quantize_blocks(cls, blocks, weights, mean_square):
         d, m, levels = min_scaled(blocks, weights, mean_square, 31)
-        out = np.empty((blocks.shape[0], cls.type_size), dtype=np.uint8)
+        out = namespace(blocks).empty((blocks.shape[0], cls.type_size), np.uint8, blocks)
         out[:, :2] = half_bytes(fp16_bits(d))
         out[:, 2:4] = half_bytes(fp16_bits(m))
         out[:, 4:8] = fifth_bits(levels)

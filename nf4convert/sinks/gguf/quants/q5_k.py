@@ -10,6 +10,7 @@ import numpy as np
 from .arith import half_bytes
 from .base import QUANTS, QuantType
 from .k_scale_min import scale_min_blocks
+from .xp import namespace
 
 
 @QUANTS.register
@@ -26,11 +27,12 @@ class Q5_K(QuantType):
         count = blocks.shape[0]
         halves = levels.reshape(count, 4, 2, 32)  # per 64 values: l and l + 32
         high = halves >> 4
-        qh = np.zeros((count, 32), dtype=np.int32)
+        xp = namespace(blocks)
+        qh = xp.zeros((count, 32), np.int32, blocks)
         for k in range(4):
             qh |= (high[:, k, 0] << (2 * k)) | (high[:, k, 1] << (2 * k + 1))
         low = halves & 0xF
-        out = np.empty((count, cls.type_size), dtype=np.uint8)
+        out = xp.empty((count, cls.type_size), np.uint8, blocks)
         out[:, 0:2] = half_bytes(d)
         out[:, 2:4] = half_bytes(dmin)
         out[:, 4:16] = scales

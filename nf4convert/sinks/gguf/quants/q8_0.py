@@ -10,6 +10,7 @@ import numpy as np
 
 from .arith import F32, fp16_bits, half_bytes, roundf, to_uint8, trunc_to_int
 from .base import QUANTS, QuantType
+from .xp import namespace
 
 
 @QUANTS.register
@@ -22,12 +23,13 @@ class Q8_0(QuantType):
 
     @classmethod
     def quantize_blocks(cls, blocks, weights, mean_square):
-        amax = np.zeros(blocks.shape[0], dtype=F32)
-        for value in np.abs(np.ascontiguousarray(blocks.T)):
-            amax = np.where(amax > value, amax, value)  # MAX(amax, fabsf(v))
-        d = amax / F32(127)
-        inverse = np.where(d != 0, F32(1) / d, F32(0))
-        out = np.empty((blocks.shape[0], cls.type_size), dtype=np.uint8)
+        xp = namespace(blocks)
+        amax = xp.zeros(blocks.shape[0], F32, blocks)
+        for value in xp.abs(xp.contiguous(blocks.T)):
+            amax = xp.where(amax > value, amax, value)  # MAX(amax, fabsf(v))
+        d = xp.div(amax, F32(127))
+        inverse = xp.where(d != 0, xp.div(F32(1), d), F32(0))
+        out = xp.empty((blocks.shape[0], cls.type_size), np.uint8, blocks)
         out[:, :2] = half_bytes(fp16_bits(d))
         out[:, 2:] = to_uint8(trunc_to_int(roundf(blocks * inverse[:, None])))
         return out

@@ -164,3 +164,67 @@ def test_verify_without_llama_cpp_says_how_to_get_it(models, tmp_path, monkeypat
     result = cli("verify", out, source, "-q", "--device", "cpu", code=1)
     line = one_error_line(result.output)
     assert "needs llama.cpp's own quantizer" in line and "llama-quantize" in line and "llama-cpp-python" in line
+    again = tmp_path / "again.gguf"  # --verify says so before anything is converted
+    result = cli(source, "-o", again, "--gguf-type", "q5_k_s", "--verify", "-q", "--device", "cpu", code=1)
+    assert one_error_line(result.output) == line and not again.exists()
+
+
+def test_with_an_adapter_and_in_a_batch_the_files_are_llama_quantizes(ref, models, tmp_path):
+    from fixtures.adapters import make_adapter
+    from fixtures.checkpoints import build
+    from fixtures.trained_tokenizers import sentencepiece_tokenizer
+
+    source = build(tmp_path / "small-bnb-4bit", "llama-nf4-dq", seed=4)
+    sentencepiece_tokenizer(source)
+    adapter = make_adapter(tmp_path / "adapter", "linear", seed=6)
+    base, ours, theirs = tmp_path / "in.gguf", tmp_path / "ours.gguf", tmp_path / "theirs.gguf"
+    cli(source, "--adapter", adapter, "-o", base, "-q", "--device", "cpu")
+    cli(source, "--adapter", adapter, "-o", ours, "--gguf-type", "q4_k_m", "-q", "--device", "cpu")
+    _same_file(ours, ref.quantize_file(base, theirs, "q4_k_m"))
+
+    kinds = ("llama-ragged", "qwen2-tied")
+    cli("batch", *(models[kind][0] for kind in kinds), "-o", tmp_path / "batch", "--gguf-type", "q5_k_m", "-q")
+    for kind in kinds:
+        (made,) = (tmp_path / "batch").glob(f"{kind}*q5_k_m.gguf")
+        _same_file(made, ref.quantize_file(models[kind][1], tmp_path / f"{kind}.gguf", "q5_k_m"))
+
+
+@pytest.mark.parametrize("source_type", ["BF16", "F16", "F32"])
+def test_rows_quantized_by_torch_are_numpys_bytes(source_type):
+    import numpy as np
+
+    from nf4convert.sinks.gguf.requant import Retyped
+
+    rng = np.random.default_rng(3)
+    values = rng.standard_normal((6, 512)).astype(np.float32)
+    raw = {"BF16": values.view(np.uint32) >> 16, "F16": values.astype(np.float16), "F32": values}[source_type]
+    raw = np.ascontiguousarray(raw.astype({"BF16": np.uint16}.get(source_type, raw.dtype))).reshape(-1).view(np.uint8)
+    imatrix = rng.random(512 * 2).astype(np.float32)
+    for target in ("Q4_K", "Q3_K", "IQ4_XS", "Q5_0"):
+        plain = Retyped("x", (512, 3, 2, 1), source_type, target, imatrix)
+        on_torch = Retyped("x", (512, 3, 2, 1), source_type, target, imatrix, device="cpu")
+        assert np.array_equal(plain.quantize(raw[raw.size // 2 :], 3), on_torch.quantize(raw[raw.size // 2 :], 3))
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_route_the_file_is_llama_quantizes(ref, models, tmp_path):
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    for kind, gguf_type in (("llama-256", "q4_k_m"), ("mixtral", "q3_k_m")):
+        source, base, imatrix, _ = models[kind]
+        ours, theirs = tmp_path / f"{kind}.gguf", tmp_path / f"{kind}-ref.gguf"
+        cli(source, "-o", ours, "--gguf-type", gguf_type, "--imatrix", imatrix, "-q", "--device", "cuda")
+        _same_file(ours, ref.quantize_file(base, theirs, gguf_type, imatrix))
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "fp32"])
+def test_from_f16_and_f32_values_the_file_is_llama_quantizes(ref, models, tmp_path, dtype):
+    source, _, imatrix, _ = models["llama-ragged"]
+    base = tmp_path / "in.gguf"
+    cli(source, "-o", base, "--dtype", dtype, "-q", "--device", "cpu")  # the f16 (f32) file llama-quantize reads
+    for gguf_type in ("q4_k_m", "iq4_xs"):
+        ours = tmp_path / f"{gguf_type}.gguf"
+        cli(source, "-o", ours, "--dtype", dtype, "--gguf-type", gguf_type, "--imatrix", imatrix, "-q")
+        _same_file(ours, ref.quantize_file(base, tmp_path / f"{gguf_type}-ref.gguf", gguf_type, imatrix))

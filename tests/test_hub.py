@@ -821,3 +821,39 @@ def test_float_checkpoints_from_the_hub_dry_run_then_convert_and_verify(hub, tmp
     assert mine.returncode == 0, mine.stderr
     assert (out / "model.safetensors").read_bytes() == (tmp_path / "mine" / "model.safetensors").read_bytes()
     assert f"[{repo}](" in (out / "README.md").read_text()
+
+
+BUILT_REPOS = {"modelopt-side": "test-org/tiny-qwen3-NVFP4", "deepseek-v4": "test-org/tiny-deepseek-v4"}
+
+
+@pytest.mark.parametrize("variant", list(BUILT_REPOS))
+def test_modelopt_and_deepseek_v4_from_the_hub(hub, tmp_path, variant):
+    """A ModelOpt repo whose config.json has no quantization_config (its hf_quant_config.json says it: fetched with
+    the config, before any weight), and a DeepSeek-V4-shaped one: the Hub dry run plans as the local one, the
+    conversion verifies and writes the local conversion's bytes."""
+    from fixtures import deepseek_v4_checkpoints as dc
+    from fixtures import modelopt_checkpoints as mc
+
+    endpoint, _ = hub
+    repo = BUILT_REPOS[variant]
+    source = tmp_path / "local" / repo.split("/")[1]
+    if variant == "deepseek-v4":
+        dc.build(source)
+    else:
+        mc.build(source, "qwen3-modelopt-nvfp4-side")
+    FakeHub.repos[repo] = {p.name: p.read_bytes() for p in source.iterdir() if p.is_file()}
+    env = {"HF_ENDPOINT": endpoint, "HF_HUB_DISABLE_XET": "1"}
+    local = cli(source, "--dry-run", "-q", "-o", tmp_path / "out", env={}, cwd=tmp_path)
+    assert local.returncode == 0, local.stderr
+    cache = tmp_path / "cache"
+    remote = cli(repo, "--dry-run", "-q", "-o", tmp_path / "out", "--cache-dir", cache, env=env, cwd=tmp_path)
+    assert remote.returncode == 0 and plan_lines(remote) == plan_lines(local), remote.stderr
+    assert not [name for name in downloaded(repo) if name.endswith(".safetensors")]
+    done = cli(repo, "-q", "--verify", "--device", "cpu", "--cache-dir", cache, "-o", tmp_path / "out", env=env,
+               cwd=tmp_path)  # fmt: skip
+    assert done.returncode == 0 and "OK: bit-exact" in done.stdout, done.stderr
+    mine = cli(source, "-q", "--device", "cpu", "-o", tmp_path / "mine", env={}, cwd=tmp_path)
+    assert mine.returncode == 0, mine.stderr
+    for file in (tmp_path / "mine").glob("*.safetensors"):
+        assert (tmp_path / "out" / file.name).read_bytes() == file.read_bytes(), file.name
+    assert not (tmp_path / "out" / "hf_quant_config.json").exists()

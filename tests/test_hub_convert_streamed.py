@@ -226,6 +226,17 @@ def test_a_streamed_gguf_is_the_downloaded_ones_bytes(hub, tmp_path):
     assert "streamed from the Hub" in done.stdout and "OK: bit-exact with llama.cpp's converter" in done.stdout
 
 
+def test_a_streamed_llama_quantize_type_is_llama_quantizes_file(hub, tmp_path):
+    from fixtures.llama_cpp import LlamaCpp
+
+    ref = LlamaCpp.ready()
+    base = hub.reference(BNB4, "--adapter", LORA, "--gguf-type", "bf16")  # llama-quantize's input
+    out = tmp_path / "out.gguf"  # as the reference is named (the name is in the file's metadata)
+    done = run(hub, out, BNB4, "--adapter", LORA, "--gguf-type", "q4_k_m", home=tmp_path / "home")
+    assert done.returncode == 0 and "streamed from the Hub" in done.stdout, done.stderr
+    assert out.read_bytes() == ref.quantize_file(base, tmp_path / "theirs.gguf", "q4_k_m").read_bytes()
+
+
 def test_a_batch_streams_each_source(hub, tmp_path):
     done = run(hub, None, "batch", BNB4, BNB8, "-o", str(tmp_path / "batch"), home=tmp_path / "home")
     assert done.returncode == 0, done.stderr

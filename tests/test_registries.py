@@ -315,6 +315,7 @@ def test_the_registries_hold_what_is_defined_and_nothing_after_a_scratch_test():
         "compressed-int",
         "compressed-tensors-fp8",
         "compressed-tensors-nvfp4",
+        "deepseek-v4-fp4",
         "fp8",
         "gptq",
         "modelopt-fp8",
@@ -325,6 +326,7 @@ def test_the_registries_hold_what_is_defined_and_nothing_after_a_scratch_test():
         "copy", "dequantize_4bit", "dequantize_8bit", "dequantize_gptq", "dequantize_awq", "dequantize_compressed_int",
         "dequantize_fp8", "dequantize_compressed_fp8", "dequantize_mxfp4", "dequantize_nvfp4", "transpose", "untied",
         "merge_lora", "dequantize_modelopt_nvfp4", "dequantize_modelopt_fp8",
+        "dequantize_deepseek_fp4",
     }  # fmt: skip
     order = [kind.order for kind in all_kinds().values()]
     assert order == sorted(order) and list(all_kinds())[-2:] == ["copy", "merge_lora"]

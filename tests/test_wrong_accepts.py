@@ -6,6 +6,7 @@ in one way in a test's own folder."""
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -145,6 +146,33 @@ def test_verify_names_a_bias_the_output_lacks_that_the_source_holds(built, tmp_p
 # --- refused in one line, nothing written, on every route ----------------------------------------------------------
 
 CT_INT4, CT_NAIVE = "ct-llama-w4a16-g32-sym", "ct-llama-naive-w8-g32-asym"
+CT_NAIVE_SYM, GPTQ = "ct-llama-naive-w8-channel-sym", "gptq-llama-4bit-g32-v1-sym"
+Q = "model.layers.0.self_attn.q_proj."
+AWQ_GEMM, AWQ_GEMV = "awq-llama-gemm-g32", "awq-llama-gemv-g32"
+
+
+def _fp8_instead_of_gptq(tensors):
+    for part in ("qweight", "qzeros", "scales", "g_idx"):
+        tensors.pop(Q + part)
+    tensors[Q + "weight"] = torch.randn(128, 128).to(torch.float8_e4m3fn)
+
+
+def _poison(tensors, name, value):
+    """One scale made ``value``, in the first row's first group (the GEMV layout's padding is past its groups)."""
+    tensors[name] = tensors[name].clone()
+    tensors[name][0, 0] = value
+
+
+def _recoded(tensors, dtype):
+    tensors[Q + "weight"] = (tensors[Q + "weight"].to(torch.int16) + 128).to(dtype)
+
+
+def _gptq_layer(tensors):
+    prefix = "model.layers.0.mlp.extra."
+    tensors.update({prefix + "qweight": torch.zeros(4, 32, dtype=torch.int32),
+                    prefix + "qzeros": torch.zeros(1, 4, dtype=torch.int32),
+                    prefix + "scales": torch.ones(1, 32, dtype=torch.float16),
+                    prefix + "g_idx": torch.zeros(32, dtype=torch.int32)})  # fmt: skip
 
 
 def _float4_group(quantization):
@@ -203,6 +231,35 @@ CASES = {
                         "config group 'group_1' quantizes 4-bit float weights, not read yet"),
     "ct-int-as-float-group": (CT_INT4, lambda f: edit_quantization(f, _int_as_float_group),
                               "config group 'group_1' stores 4-bit 'int' weights as 'float-quantized'"),
+    # quantized codes with no scale, copied raw as a dense weight
+    "ct-naive-scale-missing": (CT_NAIVE_SYM, lambda f: edit_tensors(f, lambda t: t.pop(Q + "weight_scale")),
+                               f"tensor '{Q}weight' is I8: quantized codes"),
+    "gptq-fp8-weight-no-scale": (GPTQ, lambda f: edit_tensors(f, _fp8_instead_of_gptq),
+                                 f"tensor '{Q}weight' is F8_E4M3: quantized codes"),
+    # quantization tensors no reader claimed
+    "ct-packed-missing": (CT_INT4, lambda f: edit_tensors(f, lambda t: t.pop(Q + "weight_packed")),
+                          "is compressed-tensors quantization data that no quantized weight"),
+    "ct-naive-as-uint8": (CT_NAIVE_SYM, lambda f: edit_tensors(f, lambda t: _recoded(t, torch.uint8)), f"'{Q}weight"),
+    "ct-naive-as-int16": (CT_NAIVE_SYM, lambda f: edit_tensors(f, lambda t: _recoded(t, torch.int16)), f"'{Q}weight"),
+    "gptq-layer-in-ct": (CT_INT4, lambda f: edit_tensors(f, _gptq_layer),
+                         "tensor 'model.layers.0.mlp.extra.g_idx' is GPTQ quantization data"),
+    # a layer stored dense beside its quantized codes
+    "gptq-dense-beside": (GPTQ, lambda f: edit_tensors(
+        f, lambda t: t.__setitem__(Q + "weight", torch.zeros(128, 128, dtype=torch.float16))),
+        f"tensor '{Q}weight' and tensor '{Q}qweight' (a quantized weight) both make '{Q}weight'"),
+    # non-finite scales
+    "gptq-nan-scale": (GPTQ, lambda f: edit_tensors(f, lambda t: _poison(t, Q + "scales", math.nan)),
+                       f"tensor '{Q}scales' (GPTQ scales) holds a NaN or infinite scale"),
+    "gptq-bf16-inf-scale": (QWEN2_GPTQ, lambda f: edit_tensors(f, lambda t: _poison(t, Q + "scales", -math.inf)),
+                            f"tensor '{Q}scales' (GPTQ scales) holds a NaN or infinite scale"),
+    "awq-gemm-nan-scale": (AWQ_GEMM, lambda f: edit_tensors(f, lambda t: _poison(t, Q + "scales", math.nan)),
+                           f"tensor '{Q}scales' (AWQ scales) holds a NaN or infinite scale"),
+    "awq-gemv-inf-scale": (AWQ_GEMV, lambda f: edit_tensors(f, lambda t: _poison(t, Q + "scales", math.inf)),
+                           f"tensor '{Q}scales' (AWQ scales) holds a NaN or infinite scale"),
+    "ct-packed-nan-scale": (CT_INT4, lambda f: edit_tensors(f, lambda t: _poison(t, Q + "weight_scale", math.nan)),
+                            f"tensor '{Q}weight_scale' (scales) holds a NaN or infinite scale"),
+    "ct-naive-inf-scale": (CT_NAIVE, lambda f: edit_tensors(f, lambda t: _poison(t, Q + "weight_scale", math.inf)),
+                           f"tensor '{Q}weight_scale' (scales) holds a NaN or infinite scale"),
 }  # fmt: skip
 ROUTES = ["convert", "dry-run", "gguf"]
 

@@ -20,6 +20,7 @@ from ..paths import expanded_output
 from ..settings import Settings
 from ..sinks import output as lifecycle
 from ..sinks.base import SINKS, sink_for
+from ..sinks.gguf.converter import is_quantized
 from ..sinks.naming import batch_stems, check_batch_root
 from ..verification.report import VerifyReport
 
@@ -68,6 +69,10 @@ def convert_then(
     With ``verify``, the reference libraries begin importing on the side as the conversion starts, and verify takes
     SOURCE as the conversion resolved and planned it."""
     then_importing = ()
+    if verify and is_quantized(options.gguf_type):  # llama.cpp's quantizer is there, before anything is converted
+        from ..verification.llama_quantize import find
+
+        find(options.gguf_type, options.imatrix is not None)
     if verify:
         from ..verification.libraries import importing, reference_libraries
 

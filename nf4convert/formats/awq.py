@@ -47,6 +47,7 @@ from .packed_int import (
     CONFIG,
     SCALE_DTYPES,
     check_dtype,
+    check_finite_scales,
     check_matrix,
     check_shape,
     config_int,
@@ -58,6 +59,8 @@ from .packed_int import (
 if TYPE_CHECKING:
     import torch
 
+    from ..safetensors_io.read import TensorReader
+
 PARTS = ("qweight", "qzeros", "scales")
 LAYOUTS = ("gemm", "gemv")
 BITS = 4
@@ -66,8 +69,9 @@ PACK = 8  # codes per int32 word
 REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
 # Pieces of a GEMM weight start at a multiple of this (whole words); a GEMV weight's pieces are any runs of rows.
 PIECE_ALIGN = PACK
-# Nothing of an AWQ checkpoint is read to plan it: headers say everything.
-PLAN_READS = re.compile(r"(?!)")
+# What a plan reads of an AWQ checkpoint: the scales (one value per group and output column), to refuse non-finite
+# ones; headers say everything else.
+PLAN_READS = re.compile(r"\.scales$")
 
 
 @dataclass(frozen=True)
@@ -129,9 +133,15 @@ def zeros_width(in_features: int, group_size: int) -> int:
     return math.ceil(base / multiplier) * multiplier
 
 
-def find_weights(tensors: dict[str, TensorInfo], quantization: dict, model_type: str | None = None) -> list[AwqWeight]:
-    """Every AWQ weight of a checkpoint, checked, in name order (``tensors``: the whole checkpoint). Raises
-    ``CheckpointError`` naming the file and tensor for anything GPTQModel could not dequantize the same way."""
+def find_weights(
+    tensors: dict[str, TensorInfo],
+    quantization: dict,
+    model_type: str | None = None,
+    reader: TensorReader | None = None,
+) -> list[AwqWeight]:
+    """Every AWQ weight of a checkpoint, checked, in name order (``tensors``: the whole checkpoint; with ``reader``,
+    each weight's scales are read to refuse a NaN or infinite one). Raises ``CheckpointError`` naming the file and
+    tensor for anything GPTQModel could not dequantize the same way."""
     settings = read_settings(quantization)
     prefixes = {key[: -len(part)] for key in tensors for part in PARTS if key.endswith("." + part)}
     found = []
@@ -148,7 +158,11 @@ def find_weights(tensors: dict[str, TensorInfo], quantization: dict, model_type:
         for part, info in parts.items():
             if info is None:
                 raise CheckpointError(f"{where(parts['qweight'])} has no '{prefix}{part}' beside it")
-        found.append(_checked(prefix + "weight", parts, settings, quantization))
+        weight = _checked(prefix + "weight", parts, settings, quantization)
+        if reader is not None:  # the GEMV layout pads each row's scales: its groups' are checked
+            columns = None if weight.layout == "gemm" else weight.groups
+            check_finite_scales(reader, weight.scales, "AWQ scales", columns)
+        found.append(weight)
     return found
 
 

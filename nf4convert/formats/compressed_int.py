@@ -40,7 +40,7 @@ from ..errors import CheckpointError
 from ..safetensors_io.read import TensorInfo
 from . import compressed_config
 from .base import SourceFormat, register
-from .packed_int import CONFIG, check_dtype, check_matrix, check_shape, scaled, unpack, where
+from .packed_int import CONFIG, check_dtype, check_finite_scales, check_matrix, check_shape, scaled, unpack, where
 
 if TYPE_CHECKING:
     import torch
@@ -59,8 +59,9 @@ ACTIVATION_PARTS = ("input_scale", "input_zero_point", "output_scale", "output_z
 KV_CACHE_PARTS = ("k_scale", "v_scale", "q_scale", "k_zero_point", "v_zero_point", "q_zero_point")
 # Pieces start at a multiple of this: whole words of packed zero points for every packed bit width.
 PIECE_ALIGN = 32
-# What a plan reads: each packed weight's shape (two integers).
-PLAN_READS = re.compile(r"\.weight_shape$")
+# What a plan reads: each packed weight's shape (two integers), and each weight's scales (one value per group), to
+# refuse non-finite ones.
+PLAN_READS = re.compile(r"\.(?:weight_shape|weight_scale)$")
 
 
 @dataclass(frozen=True)
@@ -209,8 +210,9 @@ def scheme_for(module: str, quantization: dict) -> Scheme | None:
 
 def find_weights(tensors: dict[str, TensorInfo], reader: TensorReader, quantization: dict) -> list[CompressedIntWeight]:
     """Every compressed-tensors integer weight of a checkpoint, checked, in name order (``tensors``: the whole
-    checkpoint; each ``weight_shape`` is read, two integers). Raises ``CheckpointError`` naming the file and tensor for
-    anything compressed-tensors could not decompress the same way."""
+    checkpoint; each ``weight_shape`` is read, two integers, and each scale, to refuse a NaN or infinite one).
+    Raises ``CheckpointError`` naming the file and tensor for anything compressed-tensors could not decompress the
+    same way."""
     modules = {key[: -len(".weight_packed")] for key in tensors if key.endswith(".weight_packed")}
     modules |= {
         key[: -len(".weight_scale")]
@@ -236,7 +238,7 @@ def find_weights(tensors: dict[str, TensorInfo], reader: TensorReader, quantizat
         found.append(
             _packed(module, scheme, tensors, reader, quantization)
             if scheme.format == PACKED
-            else _naive(module, scheme, tensors, quantization)
+            else _naive(module, scheme, tensors, reader, quantization)
         )
     return found
 
@@ -307,6 +309,7 @@ def _packed(
     columns = _scale_columns(scale, scheme, in_features)
     check_dtype(scale, SCALE_DTYPES, "scales")
     check_shape(scale, (out_features, columns), f"one scale per row and {scheme.strategy}")
+    check_finite_scales(reader, scale, "scales")
     if zero_point is not None:
         check_dtype(zero_point, ("I32",), f"{bits}-bit zero points packed along the rows")
         check_shape(
@@ -326,7 +329,7 @@ def _packed(
     )
 
 
-def _naive(module: str, scheme: Scheme, tensors: dict, quantization: dict) -> CompressedIntWeight:
+def _naive(module: str, scheme: Scheme, tensors: dict, reader: TensorReader, quantization: dict) -> CompressedIntWeight:
     codes = tensors[module + ".weight"]
     scale = _part(tensors, module, "weight_scale", codes)
     zero_point = _zero_point(tensors, module, scheme, codes)
@@ -335,6 +338,7 @@ def _naive(module: str, scheme: Scheme, tensors: dict, quantization: dict) -> Co
     columns = _scale_columns(scale, scheme, in_features)
     check_dtype(scale, SCALE_DTYPES, "scales")
     check_shape(scale, (out_features, columns), f"one scale per row and {scheme.strategy}")
+    check_finite_scales(reader, scale, "scales")
     if zero_point is not None:
         check_dtype(zero_point, ("I8",), "zero points")
         check_shape(zero_point, (out_features, columns), "one zero point per scale")

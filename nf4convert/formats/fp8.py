@@ -13,8 +13,9 @@ DeepSeek V3/R1 write F32 scales, Qwen3-*-FP8 BF16 (some F16). ``weight_scale`` i
 give the same multiplier; both names are read (never both for one weight). Modules in ``modules_to_not_convert``
 (alias ``ignored_layers``) are dense and not ours. ``scale_fmt: "ue8m0"`` (DeepSeek-V3.1 and later) says every
 scale is a power of two: stored as F8_E8M0 bytes (or U8, as transformers views them) or as F32/BF16/F16 powers of
-two, each checked (``e8m0.py`` says which releases store which). DeepSeek-V4's FP4 experts
-(``expert_dtype: "fp4"``) are refused by :meth:`Fp8Format.config_problem`.
+two, each checked (``e8m0.py`` says which releases store which). DeepSeek-V4 names each scale ``X.scale`` (F8_E8M0),
+read here where ``X.weight`` is F8; its FP4 experts (an I8 ``X.weight`` beside its ``X.scale``) are
+``deepseek_fp4.py``'s.
 
 The arithmetic, as each reference does it:
 
@@ -78,9 +79,10 @@ if TYPE_CHECKING:
 FP8_CODES = ("F8_E4M3", "F8_E5M2")
 SCALE_CODES = ("F32", "BF16", "F16")
 SCALE_NAMES = ("weight_scale_inv", "weight_scale")
+BARE_SCALE = "scale"  # DeepSeek-V4's name for an FP8 weight's scale (read where the weight beside it is F8)
 # Static activation and KV-cache scales: a dense model does not need them, and no output keeps them.
 ACTIVATION_NAMES = ("activation_scale", "input_scale", "k_scale", "v_scale")
-PLAN_READS = re.compile(r"\.(?:weight_scale_inv|weight_scale)$")
+PLAN_READS = re.compile(r"\.(?:weight_scale_inv|weight_scale|scale)$")
 
 
 @dataclass(frozen=True)
@@ -184,8 +186,8 @@ def config_problem(quantization: dict) -> str | None:
         return f"weight_block_size {value!r} is not two positive integers"
     if quantization.get("scale_fmt", "float") not in ("float", "ue8m0", None):
         return f"scale_fmt {quantization.get('scale_fmt')!r} is not 'float' or 'ue8m0'"
-    if quantization.get("expert_dtype", "fp8") not in ("fp8", None):
-        return f"expert_dtype {quantization.get('expert_dtype')!r} (FP4-packed experts) is not read yet"
+    if quantization.get("expert_dtype", "fp8") not in ("fp8", "fp4", None):
+        return f"expert_dtype {quantization.get('expert_dtype')!r} is not read (FP8 or FP4 experts are)"
     return None
 
 
@@ -202,7 +204,8 @@ def find_weights(
     ``powers`` (the config's ``scale_fmt: "ue8m0"``): one-byte E8M0 scales may be U8 too, and every scale must be a
     power of two (no E8M0 NaN byte)."""
     found = []
-    for prefix, weight, scale in pairs(tensors, codes=(*SCALE_CODES, *e8m0.BYTE_CODES) if powers else SCALE_CODES):
+    codes = (*SCALE_CODES, *e8m0.BYTE_CODES) if powers else SCALE_CODES
+    for prefix, weight, scale in pairs(tensors, (*SCALE_NAMES, BARE_SCALE), codes):
         name = prefix + "weight"
         grid = _block_grid(weight, scale, block) if block is not None else _tensor_grid(weight, scale)
         if powers or scale.dtype in e8m0.BYTE_CODES:
@@ -218,7 +221,12 @@ def pairs(
 ) -> Iterator[tuple[str, TensorInfo, TensorInfo]]:
     """(prefix, weight, scale) of each FP8 weight, its scale named one of ``names`` and of a dtype in ``codes``;
     their names and dtypes checked, unpaired ones refused."""
-    prefixes = {key[: -len(part)] for key in tensors for part in names if key.endswith("." + part)}
+    prefixes = {
+        key[: -len(part)]
+        for key in tensors
+        for part in names
+        if key.endswith("." + part) and (part != BARE_SCALE or _codes_beside(tensors, key[: -len(part)]))
+    }
     for key, info in tensors.items():
         if info.dtype in FP8_CODES and key.endswith(".weight") and key[: -len("weight")] not in prefixes:
             raise CheckpointError(
@@ -252,6 +260,12 @@ def pairs(
                 f"{scale.path}: tensor '{scale.name}' (FP8 scales) is {scale.dtype}, not one of {', '.join(codes)}"
             )
         yield prefix, weight, scale
+
+
+def _codes_beside(tensors: dict[str, TensorInfo], prefix: str) -> bool:
+    """Whether ``prefix + "weight"`` is an F8 weight (a bare ``scale`` beside it is its FP8 scale)."""
+    weight = tensors.get(prefix + "weight")
+    return weight is not None and weight.dtype in FP8_CODES
 
 
 def _block_grid(weight: TensorInfo, scale: TensorInfo, block: tuple[int, int]) -> Grid:

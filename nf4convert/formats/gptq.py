@@ -51,6 +51,7 @@ from .packed_int import (
     SCALE_DTYPES,
     WORD_BITS,
     check_dtype,
+    check_finite_scales,
     check_matrix,
     check_shape,
     config_int,
@@ -74,7 +75,7 @@ GROUP_SIZES = (16, 32, 64, 128, 256, 512, 1024)
 ZERO_FORMATS = {"gptq": True, "gptq_v2": False}
 # A piece of output rows starts at a multiple of this: whole qzeros words for every bit width and word size.
 PIECE_ALIGN = 32
-PLAN_READS = re.compile(r"\.g_idx$")
+PLAN_READS = re.compile(r"\.(?:g_idx|scales)$")
 
 
 @dataclass(frozen=True)
@@ -148,8 +149,9 @@ def read_settings(quantization: dict) -> GptqSettings:
 
 def find_weights(tensors: dict[str, TensorInfo], reader: TensorReader, quantization: dict) -> list[GptqWeight]:
     """Every GPTQ weight of a checkpoint, checked, in name order. ``tensors`` is the whole checkpoint (a weight's parts
-    may sit in different shards); each ``g_idx`` is read (one int per input column) to check its groups. Raises
-    ``CheckpointError`` naming the file and tensor for anything GPTQModel could not dequantize the same way."""
+        may sit in different shards); each ``g_idx`` is read (one int per input column) to check its groups, and each
+    ``scales`` (one value per group and output column) to refuse a NaN or infinite one. Raises
+        ``CheckpointError`` naming the file and tensor for anything GPTQModel could not dequantize the same way."""
     settings = read_settings(quantization)
     prefixes = {key[: -len(part)] for key in tensors for part in PARTS if key.endswith("." + part)}
     found = []
@@ -165,6 +167,7 @@ def find_weights(tensors: dict[str, TensorInfo], reader: TensorReader, quantizat
             prefix + "weight", *parts.values(), settings.bits, settings.group_size, settings.v1, quantization
         )
         _check(weight)
+        check_finite_scales(reader, weight.scales, "GPTQ scales")
         in_order, grouped = _check_groups(weight, reader)
         found.append(dataclasses.replace(weight, in_order=in_order, grouped=grouped))
     return found

@@ -181,6 +181,29 @@ def config_int(quantization: dict, key: str, allowed, default=None) -> int:
     return value
 
 
+# The exponent bits of each float scale dtype: all set is an infinity or a NaN.
+_EXPONENTS = {"F16": (2, 0x7C00), "BF16": (2, 0x7F80), "F32": (4, 0x7F800000)}
+
+
+def check_finite_scales(reader: TensorReader, info: TensorInfo, what: str, columns: int | None = None) -> None:
+    """CheckpointError if a scale tensor (F16, BF16 or F32, checked already) holds a NaN or an infinity (in its first
+    ``columns`` columns where the rest is padding): every weight it scales would come out NaN or inf, with NaN bits
+    that differ by device. Writers store finite scales; a scale is one value per group, cheap to read."""
+    import numpy as np
+
+    width, mask = _EXPONENTS[info.dtype]
+    words = reader.array(info).view(np.uint16 if width == 2 else np.uint32).reshape(info.shape)
+    if columns is not None:
+        words = words[:, :columns]
+    bad = np.argwhere((words & mask) == mask)
+    if len(bad):
+        at = ", ".join(map(str, bad[0].tolist()))
+        raise CheckpointError(
+            f"{where(info)} ({what}) holds a NaN or infinite scale (at [{at}], {len(bad)} in all); every weight it "
+            "scales would be NaN or inf"
+        )
+
+
 def rows_per_piece(piece_bytes: int, row_bytes: int, align: int) -> int:
     """Output rows in a piece of at most ``piece_bytes`` (at least ``align``), a multiple of ``align`` so that every
     piece but the last starts and ends on whole packed words."""

@@ -8,7 +8,9 @@ import functools
 from dataclasses import dataclass
 from typing import ClassVar, Iterator
 
-from ..dtypes import DTYPES, DType
+from ..dtypes import DTYPES, OUTPUT_DTYPES, DType
+from ..errors import CheckpointError
+from ..formats.base import all_formats
 from ..pipeline.piece import Piece
 from ..safetensors_io.read import TensorInfo
 from .base import Planning, Recipe, register
@@ -29,9 +31,14 @@ class Copy(Recipe):
 
     @classmethod
     def plan_source(cls, planning: Planning) -> None:
-        """Every source tensor that no recipe reads."""
+        """Every source tensor that no recipe reads, each checked: CheckpointError for one that would be copied raw
+        where a dense model has no place for it (``_refuse_raw``)."""
+        made = {}
+        for anchor, recipe in planning.recipes.items():
+            made.setdefault(recipe.output(OUTPUT_DTYPES["float32"])[0], anchor)
         for name, info in planning.tensors.items():
             if name not in planning.consumed and name not in planning.recipes:
+                _refuse_raw(planning, info, made.get(name))
                 planning.recipes[name] = cls(info)
 
     @property
@@ -78,3 +85,29 @@ def cast_on_host(read, out, *, source_dtype: str, target_dtype: str) -> None:
     from ..kernels import cpu
 
     cpu.cast(read, source_dtype, out, target_dtype)
+
+
+def _refuse_raw(planning: Planning, info: TensorInfo, made_by: str | None) -> None:
+    """CheckpointError for a tensor that a plain copy would write wrong into a dense model: one of the name a
+    quantized weight already makes (``made_by``: that weight's anchor; a layer stored dense and quantized), one that
+    only a quantized checkpoint holds that no weight read (a scale whose codes are missing, a format's tensors inside
+    a checkpoint of another), or, in a quantized checkpoint, integer or FP8 codes named as a layer's weight (its
+    scales missing, or stored as no format reads): a dense model would load the codes as its values."""
+    at = f"{info.path}: tensor '{info.name}'"
+    if made_by is not None:
+        raise CheckpointError(
+            f"{at} and tensor '{made_by}' (a quantized weight) both make '{info.name}'; a layer is stored dense or "
+            "quantized, not both"
+        )
+    owners = list(dict.fromkeys(f.family for f in all_formats().values() if f.is_quantization_key(info.name)))
+    if owners:
+        raise CheckpointError(
+            f"{at} is {' or '.join(owners)} quantization data that no quantized weight of the checkpoint reads (its "
+            "weight missing, or stored as this does not read); copied, a dense model would hold it raw"
+        )
+    codes = DTYPES[info.dtype].name.startswith(("int", "uint", "float8"))
+    if planning.quantization and codes and info.name.endswith(".weight") and len(info.shape) >= 2:
+        raise CheckpointError(
+            f"{at} is {info.dtype}: quantized codes named as a layer's weight, with no scales this reads beside it; "
+            "copied, a dense model would load the codes as its values"
+        )

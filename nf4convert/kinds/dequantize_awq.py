@@ -39,7 +39,7 @@ class DequantizeAwq(IntegerWeight):
         if not planning.quantization or not cls.format.reads_config(planning.quantization):
             return
         model_type = (planning.config or {}).get("model_type")
-        found = awq.find_weights(planning.tensors, planning.quantization, model_type)
+        found = awq.find_weights(planning.tensors, planning.quantization, model_type, planning.reader)
         planning.claim({weight.qweight.name: cls(weight) for weight in found})
 
     @property

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
-from ..dtypes import BY_NAME, DTYPES, OUTPUT_DTYPES
+from ..dtypes import DTYPES, OUTPUT_DTYPES, DType
 from ..errors import ArgumentError, CheckpointError, SourceNotFoundError
 from ..safetensors_io.read import TensorInfo, TensorReader, read_tensors
 from . import audit, hints
@@ -37,7 +37,7 @@ class Folder(Output):
         """The dtype the source is planned in (a ``DType``): the output's own, from its headers. ``dtype`` is a GGUF's
         option (its tensors' dtype before the GGUF type): given for a folder, it must be the folder's own."""
         self.produced = read_tensors(self.output)
-        own = BY_NAME[_output_dtype(self.output, self.produced)]
+        own = tensors_dtype(self.output, self.produced)
         if dtype is not None and dtype != own:
             raise ArgumentError(
                 f"{self.output}: its tensors are {own.name}, not {dtype.name} (dtype is a GGUF's: the dtype its "
@@ -117,10 +117,10 @@ class Folder(Output):
             )
 
 
-def _output_dtype(output: Path, produced: dict[str, TensorInfo]) -> str:
+def tensors_dtype(output: Path, produced: dict[str, TensorInfo]) -> DType:
     """The output's dtype: that of most of its floating tensors (those of another are named one by one)."""
     codes = {dtype.code for dtype in OUTPUT_DTYPES.values()}
     counts = Counter(info.dtype for info in produced.values() if info.dtype in codes)
     if not counts:
         raise CheckpointError(f"{output}: no fp16, bf16 or fp32 tensors, so not a converted checkpoint")
-    return DTYPES[counts.most_common(1)[0][0]].name
+    return DTYPES[counts.most_common(1)[0][0]]

@@ -129,7 +129,7 @@ class GgufCheck(Output):
                 expected = self._requantized(plan, stage, reference, scratch, report)
             for tensor in recomputed:
                 report.dequantized += not tensor.recipe.plain
-                report.merged += tensor.recipe.kind == "merge_lora"
+                report.merged += tensor.recipe.merges_adapter
                 report.compared_against[tensor.name] = against(tensor, device)
             report.problems += [f"{name}: {problem}" for name, problem in non_finite.items()]
             report.notes += hints.gguf_hints(

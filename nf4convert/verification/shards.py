@@ -24,7 +24,7 @@ from ..plan import make_plan
 from ..safetensors_io.read import TensorReader, read_header
 from .compare import Tallies, described
 from .finite import made_by_merge
-from .folder import _output_dtype
+from .folder import tensors_dtype
 from .libraries import installed, quiet_loggers, reference_libraries, require, start_importing
 from .reference.base import Context, libraries
 from .report import VerifyReport
@@ -65,10 +65,8 @@ class ShardChecks:
         if resolved.adapter_folder is not None:
             installed("peft")
         start_importing(*reference_libraries(resolved.adapter_folder is not None))
-        dtype = _output_dtype(path, produced)
-        from ..dtypes import BY_NAME
-
-        plan = make_plan(resolved.folder, dtype=BY_NAME[dtype], reader=self.reader, adapter=resolved.loaded_adapter)
+        dtype = tensors_dtype(path, produced)
+        plan = make_plan(resolved.folder, dtype=dtype, reader=self.reader, adapter=resolved.loaded_adapter)
         require(libraries(plan.tensors), resolved.adapter_folder is not None)
         preload.settled()
         self.planned = {tensor.name: tensor for tensor in plan.tensors}

@@ -167,6 +167,8 @@ def write_gguf(
             def prepared_metadata(vocab_only):
                 prepare_metadata(vocab_only=vocab_only)
                 retyped.update(requant.apply(writer, gguf))  # the plan reads the model's fields: known only now
+                for tensor in retyped.values():  # the GPU route quantizes on its GPU
+                    tensor.device = route.device if route.gpu else None
                 install(writer)
 
             def write_tensors_in_place(progress=False):  # our bar, not its

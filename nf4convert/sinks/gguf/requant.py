@@ -36,13 +36,15 @@ _ITEM = {"F32": 4, "F16": 2, "BF16": 2}  # bytes per value of the types IN holds
 @dataclass
 class Retyped:
     """One tensor of the file: its name, ggml ``ne``, the type IN holds it in (``source``) and the one OUT does
-    (``target``), and the importance weights its rows are quantized with (float32, ``ne[0]`` per expert), if any."""
+    (``target``), and the importance weights its rows are quantized with (float32, ``ne[0]`` per expert), if any.
+    ``device``: a torch device its rows are quantized on (the GPU route's), else None (numpy, on the calling thread)."""
 
     name: str
     ne: tuple
     source: str
     target: str
     imatrix: np.ndarray | None = None
+    device: object = None
 
     @property
     def changed(self) -> bool:
@@ -74,17 +76,21 @@ class Retyped:
         """IN's bytes of whole rows ``first_row``... (a uint8 array, any shape) -> OUT's bytes of them (uint8)."""
         from .quants import quant_type
 
-        rows = widened(np.ascontiguousarray(raw).reshape(-1), self.source).reshape(-1, self.ne[0])
+        raw = np.ascontiguousarray(raw).reshape(-1)
+        if self.device is not None:
+            rows = _widened_on(raw, self.source, self.device).reshape(-1, self.ne[0])
+        else:
+            rows = widened(raw, self.source).reshape(-1, self.ne[0])
         kind = quant_type(self.target)
         if self.imatrix is None:
-            return kind.quantize(rows).reshape(-1)
+            return _host(kind.quantize(rows)).reshape(-1)
         per_expert = self.ne[1]
         parts, row = [], 0
         while row < len(rows):  # an expert's rows with its own slice of the matrix
             expert = (first_row + row) // per_expert
             stop = min(len(rows), (expert + 1) * per_expert - first_row)
             weights = self.imatrix[expert * self.ne[0] : (expert + 1) * self.ne[0]]
-            parts.append(kind.quantize(rows[row:stop], weights).reshape(-1))
+            parts.append(_host(kind.quantize(rows[row:stop], weights)).reshape(-1))
             row = stop
         return np.concatenate(parts) if len(parts) != 1 else parts[0]
 
@@ -97,6 +103,19 @@ def widened(raw: np.ndarray, source: str) -> np.ndarray:
     if source == "F16":
         return raw.view(np.float16).astype(np.float32)
     return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def _widened_on(raw: np.ndarray, source: str, device):
+    """IN's bytes as float32 values of a torch tensor on ``device`` (exact from bf16 and f16, as ``widened``)."""
+    import torch
+
+    dtype = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[source]
+    return torch.from_numpy(raw).to(device).view(dtype).float()
+
+
+def _host(made) -> np.ndarray:
+    """Quantized bytes as numpy, from numpy or a torch tensor on any device."""
+    return made if isinstance(made, np.ndarray) else made.cpu().numpy()
 
 
 class Requantization:

@@ -203,6 +203,15 @@ class GgufFile(Sink):
             f"{self.type}` writes from the dense weights this card describes, byte for byte, without a dense copy "
             "written in between."
         )
+        if is_quantized(self.type):
+            imatrix = f" --imatrix {self._imatrix.path}" if self._imatrix is not None else ""
+            section = (
+                f"## GGUF\n\n`{file_name}` is a GGUF file of type {self.type.upper()}, written in one pass by "
+                f"nf4convert: the file `llama-quantize{imatrix} IN {file_name} {self.type.upper()}` writes (llama.cpp "
+                f"as llama-cpp-python 0.3.36 vendors it, built for x86-64) when IN is the {self.converter_type} file "
+                f"llama.cpp's converter ({CONVERTER} {CONVERTER_VERSION}) writes from the dense weights this card "
+                "describes, byte for byte, without either written in between."
+            )
         closing = card.find("\n---\n", 3) if card.startswith("---\n") else -1
         if closing != -1:
             end = closing + len("\n---\n")

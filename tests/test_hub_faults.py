@@ -126,13 +126,13 @@ def test_a_file_request_that_never_ends_is_retried_quietly_under_q_and_ends(tmp_
     assert not (tmp_path / "out").exists()
 
 
-def test_a_push_to_an_endpoint_that_never_answers_ends_and_keeps_the_output(tmp_path):
+def test_a_push_to_an_endpoint_that_never_answers_ends_before_anything_is_converted(tmp_path):
     with serve("silent") as (url, _):
         done, took = _run(url, tmp_path / "home", EXAMPLE, "-o", tmp_path / "out", "-q", "--device", "cpu",
                           "--push-to-hub", "me/model")  # fmt: skip
     line = one_error_line(done.stderr)
-    assert done.returncode == 1 and "upload failed: timed out" in line and took < 60, (line, took)
-    assert f"{tmp_path / 'out'} is complete and kept" in line and (tmp_path / "out" / "model.safetensors").is_file()
+    assert done.returncode == 1 and "me/model: cannot be pushed to: timed out" in line and took < 60, (line, took)
+    assert line.endswith("nothing was converted") and not (tmp_path / "out").exists(), line
 
 
 @pytest.mark.parametrize("answer", sorted(ANSWERS))

@@ -331,3 +331,85 @@ def test_from_the_hub_each_is_refused_streamed_and_in_a_dry_run(planted_all, tmp
             assert not (tmp_path / "root").exists() or not list((tmp_path / "root").iterdir())
     finally:
         server.shutdown()
+
+
+@pytest.mark.parametrize("plant", ["nan-weight", "raw-codes"])
+def test_verify_fails_on_a_planted_wrong_output(built, tmp_path, plant):
+    """An output whose weight holds a NaN, or the source's raw codes in its place, fails verify, naming it."""
+    source = built(CT_NAIVE_SYM)
+    out = tmp_path / "out"
+    cli(source, "-o", out, "-q", "--device", "cpu")
+    codes = load_file(source / "model.safetensors")[Q + "weight"]
+
+    def change(tensors):
+        if plant == "raw-codes":
+            tensors[Q + "weight"] = codes
+        else:
+            tensors[Q + "weight"] = tensors[Q + "weight"].clone()
+            tensors[Q + "weight"][3, 5] = math.nan
+
+    edit_tensors(out, change)
+    report = cli("verify", out, source, "--device", "cpu", "-q", code=1)
+    assert f"{Q}weight" in report and "FAILED" in report, report
+
+
+def _nan_code(byte: int):
+    def change(tensors):
+        weight = tensors[Q + "weight"].clone()
+        weight.view(torch.uint8)[1, 2] = byte
+        tensors[Q + "weight"] = weight
+
+    return change
+
+
+@pytest.mark.parametrize("processes", ["0", "2"], ids=["threads", "processes"])
+@pytest.mark.parametrize("variant, byte", [("fp8", 0x7F), ("ct-fp8", 0xFF)])
+def test_fp8_nan_codes_are_refused_as_the_weight_is_made(built, tmp_path, monkeypatch, variant, byte, processes):
+    """E4M3's NaN code in an FP8 weight: refused in one line naming the tensor as its codes are read (a plan reads
+    no codes), nothing written, on threads and worker processes."""
+    monkeypatch.setenv("NF4CONVERT_PROCESSES", processes)
+    source = copy_of(built, variant, tmp_path / "source")
+    edit_tensors(source, _nan_code(byte))
+    line = one_error_line(cli(source, "-o", tmp_path / "out", "-q", "--device", "cpu", code=1))
+    assert f"tensor '{Q}weight' holds 1 F8_E4M3 NaN or infinite codes" in line, line
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["source"]
+
+
+MX = "model.layers.0.mlp.experts.gate_up_proj"
+
+
+def _mx_group(scale: int):
+    """The first group of expert 0's first row: scale byte ``scale``, every value 6 (code 7 in both nibbles)."""
+
+    def change(tensors):
+        scales, blocks = tensors[MX + "_scales"].clone(), tensors[MX + "_blocks"].clone()
+        scales[0, 0, 0], blocks[0, 0, 0] = scale, 0x77
+        tensors[MX + "_scales"], tensors[MX + "_blocks"] = scales, blocks
+
+    return change
+
+
+@pytest.mark.parametrize("processes", ["0", "2"], ids=["threads", "processes"])
+@pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
+def test_mxfp4_values_beyond_every_dtype_are_refused(built, tmp_path, monkeypatch, dtype, processes):
+    """Scale byte 254 times 6 is past fp32's (and bf16's) range: refused in one line naming the tensor, whatever the
+    output dtype, nothing written."""
+    monkeypatch.setenv("NF4CONVERT_PROCESSES", processes)
+    source = copy_of(built, "mxfp4", tmp_path / "source")
+    edit_tensors(source, _mx_group(254))
+    out = tmp_path / "out"
+    line = one_error_line(cli(source, "-o", out, "-q", "--device", "cpu", "--dtype", dtype, code=1))
+    assert f"tensor '{MX}' holds 32 values beyond every output dtype's range" in line, line
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["source"]
+
+
+def test_mxfp4_values_beyond_fp16_alone_are_the_fp16_warning_and_bf16_keeps_them(built, tmp_path):
+    """Scale byte 143 times 6 (393216) is past fp16's range only: fp16 warns, naming the tensor, with advice that
+    holds (bf16 keeps the values finite, as its output shows)."""
+    source = copy_of(built, "mxfp4", tmp_path / "source")
+    edit_tensors(source, _mx_group(143))
+    said = cli(source, "-o", tmp_path / "fp16", "-q", "--device", "cpu", "--dtype", "fp16")
+    assert MX in said and "--dtype bf16 or fp32 keeps them finite" in said, said
+    cli(source, "-o", tmp_path / "bf16", "-q", "--device", "cpu", "--dtype", "bf16")
+    made = load_file(tmp_path / "bf16" / "model.safetensors")
+    assert bool(torch.isfinite(made[MX].float()).all()) and float(made[MX].float().abs().max()) == 6 * 2**16

@@ -370,6 +370,23 @@ def dequantize(
     return values if out_dtype == torch.float32 else values.to(out_dtype)
 
 
+# The codes no writer stores, as (mask, value) of the byte: E4M3's NaN (0x7f, 0xff), E5M2's infinities and NaNs.
+NOT_FINITE = {"F8_E4M3": (0x7F, 0x7F), "F8_E5M2": (0x7C, 0x7C)}
+
+
+def check_codes(codes, code: str, name: str) -> None:
+    """CheckpointError if an FP8 weight's codes (bytes: a numpy or torch uint8 array, on any device) hold a NaN or
+    infinite code: no writer stores one, and its NaN bits differ by device. Checked as each piece is made (a plan
+    reads no codes, so a dry run does not see it)."""
+    mask, value = NOT_FINITE[code]
+    found = (codes & mask) == value
+    if bool(found.any()):
+        raise CheckpointError(
+            f"tensor '{name}' holds {int(found.sum())} {code} NaN or infinite codes (byte 0x{value:02x} or "
+            f"0x{value | 0x80:02x}); an FP8 writer stores none, and the dense weight would hold NaN there"
+        )
+
+
 def host(
     read: np.ndarray,
     out: np.ndarray,
@@ -380,12 +397,14 @@ def host(
     grid: Grid,
     first_row: int,
     out_code: str,
+    name: str = "",
 ) -> None:
     """The CPU route's piece: ``read`` is the piece's codes (uint8 bytes of whole rows from ``first_row``),
     ``scales`` the uint8 bytes of the scale rows they use, ``out`` the piece's output bytes, written in place with
     :func:`dequantize`'s bytes (the same torch ops on the CPU)."""
     import torch
 
+    check_codes(read, code, name)
     rows = read.size // max(1, grid.columns)
     codes = torch.from_numpy(read).view(DTYPES[code].torch).reshape(rows, grid.columns)
     scale = torch.from_numpy(scales).view(DTYPES[scale_code].torch)

@@ -160,6 +160,29 @@ def is_quantization_key(name: str) -> bool:
     return name.endswith(tuple("proj" + part for part in PARTS))
 
 
+# Scale bytes from which a group's values may pass fp32's range (and bf16's: an FP4 value times a power of two
+# overflows both at 2 ** 128): 12 * 2 ** (253 - 128) is 1.5 * 2 ** 128.
+OVERFLOWING = 253
+
+
+def check_range(blocks: torch.Tensor, scales: torch.Tensor, name: str) -> None:
+    """CheckpointError if a piece's values (``blocks`` [m, R, G, 16], ``scales`` [m, R, G], uint8 on one device)
+    include one beyond every output dtype's range (±inf in fp32 and bf16, so in fp16 too): no writer makes them, and
+    the dense weight would hold inf. Values beyond fp16's range only are the fp16 warning's (``plan.may_exceed``)."""
+    import torch
+
+    if not bool((scales >= OVERFLOWING).any()):
+        return
+    wide = dequantize(blocks, scales, torch.float32)
+    infinite = int((~torch.isfinite(wide)).sum())
+    if infinite:
+        largest = int(scales.max())
+        raise CheckpointError(
+            f"tensor '{name}' holds {infinite} values beyond every output dtype's range (scale bytes up to {largest}, "
+            f"2 ** {largest - 127} times an FP4 value); the dense weight would hold inf there"
+        )
+
+
 def dequantize(
     blocks: torch.Tensor, scales: torch.Tensor, out_dtype: torch.dtype, first_group: int = 0, groups: int | None = None
 ) -> torch.Tensor:

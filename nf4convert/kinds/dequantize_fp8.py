@@ -84,7 +84,9 @@ class DequantizeFp8(QuantizedWeight):
         for first, count in grid.pieces(route.piece_bytes // max(1, columns * itemsize)):
             begin, rows = grid.scale_span(first, count)
             used = scales[begin * grid.scale_columns : (begin + rows) * grid.scale_columns]
-            arguments = dict(grid=grid, first_row=first, code=weight.weight.dtype, out_code=tensor.dtype)
+            arguments = dict(
+                grid=grid, first_row=first, code=weight.weight.dtype, out_code=tensor.dtype, name=tensor.name
+            )
             if route.gpu:
                 make = route.make(None, functools.partial(dequantize_on_device, scales=used, **arguments))
             else:
@@ -101,11 +103,14 @@ class DequantizeFp8(QuantizedWeight):
             )
 
 
-def dequantize_on_device(codes, out, *, scales, grid: fp8.Grid, first_row: int, code: str, out_code: str):
+def dequantize_on_device(
+    codes, out, *, scales, grid: fp8.Grid, first_row: int, code: str, out_code: str, name: str = ""
+):
     """Whole rows of an FP8 weight (its codes' bytes, a uint8 tensor on the GPU) from ``first_row``, dequantized with
     the scale rows they use (on the GPU) as ``out_code``. Returns the bytes made, a uint8 tensor on the GPU."""
     import torch
 
+    fp8.check_codes(codes, code, name)
     rows = codes.numel() // max(1, grid.columns)
     values = codes.view(DTYPES[code].torch).view(rows, grid.columns)
     made = fp8.dequantize(values, scales, grid, first_row, DTYPES[out_code].torch)

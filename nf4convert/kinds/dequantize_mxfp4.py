@@ -48,7 +48,7 @@ class DequantizeMxfp4(QuantizedWeight):
                 held = (first_expert, experts, scales.to(route.device) if route.gpu else scales.numpy())
             used = held[2][:, :, first_group : first_group + groups]
             arguments = dict(rows=weight.rows, total_groups=weight.groups, first_group=first_group)
-            arguments["out_code"] = tensor.dtype
+            arguments["out_code"], arguments["name"] = tensor.dtype, tensor.name
             if route.gpu:
                 make = route.make(None, functools.partial(dequantize_on_device, scales=used, **arguments))
             else:
@@ -65,22 +65,28 @@ def _blocks(read, rows: int, total_groups: int, first_group: int, groups: int):
     return whole[:, :, first_group : first_group + groups]
 
 
-def dequantize_on_host(read, out, *, scales, rows: int, total_groups: int, first_group: int, out_code: str) -> None:
+def dequantize_on_host(
+    read, out, *, scales, rows: int, total_groups: int, first_group: int, out_code: str, name: str = ""
+) -> None:
     """A piece: ``read`` the blocks of whole experts (numpy uint8), ``scales`` those of its groups [experts, R,
     groups] (numpy uint8), ``out`` the dense bytes of those groups, written in place."""
     import torch
 
     groups = scales.shape[2]
     blocks = _blocks(torch.from_numpy(read), rows, total_groups, first_group, groups)
+    mxfp4.check_range(blocks, torch.from_numpy(scales), name)
     dense = mxfp4.dequantize(blocks, torch.from_numpy(scales), DTYPES[out_code].torch)
     torch.from_numpy(out).copy_(dense.reshape(-1).view(torch.uint8))
 
 
-def dequantize_on_device(read, out, *, scales, rows: int, total_groups: int, first_group: int, out_code: str):
+def dequantize_on_device(
+    read, out, *, scales, rows: int, total_groups: int, first_group: int, out_code: str, name: str = ""
+):
     """A piece on the GPU: ``read`` its experts' blocks, ``scales`` its groups' (both uint8 on the GPU). Returns the
     dense bytes, a uint8 tensor on the GPU."""
     import torch
 
     groups = scales.shape[2]
     blocks = _blocks(read, rows, total_groups, first_group, groups)
+    mxfp4.check_range(blocks, scales, name)
     return mxfp4.dequantize(blocks, scales, DTYPES[out_code].torch).reshape(-1).view(torch.uint8)

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, ClassVar
 
+from ..errors import ArgumentError
+from ..options import DISCOVERIES, declare
 from ..registry import Registry
 
 if TYPE_CHECKING:
@@ -23,6 +25,7 @@ if TYPE_CHECKING:
 
 SINKS = Registry(__package__, "output format", "name")
 register = SINKS.register  # class decorator: the sink joins the registry under its ``name``
+DISCOVERIES.append(SINKS.discovered)  # a sink declares its own options in its module (``options.declare``)
 
 
 def all_sinks() -> list[type["Sink"]]:
@@ -30,11 +33,36 @@ def all_sinks() -> list[type["Sink"]]:
     return sorted(SINKS.discovered().values(), key=lambda sink: sink.default)
 
 
+def _lowered(name):
+    return name.lower() if isinstance(name, str) else name
+
+
+declare(
+    "to",
+    "The output's format where OUT's name does not say it: safetensors (a folder of shards) or gguf (one file) "
+    "(default: gguf for an OUT ending in .gguf or a --gguf-type, else safetensors).",
+    parse=_lowered,
+    choices=lambda: tuple(sorted(SINKS.discovered())),
+    metavar="FORMAT",
+    after="dtype",
+)  # checked here, where the sinks are known (``sink_for``)
+
+
 def sink_for(options: "ConvertOptions") -> type["Sink"]:
-    """The sink the options ask for, each sink's own options checked (a GGUF type without a GGUF output is refused)."""
+    """The sink the options ask for (``to``, or the one that claims them), each sink's own options checked (a GGUF
+    type without a GGUF output is refused)."""
+    asked = options.to
+    if asked is not None and asked not in SINKS.discovered():
+        raise ArgumentError(f"to {asked!r} is not one of {', '.join(sorted(SINKS))}", option="to")
     chosen = None
     for sink in all_sinks():
-        claimed = sink.claims(options)
+        claimed = sink.claims(options) if asked is None else sink.name == asked
+        if asked is not None and not claimed and not sink.default and sink.claims(options):
+            raise ArgumentError(
+                f"to={asked!r} asks for a {asked} output, but the output's name (or its own options) asks for "
+                f"{sink.name}: give one or the other",
+                option="to",
+            )
         sink.check_options(options, claimed=claimed)
         if claimed and chosen is None:
             chosen = sink

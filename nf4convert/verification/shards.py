@@ -50,7 +50,9 @@ class ShardChecks:
         self._stack = contextlib.ExitStack()
 
     def __enter__(self) -> "ShardChecks":
-        self.weights = self._stack.enter_context(HubWeights(download=self.options.hub.download))
+        self.weights = self._stack.enter_context(
+            HubWeights(download=self.options.hub.download, settings=self.options.settings)
+        )
         self._stack.enter_context(quiet_loggers())
         self.reader = self._stack.enter_context(TensorReader(self.weights.ranges, remote=self.weights.files))
         return self

@@ -17,9 +17,11 @@ dtype's own float type, made in the same pass (``requant.py``), with ``--imatrix
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 from ...errors import ArgumentError
+from ...options import declare
 from ...sizes import DEFAULT_SHARD_BYTES
 from .. import output as lifecycle
 from ..base import Sink, Written, register
@@ -43,6 +45,29 @@ from .requant import Requantization, file_size
 __all__ = ["GgufFile", "GgufWritten", "write_gguf"]
 
 GGUF_SUFFIX = ".gguf"
+
+
+def _lowered(gguf_type):
+    return gguf_type.lower() if isinstance(gguf_type, str) else gguf_type
+
+
+# The GGUF sink's own options: checked here (``check_options``), made in ``requant.py`` and ``filewrite.py``.
+declare(
+    "gguf_type",
+    "Write one GGUF file of this type, as llama.cpp's converter writes it from the dense output (default with a .gguf "
+    "OUT: the --dtype's own float type); q4_k_m and llama-quantize's other types: the file llama-quantize makes of "
+    "that one, byte for byte.",
+    parse=_lowered,
+    choices=ALL_TYPES,
+    after="dtype",
+)
+declare(
+    "imatrix",
+    "Importance matrix for a llama-quantize type (GGUF or legacy .dat), as llama-quantize takes it.",
+    parse=os.fspath,
+    file=True,
+    after="dtype",
+)  # as the user named it
 
 
 @register
@@ -91,7 +116,14 @@ class GgufFile(Sink):
 
     @classmethod
     def batch_output(cls, output_root, stem: str, options) -> str:
-        return str(default_output(output_root, stem, f"{options.gguf_type}{GGUF_SUFFIX}"))
+        """``<stem>-<type>.gguf``; with no ``gguf_type`` (``to``), the dtype's float type, or ``<dtype>`` standing for
+        the one the plan decides."""
+        if options.gguf_type is not None or options.dtype is not None:
+            own = options.gguf_type or FLOAT_TYPES[options.dtype.short]
+            return str(default_output(output_root, stem, f"{own}{GGUF_SUFFIX}"))
+        longest = max(FLOAT_TYPES.values(), key=len)
+        placed = default_output(output_root, stem, f"{longest}{GGUF_SUFFIX}")
+        return str(placed.with_name(f"{stem}-<dtype>{GGUF_SUFFIX}"))
 
     def __init__(self, options, plan, name: str):
         super().__init__(options, plan, name)

@@ -9,23 +9,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import preload, profile
+from .adapters.config import is_adapter_folder
 from .devices import pick_device
-from .errors import CheckpointError, Nf4ConvertError
+from .errors import Nf4ConvertError
 from .hub.names import model_name, model_stem
 from .hub.ranges import HeadersOnly
-from .hub.sources import Resolved, as_text, named_sources, resolve_source, reworded
+from .hub.sources import Resolved, as_text, named_sources, resolve_source
 from .hub.weights import HubWeights
 from .model.config import check_present as check_config_present
-from .options import ConvertOptions
+from .options import ConvertOptions, conversion_options, keyword_signature
 from .paths import expanded
 from .pipeline.routes.base import route_for
 from .plan import make_plan
 from .safetensors_io.read import TensorReader
-from .settings import Settings
 from .sinks import output as lifecycle
 from .sinks.base import Sink, sink_for
 from .sinks.naming import output_stem
-from .sizes import DEFAULT_SHARD_SIZE, size_text
+from .sizes import size_text
 
 
 @dataclass(frozen=True)
@@ -146,7 +146,6 @@ def prepare(
 
 
 def _prepare(source, options: ConvertOptions, *, reader, headers=None, on_output=None, placed=True) -> Prepared:
-    Settings.from_env()  # a dry run refuses a bad NF4CONVERT_* value as the conversion does
     source, adapter = named_sources(source, options.adapter)
     sink = sink_for(options)
     options = sink.adjusted(options)
@@ -154,7 +153,7 @@ def _prepare(source, options: ConvertOptions, *, reader, headers=None, on_output
     output = options.output
     if output is not None and placed:  # before any download
         local, adapter_local = (expanded(name, "source") if name is not None else None for name in (source, adapter))
-        if adapter_local is None and (local / "adapter_config.json").is_file():  # an adapter as SOURCE: named so
+        if adapter_local is None and is_adapter_folder(local):  # an adapter as SOURCE: named so
             local, adapter_local = None, local
         lifecycle.check_destination(
             output,
@@ -165,21 +164,15 @@ def _prepare(source, options: ConvertOptions, *, reader, headers=None, on_output
         )
     hub = options.hub
     resolved = resolve_source(source, adapter, hub, progress=options.progress, headers=headers)
-    folder, adapter_folder, base, adapter = resolved
-    try:
-        plan = make_plan(
-            folder,
-            dtype=options.dtype,
-            max_shard_size=options.max_shard_size,
-            reader=reader,
-            adapter=adapter_folder,
-            keep_non_finite=options.allow_non_finite,
-        )
-    except CheckpointError as error:
-        better = reworded(error, folder)
-        if better is error:
-            raise
-        raise better from None
+    folder, adapter_folder, base, adapter, loaded_adapter = resolved
+    plan = make_plan(
+        folder,
+        dtype=options.dtype,
+        max_shard_size=options.max_shard_size,
+        reader=reader,
+        adapter=loaded_adapter,
+        keep_non_finite=options.allow_non_finite,
+    )
     check_config_present(plan.config, base, allow_missing=options.allow_no_config)
     made = sink.for_plan(options, plan, model_stem(source))
     named = output is None
@@ -212,28 +205,15 @@ def _prepare(source, options: ConvertOptions, *, reader, headers=None, on_output
 
 
 def convert(
-    source: str | os.PathLike,
-    output: str | os.PathLike | None = None,
-    *,
-    dtype: str = "auto",
-    device: str = "auto",
-    adapter: str | os.PathLike | None = None,
-    revision: str | None = None,
-    token: str | None = None,
-    cache_dir: str | None = None,
-    download: bool = False,
-    max_shard_size: str | int = DEFAULT_SHARD_SIZE,
-    overwrite: bool = False,
-    progress: bool = True,
-    output_dir: str | os.PathLike | None = None,
-    stem: str | None = None,
-    on_output=None,
-    allow_no_config: bool = False,
-    gguf_type: str | None = None,
-    allow_non_finite: bool = False,
-    imatrix: str | os.PathLike | None = None,
+    source: str | os.PathLike, output: str | os.PathLike | None = None, *, on_output=None, **options
 ) -> ConvertResult:
     """Convert a quantized checkpoint into a dense safetensors checkpoint, or into one GGUF file.
+
+    ``options`` are the keywords of ``options.ConvertOptions`` and those a sink declares, each as its command-line flag
+    takes it (``nf4convert convert --help``): ``dtype="auto"``, ``device="auto"``, ``adapter``, ``revision``,
+    ``token``, ``cache_dir``, ``download``, ``max_shard_size="5GB"``, ``overwrite``, ``progress=True``,
+    ``output_dir``, ``stem``, ``allow_no_config``, ``allow_non_finite``, and the GGUF sink's ``gguf_type`` and
+    ``imatrix``.
 
     ``output`` defaults to ``<output_dir or .>/<stem>-<dtype>``, the stem being the model's name without
     its quantization suffix (``stem`` a plain folder name; ``output`` and ``output_dir`` are not given together;
@@ -273,25 +253,7 @@ def convert(
     Example:
         >>> convert("unsloth/Llama-3.2-1B-Instruct-bnb-4bit", "llama-1b-bf16", dtype="bf16")
     """
-    options = ConvertOptions.parse(
-        output=output,
-        dtype=dtype,
-        adapter=adapter,
-        revision=revision,
-        token=token,
-        cache_dir=cache_dir,
-        download=download,
-        device=device,
-        max_shard_size=max_shard_size,
-        overwrite=overwrite,
-        allow_no_config=allow_no_config,
-        allow_non_finite=allow_non_finite,
-        gguf_type=gguf_type,
-        imatrix=imatrix,
-        progress=progress,
-        output_dir=output_dir,
-        stem=stem,
-    )
+    options = ConvertOptions.parse(output=output, **options)
     return converted(source, options, on_output=on_output)
 
 
@@ -313,7 +275,7 @@ def converted(
 
     source = as_text(source)
     started = time.perf_counter()
-    settings = Settings.from_env()
+    settings = options.settings
     profile.start("convert called", enabled=settings.profile)
     if _local_folder(source):  # a Hub SOURCE's download imports huggingface_hub's parts: not beside it
         with contextlib.suppress(Nf4ConvertError):  # said where prepare() checks it, in its order
@@ -404,6 +366,9 @@ def converted(
             pushed if pushing is not None else None,
         )
     return result
+
+
+convert.__signature__ = keyword_signature(convert, conversion_options())
 
 
 def _bar_updates(bar, n_tensors: int, weights: HubWeights, pushing=None):

@@ -14,11 +14,9 @@ import sys
 import click
 
 from .. import __version__
-from ..dtypes import OUTPUT_CHOICES
 from ..errors import ArgumentError, Nf4ConvertError, Terminated
-from ..options import VerifyOptions
 from .console import DefaultGroup, end, error_line, fail, message, run_action, say
-from .flags import convert_options, one_adapter, quiet, source_options
+from .flags import DeclaredCommand, conversion_flags, hub_flags, quiet_option, verify_flags
 
 
 @click.group(cls=DefaultGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -35,7 +33,7 @@ def main():
     """
 
 
-@main.command("convert")
+@main.command("convert", cls=DeclaredCommand, declared=[("output", conversion_flags)])
 @click.argument("source")
 @click.option(
     "-o",
@@ -43,7 +41,7 @@ def main():
     type=click.Path(),
     help="Output folder (default: ./<name>-<dtype>), or one GGUF file: a name ending in .gguf.",
 )
-@convert_options
+@quiet_option()
 @click.option(
     "--dry-run",
     is_flag=True,
@@ -76,7 +74,7 @@ def main():
 def convert_command(
     source,
     output,
-    flags,
+    given,
     quiet,
     dry_run,
     then_verify,
@@ -114,13 +112,13 @@ def convert_command(
     converted = []  # the output, once complete
 
     def action():
-        from ..settings import Settings
+        from ..options import ConvertOptions
         from . import render, run
 
-        options = flags.parse(output=output, progress=not quiet)
+        options = ConvertOptions.parse(**given, output=output, progress=not quiet)
         if dry_run:
             prepared = run.dry_run_plan(source, options, placed=not no_local_copy)
-            on_disk = Settings.from_env().push_on_disk if no_local_copy else None
+            on_disk = options.settings.push_on_disk if no_local_copy else None
             for line in render.plan_lines(prepared, on_disk):
                 say(line)
             needed = prepared.sink.delivered_disk(on_disk) if no_local_copy else prepared.needed
@@ -163,34 +161,19 @@ def _show_report(report) -> None:
         say(line)
 
 
-@main.command("verify")
+@main.command("verify", cls=DeclaredCommand, declared=[(None, verify_flags), ("quiet", hub_flags)])
 @click.argument("output", type=click.Path())
 @click.argument("source")
-@click.option(
-    "--device", default="auto", show_default=True, help="Where bitsandbytes dequantizes: auto, cpu, cuda, cuda:N."
-)
-@click.option(
-    "--adapter",
-    multiple=True,
-    callback=one_adapter,
-    help="The LoRA adapter that was merged (peft merges it again for the check).",
-)
-@click.option(
-    "--dtype",
-    type=click.Choice(OUTPUT_CHOICES, case_sensitive=False),
-    default="auto",
-    show_default=True,
-    help="For a GGUF OUTPUT: the --dtype it was converted with (its tensors' dtype before the GGUF type). A folder's "
-    "tensors say their own: another dtype is refused.",
-)
-@click.option("-q", "--quiet", is_flag=True, callback=quiet, help="No progress bars (downloads too).")
-@source_options
-def verify_command(output, source, device, adapter, dtype, quiet, revision, token, cache_dir, download):
-    """Check OUTPUT against SOURCE with bitsandbytes' own dequantization, bit for bit.
+@quiet_option("No progress bars (downloads too).")
+def verify_command(output, source, given, quiet):
+    """Check OUTPUT against SOURCE bit for bit, every weight recomputed by its format's reference library.
 
-    Exits 0 only if every weight matches, every source tensor is there and no quantization
-    key or config remains. A GGUF OUTPUT is checked against llama.cpp's converter run on
-    bitsandbytes' dequantization: every tensor's bytes and every metadata field.
+    The references: bitsandbytes (4-bit and 8-bit), GPTQModel's arithmetic (GPTQ, AWQ), compressed-tensors
+    (its formats, block FP8, NVFP4), transformers' integrations (per-tensor FP8, MXFP4), ModelOpt's arithmetic
+    (its FP8 and NVFP4) and peft for an adapter's merge; never nf4convert's own kernels or converter code.
+    Exits 0 only if every weight matches, every source tensor is there and no quantization key or config
+    remains. A GGUF OUTPUT is checked against llama.cpp's converter run on those references: every tensor's
+    bytes and every metadata field.
 
     \b
     Example:
@@ -199,18 +182,10 @@ def verify_command(output, source, device, adapter, dtype, quiet, revision, toke
     """
 
     def action():
+        from ..options import VerifyOptions
         from .run import verify_output
 
-        options = VerifyOptions.parse(
-            device=device,
-            adapter=adapter,
-            revision=revision,
-            token=token,
-            cache_dir=cache_dir,
-            download=download,
-            progress=not quiet,
-            dtype=dtype,
-        )
+        options = VerifyOptions.parse(**given, progress=not quiet)
         report = verify_output(output, source, options)
         _show_report(report)
         return report.ok
@@ -219,7 +194,7 @@ def verify_command(output, source, device, adapter, dtype, quiet, revision, toke
         sys.exit(1)
 
 
-@main.command("batch")
+@main.command("batch", cls=DeclaredCommand, declared=[("from_file", conversion_flags)])
 @click.argument("sources", nargs=-1)
 @click.option(
     "-o",
@@ -234,7 +209,7 @@ def verify_command(output, source, device, adapter, dtype, quiet, revision, toke
     type=click.File("r", encoding="utf-8-sig"),
     help="Read more sources from this file, one per line ('#' at a line's start or after a space begins a comment).",
 )
-@convert_options
+@quiet_option()
 @click.option(
     "--json", "as_json", is_flag=True, help="Print one JSON object per source (a line each) instead of the table."
 )
@@ -261,7 +236,7 @@ def batch_command(
     sources,
     output_root,
     from_file,
-    flags,
+    given,
     quiet,
     as_json,
     dry_run,
@@ -285,7 +260,7 @@ def batch_command(
       nf4convert batch --from-file models.txt -o converted/ --skip-existing --verify   # resume, checking all
       nf4convert batch org/a-bnb-4bit ./b-bnb-4bit -o gguf/ --gguf-type q8_0
     """
-    if skip_existing and flags.overwrite:
+    if skip_existing and given["overwrite"]:
         fail("--skip-existing keeps an output that is there, --overwrite replaces it: give one of them", 2)
     if dry_run and then_verify:
         fail("--dry-run writes nothing, so there is nothing to --verify", 2)
@@ -303,7 +278,7 @@ def batch_command(
     def failed(row, error) -> None:
         if isinstance(error, Nf4ConvertError):
             resumed = (
-                error.option == "overwrite" and not flags.overwrite
+                error.option == "overwrite" and not given["overwrite"]
             )  # an output there: one flag keeps, one replaces
             row.error = (
                 f"{error} (pass --skip-existing to keep it, or --overwrite to replace it)"
@@ -314,9 +289,10 @@ def batch_command(
             error_line(row.error)
 
     def action():
+        from ..options import ConvertOptions
         from .run import batch
 
-        options = flags.parse(progress=not quiet and not as_json)
+        options = ConvertOptions.parse(**given, progress=not quiet and not as_json)
         return batch(
             sources,
             output_root,

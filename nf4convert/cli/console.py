@@ -15,23 +15,9 @@ from dataclasses import dataclass
 import click
 
 from ..errors import ArgumentError, Interrupted, Nf4ConvertError, Terminated
+from ..options import every_option
 from ..paths import as_utf8
 from .signals import StopSignals
-
-# What a library error's ``option`` becomes on the command line.
-HINTS = {
-    "overwrite": "pass --overwrite to replace it",
-    "token": "pass --token or set HF_TOKEN",
-    "revision": "see --revision",
-    "dtype": "see --dtype",
-    "device": "see --device",
-    "max_shard_size": "see --max-shard-size",
-    "adapter": "see --adapter",
-    "allow_no_config": "or pass --allow-no-config to write the dense tensors alone",
-    "allow_non_finite": "--allow-non-finite writes them anyway",
-    "gguf_type": "see --gguf-type",
-    "imatrix": "see --imatrix",
-}
 
 
 @dataclass
@@ -246,7 +232,8 @@ def message(error) -> str:
     """A library error's line, with the flag that would change the outcome. A message that names its option as the API
     spells it (``max_shard_size``) names the command line's flag (``--max-shard-size``) instead."""
     option = getattr(error, "option", None) or ""
-    text, hint = str(error), HINTS.get(option)
+    declared = every_option().get(option)
+    text, hint = str(error), declared.error_hint if declared is not None else None
     flag = _flag(option) if "_" in option else None  # a name without "_" is the flag's own word, and a plain word too
     if flag is not None and re.search(rf"(?<![\w-]){option}(?!\w)", text):
         text = re.sub(rf"(?<![\w-]){option}(?!\w)", flag, text)
@@ -257,7 +244,7 @@ def message(error) -> str:
 def _flag(option: str) -> str | None:
     """The flag of this command that sets the API's ``option`` (None: it has none)."""
     context = click.get_current_context(silent=True)
-    for param in context.command.params if context is not None else ():
+    for param in context.command.get_params(context) if context is not None else ():
         if param.name == option:
             return max(param.opts, key=len)
     return None

@@ -1,57 +1,28 @@
-"""The options the commands share, declared once: where sources come from (``--revision``, ``--token``,
-``--cache-dir``, ``--download``) and how a conversion is made (``--adapter``, ``--dtype``, ``--gguf-type``,
-``--device``, ...)."""
+"""The command line's options made from their declarations (``options.py``'s fields, and those a sink declares in its
+own module): a conversion's (``convert``, ``batch``), verify's, and where a source comes from (``--revision``,
+``--token``, ``--cache-dir``, ``--download``). A command takes them as one ``given`` dict, the values as the command
+line gave them, parsed where the command runs (a bad value is then one line, as any error of a run)."""
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import sys
-from dataclasses import dataclass
+from typing import Callable
 
 import click
 
-from ..dtypes import OUTPUT_CHOICES
-from ..options import ConvertOptions
-from ..sinks.gguf.converter import ALL_TYPES
-from ..sizes import DEFAULT_SHARD_SIZE
+from ..options import HubOptions, Option, VerifyOptions, conversion_options, declared_fields
 
 
 def quiet(ctx, param, value) -> bool:
     return value or sys.stderr is None  # no standard error (closed at start): no bars to draw on it
 
 
-def source_options(function):
-    for option in reversed(
-        [
-            click.option(
-                "--revision", help="Hub branch, tag or commit of SOURCE (default: main; not for a local folder)."
-            ),
-            click.option(
-                "--token", envvar="HF_TOKEN", help="Hub token for private or gated repos (default: $HF_TOKEN)."
-            ),
-            click.option(
-                "--cache-dir", type=click.Path(file_okay=False), help="Hub cache folder (default: $HF_HUB_CACHE)."
-            ),
-            click.option(
-                "--download",
-                is_flag=True,
-                help="Download a Hub SOURCE's weights into the Hub cache first and read them there. By default they "
-                "are streamed as they are read: no copy on disk, the download overlapped with the work. Pick "
-                "--download to read the same repo again later (or offline); weights already in the cache are read "
-                "there either way, and every byte is checked against the Hub's hash in both.",
-            ),
-        ]
-    ):
-        function = option(function)
-    return function
+def quiet_option(help: str = "No progress bars (downloads and uploads too); the one-line summary stays."):
+    return click.option("-q", "--quiet", is_flag=True, callback=quiet, help=help)
 
 
-ADAPTER_HELP = "A peft LoRA adapter (folder or Hub repo id) to merge into the weights, bit for bit as peft merges."
-
-
-def one_adapter(ctx, param, values):
-    """--adapter given once at most: click would keep the last of several and drop the others unsaid."""
+def one_value(ctx, param, values):
+    """An option given once at most (--adapter): click would keep the last of several and drop the others unsaid."""
     if len(values) > 1:
         raise click.BadParameter(
             f"given {len(values)} times; one adapter per conversion (merge several into one with peft first)"
@@ -59,111 +30,70 @@ def one_adapter(ctx, param, values):
     return values[0] if values else None
 
 
-@dataclass(frozen=True)
-class ConvertFlags:
-    """The options every conversion takes, as the command line gave them: gathered by ``convert_options`` into one
-    argument of the command, parsed where it runs (a bad value is then one line, as any error of a run)."""
-
-    adapter: str | None
-    dtype: str
-    gguf_type: str | None
-    imatrix: str | None
-    device: str
-    max_shard_size: str
-    overwrite: bool
-    allow_no_config: bool
-    allow_non_finite: bool
-    revision: str | None
-    token: str | None
-    cache_dir: str | None
-    download: bool
-
-    def parse(self, *, output=None, progress: bool) -> ConvertOptions:
-        return ConvertOptions.parse(
-            output=output,
-            dtype=self.dtype,
-            adapter=self.adapter,
-            revision=self.revision,
-            token=self.token,
-            cache_dir=self.cache_dir,
-            download=self.download,
-            device=self.device,
-            max_shard_size=self.max_shard_size,
-            overwrite=self.overwrite,
-            allow_no_config=self.allow_no_config,
-            allow_non_finite=self.allow_non_finite,
-            gguf_type=self.gguf_type,
-            imatrix=self.imatrix,
-            progress=progress,
-        )
+def click_option(spec: Option, command: str) -> click.Option:
+    """``command``'s option of one declaration."""
+    settings: dict = dict(help=spec.help_of(command))
+    if spec.switch:
+        settings["is_flag"] = True
+    elif spec.choices is not None:
+        settings["type"] = click.Choice(spec.choices, case_sensitive=False)
+    elif spec.folder:
+        settings["type"] = click.Path(file_okay=False)
+    elif spec.file:
+        settings["type"] = click.Path(dir_okay=False)
+    if spec.default is not None and not spec.switch:
+        settings["default"] = spec.default
+    if spec.show_default:
+        settings["show_default"] = True
+    if spec.once:
+        settings.update(multiple=True, callback=one_value)
+    if spec.envvar is not None:
+        settings["envvar"] = spec.envvar
+    if spec.metavar is not None:
+        settings["metavar"] = spec.metavar
+    return click.Option([*spec.spellings, spec.name], **settings)
 
 
-def convert_options(command):
-    """Declare the options every conversion takes; the command receives them as one ``flags`` (``ConvertFlags``)."""
+def flagged(specs: list[Option], command: str) -> list[click.Option]:
+    return [click_option(spec, command) for spec in specs if spec.flag is not None]
 
-    @functools.wraps(command)
-    def gathered(*args, **params):
-        flags = ConvertFlags(**{field.name: params.pop(field.name) for field in dataclasses.fields(ConvertFlags)})
-        return command(*args, flags=flags, **params)
 
-    function = gathered
-    for option in reversed(
-        [
-            click.option("--adapter", multiple=True, callback=one_adapter, help=ADAPTER_HELP),
-            click.option(
-                "--dtype",
-                type=click.Choice(OUTPUT_CHOICES, case_sensitive=False),
-                default="auto",
-                show_default=True,
-                help="Output dtype; auto keeps the dtype the model was quantized from.",
-            ),
-            click.option(
-                "--gguf-type",
-                type=click.Choice(ALL_TYPES, case_sensitive=False),
-                help="Write one GGUF file of this type, as llama.cpp's converter writes it from the dense output "
-                "(default with a .gguf OUT: the --dtype's own float type); q4_k_m and llama-quantize's other types: "
-                "the file llama-quantize makes of that one, byte for byte.",
-            ),
-            click.option(
-                "--imatrix",
-                type=click.Path(dir_okay=False),
-                help="Importance matrix for a llama-quantize type (GGUF or legacy .dat), as llama-quantize takes it.",
-            ),
-            click.option(
-                "--device",
-                default="auto",
-                show_default=True,
-                help="auto, cpu, cuda or cuda:N (auto: the GPU if there is one).",
-            ),
-            click.option(
-                "--max-shard-size",
-                default=DEFAULT_SHARD_SIZE,
-                show_default=True,
-                help="Largest output shard, like transformers'.",
-            ),
-            click.option(
-                "--overwrite", is_flag=True, help="Replace OUT if it exists (only once the new output is complete)."
-            ),
-            click.option(
-                "--allow-no-config",
-                is_flag=True,
-                help="Convert a SOURCE that has no config.json (refused otherwise): the output holds the dense tensors "
-                "without one, so transformers cannot load it as a model by itself.",
-            ),
-            click.option(
-                "--allow-non-finite",
-                is_flag=True,
-                help="Keep the NaN or ±inf values an adapter's merge makes where the base has none (refused otherwise: "
-                "such a model is broken); a warning names the tensors.",
-            ),
-            click.option(
-                "-q",
-                "--quiet",
-                is_flag=True,
-                callback=quiet,
-                help="No progress bars (downloads and uploads too); the one-line summary stays.",
-            ),
-        ]
-    ):
-        function = option(function)
-    return source_options(function)
+def conversion_flags(command: str) -> list[click.Option]:
+    """A conversion's options (the sinks' among them), the source's first."""
+    from ..sinks import base  # noqa: F401  (its registry's modules declare their own options: options.DISCOVERIES)
+
+    return flagged(conversion_options(), command)
+
+
+def verify_flags(command: str) -> list[click.Option]:
+    """verify's own options (the source's follow -q)."""
+    return flagged(declared_fields(VerifyOptions, nested=False), command)
+
+
+def hub_flags(command: str) -> list[click.Option]:
+    return flagged(declared_fields(HubOptions), command)
+
+
+class DeclaredCommand(click.Command):
+    """A command whose declared options are made as it is asked for its parameters (parsing, ``--help``): each group
+    (``declared``: (the parameter it follows, or None for the first place; the options)) in its place among the
+    command's own. A command's callback takes them together as ``given`` (a dict)."""
+
+    def __init__(self, *args, declared: list[tuple[str | None, Callable[[str], list[click.Option]]]], **kwargs):
+        super().__init__(*args, **kwargs)
+        self.declared = declared
+
+    def get_params(self, ctx) -> list[click.Parameter]:
+        params = list(self.params)
+        for after, made in self.declared:
+            names = [param.name for param in params]
+            at = names.index(after) + 1 if after is not None else 0
+            params[at:at] = made(self.name)
+        help_option = self.get_help_option(ctx)
+        return [*params, help_option] if help_option is not None else params
+
+    def invoke(self, ctx):
+        own = {param.name for param in self.params}
+        given = {name: ctx.params.pop(name) for name in list(ctx.params) if name not in own}
+        ctx.params["given"] = given
+        return super().invoke(ctx)

@@ -17,7 +17,6 @@ from ..dtypes import BY_NAME
 from ..errors import Interrupted, Nf4ConvertError, Terminated, UploadError
 from ..options import ConvertOptions, VerifyOptions
 from ..paths import expanded_output
-from ..settings import Settings
 from ..sinks import output as lifecycle
 from ..sinks.base import SINKS, sink_for
 from ..sinks.gguf.converter import is_quantized
@@ -143,7 +142,7 @@ def _pushed_as_made(source, options, verify, push_to, private, push_branch, on_s
         branch=push_branch,
         overwrite=options.overwrite,
         progress=options.progress,
-        on_disk=Settings.from_env().push_on_disk,
+        on_disk=options.settings.push_on_disk,
         again=again,
     )
     pushing.open()
@@ -240,7 +239,6 @@ def batch(
     ``on_error(row, error)`` sees each failed row as it fails (and may reword its ``error``), ``on_warning(source,
     warning)`` each conversion's warnings as they come: every source's own, and those of the folder the outputs share
     (its killed runs' leftovers) once."""
-    Settings.from_env()  # once, before any source (each would fail alike)
     check_batch_root(output_root, [*sources, options.adapter])
     sink = sink_for(options)
     planned = [(stem, sink.batch_output(output_root, stem, options)) for stem in batch_stems(sources)]

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, ClassVar
 
+from ..errors import ArgumentError
+from ..options import DISCOVERIES, declare
 from ..registry import Registry
 
 if TYPE_CHECKING:
@@ -30,11 +32,52 @@ def all_sinks() -> list[type["Sink"]]:
     return sorted(SINKS.discovered().values(), key=lambda sink: sink.default)
 
 
+def declared_options() -> None:
+    """Import each sink's option declarations, not the sinks: a sink declares its own options (``options.declare``)
+    in a light module of its own, ``options.py`` in its wing (``sinks/gguf/options.py``), which ``--help`` and the
+    options' parsing import without the sink's heavier ones."""
+    import importlib
+    import importlib.util
+    import pkgutil
+
+    for found in pkgutil.iter_modules(importlib.import_module(__package__).__path__):
+        name = f"{__package__}.{found.name}.options"
+        if found.ispkg and importlib.util.find_spec(name) is not None:
+            importlib.import_module(name)
+
+
+DISCOVERIES.append(declared_options)
+
+
+def _lowered(name):
+    return name.lower() if isinstance(name, str) else name
+
+
+declare(
+    "to",
+    "The output's format where OUT's name does not say it: safetensors (a folder of shards) or gguf (one file) "
+    "(default: gguf for an OUT ending in .gguf or a --gguf-type, else safetensors).",
+    parse=_lowered,
+    metavar="FORMAT",
+    after="dtype",
+)  # checked here, where the sinks are known (``sink_for``): its values are the registry's names
+
+
 def sink_for(options: "ConvertOptions") -> type["Sink"]:
-    """The sink the options ask for, each sink's own options checked (a GGUF type without a GGUF output is refused)."""
+    """The sink the options ask for (``to``, or the one that claims them), each sink's own options checked (a GGUF
+    type without a GGUF output is refused)."""
+    asked = options.to
+    if asked is not None and asked not in SINKS.discovered():
+        raise ArgumentError(f"to {asked!r} is not one of {', '.join(sorted(SINKS))}", option="to")
     chosen = None
     for sink in all_sinks():
-        claimed = sink.claims(options)
+        claimed = sink.claims(options) if asked is None else sink.name == asked
+        if asked is not None and not claimed and not sink.default and sink.claims(options):
+            raise ArgumentError(
+                f"to={asked!r} asks for a {asked} output, but the output's name (or its own options) asks for "
+                f"{sink.name}: give one or the other",
+                option="to",
+            )
         sink.check_options(options, claimed=claimed)
         if claimed and chosen is None:
             chosen = sink

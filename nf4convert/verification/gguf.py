@@ -56,7 +56,17 @@ class GgufCheck(Output):
 
     @staticmethod
     def claims(output: str) -> bool:
-        return output.lower().endswith(".gguf")
+        """An OUT named ``.gguf``, or a regular file that begins as a GGUF does (``--to gguf`` names it freely)."""
+        if output.lower().endswith(".gguf"):
+            return True
+        path = os.path.expanduser(output)
+        try:
+            if not os.path.isfile(path):
+                return False
+            with open(path, "rb") as file:
+                return file.read(4) == b"GGUF"
+        except OSError:
+            return False
 
     def __init__(self, output: Path):
         if not output.is_file():

@@ -50,7 +50,9 @@ class ShardChecks:
         self._stack = contextlib.ExitStack()
 
     def __enter__(self) -> "ShardChecks":
-        self.weights = self._stack.enter_context(HubWeights(download=self.options.hub.download))
+        self.weights = self._stack.enter_context(
+            HubWeights(download=self.options.hub.download, settings=self.options.settings)
+        )
         self._stack.enter_context(quiet_loggers())
         self.reader = self._stack.enter_context(TensorReader(self.weights.ranges, remote=self.weights.files))
         return self
@@ -66,7 +68,7 @@ class ShardChecks:
             installed("peft")
         start_importing(*reference_libraries(resolved.adapter_folder is not None))
         dtype = tensors_dtype(path, produced)
-        plan = make_plan(resolved.folder, dtype=dtype, reader=self.reader, adapter=resolved.adapter_folder)
+        plan = make_plan(resolved.folder, dtype=dtype, reader=self.reader, adapter=resolved.loaded_adapter)
         require(libraries(plan.tensors), resolved.adapter_folder is not None)
         preload.settled()
         self.planned = {tensor.name: tensor for tensor in plan.tensors}

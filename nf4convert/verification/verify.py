@@ -21,18 +21,17 @@ from ..formats.base import quantization_key
 from ..hub.sources import named_sources, resolve_source
 from ..hub.weights import HubWeights
 from ..model.skeleton import meta_model, unloaded_parameters
-from ..options import VerifyOptions
+from ..options import VerifyOptions, declared_fields, keyword_signature
 from ..paths import expanded
 from ..plan import make_plan
 from ..safetensors_io.read import TensorReader, read_tensors
-from ..settings import Settings
 from .libraries import installed, quiet_loggers, reference_libraries, require, start_importing
 from .outputs import output_for
 from .reference.base import Context, libraries
 from .report import VerifyReport
 
 
-def _plan_source(folder: Path, output: Path, dtype, reader: TensorReader, adapter: Path | None):
+def _plan_source(folder: Path, output: Path, dtype, reader: TensorReader, adapter):
     try:
         return make_plan(folder, dtype=dtype, reader=reader, adapter=adapter)
     except CheckpointError:
@@ -48,24 +47,17 @@ def _plan_source(folder: Path, output: Path, dtype, reader: TensorReader, adapte
         raise
 
 
-def verify(
-    output: str | Path,
-    source: str,
-    *,
-    device: str = "auto",
-    adapter: str | None = None,
-    revision: str | None = None,
-    token: str | None = None,
-    cache_dir: str | None = None,
-    download: bool = False,
-    progress: bool = False,
-    dtype: str = "auto",
-) -> VerifyReport:
+def verify(output: str | Path, source: str, **options) -> VerifyReport:
     """Compare the converted checkpoint in ``output`` with ``source`` (and the LoRA ``adapter`` merged into it, by
     peft's own merge); mismatches go in the report, not exceptions. An ``output`` ending in ``.gguf`` is checked against
     llama.cpp's converter run on the reference (``gguf.py``; ``dtype``: the conversion's ``--dtype``, which only a GGUF
     needs: a folder's tensors say theirs). A Hub ``source``'s weights are read as ``convert`` reads them: streamed
-    (``download``: downloaded into the Hub cache first), every byte checked against the Hub's hash of its file.
+    (``download``: downloaded into the Hub cache first), every byte checked against the Hub's hash of its file, with
+    the ``NF4CONVERT_STREAM_*`` settings a conversion takes.
+
+    ``options``: the keywords of ``options.VerifyOptions``, each as its command-line flag takes it (``nf4convert
+    verify --help``): ``device="auto"``, ``adapter``, ``dtype="auto"``, ``progress=False``, ``revision``, ``token``,
+    ``cache_dir``, ``download``.
 
     Raises:
         ArgumentError: a bad ``device``, an empty ``output``, ``source`` or ``adapter``, ``output`` and ``source``
@@ -79,16 +71,7 @@ def verify(
         >>> report = verify("llama-1b-bf16", "unsloth/Llama-3.2-1B-Instruct-bnb-4bit")
         >>> report.ok
     """
-    options = VerifyOptions.parse(
-        device=device,
-        adapter=adapter,
-        revision=revision,
-        token=token,
-        cache_dir=cache_dir,
-        download=download,
-        progress=progress,
-        dtype=dtype,
-    )
+    options = VerifyOptions.parse(**options)
     return verified(output, source, options)
 
 
@@ -99,11 +82,7 @@ def verified(output: str | Path, source: str, options: VerifyOptions, *, resolve
 
     The reference libraries begin importing on the preload thread (``libraries.start_importing``) once SOURCE is
     resolved, while it is planned and the output's headers read."""
-    try:
-        profiled = Settings.from_env().profile
-    except ArgumentError:  # the conversion's settings, not verify's: a bad one is said there
-        profiled = False
-    profile.start("verify called", enabled=profiled)
+    profile.start("verify called", enabled=options.settings.profile)
     source, adapter = named_sources(source, options.adapter)
     named = os.fspath(output)
     if not named.strip():
@@ -113,7 +92,8 @@ def verified(output: str | Path, source: str, options: VerifyOptions, *, resolve
     chosen = pick_device(options.device, kernel=False)  # bitsandbytes recomputes: no Triton needed
     report = VerifyReport(output, device=str(chosen), gguf=checked.gguf)
     hub, progress = options.hub, options.progress
-    weights = HubWeights(download=hub.download)  # a Hub SOURCE read as a conversion reads it: streamed, checked
+    # a Hub SOURCE read as a conversion reads it: streamed, with the same settings, checked
+    weights = HubWeights(download=hub.download, settings=options.settings)
     with quiet_loggers(), weights, TensorReader(weights.ranges, remote=weights.files) as source_reader:
         if resolved is None:
             resolved = resolve_source(source, adapter, hub, progress=progress, headers=weights)
@@ -128,7 +108,7 @@ def verified(output: str | Path, source: str, options: VerifyOptions, *, resolve
             )
         planned_in = checked.plan_dtype(options.dtype)
         if plan is None or plan.folder != resolved.folder or planned_in not in (None, plan.dtype):
-            plan = _plan_source(resolved.folder, output, planned_in, source_reader, resolved.adapter_folder)
+            plan = _plan_source(resolved.folder, output, planned_in, source_reader, resolved.loaded_adapter)
         profile.mark("verify planned")
         require(libraries(plan.tensors), resolved.adapter_folder is not None)  # those the plan's references name
         preload.settled()  # from here this thread imports transformers' and the converter's parts itself
@@ -151,6 +131,9 @@ def verified(output: str | Path, source: str, options: VerifyOptions, *, resolve
     profile.mark("compared")
     profile.report()
     return report
+
+
+verify.__signature__ = keyword_signature(verify, declared_fields(VerifyOptions))
 
 
 def _unloaded(plan, report: VerifyReport) -> list[str]:

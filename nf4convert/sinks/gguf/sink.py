@@ -91,7 +91,14 @@ class GgufFile(Sink):
 
     @classmethod
     def batch_output(cls, output_root, stem: str, options) -> str:
-        return str(default_output(output_root, stem, f"{options.gguf_type}{GGUF_SUFFIX}"))
+        """``<stem>-<type>.gguf``; with no ``gguf_type`` (``to``), the dtype's float type, or ``<dtype>`` standing for
+        the one the plan decides."""
+        if options.gguf_type is not None or options.dtype is not None:
+            own = options.gguf_type or FLOAT_TYPES[options.dtype.short]
+            return str(default_output(output_root, stem, f"{own}{GGUF_SUFFIX}"))
+        longest = max(FLOAT_TYPES.values(), key=len)
+        placed = default_output(output_root, stem, f"{longest}{GGUF_SUFFIX}")
+        return str(placed.with_name(f"{stem}-<dtype>{GGUF_SUFFIX}"))
 
     def __init__(self, options, plan, name: str):
         super().__init__(options, plan, name)

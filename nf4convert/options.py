@@ -37,8 +37,7 @@ class Option:
     help: str
     default: object = None  # as the user would give it (the API keyword's default; ``--help`` shows it where asked)
     parse: Callable[[object], object] | None = None  # a given value (not None) -> the field's; ArgumentError if bad
-    # the values the command line takes, in any case (or what gives them, where a registry knows them)
-    choices: tuple[str, ...] | Callable[[], tuple[str, ...]] | None = None
+    choices: tuple[str, ...] | None = None  # the values the command line takes, in any case
     switch: bool = False  # a flag that takes no value
     flags: tuple[str, ...] | None = None  # the command line's spellings (None: --<name, '_' as '-'>; (): the API's)
     metavar: str | None = None
@@ -68,9 +67,6 @@ class Option:
         if self.hint is not None or self.flag is None:
             return self.hint
         return f"see {self.flag}"
-
-    def choices_now(self) -> tuple[str, ...] | None:
-        return self.choices() if callable(self.choices) else self.choices
 
     def help_of(self, command: str) -> str:
         """What ``command --help`` says of this option."""

@@ -284,9 +284,10 @@ def test_eager_launches_do_not_import_the_compiler():
     assert result.returncode == 0 and result.stdout.strip() == "[]", result.stdout + result.stderr
 
 
-# README's settings for a compiled model of many layers: torch's filter that drops Dynamo's guards on module state
-# (the quant states included), with CUDA graphs, or without them Inductor's size asserts off (they repeat what Dynamo's
-# guards check) and our kernel launched by torch's own launcher. Guards and asserts run before a forward's first kernel.
+# docs/performance.md's settings for a compiled model of many layers: torch's filter that drops Dynamo's guards on
+# module state (the quant states included), with CUDA graphs, or without them Inductor's size asserts off (they repeat
+# what Dynamo's guards check) and our kernel launched by torch's own launcher. Guards and asserts run before a forward's
+# first kernel.
 FOR_MODELS = {
     "cuda-graphs": {"triton.cudagraphs": True},
     "plain": {"size_asserts": False, "static_launch_user_defined_triton_kernels": True},

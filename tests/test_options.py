@@ -167,3 +167,23 @@ def test_a_gguf_named_freely_with_to_converts_and_verifies(tmp_path):
     assert "GGUF bf16" in made and out.read_bytes()[:4] == b"GGUF"
     shown = cli("verify", out, EXAMPLE, "--device", "cpu", "-q")
     assert "OK: bit-exact with llama.cpp's converter" in shown
+
+
+def test_help_imports_the_sinks_declarations_not_the_sinks():
+    import subprocess
+    import sys
+
+    code = """
+import sys
+from nf4convert.cli.commands import main
+for args in (["convert", "--help"], ["batch", "--help"], ["x", "--gguf-type", "q9"]):
+    try:
+        main(args)
+    except SystemExit:
+        pass
+heavy = ("numpy", "nf4convert.plan", "nf4convert.sinks.gguf.sink")
+print("loaded", sorted(name for name in heavy if name in sys.modules))
+"""
+    shown = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "--gguf-type [f32|" in shown and "--imatrix FILE" in shown and "--to FORMAT" in shown
+    assert "loaded []" in shown, shown

@@ -36,7 +36,7 @@ def click_option(spec: Option, command: str) -> click.Option:
     if spec.switch:
         settings["is_flag"] = True
     elif spec.choices is not None:
-        settings["type"] = click.Choice(spec.choices_now(), case_sensitive=False)
+        settings["type"] = click.Choice(spec.choices, case_sensitive=False)
     elif spec.folder:
         settings["type"] = click.Path(file_okay=False)
     elif spec.file:

@@ -25,12 +25,28 @@ if TYPE_CHECKING:
 
 SINKS = Registry(__package__, "output format", "name")
 register = SINKS.register  # class decorator: the sink joins the registry under its ``name``
-DISCOVERIES.append(SINKS.discovered)  # a sink declares its own options in its module (``options.declare``)
 
 
 def all_sinks() -> list[type["Sink"]]:
     """Every registered sink, the ones that claim outputs by their options first and the default (the folder) last."""
     return sorted(SINKS.discovered().values(), key=lambda sink: sink.default)
+
+
+def declared_options() -> None:
+    """Import each sink's option declarations, not the sinks: a sink declares its own options (``options.declare``)
+    in a light module of its own, ``options.py`` in its wing (``sinks/gguf/options.py``), which ``--help`` and the
+    options' parsing import without the sink's heavier ones."""
+    import importlib
+    import importlib.util
+    import pkgutil
+
+    for found in pkgutil.iter_modules(importlib.import_module(__package__).__path__):
+        name = f"{__package__}.{found.name}.options"
+        if found.ispkg and importlib.util.find_spec(name) is not None:
+            importlib.import_module(name)
+
+
+DISCOVERIES.append(declared_options)
 
 
 def _lowered(name):
@@ -42,10 +58,9 @@ declare(
     "The output's format where OUT's name does not say it: safetensors (a folder of shards) or gguf (one file) "
     "(default: gguf for an OUT ending in .gguf or a --gguf-type, else safetensors).",
     parse=_lowered,
-    choices=lambda: tuple(sorted(SINKS.discovered())),
     metavar="FORMAT",
     after="dtype",
-)  # checked here, where the sinks are known (``sink_for``)
+)  # checked here, where the sinks are known (``sink_for``): its values are the registry's names
 
 
 def sink_for(options: "ConvertOptions") -> type["Sink"]:

@@ -17,11 +17,9 @@ dtype's own float type, made in the same pass (``requant.py``), with ``--imatrix
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 
 from ...errors import ArgumentError
-from ...options import declare
 from ...sizes import DEFAULT_SHARD_BYTES
 from .. import output as lifecycle
 from ..base import Sink, Written, register
@@ -45,29 +43,6 @@ from .requant import Requantization, file_size
 __all__ = ["GgufFile", "GgufWritten", "write_gguf"]
 
 GGUF_SUFFIX = ".gguf"
-
-
-def _lowered(gguf_type):
-    return gguf_type.lower() if isinstance(gguf_type, str) else gguf_type
-
-
-# The GGUF sink's own options: checked here (``check_options``), made in ``requant.py`` and ``filewrite.py``.
-declare(
-    "gguf_type",
-    "Write one GGUF file of this type, as llama.cpp's converter writes it from the dense output (default with a .gguf "
-    "OUT: the --dtype's own float type); q4_k_m and llama-quantize's other types: the file llama-quantize makes of "
-    "that one, byte for byte.",
-    parse=_lowered,
-    choices=ALL_TYPES,
-    after="dtype",
-)
-declare(
-    "imatrix",
-    "Importance matrix for a llama-quantize type (GGUF or legacy .dat), as llama-quantize takes it.",
-    parse=os.fspath,
-    file=True,
-    after="dtype",
-)  # as the user named it
 
 
 @register

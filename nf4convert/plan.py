@@ -156,7 +156,7 @@ def make_plan(
     """
     read: dict = {}  # config.json, once read
     try:
-        return _plan(folder, dtype, max_shard_size, reader, adapter, keep_non_finite, read)
+        return _plan(folder, dtype, max_shard_size, reader, adapter, keep_non_finite, read, fitted)
     except CheckpointError as error:
         worded = _worded(error, folder, read)
         if worded is error:
@@ -177,7 +177,7 @@ def _worded(error: CheckpointError, folder: Path, read: dict) -> CheckpointError
     return CheckpointError(f"{folder}: {reason}") if reason is not None else error
 
 
-def _plan(folder, dtype, max_shard_size, reader, adapter, keep_non_finite, read: dict) -> Plan:
+def _plan(folder, dtype, max_shard_size, reader, adapter, keep_non_finite, read: dict, fitted: bool) -> Plan:
     chosen = dtype
     kinds = all_kinds().values()
     own_reader = reader is None

@@ -9,11 +9,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import preload, profile
+from .adapters.config import is_adapter_folder
 from .devices import pick_device
-from .errors import CheckpointError, Nf4ConvertError
+from .errors import Nf4ConvertError
 from .hub.names import model_name, model_stem
 from .hub.ranges import HeadersOnly
-from .hub.sources import Resolved, as_text, named_sources, resolve_source, reworded
+from .hub.sources import Resolved, as_text, named_sources, resolve_source
 from .hub.weights import HubWeights
 from .model.config import check_present as check_config_present
 from .options import ConvertOptions, conversion_options, keyword_signature
@@ -152,7 +153,7 @@ def _prepare(source, options: ConvertOptions, *, reader, headers=None, on_output
     output = options.output
     if output is not None and placed:  # before any download
         local, adapter_local = (expanded(name, "source") if name is not None else None for name in (source, adapter))
-        if adapter_local is None and (local / "adapter_config.json").is_file():  # an adapter as SOURCE: named so
+        if adapter_local is None and is_adapter_folder(local):  # an adapter as SOURCE: named so
             local, adapter_local = None, local
         lifecycle.check_destination(
             output,
@@ -163,21 +164,15 @@ def _prepare(source, options: ConvertOptions, *, reader, headers=None, on_output
         )
     hub = options.hub
     resolved = resolve_source(source, adapter, hub, progress=options.progress, headers=headers)
-    folder, adapter_folder, base, adapter = resolved
-    try:
-        plan = make_plan(
-            folder,
-            dtype=options.dtype,
-            max_shard_size=options.max_shard_size,
-            reader=reader,
-            adapter=adapter_folder,
-            keep_non_finite=options.allow_non_finite,
-        )
-    except CheckpointError as error:
-        better = reworded(error, folder)
-        if better is error:
-            raise
-        raise better from None
+    folder, adapter_folder, base, adapter, loaded_adapter = resolved
+    plan = make_plan(
+        folder,
+        dtype=options.dtype,
+        max_shard_size=options.max_shard_size,
+        reader=reader,
+        adapter=loaded_adapter,
+        keep_non_finite=options.allow_non_finite,
+    )
     check_config_present(plan.config, base, allow_missing=options.allow_no_config)
     made = sink.for_plan(options, plan, model_stem(source))
     named = output is None

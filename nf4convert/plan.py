@@ -10,6 +10,7 @@ and it knows the exact output size before anything is written.
 from __future__ import annotations
 
 import math
+import os
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,13 +19,14 @@ from typing import TYPE_CHECKING
 from .dtypes import DTYPES, OUTPUT_DTYPES, DType
 from .errors import CheckpointError
 from .files import carried_files, inside
-from .formats.base import all_formats, families
+from .formats.base import all_formats, config_problem, families
 from .kinds.base import Added, PlannedTensor, Planning, Recipe, SideFiles, all_kinds
 from .model.config import dense_config, quantization_config, read_config
 from .safetensors_io.read import TensorInfo, TensorReader, read_tensors
 from .sizes import DEFAULT_SHARD_BYTES
 
 if TYPE_CHECKING:
+    from .adapters.lora import Adapter
     from .kinds.merge_lora import Merged
 
 # Every kind's and every format's module, imported with the planner on the thread that imports it: the CPU route's
@@ -131,10 +133,11 @@ def make_plan(
     dtype: DType | None = None,
     max_shard_size: int = DEFAULT_SHARD_BYTES,
     reader: TensorReader | None = None,
-    adapter: Path | None = None,
+    adapter: Path | Adapter | None = None,
     keep_non_finite: bool = False,
 ) -> Plan:
-    """Plan the conversion of the checkpoint in ``folder`` (with the peft LoRA adapter in ``adapter`` merged in): every
+    """Plan the conversion of the checkpoint in ``folder`` (with the peft LoRA adapter ``adapter``, its folder or as
+    read, ``hub.sources.Resolved.loaded_adapter``, merged in): every
     registered kind plans from the headers in its order (``kinds/base.py``), then once the dtype is chosen.
     ``keep_non_finite``: NaN or ±inf values a merge makes are kept (listed on its recipes' ``non_finite``), not
     refused when the tensor is made.
@@ -143,16 +146,42 @@ def make_plan(
         CheckpointError: a file is missing, truncated or corrupt, the checkpoint has no weights of a registered
             format, or the adapter is not a LoRA adapter that fits the checkpoint.
     ``dtype``: of every floating output tensor (None: auto, the dtype the weights were quantized from); shards of at
-    most ``max_shard_size`` bytes (options.py parses both).
+    most ``max_shard_size`` bytes (options.py parses both). A refusal of a checkpoint whose config.json says why it
+    has nothing to convert (a format's ``config_problem``) says that reason instead.
     """
+    read: dict = {}  # config.json, once read
+    try:
+        return _plan(folder, dtype, max_shard_size, reader, adapter, keep_non_finite, read)
+    except CheckpointError as error:
+        worded = _worded(error, folder, read)
+        if worded is error:
+            raise
+        raise worded from None
+
+
+def _worded(error: CheckpointError, folder: Path, read: dict) -> CheckpointError:
+    """A plan's refusal with the reason its config.json gives where a format finds one (a model saved with
+    ``llm_int8_has_fp16_weight`` has no 8-bit weights: that, not their absence, is what the user needs to know)."""
+    if "config" not in read:  # the refusal came first
+        try:
+            read["config"] = read_config(folder)
+        except CheckpointError:
+            return error
+    config = read["config"]
+    reason = config_problem(config) if config is not None else None
+    return CheckpointError(f"{folder}: {reason}") if reason is not None else error
+
+
+def _plan(folder, dtype, max_shard_size, reader, adapter, keep_non_finite, read: dict) -> Plan:
     chosen = dtype
     kinds = all_kinds().values()
     own_reader = reader is None
     reader = reader or TensorReader()
     try:
         tensors = read_tensors(folder)
-        config = read_config(folder)
-        planning = Planning(folder, tensors, reader, config, quantization_config(config), adapter and Path(adapter))
+        read["config"] = config = read_config(folder)
+        to_merge = Path(adapter) if isinstance(adapter, (str, os.PathLike)) else adapter
+        planning = Planning(folder, tensors, reader, config, quantization_config(config), to_merge)
         for kind in kinds:
             kind.plan_source(planning)
         _refuse_unclaimed(planning)

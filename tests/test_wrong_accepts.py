@@ -5,6 +5,7 @@ in one way in a test's own folder."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import shutil
@@ -302,35 +303,47 @@ def test_a_batch_refuses_each_in_its_row(planted_all, tmp_path):
         assert not (tmp_path / "root").exists() or not list((tmp_path / "root").iterdir())
 
 
-def test_from_the_hub_each_is_refused_streamed_and_in_a_dry_run(planted_all, tmp_path):
+@contextlib.contextmanager
+def _hub(folders: dict[str, Path]):
+    """The fake Hub serving each folder as ``test-org/<name>``: the endpoint's environment."""
     import threading
     from http.server import ThreadingHTTPServer
 
     from test_hub import FakeHub
-    from test_hub import cli as hub_cli
 
     class PlantedHub(FakeHub):
         repos = {
-            f"test-org/{case}": {path.name: path.read_bytes() for path in folder.iterdir() if path.is_file()}
-            for case, folder in planted_all.items()
+            f"test-org/{name}": {path.name: path.read_bytes() for path in folder.iterdir() if path.is_file()}
+            for name, folder in folders.items()
         }
         requested, ranges = [], []
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), PlantedHub)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        env = {"HF_ENDPOINT": f"http://127.0.0.1:{server.server_address[1]}", "HF_HUB_DISABLE_XET": "1"}
-        for dry_run in ([], ["--dry-run"]):
-            result = hub_cli("batch", *(f"test-org/{case}" for case in CASES), "-o", tmp_path / "root", "-q",
-                             "--device", "cpu", "--json", "--cache-dir", tmp_path / "cache", *dry_run, env=env,
-                             cwd=tmp_path)  # fmt: skip
-            assert result.returncode == 1, result.stderr
-            rows = _rows(result.stdout)
-            for case, (_, _, says) in CASES.items():
-                assert rows[case]["status"] == "failed" and says in rows[case]["error"], (case, rows[case])
-            assert not (tmp_path / "root").exists() or not list((tmp_path / "root").iterdir())
+        yield {"HF_ENDPOINT": f"http://127.0.0.1:{server.server_address[1]}", "HF_HUB_DISABLE_XET": "1"}
     finally:
         server.shutdown()
+
+
+def _hub_batch_refuses(folders: dict[str, Path], says: dict[str, str], tmp_path: Path, *options) -> None:
+    from test_hub import cli as hub_cli
+
+    with _hub(folders) as env:
+        result = hub_cli("batch", *(f"test-org/{name}" for name in folders), "-o", tmp_path / "root", "-q",
+                         "--device", "cpu", "--json", "--cache-dir", tmp_path / "cache", *options, env=env,
+                         cwd=tmp_path)  # fmt: skip
+    assert result.returncode == 1, result.stderr
+    rows = _rows(result.stdout)
+    for name, text in says.items():
+        assert rows[name]["status"] == "failed" and text in rows[name]["error"], (name, rows[name])
+    assert not (tmp_path / "root").exists() or not list((tmp_path / "root").iterdir())
+
+
+def test_from_the_hub_each_is_refused_streamed_and_in_a_dry_run(planted_all, tmp_path):
+    says = {case: text for case, (_, _, text) in CASES.items()}
+    for dry_run in ([], ["--dry-run"]):
+        _hub_batch_refuses(planted_all, says, tmp_path, *dry_run)
 
 
 @pytest.mark.parametrize("plant", ["nan-weight", "raw-codes"])
@@ -413,3 +426,22 @@ def test_mxfp4_values_beyond_fp16_alone_are_the_fp16_warning_and_bf16_keeps_them
     cli(source, "-o", tmp_path / "bf16", "-q", "--device", "cpu", "--dtype", "bf16")
     made = load_file(tmp_path / "bf16" / "model.safetensors")
     assert bool(torch.isfinite(made[MX].float()).all()) and float(made[MX].float().abs().max()) == 6 * 2**16
+
+
+def test_what_is_refused_as_it_is_made_is_refused_in_a_batch_and_from_the_hub(built, tmp_path):
+    """An FP8 NaN code and an MXFP4 value beyond every dtype: failed rows naming the tensor, locally and streamed
+    from the Hub, nothing written."""
+    folders = {
+        "fp8-nan": copy_of(built, "fp8", tmp_path / "fp8-nan"),
+        "mx-inf": copy_of(built, "mxfp4", tmp_path / "mx-inf"),
+    }
+    edit_tensors(folders["fp8-nan"], _nan_code(0x7F))
+    edit_tensors(folders["mx-inf"], _mx_group(254))
+    says = {"fp8-nan": f"tensor '{Q}weight' holds 1 F8_E4M3 NaN", "mx-inf": f"tensor '{MX}' holds 32 values beyond"}
+    result = invoke("batch", *folders.values(), "-o", tmp_path / "root", "-q", "--device", "cpu", "--json", code=1)
+    rows = _rows(result.stdout)
+    for name, text in says.items():
+        assert rows[name]["status"] == "failed" and text in rows[name]["error"], (name, rows[name])
+    assert not (tmp_path / "root").exists() or not list((tmp_path / "root").iterdir())
+    (tmp_path / "hub").mkdir()
+    _hub_batch_refuses(folders, says, tmp_path / "hub")

@@ -10,10 +10,17 @@ import re
 from pathlib import Path
 
 from ..errors import CheckpointError
-from ..files import inside, read_regular
+from ..files import ADAPTER_WEIGHTS, inside, read_regular
 from ..strict_json import strict_json
 
 CONFIG_NAME = "adapter_config.json"
+
+
+def is_adapter_folder(folder: Path) -> bool:
+    """Whether a folder is a peft adapter alone (its config, and no model weights), which as SOURCE stands for the base
+    its config names: a checkpoint that carries an adapter's config beside its weights is a checkpoint."""
+    weights = [path for path in folder.glob("*.safetensors") if path.name != ADAPTER_WEIGHTS]
+    return (folder / CONFIG_NAME).is_file() and not weights
 
 
 # peft.LoraConfig's defaults for the fields the merge reads (importing peft takes seconds; tests check these).

@@ -10,13 +10,17 @@ import dataclasses
 import os
 from functools import partial
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
+from ..adapters.config import CONFIG_NAME, is_adapter_folder
 from ..errors import ArgumentError, CheckpointError
-from ..formats.base import config_problem, config_reason
+from ..formats.base import config_reason
 from ..model.config import read_config
 from ..options import HubOptions
 from ..paths import expanded
+
+if TYPE_CHECKING:
+    from ..adapters.lora import Adapter
 
 
 class Resolved(NamedTuple):
@@ -26,6 +30,7 @@ class Resolved(NamedTuple):
     adapter_folder: Path | None  # the adapter's files, or None
     base: str  # the checkpoint as the user named it (SOURCE, or the base an adapter SOURCE names)
     adapter: str | None  # the adapter as named (a local one as its resolved folder), or None
+    loaded_adapter: Adapter | None = None  # the adapter read (its config and header), which the plan merges
 
 
 def as_text(name):
@@ -50,7 +55,7 @@ def _refuse_early(folder: Path, *, source: str) -> None:
     """A Hub SOURCE's precheck, on its config files alone: refuse before downloading weights when its config.json
     says it holds nothing a registered format dequantizes. An adapter (its base is checked when fetched), a repo without
     config.json and a config.json that does not parse are left to the weights and the plan, as local folders are."""
-    if (folder / "adapter_config.json").is_file() or not (folder / "config.json").is_file():
+    if is_adapter_folder(folder) or not (folder / "config.json").is_file():
         return
 
     try:
@@ -60,21 +65,6 @@ def _refuse_early(folder: Path, *, source: str) -> None:
     reason = config_reason(config) if config is not None else None
     if reason is not None:
         raise CheckpointError(f"{source}: not a checkpoint nf4convert reads: {reason}; its weights were not downloaded")
-
-
-def reworded(error: CheckpointError, folder: Path) -> CheckpointError:
-    """A plan's refusal of a local checkpoint, with the reason its config.json gives where a format finds one (a model
-    saved with ``llm_int8_has_fp16_weight`` has no 8-bit weights: that, not their absence, is what the user needs to
-    know)."""
-
-    try:
-        config = read_config(folder)
-    except CheckpointError:
-        return error
-    reason = config_problem(config) if config is not None else None
-    if reason is None:
-        return error
-    return CheckpointError(f"{folder}: {reason}")
 
 
 def resolve_source(
@@ -91,7 +81,6 @@ def resolve_source(
     config.json names no format nf4convert reads is refused before its weights are fetched; ``progress=False`` hides
     download bars; ``headers`` (a ``hub.HeadersOnly``): the checkpoint's weights are not downloaded, its folder is their
     copy for a plan (a ``hub.weights.HubWeights``: streamed as a conversion reads them, or read from the Hub cache)."""
-    from ..adapters import config as peft_config
     from ..adapters import lora as peft_lora
     from ..errors import SourceNotFoundError
     from .download import resolve
@@ -101,18 +90,19 @@ def resolve_source(
     others = dataclasses.replace(hub, revision=None)  # the adapter's, and the base an adapter SOURCE names
     to_adapter = headers.for_adapter() if headers is not None else None
     adapter_folder = resolve(adapter, others, progress=progress, headers=to_adapter) if adapter is not None else None
-    weights = [p for p in folder.glob("*.safetensors") if p.name != peft_lora.WEIGHTS_NAME]
-    if adapter_folder is not None and (folder / peft_config.CONFIG_NAME).is_file() and not weights:
+    as_adapter = is_adapter_folder(folder)
+    if adapter_folder is not None and as_adapter:
         raise ArgumentError(
-            f"{source} is a peft adapter (it has {peft_config.CONFIG_NAME} and no model weights) and an "
+            f"{source} is a peft adapter (it has {CONFIG_NAME} and no model weights) and an "
             "adapter is given too: give the base checkpoint as SOURCE",
             option="adapter",
         )
-    if adapter_folder is None and (folder / peft_config.CONFIG_NAME).is_file() and not weights:
-        base = peft_lora.load_adapter(folder).base_model_name_or_path
+    if as_adapter:
+        loaded = peft_lora.load_adapter(folder)  # read once: the plan merges this
+        base = loaded.base_model_name_or_path
         if not base:
             raise SourceNotFoundError(
-                f"{folder / peft_config.CONFIG_NAME}: an adapter whose base_model_name_or_path is "
+                f"{folder / CONFIG_NAME}: an adapter whose base_model_name_or_path is "
                 "not set; name the base as SOURCE and this as the adapter",
                 option="adapter",
             )
@@ -122,7 +112,7 @@ def resolve_source(
             )
         except SourceNotFoundError as error:  # the user never typed this name: say where it came from
             raise SourceNotFoundError(
-                f"{error} (the base that {folder / peft_config.CONFIG_NAME} names in base_model_name_or_path; give "
+                f"{error} (the base that {folder / CONFIG_NAME} names in base_model_name_or_path; give "
                 "the base as SOURCE and this folder as --adapter)",
                 option=error.option,
             ) from None
@@ -132,7 +122,9 @@ def resolve_source(
             adapter_folder,
             base,
             str(adapter_folder.resolve()) if expanded(source, "source").exists() else source,
+            loaded,
         )
     if adapter is not None and expanded(adapter, "adapter").exists():
         adapter = str(expanded(adapter, "adapter").resolve())  # a folder, never mistaken for a Hub repo id
-    return Resolved(folder, adapter_folder, source, adapter)
+    loaded = peft_lora.load_adapter(adapter_folder) if adapter_folder is not None else None  # read once
+    return Resolved(folder, adapter_folder, source, adapter, loaded)

@@ -181,7 +181,7 @@ class Planning:
     reader: TensorReader  # for the few small tensors a plan reads (quant states, scales)
     config: dict | None  # config.json, if any
     quantization: dict | None  # its quantization_config
-    adapter: Path | None = None  # the folder of a peft adapter to merge in
+    adapter: Any = None  # a peft adapter to merge in: its folder, or as read (``adapters.lora.Adapter``)
     recipes: dict[str, Recipe] = field(default_factory=dict)
     consumed: set[str] = field(default_factory=set)  # the source tensors claimed recipes read
     dtype: DType | None = None  # the output's floating dtype: None until chosen (after every plan_source)

@@ -76,7 +76,7 @@ class MergeLora(Recipe):
     def wrap(
         cls,
         recipes: dict[str, Recipe],
-        adapter_folder: Path,
+        adapter_folder: Path | peft_lora.Adapter,
         dtype: DType,
         config: dict | None,
         keep_non_finite: bool = False,
@@ -87,7 +87,9 @@ class MergeLora(Recipe):
         Untied copy of the embeddings, merged with its change, right after them (under the head's name).
         ``keep_non_finite``: the NaN or ±inf values a merge makes are kept (listed on its ``non_finite``), not
         refused."""
-        adapter = peft_lora.load_adapter(adapter_folder)
+        adapter = (
+            adapter_folder if isinstance(adapter_folder, peft_lora.Adapter) else peft_lora.load_adapter(adapter_folder)
+        )
         shapes = {name: shape for name, _, shape in (recipe.output(dtype) for recipe in recipes.values())}
         config = config if isinstance(config, dict) else {}
         head_name = peft_lora.HEAD

@@ -68,7 +68,7 @@ class ShardChecks:
             installed("peft")
         start_importing(*reference_libraries(resolved.adapter_folder is not None))
         dtype = tensors_dtype(path, produced)
-        plan = make_plan(resolved.folder, dtype=dtype, reader=self.reader, adapter=resolved.adapter_folder)
+        plan = make_plan(resolved.folder, dtype=dtype, reader=self.reader, adapter=resolved.loaded_adapter)
         require(libraries(plan.tensors), resolved.adapter_folder is not None)
         preload.settled()
         self.planned = {tensor.name: tensor for tensor in plan.tensors}

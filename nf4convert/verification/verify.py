@@ -31,7 +31,7 @@ from .reference.base import Context, libraries
 from .report import VerifyReport
 
 
-def _plan_source(folder: Path, output: Path, dtype, reader: TensorReader, adapter: Path | None):
+def _plan_source(folder: Path, output: Path, dtype, reader: TensorReader, adapter):
     try:
         return make_plan(folder, dtype=dtype, reader=reader, adapter=adapter)
     except CheckpointError:
@@ -108,7 +108,7 @@ def verified(output: str | Path, source: str, options: VerifyOptions, *, resolve
             )
         planned_in = checked.plan_dtype(options.dtype)
         if plan is None or plan.folder != resolved.folder or planned_in not in (None, plan.dtype):
-            plan = _plan_source(resolved.folder, output, planned_in, source_reader, resolved.adapter_folder)
+            plan = _plan_source(resolved.folder, output, planned_in, source_reader, resolved.loaded_adapter)
         profile.mark("verify planned")
         require(libraries(plan.tensors), resolved.adapter_folder is not None)  # those the plan's references name
         preload.settled()  # from here this thread imports transformers' and the converter's parts itself

@@ -277,10 +277,13 @@ def test_a_total_size_that_is_not_an_integer_is_a_finding(converted, tmp_path):
     assert len(problems(out, source)) == 1 and "metadata.total_size is" in problems(out, source)[0]
 
 
-def test_a_quant_state_shape_the_model_does_not_load_is_a_finding(tmp_path):
-    # the quant state's recorded shape decides the output's; a flattened one converts and verifies bit-exact, but
-    # transformers cannot load it: verify asks transformers' model what shape it loads there
+def test_a_quant_state_shape_the_model_does_not_load_is_a_finding(tmp_path, monkeypatch):
+    # the quant state's recorded shape decides the output's; a flattened one would verify bit-exact, but transformers
+    # cannot load it: convert refuses it, and of an output written so all the same verify asks transformers' model
+    # what shape it loads there
     import struct
+
+    from nf4convert import plan
 
     source = build(tmp_path / "flat-bnb-4bit", "llama-nf4-dq", seed=5)
     name = "model.layers.1.self_attn.q_proj.weight.quant_state.bitsandbytes__nf4"
@@ -298,6 +301,10 @@ def test_a_quant_state_shape_the_model_does_not_load_is_a_finding(tmp_path):
     data[start : 8 + length + end] = flat
     path.write_bytes(bytes(data))
     out = tmp_path / "out"
+    refused = CliRunner().invoke(main, [str(source), "-o", str(out), "-q", "--device", "cpu"])
+    assert refused.exit_code == 1 and "the checkpoint does not fit the model of its config.json" in refused.output
+    assert f"q_proj.weight: [{rows * columns}] from the checkpoint" in refused.output and not out.exists()
+    monkeypatch.setattr(plan, "check_fits", lambda *args: None)
     run(source, "-o", out, "-q", "--device", "cpu")
     assert problems(out, source) == [
         f"model.layers.1.self_attn.q_proj.weight: [{rows * columns}] from the source, transformers' model "

@@ -86,8 +86,9 @@ def convert_command(
     """Convert SOURCE (a Hub repo id, a local folder, or a repo in the Hub cache).
 
     \b
-    Memory stays at a few tensors' worth, whatever the model size; the output is written to a
-    temporary folder beside OUT and renamed into place only when complete.
+    Memory stays at a few tensors' worth, whatever the model size (a LoRA merge on the CPU holds
+    one merged weight whole, with its fp32 delta); the output is written to a temporary folder
+    beside OUT and renamed into place only when complete.
     \b
     Examples:
       nf4convert convert unsloth/Qwen2.5-0.5B-Instruct-bnb-4bit --dtype bf16

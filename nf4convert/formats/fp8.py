@@ -13,9 +13,8 @@ DeepSeek V3/R1 write F32 scales, Qwen3-*-FP8 BF16 (some F16). ``weight_scale`` i
 give the same multiplier; both names are read (never both for one weight). Modules in ``modules_to_not_convert``
 (alias ``ignored_layers``) are dense and not ours. ``scale_fmt: "ue8m0"`` (DeepSeek-V3.1 and later) says every
 scale is a power of two: stored as F8_E8M0 bytes (or U8, as transformers views them) or as F32/BF16/F16 powers of
-two, each checked (``e8m0.py`` says which releases store which). DeepSeek-V4 names each scale ``X.scale`` (F8_E8M0),
-read here where ``X.weight`` is F8; its FP4 experts (an I8 ``X.weight`` beside its ``X.scale``) are
-``deepseek_fp4.py``'s.
+two, each checked (``e8m0.py`` says which releases store which). DeepSeek-V4's ``X.scale`` (F8_E8M0) is read here
+where ``X.weight`` is F8; its FP4 experts (an I8 ``X.weight`` beside ``X.scale``) are ``deepseek_fp4.py``'s.
 
 The arithmetic, as each reference does it:
 

@@ -368,7 +368,7 @@ def test_the_card_has_a_title_and_the_command_shows_a_local_source_as_given(give
     )
     fields, body = parse(card.text)
     assert body.lstrip().startswith("# my-model-bf16\n\n## How these weights were made")
-    assert f"```sh\nnf4convert {shown} --dtype bf16\n```" in body and "SOURCE" not in body
+    assert f"```sh\nnf4convert {shown} --dtype bf16 -o my-model-bf16\n```" in body and "SOURCE" not in body
     assert "/home/alice" not in card.text
 
 
@@ -388,3 +388,19 @@ def test_a_card_without_config_says_so():
     assert "quantization_config" not in card.text
     assert "There is no `config.json`: the source had none, so transformers cannot load these weights" in card.text
     assert "nf4convert src --dtype bf16 --allow-no-config\n" in card.text
+
+
+@pytest.mark.parametrize(
+    "title,expected",
+    [
+        ("Llama-3.2-1B-Instruct-bf16", "--dtype bf16 -o Llama-3.2-1B-Instruct-bf16\n"),
+        ("my model", "--dtype bf16 -o 'my model'\n"),
+        ("model.gguf", "--dtype bf16\n"),  # a GGUF's card describes its dense weights, which no -o names
+    ],
+)
+def test_the_command_that_made_the_weights_names_the_output(title, expected):
+    # the card's command dropped -o, so it made a folder of another name
+    card = model_card(
+        None, source_repo="org/m-bnb-4bit", dtype="bf16", version="0.1.0", quant_format="bnb-4bit nf4", title=title
+    )
+    assert f"```sh\nnf4convert org/m-bnb-4bit {expected}```" in card.text, card.text

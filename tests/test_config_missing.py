@@ -58,7 +58,7 @@ def test_its_tensors_alone_when_asked_with_a_card_and_a_verification_that_say_so
     card = (out / "README.md").read_text()
     assert "quantization_config" not in card  # it said config.json no longer had one
     assert "There is no `config.json`: the source had none" in card
-    assert "nf4convert src --dtype bf16 --allow-no-config\n" in card
+    assert "nf4convert src --dtype bf16 --allow-no-config -o out\n" in card
     lines = run("verify", "out", configless, "-q", "--device", "cpu").splitlines()
     assert lines[-2] == (
         "  note: config.json: the source has none and the output neither, so transformers cannot load the output as "
@@ -75,4 +75,4 @@ def test_a_converted_card_is_titled_by_the_output_and_shows_the_local_source_as_
     run("./tiny-bnb-4bit", "-o", "tiny-dense", "-q", "--device", "cpu")
     card = (tmp_path / "tiny-dense" / "README.md").read_text()
     assert card.startswith("---\nlibrary_name: transformers\n---\n\n# tiny-dense\n\n## How these weights were made")
-    assert "\nnf4convert ./tiny-bnb-4bit --dtype bf16\n" in card and "config.json` no longer has" in card
+    assert "\nnf4convert ./tiny-bnb-4bit --dtype bf16 -o tiny-dense\n" in card and "config.json` no longer has" in card

@@ -324,7 +324,7 @@ def test_revision_is_for_hub_repos_and_the_card_records_it(hub, tmp_path, route)
     assert result.returncode == 0, result.stderr
     card = (out / "README.md").read_text()
     assert f"a bitsandbytes 4-bit NF4 checkpoint (revision `v2`, commit `{COMMIT}`)" in card
-    assert f"nf4convert {REPO} --revision v2 --dtype bf16\n" in card
+    assert f"nf4convert {REPO} --revision v2 --dtype bf16 -o from-hub\n" in card
 
 
 @pytest.mark.parametrize(

@@ -45,7 +45,10 @@ def test_a_source_and_an_output_named_in_bytes_that_are_not_utf8_convert(source,
     assert done.returncode == 0 and not done.stderr, done.stderr.decode(errors="replace")
     output = tmp_path / os.fsdecode(b"bad\xff-bf16")
     text = card(output)
-    assert "# bad\\xff-bf16\n" in text and "\nnf4convert $'src/bad\\xff-bnb-4bit' --dtype bf16\n" in text
+    assert (
+        "# bad\\xff-bf16\n" in text
+        and "\nnf4convert $'src/bad\\xff-bnb-4bit' --dtype bf16 -o $'bad\\xff-bf16'\n" in text
+    )
     # the card's command, run by bash, names the same source
     named = subprocess.run(["bash", "-c", "ls -d $'src/bad\\xff-bnb-4bit'"], cwd=tmp_path, capture_output=True)
     assert named.returncode == 0 and named.stdout.strip() == os.fsencode(SOURCE)

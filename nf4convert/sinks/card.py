@@ -123,7 +123,7 @@ def model_card(
         >>> (output / "README.md").write_text(card.text, encoding="utf-8")
         >>> if card.warning: print(f"Warning: {card.warning}")
     """
-    title = as_utf8(title) if title is not None else None
+    output_name, title = title, as_utf8(title) if title is not None else None
     fields, body, warning = _split(source_card_text)
     original_base = fields.get("base_model")
     front_matter, yaml_warning = _front_matter(_dense_fields(fields, source_repo=source_repo))
@@ -143,6 +143,7 @@ def model_card(
         tokenizer=tokenizer,
         source_name=source_name,
         has_config=has_config,
+        output_name=output_name,
     )
     heading = [f"# {' '.join(title.split())}"] if title and title.strip() else []
     parts = [front_matter, *heading, section] + ([body] if body else [])
@@ -259,6 +260,7 @@ def _how_made(
     tokenizer=False,
     source_name=None,
     has_config=True,
+    output_name=None,
 ) -> str:
     dtype_flag = DTYPE_FLAGS.get(dtype, dtype)
     dtype_text = f"{dtype_flag} ({DTYPE_NAMES[dtype_flag]})" if dtype_flag in DTYPE_NAMES else dtype
@@ -329,6 +331,8 @@ def _how_made(
                 )
             )
         command += ["--adapter", adapter if adapter_repo else _local(adapter)]
+    if output_name and output_name.strip() and not output_name.lower().endswith(".gguf"):
+        command += ["-o", _shell_word(output_name)]  # a GGUF's card is its dense weights': no -o names them
     lines += ["", "Made with:", "", "```sh", " ".join(command), "```"]
     if source_body:
         lines += [

@@ -6,34 +6,18 @@ the one scale alone)."""
 
 from __future__ import annotations
 
-import functools
-
 from ...dtypes import DTYPES
+from . import modelopt
 from .base import Slice, as_bytes, whole
 
-VERSION = "0.47.0"
 
-
-@functools.cache
 def library():
     """ModelOpt's ``FP8QTensor`` where nvidia-modelopt imports, else None."""
-    import warnings
-
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # modelopt warns of any transformers it was not tested with
-            from modelopt.torch.quantization.qtensor.fp8_tensor import FP8QTensor
-    except Exception:  # noqa: BLE001  (not installed, or its own imports fail: the restatement stands in)
-        return None
-    return FP8QTensor
+    return modelopt.qtensor("fp8_tensor", "FP8QTensor")
 
 
 def against(tensor, device) -> str:
-    if library() is not None:
-        from importlib.metadata import version
-
-        return f"nvidia-modelopt {version('nvidia-modelopt')} (FP8QTensor.dequantize)"
-    return f"nvidia-modelopt {VERSION} (FP8QTensor.dequantize, restated)"
+    return modelopt.against("FP8QTensor", library())
 
 
 def slices(tensor, reader, device, context, piece_bytes: int):

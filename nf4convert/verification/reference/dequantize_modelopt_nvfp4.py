@@ -14,37 +14,22 @@ own codes and scales and the tensor's ``weight_scale_2`` alone.
 
 from __future__ import annotations
 
-import functools
-
 from ...dtypes import DTYPES
+from . import modelopt
 from .base import Slice, as_bytes, unpacking_rows, whole
 
-VERSION = "0.47.0"
 BLOCK = 16
 # nvfp4_tensor.py's e2m1_values (nibble 8 is +0.0 there)
 E2M1_VALUES = (0, 0.5, 1, 1.5, 2, 3, 4, 6, 0, -0.5, -1, -1.5, -2, -3, -4, -6)
 
 
-@functools.cache
 def library():
     """ModelOpt's ``NVFP4QTensor`` where nvidia-modelopt imports, else None."""
-    import warnings
-
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # modelopt warns of any transformers it was not tested with
-            from modelopt.torch.quantization.qtensor.nvfp4_tensor import NVFP4QTensor
-    except Exception:  # noqa: BLE001  (not installed, or its own imports fail: the restatement stands in)
-        return None
-    return NVFP4QTensor
+    return modelopt.qtensor("nvfp4_tensor", "NVFP4QTensor")
 
 
 def against(tensor, device) -> str:
-    if library() is not None:
-        from importlib.metadata import version
-
-        return f"nvidia-modelopt {version('nvidia-modelopt')} (NVFP4QTensor.dequantize)"
-    return f"nvidia-modelopt {VERSION} (NVFP4QTensor.dequantize, restated)"
+    return modelopt.against("NVFP4QTensor", library())
 
 
 def slices(tensor, reader, device, context, piece_bytes: int):
